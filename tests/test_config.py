@@ -1,0 +1,76 @@
+"""Config: defaults, overrides, and one clear error naming the key for every kind of bad input."""
+
+import pytest
+import yaml
+
+from vlcontrast.config import ConfigError, RunConfig, describe, load_config, save_config, to_dict
+
+
+def write(tmp_path, text):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_yaml_and_overrides(tmp_path):
+    path = write(tmp_path, "data:\n  batch_size: 32\ntrain:\n  steps: 10\nloss:\n  name: dcl\n")
+    config = load_config(path, ["optim.lr=0.01", "train.precision=bf16", "deepspeed.zero_stage=2"])
+    assert config.data.batch_size == 32
+    assert config.optim.lr == pytest.approx(0.01)
+    assert config.train.precision == "bf16"
+    assert config.deepspeed.zero_stage == 2
+    assert config.loss.name == "dcl"
+
+
+def test_loss_options_are_flat_and_round_trip(tmp_path):
+    config = load_config(None, ["train.steps=5", "loss.name=debiased", "loss.tau_plus=0.05"])
+    assert config.loss.options == {"tau_plus": 0.05}
+    save_config(config, tmp_path / "config.yaml")
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert saved["loss"] == {"name": "debiased", "chunk_size": 0, "tau_plus": 0.05}
+    again = load_config(tmp_path / "config.yaml")
+    assert to_dict(again) == to_dict(config)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("data.batchsize=3", "data.batchsize: unknown key"),
+    ("data.batch_size=0", "data.batch_size=0"),
+    ("data.batch_size=abc", "data.batch_size='abc': expected an integer"),
+    ("train.precision=fp8", "train.precision='fp8'"),
+    ("deepspeed.zero_stage=4", "deepspeed.zero_stage=4"),
+    ("loss.name=nope", "loss.name='nope'"),
+    ("loss.tau_plus=0.1", "loss.tau_plus"),          # infonce has no tau_plus
+    ("optim.lr=-1", "optim.lr=-1"),
+    ("optim.betas=[0.9]", "optim.betas"),
+    ("bogus=1", "bogus: unknown key"),
+])
+def test_errors_name_the_key(override, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.steps=5", override])
+    assert needle in str(err.value)
+
+
+def test_steps_or_epochs_required():
+    with pytest.raises(ConfigError, match="train.steps"):
+        load_config(None, [])
+
+
+def test_missing_and_broken_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "data: [unclosed\n"))
+
+
+def test_every_option_is_documented():
+    rows = describe()
+    keys = {key for key, _, _ in rows}
+    for key in ("output_dir", "seed", "data.train", "data.val", "data.num_samples", "data.batch_size",
+                "data.workers", "model.name", "loss.name", "optim.lr", "optim.weight_decay",
+                "optim.warmup_steps", "train.steps", "train.epochs", "train.precision",
+                "train.accum_steps", "train.resume", "deepspeed.zero_stage", "checkpoint.every",
+                "checkpoint.keep", "eval.every", "eval.zeroshot", "eval.retrieval"):
+        assert key in keys
+    undocumented = [key for key, _, doc in rows if not doc]
+    assert not undocumented, undocumented
+    assert isinstance(RunConfig().data.batch_size, int)

@@ -1,0 +1,192 @@
+"""The ``vlcontrast`` command: ``train``, ``prep``, ``eval``, ``export``, ``study``, ``config``.
+
+Subcommands parse arguments and call the library; no logic lives here. ``train --nproc N``
+re-launches itself under ``torchrun`` for N local processes; under torchrun, ``deepspeed`` or
+``srun`` the launcher's environment is used as is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+
+def _prepare_environment() -> None:
+    # DeepSpeed picks its accelerator at import: without a GPU it must be told to use the CPU.
+    if "DS_ACCELERATOR" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["DS_ACCELERATOR"] = "cpu"
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _cmd_train(args) -> int:
+    from vlcontrast.config import load_config
+
+    config = load_config(args.config, args.overrides)  # errors here, before any launch
+    inside_launcher = "RANK" in os.environ or "SLURM_PROCID" in os.environ
+    if args.nproc > 1 and not inside_launcher:
+        torchrun = shutil.which("torchrun") or "torchrun"
+        cmd = [torchrun, "--standalone", f"--nproc_per_node={args.nproc}", "-m", "vlcontrast.cli",
+               "train"] + (["--config", args.config] if args.config else []) + list(args.overrides)
+        os.execvpe(cmd[0], cmd, os.environ)
+    _prepare_environment()
+    from vlcontrast.train import StopRequested, train
+
+    try:
+        train(config)
+    except StopRequested as stop:
+        print(f"vlcontrast: {stop}", file=sys.stderr)
+        return 0
+    return 0
+
+
+def _cmd_config(args) -> int:
+    from vlcontrast.config import describe, load_config, to_dict
+
+    if args.config or args.overrides:
+        import yaml
+
+        print(yaml.safe_dump(to_dict(load_config(args.config, args.overrides)), sort_keys=False))
+        return 0
+    for key, default, doc in describe():
+        print(f"{key:28s} {default:14s} {doc}")
+    return 0
+
+
+def _cmd_prep(args) -> int:
+    if args.what == "synthetic":
+        from vlcontrast.data.synthetic import write_synthetic
+
+        stats = write_synthetic(args.out, train=args.train, val=args.val, seed=args.seed,
+                                image_size=args.image_size, shard_size=args.shard_size,
+                                workers=args.workers)
+        print(json.dumps(stats, indent=2))
+        return 0
+    if args.what == "cc3m":
+        from vlcontrast.data.prep_cc3m import prepare_cc3m
+
+        stats = prepare_cc3m(args.tsv, args.out, processes=args.processes, threads=args.threads,
+                             image_size=args.image_size, resize_mode=args.resize_mode)
+        print(json.dumps(stats, indent=2))
+        return 0
+    from vlcontrast.data.check import check_shards
+
+    report = check_shards(args.dir, report_path=args.report)
+    return 1 if report.get("unreadable_shards") else 0
+
+
+def _cmd_eval(args) -> int:
+    _prepare_environment()
+    from vlcontrast.evaluation import runner
+
+    if args.what == "retrieval":
+        runner.run_retrieval_cli(args.checkpoint, args.data, args.out, batch_size=args.batch_size,
+                                 workers=args.workers, max_samples=args.max_samples,
+                                 device=args.device)
+    else:
+        runner.run_zeroshot_cli(args.checkpoint, args.data, args.out, classnames=args.classnames,
+                                templates=args.templates, batch_size=args.batch_size,
+                                workers=args.workers, device=args.device)
+    return 0
+
+
+def _cmd_export(args) -> int:
+    from vlcontrast.export import export_open_clip
+
+    print(json.dumps(export_open_clip(args.checkpoint, args.out), indent=2))
+    return 0
+
+
+def _cmd_study(args) -> int:
+    _prepare_environment()
+    from vlcontrast.study import run_study
+
+    run_study(args.config, args.overrides)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vlcontrast", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a model (DeepSpeed)")
+    train.add_argument("--config", help="YAML run config")
+    train.add_argument("--nproc", type=int, default=1, help="local processes (re-launch via torchrun)")
+    train.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    train.set_defaults(func=_cmd_train)
+
+    config = sub.add_parser("config", help="list every option with its default, or show a resolved config")
+    config.add_argument("--config")
+    config.add_argument("overrides", nargs="*")
+    config.set_defaults(func=_cmd_config)
+
+    prep = sub.add_parser("prep", help="prepare datasets")
+    prep_sub = prep.add_subparsers(dest="what", required=True)
+    synthetic = prep_sub.add_parser("synthetic", help="render the embedded procedural dataset")
+    synthetic.add_argument("--out", required=True)
+    synthetic.add_argument("--train", type=int, default=20_000)
+    synthetic.add_argument("--val", type=int, default=1_000)
+    synthetic.add_argument("--seed", type=int, default=0)
+    synthetic.add_argument("--image-size", type=int, default=64)
+    synthetic.add_argument("--shard-size", type=int, default=1_000)
+    synthetic.add_argument("--workers", type=int, default=None)
+    cc3m = prep_sub.add_parser("cc3m", help="CC3M TSV -> webdataset shards via img2dataset")
+    cc3m.add_argument("--tsv", required=True)
+    cc3m.add_argument("--out", required=True)
+    cc3m.add_argument("--processes", type=int, default=os.cpu_count() or 1)
+    cc3m.add_argument("--threads", type=int, default=64)
+    cc3m.add_argument("--image-size", type=int, default=256)
+    cc3m.add_argument("--resize-mode", default="keep_ratio")
+    check = prep_sub.add_parser("check", help="read every shard and report problems")
+    check.add_argument("dir")
+    check.add_argument("--report", default=None, help="JSON report path (default DIR/check_report.json)")
+    prep.set_defaults(func=_cmd_prep)
+
+    ev = sub.add_parser("eval", help="evaluate a checkpoint")
+    ev_sub = ev.add_subparsers(dest="what", required=True)
+    for name in ("retrieval", "zeroshot"):
+        p = ev_sub.add_parser(name)
+        p.add_argument("--checkpoint", required=True, help="run directory (its latest) or checkpoint dir")
+        p.add_argument("--data", required=True)
+        p.add_argument("--out", default=None)
+        p.add_argument("--batch-size", type=int, default=256)
+        p.add_argument("--workers", type=int, default=2)
+        p.add_argument("--device", default="auto")
+        if name == "retrieval":
+            p.add_argument("--max-samples", type=int, default=0)
+        else:
+            p.add_argument("--classnames", default=None)
+            p.add_argument("--templates", default=None)
+    ev.set_defaults(func=_cmd_eval)
+
+    export = sub.add_parser("export", help="export a checkpoint for other tools")
+    export.add_argument("format", choices=["open_clip"])
+    export.add_argument("--checkpoint", required=True)
+    export.add_argument("--out", required=True)
+    export.set_defaults(func=_cmd_export)
+
+    study = sub.add_parser("study", help="grid of short runs: loss x batch size x seed")
+    study.add_argument("--config", required=True)
+    study.add_argument("overrides", nargs="*")
+    study.set_defaults(func=_cmd_study)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from vlcontrast.config import ConfigError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"vlcontrast: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,397 @@
+"""Typed run configuration: the single source of truth for every option.
+
+A run is described by :class:`RunConfig`, a tree of dataclasses with defaults. YAML files only set
+values; ``section.key=value`` overrides come from the command line. Unknown keys, wrong types and
+impossible values raise :class:`ConfigError` naming the key, before any heavy work starts. The
+resolved config is written next to every run (``config.yaml``).
+
+The ``loss`` section is open: besides ``name`` and ``chunk_size`` it takes the chosen loss's own
+options (``loss.tau_plus``, ``loss.gamma`` ...), validated against that loss's signature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, of the wrong type, or impossible."""
+
+
+@dataclass
+class DataConfig:
+    train: str = ""
+    """Training shards: brace patterns (``/data/cc3m/{00000..00331}.tar``), several sources joined
+    with ``::``; an optional weight per source as ``pattern@weight``. Local paths or ``pipe:`` URLs."""
+    val: str = ""
+    """Held-out shards for retrieval evaluation and validation loss (optional)."""
+    num_samples: int = 0
+    """Samples per epoch; 0 reads it from ``sizes.json``/``manifest.json`` beside the shards."""
+    batch_size: int = 64
+    """Micro-batch size per rank. Global batch = batch_size x world_size x train.accum_steps."""
+    workers: int = 2
+    """DataLoader worker processes per rank (decode, transform and tokenise run there)."""
+    mode: str = "epoch"
+    """``epoch``: each shard once per epoch, deterministic shuffle; ``resampled``: shards drawn with
+    replacement, nominal epochs of ``num_samples``."""
+    shuffle_buffer: int = 1000
+    """Sample shuffle buffer per worker (0 disables)."""
+    id_space: int = 0
+    """Number of distinct sample ids (DeCL buffer size); 0 reads ``manifest.json``."""
+    max_bad_fraction: float = 0.05
+    """Stop with an error when more than this fraction of samples is undecodable or caption-less."""
+
+    def check(self) -> None:
+        _require(self.batch_size >= 1, "data.batch_size", self.batch_size, "must be >= 1")
+        _require(self.workers >= 0, "data.workers", self.workers, "must be >= 0")
+        _require(self.mode in ("epoch", "resampled"), "data.mode", self.mode,
+                 "must be 'epoch' or 'resampled'")
+        _require(0.0 <= self.max_bad_fraction <= 1.0, "data.max_bad_fraction",
+                 self.max_bad_fraction, "must be in [0, 1]")
+        _require(self.num_samples >= 0, "data.num_samples", self.num_samples, "must be >= 0")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "vlc-tiny"
+    """An open_clip model name (RN50, ViT-B-32, ...) or a path to an open_clip model-config JSON;
+    bare names are also looked up in ``configs/models/<name>.json``."""
+    pretrained: str = ""
+    """open_clip ``pretrained`` tag or local weights file (empty: random init)."""
+    hf_model_dir: str = ""
+    """Local Hugging Face model directory for the text tower (sets ``text_cfg.hf_model_name``)."""
+    grad_checkpointing: bool = False
+    """Activation checkpointing inside both towers (open_clip's switch)."""
+    init_logit_scale: float = 0.0
+    """log(1/tau) at init; 0 means the loss's default (log(1/0.07), or log(10) for SigLIP)."""
+    init_logit_bias: float | None = None
+    """Initial logit bias; None means -10 for SigLIP and no bias otherwise."""
+
+
+@dataclass
+class LossConfig:
+    name: str = "infonce"
+    """One of ``vlcontrast.losses.LOSSES``."""
+    chunk_size: int = 0
+    """>0: compute the loss in row blocks without materialising the B_local x B_global logits."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """The loss's own options (flattened into the ``loss`` section in YAML)."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 5e-4
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = 0.2
+    """Applied to weight matrices only: gains, biases, embeddings' scale and logit_scale are exempt."""
+    warmup_steps: int = 100
+    """Linear warmup steps before the cosine decay."""
+    betas: tuple[float, float] = (0.9, 0.98)
+    """AdamW betas (open_clip's defaults)."""
+    eps: float = 1e-6
+    """AdamW epsilon."""
+    grad_clip: float = 0.0
+    """Global gradient-norm clip (0: off)."""
+    min_lr: float = 0.0
+    """Floor of the cosine schedule."""
+
+    def check(self) -> None:
+        _require(self.lr > 0, "optim.lr", self.lr, "must be > 0")
+        _require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be >= 0")
+        _require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "must be >= 0")
+        _require(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, "must be >= 0")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 0
+    """Optimizer steps; 0 derives them from ``epochs``."""
+    epochs: float = 0.0
+    """Epochs over ``data.num_samples`` (used when ``steps`` is 0)."""
+    precision: str = "fp32"
+    """``fp32``, ``bf16`` or ``fp16`` (dynamic loss scaling)."""
+    accum_steps: int = 1
+    """Micro-batches per optimizer step; the loss spans all of them (GradCache-style)."""
+    resume: str = ""
+    """``latest`` (newest checkpoint of output_dir), a checkpoint directory, or empty."""
+    log_every: int = 10
+    """Write a metrics.jsonl line every N optimizer steps."""
+    max_bad_steps: int = 5
+    """Consecutive non-finite steps tolerated before the job stops."""
+    compile: bool = False
+    """torch.compile the towers."""
+    dist_timeout_s: int = 600
+    """Collective timeout: a dead rank makes the others fail after this many seconds."""
+    device: str = "auto"
+    """``auto`` (cuda when available), ``cpu`` or ``cuda``."""
+
+    def check(self) -> None:
+        _require(self.steps >= 0, "train.steps", self.steps, "must be >= 0")
+        _require(self.epochs >= 0, "train.epochs", self.epochs, "must be >= 0")
+        _require(self.steps > 0 or self.epochs > 0, "train.steps", self.steps,
+                 "set train.steps or train.epochs to a positive value")
+        _require(self.precision in ("fp32", "bf16", "fp16"), "train.precision", self.precision,
+                 "must be fp32, bf16 or fp16")
+        _require(self.accum_steps >= 1, "train.accum_steps", self.accum_steps, "must be >= 1")
+        _require(self.log_every >= 1, "train.log_every", self.log_every, "must be >= 1")
+        _require(self.device in ("auto", "cpu", "cuda"), "train.device", self.device,
+                 "must be auto, cpu or cuda")
+
+
+@dataclass
+class DeepSpeedConfig:
+    zero_stage: int = 0
+    """ZeRO stage 0, 1, 2 or 3."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """Fields merged last into the generated DeepSpeed config (for example ``{"wall_clock_breakdown": true}``)."""
+
+    def check(self) -> None:
+        _require(self.zero_stage in (0, 1, 2, 3), "deepspeed.zero_stage", self.zero_stage,
+                 "must be 0, 1, 2 or 3")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Save every N optimizer steps (0: only at the end)."""
+    keep: int = 2
+    """How many recent checkpoints to keep."""
+
+    def check(self) -> None:
+        _require(self.every >= 0, "checkpoint.every", self.every, "must be >= 0")
+        _require(self.keep >= 1, "checkpoint.keep", self.keep, "must be >= 1")
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0
+    """Evaluate every N optimizer steps (0: only at the end)."""
+    zeroshot: str = ""
+    """ImageFolder with classnames.txt/templates.txt, or an ImageNet ``val`` dir (empty: skip)."""
+    classnames: str = ""
+    """Class names file for eval.zeroshot (default: its classnames.txt, or ImageNet's)."""
+    templates: str = ""
+    """Prompt templates file with a {c} placeholder (default: its templates.txt, or ImageNet's 80)."""
+    retrieval: str = ""
+    """Retrieval shards (empty: use data.val; 'none' to skip)."""
+    batch_size: int = 256
+    """Evaluation batch size per rank."""
+    max_samples: int = 0
+    """Cap on evaluation samples (0: all)."""
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = True
+    """TensorBoard event files in RUN/tensorboard."""
+    wandb: bool = False
+    """Weights & Biases logging (offline mode unless WANDB_MODE is set)."""
+    wandb_project: str = "vlcontrast"
+    """Weights & Biases project name."""
+    progress: bool = True
+    """Progress bar on rank 0."""
+
+
+@dataclass
+class RunConfig:
+    output_dir: str = "runs/default"
+    """Run directory: config, metrics, checkpoints, results, report."""
+    seed: int = 0
+    """Base random seed (rank r uses seed + r for augmentation and dropout)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def check(self) -> None:
+        for section in (self.data, self.optim, self.train, self.deepspeed, self.checkpoint):
+            section.check()
+        from vlcontrast.losses import LOSSES, loss_option_defaults
+
+        _require(self.loss.name in LOSSES, "loss.name", self.loss.name,
+                 f"must be one of {sorted(LOSSES)}")
+        _require(self.loss.chunk_size >= 0, "loss.chunk_size", self.loss.chunk_size, "must be >= 0")
+        defaults = loss_option_defaults(self.loss.name)
+        for key in self.loss.options:
+            _require(key in defaults, f"loss.{key}", self.loss.options[key],
+                     f"is not an option of loss '{self.loss.name}' (options: {sorted(defaults)})")
+
+
+def _require(ok: bool, key: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: {why}")
+
+
+# --------------------------------------------------------------------------------------------
+# dict <-> dataclass
+
+
+def _coerce(value: Any, annotation: Any, key: str) -> Any:
+    """Convert a YAML value to the declared field type, or raise naming the key."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if annotation is Any:
+        return value
+    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], key)
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{key}={value!r}: expected true or false")
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            raise ConfigError(f"{key}={value!r}: expected an integer")
+        return int(value)
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}={value!r}: expected a number")
+        return float(value)
+    if annotation is str:
+        if value is None:
+            return ""
+        if not isinstance(value, (str, int, float)):
+            raise ConfigError(f"{key}={value!r}: expected a string")
+        return str(value)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{key}={value!r}: expected a list of {len(args)} values")
+        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}={value!r}: expected a mapping")
+        return dict(value)
+    return value
+
+
+def _from_dict(cls: type, values: dict[str, Any], prefix: str) -> Any:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for key, value in values.items():
+        if key not in names or (cls is LossConfig and key == "options"):
+            if cls is LossConfig:
+                extra[key] = value
+                continue
+            raise ConfigError(f"{prefix}{key}: unknown key (known: {sorted(names)})")
+        annotation = hints[key]
+        if dataclasses.is_dataclass(annotation):
+            kwargs[key] = _from_dict(annotation, value or {}, f"{prefix}{key}.")
+        else:
+            kwargs[key] = _coerce(value, annotation, f"{prefix}{key}")
+    if cls is LossConfig:
+        kwargs["options"] = extra
+    return cls(**kwargs)
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """Plain nested dict of a config; loss options are flattened back into the loss section."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            out[f.name] = to_dict(value)
+        elif isinstance(value, tuple):
+            out[f.name] = list(value)
+        else:
+            out[f.name] = value
+    if isinstance(config, LossConfig):
+        options = out.pop("options")
+        out.update(options)
+    return out
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected section.key=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def merge_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = values
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {part} is not a section")
+            node = child
+        node[path[-1]] = value
+    return values
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
+                check: bool = True) -> RunConfig:
+    """Read a YAML config, apply ``section.key=value`` overrides, validate, return the config."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            values = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from err
+    values = merge_overrides(values, list(overrides or []))
+    config = _from_dict(RunConfig, values, "")
+    if check:
+        config.check()
+    return config
+
+
+def save_config(config: RunConfig, path: str | os.PathLike) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+
+
+def describe(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(key, default, doc) for every option: used by ``vlcontrast config`` and the README."""
+    import ast
+    import inspect
+    import textwrap
+
+    docs: dict[str, str] = {}
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) \
+                    and isinstance(getattr(nxt, "value", None), ast.Constant):
+                docs[node.target.id] = " ".join(str(nxt.value.value).split())  # type: ignore
+    except (OSError, TypeError):
+        pass
+    rows = []
+    instance = cls()
+    for f in dataclasses.fields(cls):
+        value = getattr(instance, f.name)
+        if dataclasses.is_dataclass(value):
+            rows.extend(describe(type(value), f"{prefix}{f.name}."))
+        else:
+            rows.append((f"{prefix}{f.name}", repr(value), docs.get(f.name, "")))
+    return rows

@@ -1,0 +1,145 @@
+"""Process-group helpers shared by losses, training and evaluation.
+
+Launch environments are read in one place (:func:`launch_env`): ``torchrun``/``deepspeed``
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``) and SLURM ``srun`` (``SLURM_PROCID``,
+``SLURM_NTASKS``, ``SLURM_LOCALID``, master address from ``SLURM_JOB_NODELIST``). Gathers come in two
+kinds: :func:`gather_with_grad` for losses (gradients flow back to the owning rank) and
+:func:`all_gather_variable` for evaluation (ranks may hold different numbers of rows).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: str
+    source: str
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                             text=True, timeout=10, check=True).stdout.split()
+        if out:
+            return out[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    # Fallback parser for the common "prefix[a-b,c]" form.
+    match = re.match(r"^([^\[,]+)(?:\[([^\]]+)\])?", nodelist)
+    if not match:
+        return nodelist
+    prefix, ranges = match.group(1), match.group(2)
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
+    """Rank, world and rendezvous of this process, from torchrun/deepspeed or SLURM variables."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return LaunchEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
+                         env.get("MASTER_ADDR", "127.0.0.1"), env.get("MASTER_PORT", "29500"),
+                         "torchrun")
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "127.0.0.1")
+        port = env.get("MASTER_PORT") or str(20000 + int(env.get("SLURM_JOB_ID", "9500")) % 20000)
+        return LaunchEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]),
+                         int(env.get("SLURM_LOCALID", 0)),
+                         env.get("MASTER_ADDR") or _first_slurm_host(nodelist), port, "slurm")
+    return LaunchEnv(0, 1, 0, "127.0.0.1", env.get("MASTER_PORT", "29500"), "single")
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_initialized() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_initialized() else 1
+
+
+def is_main_process() -> bool:
+    return get_rank() == 0
+
+
+def init_distributed(backend: str | None = None, timeout_s: int = 600) -> LaunchEnv:
+    """Initialise the default process group (also for a single process, so code paths stay one)."""
+    env = launch_env()
+    if is_initialized():
+        return env
+    for key, value in (("RANK", env.rank), ("WORLD_SIZE", env.world_size),
+                       ("LOCAL_RANK", env.local_rank), ("MASTER_ADDR", env.master_addr),
+                       ("MASTER_PORT", env.master_port)):
+        os.environ[str(key)] = str(value)
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return env
+
+
+def gather_with_grad(tensor: torch.Tensor) -> torch.Tensor:
+    """Concatenate ``tensor`` from every rank along dim 0; gradients flow back to their owners.
+
+    Every rank must pass the same shape. With one process this is the identity.
+    """
+    if get_world_size() == 1:
+        return tensor
+    import torch.distributed.nn.functional as dist_fn
+
+    return torch.cat(dist_fn.all_gather(tensor.contiguous()), dim=0)
+
+
+def gather_no_grad(tensor: torch.Tensor) -> torch.Tensor:
+    """Concatenate equal-shaped tensors from every rank along dim 0, without gradient."""
+    if get_world_size() == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(get_world_size())]
+    dist.all_gather(parts, tensor.contiguous())
+    return torch.cat(parts, dim=0)
+
+
+def all_gather_variable(tensor: torch.Tensor) -> torch.Tensor:
+    """Concatenate tensors whose first dimension differs across ranks (evaluation shards)."""
+    world = get_world_size()
+    if world == 1:
+        return tensor
+    size = torch.tensor([tensor.shape[0]], device=tensor.device, dtype=torch.long)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    lengths = [int(s.item()) for s in sizes]
+    longest = max(lengths)
+    padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded.contiguous())
+    return torch.cat([p[:n] for p, n in zip(parts, lengths)], dim=0)
+
+
+def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    if get_world_size() > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
+def barrier() -> None:
+    if get_world_size() > 1:
+        dist.barrier()

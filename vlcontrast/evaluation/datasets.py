@@ -1,0 +1,402 @@
+"""Readers for evaluation data, split deterministically across ranks and loader workers.
+
+Retrieval data are webdataset tar shards: img2dataset's layout (``<key>.jpg`` + ``<key>.txt`` +
+``<key>.json``, what ``vlcontrast.data`` writes) or CLIP_benchmark's (``DIR/test/nshards.txt``,
+``DIR/test/0.tar`` ...). Captions of a sample, first match wins: a ``captions`` list in its ``.json``;
+the lines of its ``.txt`` (CLIP_benchmark writes one caption per line, ``str.splitlines``); the
+``caption`` field of its ``.json``.
+
+Zero-shot data are an ImageNet ``val`` directory (1000 WNID folders -> open_clip's
+``IMAGENET_CLASSNAMES`` and ``OPENAI_IMAGENET_TEMPLATES``), any ImageFolder (sorted sub-folders are
+the classes; names from ``--classnames``, else the folder names), or CLIP_benchmark's classification
+webdataset (``classnames.txt``, ``zeroshot_classification_templates.txt``, ``.cls`` labels).
+
+Every sample gets a global ``key``: ``shard_index * 2**32 + row`` for shards (row = position among the
+shard's complete samples), the file's position for folders. Keys give the dataset order back after a
+distributed gather. Splitting: with at least as many shards as reader slots (ranks x workers) each
+slot reads whole shards; otherwise every slot of a rank reads the rank's shards (all shards when there
+are fewer shards than ranks) and keeps every ``stride``-th sample, so small sets still use every rank.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+import os
+import re
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
+FOLDER_IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".ppm",
+                           ".pgm", ".JPEG", ".JPG", ".PNG")
+WNID = re.compile(r"^n\d{8}$")
+ROW_BITS = 32
+
+
+# ----------------------------------------------------------------------------------------- shards
+
+def resolve_shards(spec: str | Sequence[str], split: str = "test") -> list[str]:
+    """Shard paths from a directory, a brace pattern (``data/{00000..00009}.tar``), a comma-separated
+    list, or a list. A directory in CLIP_benchmark's layout contributes ``split/0.tar ...``."""
+    if not isinstance(spec, str):
+        paths = [p for item in spec for p in resolve_shards(item, split)]
+    elif "," in spec and not os.path.exists(spec):
+        paths = [p for item in spec.split(",") if item for p in resolve_shards(item, split)]
+    elif os.path.isdir(spec):
+        nshards = Path(spec) / split / "nshards.txt"
+        if nshards.is_file():
+            count = int(nshards.read_text().strip())
+            paths = [str(Path(spec) / split / f"{i}.tar") for i in range(count)]
+        else:
+            paths = sorted(glob.glob(os.path.join(spec, "*.tar")))
+    elif "{" in spec:
+        from braceexpand import braceexpand
+
+        paths = list(braceexpand(spec))
+    else:
+        paths = [spec]
+    if not paths:
+        raise FileNotFoundError(f"no .tar shards found at {spec!r}")
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        raise FileNotFoundError(f"{len(missing)} shard(s) missing, e.g. {missing[0]}")
+    return paths
+
+
+def iter_tar_groups(path: str) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """``(key, {extension: bytes})`` for consecutive members sharing a key (webdataset's rule: the key
+    is the member path up to the first dot of its file name)."""
+    current, files = None, {}
+    with tarfile.open(path, "r|*") as archive:
+        for member in archive:
+            if not member.isfile():
+                continue
+            folder, _, name = member.name.rpartition("/")
+            stem, dot, extension = name.partition(".")
+            if not dot or name.startswith("."):
+                continue
+            key = f"{folder}/{stem}" if folder else stem
+            if key != current:
+                if current is not None:
+                    yield current, files
+                current, files = key, {}
+            files[extension.lower()] = archive.extractfile(member).read()
+    if current is not None:
+        yield current, files
+
+
+def has_image(files: dict[str, bytes]) -> bool:
+    return any(ext in files for ext in IMAGE_EXTENSIONS)
+
+
+def is_retrieval_sample(files: dict[str, bytes]) -> bool:
+    return has_image(files) and ("txt" in files or "json" in files)
+
+
+def is_classification_sample(files: dict[str, bytes]) -> bool:
+    return has_image(files) and "cls" in files
+
+
+def shard_sizes(shards: Sequence[str], is_sample: Callable[[dict], bool]) -> list[int]:
+    """Samples per shard: from ``sizes.json`` beside the shards when it lists them all, else counted."""
+    sizes = {}
+    for folder in {os.path.dirname(os.path.abspath(s)) for s in shards}:
+        sizes_file = os.path.join(folder, "sizes.json")
+        if os.path.isfile(sizes_file):
+            with open(sizes_file) as handle:
+                for name, count in json.load(handle).items():
+                    sizes[os.path.join(folder, name)] = int(count)
+    result = []
+    for shard in shards:
+        known = sizes.get(os.path.abspath(shard))
+        result.append(known if known is not None else
+                      sum(1 for _, files in iter_tar_groups(shard) if is_sample(files)))
+    return result
+
+
+def decode_image(files: dict[str, bytes]) -> Image.Image:
+    data = next(files[ext] for ext in IMAGE_EXTENSIONS if ext in files)
+    with Image.open(io.BytesIO(data)) as image:
+        return image.convert("RGB")
+
+
+def sample_captions(files: dict[str, bytes]) -> list[str]:
+    meta = None
+    if "json" in files:
+        try:
+            meta = json.loads(files["json"])
+        except ValueError:
+            meta = None
+    if isinstance(meta, dict) and isinstance(meta.get("captions"), list):
+        return [str(c) for c in meta["captions"] if str(c).strip()]
+    if "txt" in files:
+        return [line for line in files["txt"].decode("utf-8").splitlines() if line.strip()]
+    if isinstance(meta, dict) and meta.get("caption"):
+        return [str(meta["caption"])]
+    return []
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """Which shards one reader slot reads, and which of their samples it keeps."""
+    shard_ids: tuple[int, ...]
+    stride: int
+    offset: int
+
+
+def plan_reading(num_shards: int, rank: int, world: int, worker: int, workers: int) -> ReadPlan:
+    slots, slot = world * workers, rank * workers + worker
+    if num_shards >= slots:
+        return ReadPlan(tuple(range(slot, num_shards, slots)), 1, 0)
+    if num_shards >= world:
+        return ReadPlan(tuple(range(rank, num_shards, world)), workers, worker)
+    return ReadPlan(tuple(range(num_shards)), slots, slot)
+
+
+class TarEvalDataset(IterableDataset):
+    """Yields ``(key, decoded)`` for this rank's part of the shards; ``decoded`` is ``None`` when the
+    sample could not be decoded (counted as skipped by the collate function)."""
+
+    def __init__(self, shards: Sequence[str], is_sample: Callable[[dict], bool],
+                 decode: Callable[[dict], object], *, rank: int = 0, world_size: int = 1,
+                 row_limits: Sequence[int] | None = None):
+        self.shards = list(shards)
+        self.is_sample, self.decode = is_sample, decode
+        self.rank, self.world_size = rank, world_size
+        self.row_limits = list(row_limits) if row_limits is not None else None
+
+    def plan(self, worker: int, workers: int) -> ReadPlan:
+        return plan_reading(len(self.shards), self.rank, self.world_size, worker, workers)
+
+    def __iter__(self):
+        info = get_worker_info()
+        plan = self.plan(info.id if info else 0, info.num_workers if info else 1)
+        counter = 0
+        for shard_id in plan.shard_ids:
+            limit = self.row_limits[shard_id] if self.row_limits is not None else None
+            if limit == 0:
+                continue
+            row = 0
+            for _, files in iter_tar_groups(self.shards[shard_id]):
+                if not self.is_sample(files):
+                    continue
+                if limit is not None and row >= limit:
+                    break
+                if counter % plan.stride == plan.offset:
+                    try:
+                        decoded = self.decode(files)
+                    except Exception:  # noqa: BLE001 - a broken sample is skipped and counted
+                        decoded = None
+                    yield (shard_id << ROW_BITS) + row, decoded
+                counter += 1
+                row += 1
+
+    def planned_samples(self, sizes: Sequence[int], workers: int) -> list[int]:
+        """Samples each loader worker of this rank will read given per-shard ``sizes``."""
+        counts = []
+        for worker in range(max(workers, 1)):
+            plan = self.plan(worker, max(workers, 1))
+            rows = sum(min(sizes[s], self.row_limits[s]) if self.row_limits is not None else sizes[s]
+                       for s in plan.shard_ids)
+            counts.append(max(0, (rows - plan.offset + plan.stride - 1) // plan.stride))
+        return counts
+
+
+def row_limits_for(sizes: Sequence[int], max_samples: int) -> list[int]:
+    """Per-shard row caps that keep the first ``max_samples`` samples in dataset order."""
+    limits, left = [], max_samples
+    for size in sizes:
+        take = min(size, max(left, 0))
+        limits.append(take)
+        left -= take
+    return limits
+
+
+def _collate(samples, stack_second: bool):
+    kept = [(key, item) for key, item in samples if item is not None]
+    skipped = len(samples) - len(kept)
+    if not kept:
+        return None, [], torch.zeros(0, dtype=torch.long), skipped
+    keys = torch.tensor([key for key, _ in kept], dtype=torch.long)
+    images = torch.stack([item[0] for _, item in kept])
+    seconds = [item[1] for _, item in kept]
+    if stack_second:
+        seconds = torch.tensor(seconds, dtype=torch.long)
+    return images, seconds, keys, skipped
+
+
+def collate_retrieval(samples):
+    """-> (images [B,3,H,W] or None, captions list[list[str]], keys [B], skipped)."""
+    return _collate(samples, stack_second=False)
+
+
+def collate_classification(samples):
+    """-> (images [B,3,H,W] or None, labels [B], keys [B], skipped)."""
+    return _collate(samples, stack_second=True)
+
+
+def _loader(dataset, batch_size: int, workers: int, collate) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch_size, num_workers=workers, collate_fn=collate,
+                      shuffle=False, drop_last=False, persistent_workers=False,
+                      prefetch_factor=2 if workers > 0 else None)
+
+
+@dataclass
+class EvalLoader:
+    loader: DataLoader
+    num_batches: int | None   # this rank's batches (for progress bars), None when unknown
+    name: str
+
+
+def build_retrieval_loader(shards: str | Sequence[str], preprocess, *, batch_size: int,
+                           workers: int = 0, rank: int = 0, world_size: int = 1,
+                           max_samples: int = 0) -> EvalLoader:
+    paths = resolve_shards(shards)
+    limits = sizes = None
+    if max_samples and max_samples > 0:
+        sizes = shard_sizes(paths, is_retrieval_sample)
+        limits = row_limits_for(sizes, max_samples)
+
+    def decode(files):
+        captions = sample_captions(files)
+        if not captions:
+            raise ValueError("sample has no caption")
+        return preprocess(decode_image(files)), captions
+
+    dataset = TarEvalDataset(paths, is_retrieval_sample, decode, rank=rank, world_size=world_size,
+                             row_limits=limits)
+    num_batches = None
+    if sizes is not None:
+        num_batches = sum(-(-n // batch_size) for n in dataset.planned_samples(sizes, workers))
+    name = shards if isinstance(shards, str) else ",".join(shards)
+    return EvalLoader(_loader(dataset, batch_size, workers, collate_retrieval), num_batches, name)
+
+
+# -------------------------------------------------------------------------------------- zero-shot
+
+def read_list_file(path: str | os.PathLike) -> list[str]:
+    """Non-empty stripped lines of a text file, or a JSON list."""
+    text = Path(path).read_text(encoding="utf-8")
+    if str(path).endswith(".json"):
+        items = json.loads(text)
+        if not isinstance(items, list):
+            raise ValueError(f"{path}: expected a JSON list")
+        return [str(item) for item in items]
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def read_templates(path: str | os.PathLike) -> list[str]:
+    templates = read_list_file(path)
+    bad = [t for t in templates if "{c}" not in t]
+    if bad:
+        raise ValueError(f"{path}: every template needs a {{c}} placeholder, e.g. not {bad[0]!r}")
+    if not templates:
+        raise ValueError(f"{path}: no templates")
+    return templates
+
+
+@dataclass
+class ZeroShotData:
+    """A classification set, its class names and prompt templates."""
+    kind: str                          # "imagenet", "imagefolder" or "wds"
+    root: str
+    classnames: list[str]
+    templates: list
+    samples: list[tuple[str, int]] = field(default_factory=list)   # folders: (path, label)
+    shards: list[str] = field(default_factory=list)                # wds
+
+
+def _folder_samples(root: Path, class_dirs: list[str]) -> list[tuple[str, int]]:
+    samples = []
+    for label, name in enumerate(class_dirs):
+        for dirpath, _, filenames in sorted(os.walk(root / name, followlinks=True)):
+            for filename in sorted(filenames):
+                if filename.endswith(FOLDER_IMAGE_EXTENSIONS):
+                    samples.append((os.path.join(dirpath, filename), label))
+    return samples
+
+
+def resolve_zeroshot_data(data_dir: str, classnames: str | Sequence[str] | None = None,
+                          templates: str | Sequence | None = None, split: str = "test"
+                          ) -> ZeroShotData:
+    """Work out the layout of ``data_dir`` and its class names and templates.
+
+    ``classnames`` / ``templates`` are files (one per line, or a JSON list; templates use ``{c}``) or
+    lists; given, they override what the layout implies.
+    """
+    from open_clip import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES
+
+    root = Path(data_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"zero-shot data {data_dir!r} is not a directory")
+    names = read_list_file(classnames) if isinstance(classnames, (str, os.PathLike)) else classnames
+    prompts = read_templates(templates) if isinstance(templates, (str, os.PathLike)) else templates
+
+    if (root / split / "nshards.txt").is_file():
+        if names is None:
+            if not (root / "classnames.txt").is_file():
+                raise FileNotFoundError(f"{root}/classnames.txt missing (pass --classnames)")
+            names = read_list_file(root / "classnames.txt")
+        if prompts is None:
+            if not (root / "zeroshot_classification_templates.txt").is_file():
+                raise FileNotFoundError(f"{root}/zeroshot_classification_templates.txt missing "
+                                        "(pass --templates)")
+            prompts = read_templates(root / "zeroshot_classification_templates.txt")
+        return ZeroShotData("wds", str(root), list(names), list(prompts),
+                            shards=resolve_shards(str(root), split))
+
+    class_dirs = sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
+    if not class_dirs:
+        raise FileNotFoundError(f"{root}: no class sub-folders (ImageFolder layout expected)")
+    is_imagenet = len(class_dirs) == len(IMAGENET_CLASSNAMES) and all(WNID.match(d) for d in class_dirs)
+    if names is None:
+        names = list(IMAGENET_CLASSNAMES) if is_imagenet else [d.replace("_", " ") for d in class_dirs]
+    if prompts is None:
+        prompts = list(OPENAI_IMAGENET_TEMPLATES)
+    if len(names) != len(class_dirs):
+        raise ValueError(f"{len(names)} class names for {len(class_dirs)} class folders in {root}")
+    return ZeroShotData("imagenet" if is_imagenet else "imagefolder", str(root), list(names),
+                        list(prompts), samples=_folder_samples(root, class_dirs))
+
+
+class FolderEvalDataset(Dataset):
+    """This rank's samples of an ImageFolder (every ``world_size``-th file), as ``(key, decoded)``."""
+
+    def __init__(self, samples: Sequence[tuple[str, int]], preprocess, rank: int, world_size: int):
+        self.indices = list(range(rank, len(samples), world_size))
+        self.samples, self.preprocess = samples, preprocess
+
+    def __len__(self):
+        return len(self.indices)
+
+    def __getitem__(self, position):
+        index = self.indices[position]
+        path, label = self.samples[index]
+        try:
+            with Image.open(path) as image:
+                return index, (self.preprocess(image.convert("RGB")), label)
+        except Exception:  # noqa: BLE001 - unreadable image: skipped and counted
+            return index, None
+
+
+def build_zeroshot_loader(data: ZeroShotData, preprocess, *, batch_size: int, workers: int = 0,
+                          rank: int = 0, world_size: int = 1) -> EvalLoader:
+    if data.kind == "wds":
+        def decode(files):
+            return preprocess(decode_image(files)), int(files["cls"].decode().strip())
+
+        dataset = TarEvalDataset(data.shards, is_classification_sample, decode, rank=rank,
+                                 world_size=world_size)
+        return EvalLoader(_loader(dataset, batch_size, workers, collate_classification), None,
+                          data.root)
+    dataset = FolderEvalDataset(data.samples, preprocess, rank, world_size)
+    return EvalLoader(_loader(dataset, batch_size, workers, collate_classification),
+                      -(-len(dataset) // batch_size), data.root)

@@ -1,0 +1,202 @@
+"""Distributed embedding of an evaluation set: every rank encodes its part, features are gathered.
+
+Each sample carries a global ``key`` (its position in the dataset order, see ``datasets.py``). After
+the encode loop, features and keys are gathered from all ranks with ``all_gather_variable`` and sorted
+by key, so every rank holds the same tensors in the same order as a single-process run would.
+
+Ranks advance in lock step: before each forward pass they agree (one tiny ``all_reduce``) whether
+anyone still has data, and a rank that has run out encodes a one-sample dummy batch instead. This keeps
+ZeRO-3 (whose forward passes are collectives) from hanging on uneven shards and means no rank waits
+more than one batch at a collective, however unevenly the data splits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from PIL import Image
+
+from vlcontrast.distributed import all_gather_variable, get_rank, get_world_size
+
+_END = object()
+
+
+def unwrap_model(model):
+    """The CLIP module behind DDP/DeepSpeed wrappers (they expose it as ``.module``)."""
+    while not hasattr(model, "encode_image") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def model_dtype(model) -> torch.dtype:
+    for parameter in model.parameters():
+        if parameter.is_floating_point():
+            return parameter.dtype
+    return torch.float32
+
+
+def encode_in_lockstep(batches: Iterable, device, *, progress: bool = False, total=None,
+                       description: str = "") -> Iterator:
+    """Yield local batches; once they run out, yield ``None`` while any other rank still has one."""
+    world = get_world_size()
+    bar = None
+    if progress and get_rank() == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc=description, unit="batch", dynamic_ncols=True)
+    iterator = iter(batches)
+    try:
+        while True:
+            item = next(iterator, _END)
+            if world > 1:
+                flag = torch.tensor([0 if item is _END else 1], device=torch.device(device))
+                dist.all_reduce(flag)
+                if int(flag.item()) == 0:
+                    return
+            elif item is _END:
+                return
+            if item is _END:
+                yield None
+                continue
+            yield item
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def text_dummy(tokenizer, device) -> torch.Tensor:
+    return tokenizer([""]).to(device)
+
+
+def image_dummy(preprocess, device, dtype) -> torch.Tensor:
+    return preprocess(Image.new("RGB", (224, 224))).unsqueeze(0).to(device=device, dtype=dtype)
+
+
+def encode_images(model, images: torch.Tensor, device, dtype) -> torch.Tensor:
+    features = model.encode_image(images.to(device=device, dtype=dtype, non_blocking=True))
+    return F.normalize(features.float(), dim=-1)
+
+
+def encode_texts(model, tokens: torch.Tensor, device) -> torch.Tensor:
+    return F.normalize(model.encode_text(tokens.to(device, non_blocking=True)).float(), dim=-1)
+
+
+def gather_sorted(keys: torch.Tensor, *tensors: torch.Tensor, device) -> tuple[torch.Tensor, ...]:
+    """Gather ``keys`` and row-aligned ``tensors`` from all ranks; return them sorted by key, on CPU.
+
+    Gathers run on ``device`` (NCCL needs CUDA tensors); keys must be unique across ranks.
+    """
+    gathered = [all_gather_variable(t.to(device)).cpu() for t in (keys, *tensors)]
+    order = torch.argsort(gathered[0], stable=True)
+    return tuple(t[order] for t in gathered)
+
+
+@dataclass
+class RetrievalEmbeddings:
+    """Gathered, key-sorted features of a retrieval set (identical on every rank)."""
+    image_features: torch.Tensor   # [N_images, D]
+    image_keys: torch.Tensor       # [N_images]
+    text_features: torch.Tensor    # [N_texts, D], grouped by image in image order
+    text_to_image: torch.Tensor    # [N_texts] index into image_features
+    first_caption: torch.Tensor    # [N_images] index of each image's first caption
+    skipped: int                   # samples that could not be decoded (all ranks)
+
+
+@torch.no_grad()
+def embed_retrieval(model, preprocess, tokenizer, loader, *, device, progress=False,
+                    total_batches=None) -> RetrievalEmbeddings:
+    """Encode batches ``(images [B,3,H,W], captions list[list[str]], keys [B], skipped)``."""
+    model = unwrap_model(model)
+    dtype = model_dtype(model)
+    image_parts, key_parts, text_parts, text_key_parts, text_pos_parts = [], [], [], [], []
+    skipped = 0
+    for batch in encode_in_lockstep(loader, device, progress=progress, total=total_batches,
+                                    description="embed retrieval"):
+        if batch is None:
+            encode_images(model, image_dummy(preprocess, device, dtype), device, dtype)
+            encode_texts(model, text_dummy(tokenizer, device), device)
+            continue
+        images, captions, keys, batch_skipped = batch
+        skipped += int(batch_skipped)
+        if images is None:
+            # Everything in this batch failed to decode; still take part in the forward passes.
+            encode_images(model, image_dummy(preprocess, device, dtype), device, dtype)
+            encode_texts(model, text_dummy(tokenizer, device), device)
+            continue
+        image_parts.append(encode_images(model, images, device, dtype).cpu())
+        key_parts.append(keys)
+        flat = [text for texts in captions for text in texts]
+        text_parts.append(encode_texts(model, tokenizer(flat), device).cpu())
+        text_key_parts.append(torch.repeat_interleave(keys, torch.tensor([len(c) for c in captions])))
+        text_pos_parts.append(torch.tensor([p for texts in captions for p in range(len(texts))]))
+    image_features = _agree_on_width(torch.cat(image_parts) if image_parts else torch.zeros(0, 0),
+                                     device)
+    image_keys = torch.cat(key_parts) if key_parts else torch.zeros(0, dtype=torch.long)
+    text_features = torch.cat(text_parts) if text_parts else image_features.new_zeros(0, image_features.shape[1])
+    text_keys = torch.cat(text_key_parts) if text_key_parts else torch.zeros(0, dtype=torch.long)
+    text_pos = torch.cat(text_pos_parts) if text_pos_parts else torch.zeros(0, dtype=torch.long)
+
+    image_keys, image_features = gather_sorted(image_keys, image_features, device=device)
+    # Texts sort by (image key, caption position): sort by position first, then stably by key.
+    text_keys, text_pos, text_features = gather_sorted(text_keys, text_pos, text_features, device=device)
+    by_position = torch.argsort(text_pos, stable=True)
+    by_key = torch.argsort(text_keys[by_position], stable=True)
+    order = by_position[by_key]
+    text_keys, text_features = text_keys[order], text_features[order]
+    text_to_image = torch.searchsorted(image_keys, text_keys)
+    first_caption = torch.searchsorted(text_to_image, torch.arange(image_keys.shape[0]))
+    skipped_total = torch.tensor([skipped], device=torch.device(device))
+    if get_world_size() > 1:
+        dist.all_reduce(skipped_total)
+    return RetrievalEmbeddings(image_features, image_keys, text_features, text_to_image,
+                               first_caption, int(skipped_total.item()))
+
+
+@torch.no_grad()
+def embed_labelled_images(model, preprocess, loader, *, device, progress=False, total_batches=None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Encode batches ``(images, labels [B], keys [B], skipped)``; return gathered, key-sorted
+    ``(keys, image_features, labels, skipped)``."""
+    model = unwrap_model(model)
+    dtype = model_dtype(model)
+    feature_parts, label_parts, key_parts = [], [], []
+    skipped = 0
+    for batch in encode_in_lockstep(loader, device, progress=progress, total=total_batches,
+                                    description="embed images"):
+        if batch is None or batch[0] is None:
+            if batch is not None:
+                skipped += int(batch[3])
+            encode_images(model, image_dummy(preprocess, device, dtype), device, dtype)
+            continue
+        images, labels, keys, batch_skipped = batch
+        skipped += int(batch_skipped)
+        feature_parts.append(encode_images(model, images, device, dtype).cpu())
+        label_parts.append(labels)
+        key_parts.append(keys)
+    features = torch.cat(feature_parts) if feature_parts else torch.zeros(0, 0)
+    labels = torch.cat(label_parts) if label_parts else torch.zeros(0, dtype=torch.long)
+    keys = torch.cat(key_parts) if key_parts else torch.zeros(0, dtype=torch.long)
+    features = _agree_on_width(features, device)
+    keys, features, labels = gather_sorted(keys, features, labels, device=device)
+    skipped_total = torch.tensor([skipped], device=torch.device(device))
+    if get_world_size() > 1:
+        dist.all_reduce(skipped_total)
+    return keys, features, labels, int(skipped_total.item())
+
+
+def _agree_on_width(features: torch.Tensor, device) -> torch.Tensor:
+    """Give an empty local feature block the width the other ranks have (for the gather)."""
+    if get_world_size() == 1:
+        return features
+    width = torch.tensor([features.shape[1]], device=torch.device(device))
+    dist.all_reduce(width, op=dist.ReduceOp.MAX)
+    if features.shape[0] == 0:
+        return torch.zeros(0, int(width.item()))
+    return features
+

@@ -1,0 +1,212 @@
+"""Evaluation jobs: model + data in, a flat JSON-able dict of metrics out.
+
+:func:`evaluate_retrieval` and :func:`evaluate_zeroshot` are what the trainer calls (every rank of the
+process group calls them; every rank gets the same dict back, computed once on rank 0). Keys carry no
+prefix (``image_to_text_R@1``, ``top1``, ...); the caller adds one (``retrieval/``, ``zeroshot/``).
+:func:`run_retrieval_cli` and :func:`run_zeroshot_cli` back ``vlcontrast eval ...`` and ``eval/*.py``:
+they load a checkpoint, evaluate, print a small table and write the JSON record.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from vlcontrast.distributed import all_gather_variable, get_rank, get_world_size
+from vlcontrast.evaluation.datasets import (build_retrieval_loader, build_zeroshot_loader,
+                                            resolve_zeroshot_data)
+from vlcontrast.evaluation.embed import embed_labelled_images, embed_retrieval, unwrap_model
+from vlcontrast.evaluation.retrieval import clip_validation_loss, retrieval_metrics
+from vlcontrast.evaluation.zeroshot import (build_zeroshot_classifier, zeroshot_logits,
+                                            zeroshot_metrics)
+
+
+@contextmanager
+def _eval_mode(model):
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def _share_from_rank0(result, device):
+    """Every rank returns rank 0's result (metrics are computed once)."""
+    if get_world_size() == 1:
+        return result
+    box = [result]
+    dist.broadcast_object_list(box, src=0, device=torch.device(device))
+    return box[0]
+
+
+def _model_logit_scale(model) -> float | None:
+    parameter = getattr(unwrap_model(model), "logit_scale", None)
+    if not isinstance(parameter, torch.Tensor) or parameter.numel() == 0:
+        return None  # e.g. partitioned by ZeRO-3: the caller must pass logit_scale
+    return float(parameter.detach().float().exp().mean())
+
+
+def evaluate_retrieval(model, preprocess, tokenizer, shards: str | Sequence[str], *,
+                       batch_size: int = 256, workers: int = 4, device="cpu",
+                       max_samples: int = 0, logit_scale: float | None = None,
+                       chunk_size: int = 4096, progress: bool = True) -> dict:
+    """Image-text retrieval on webdataset shards (see ``datasets.py`` for layouts).
+
+    ``logit_scale`` is the multiplier for the validation loss (already exponentiated); by default
+    ``exp(model.logit_scale)``. The validation loss is open_clip's batch-wise CLIP loss over
+    consecutive batches of ``batch_size`` (image, first caption) pairs in dataset order, so it does
+    not depend on the number of ranks; it is reported as ``val_loss`` with ``val_loss_batch_size``.
+
+    Returns ``retrieval_metrics`` keys plus ``val_loss``, ``val_loss_batch_size``, ``num_skipped``.
+    """
+    rank, world = get_rank(), get_world_size()
+    loader = build_retrieval_loader(shards, preprocess, batch_size=batch_size, workers=workers,
+                                    rank=rank, world_size=world, max_samples=max_samples)
+    with _eval_mode(model):
+        embeddings = embed_retrieval(model, preprocess, tokenizer, loader.loader, device=device,
+                                     progress=progress, total_batches=loader.num_batches)
+        scale = logit_scale if logit_scale is not None else _model_logit_scale(model)
+    result = None
+    if rank == 0:
+        if embeddings.image_features.shape[0] == 0:
+            raise ValueError(f"no decodable retrieval samples in {loader.name!r}")
+        compute_device = torch.device(device)
+        images = embeddings.image_features.to(compute_device)
+        texts = embeddings.text_features.to(compute_device)
+        result = retrieval_metrics(images, texts, embeddings.text_to_image, chunk_size=chunk_size)
+        if scale is not None:
+            result["val_loss"] = clip_validation_loss(images, texts[embeddings.first_caption.to(
+                compute_device)], scale, batch_size)
+            result["val_loss_batch_size"] = int(batch_size)
+        result["num_skipped"] = embeddings.skipped
+    return _share_from_rank0(result, device)
+
+
+def evaluate_zeroshot(model, preprocess, tokenizer, data_dir: str, classnames=None,
+                      templates=None, *, batch_size: int = 256, workers: int = 4, device="cpu",
+                      split: str = "test", progress: bool = True) -> dict:
+    """Zero-shot classification of an ImageNet val dir, an ImageFolder or a CLIP_benchmark wds set.
+
+    ``classnames`` / ``templates``: files or lists overriding the layout's own (see
+    ``datasets.resolve_zeroshot_data``). Each rank embeds a contiguous block of the classes' prompts
+    and every ``world``-th image; the classifier and features are gathered.
+
+    Returns ``top1``, ``top5``, ``mean_per_class_recall``, ``num_images``, ``num_classes``,
+    ``num_templates``, ``num_skipped``.
+    """
+    rank, world = get_rank(), get_world_size()
+    data = resolve_zeroshot_data(data_dir, classnames, templates, split=split)
+    num_classes = len(data.classnames)
+    first, last = rank * num_classes // world, (rank + 1) * num_classes // world
+    loader = build_zeroshot_loader(data, preprocess, batch_size=batch_size, workers=workers,
+                                   rank=rank, world_size=world)
+    with _eval_mode(model):
+        clip = unwrap_model(model)
+        local = build_zeroshot_classifier(clip, tokenizer, data.classnames[first:last],
+                                          data.templates, device=device, batch_size=batch_size,
+                                          progress=progress)
+        classifier = all_gather_variable(local.t().contiguous()).t().contiguous()
+        _, features, labels, skipped = embed_labelled_images(
+            model, preprocess, loader.loader, device=device, progress=progress,
+            total_batches=loader.num_batches)
+    result = None
+    if rank == 0:
+        if features.shape[0] == 0:
+            raise ValueError(f"no decodable images in {data_dir!r}")
+        logits = zeroshot_logits(features.to(device), classifier)
+        result = zeroshot_metrics(logits, labels.to(logits.device))
+        result.update(num_images=int(features.shape[0]), num_classes=num_classes,
+                      num_templates=len(data.templates), num_skipped=skipped)
+    return _share_from_rank0(result, device)
+
+
+# ----------------------------------------------------------------------------------- CLI helpers
+
+def _resolve_device(device: str | None) -> str:
+    if device in (None, "", "auto"):
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and get_world_size() > 1:
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    return device
+
+
+def _setup_distributed() -> None:
+    from vlcontrast.distributed import init_distributed, is_initialized, launch_env
+
+    if launch_env().world_size > 1 and not is_initialized():
+        init_distributed()
+
+
+def format_table(record: dict) -> str:
+    rows = [(key, value) for key, value in record["metrics"].items()]
+    width = max(len(key) for key, _ in rows)
+    lines = [f"{record['task']}: {record['checkpoint']} on {record['dataset']} (N={record['N']})"]
+    for key, value in rows:
+        shown = f"{value:.4f}" if isinstance(value, float) and not math.isnan(value) else str(value)
+        lines.append(f"  {key:<{width}}  {shown}")
+    return "\n".join(lines)
+
+
+def _write_record(task: str, checkpoint_dir, bundle, data, metrics: dict, out,
+                  extra: dict) -> dict:
+    record = {
+        "task": task,
+        "checkpoint": str(checkpoint_dir),
+        "model_name": bundle.model_name,
+        "dataset": str(data),
+        "N": metrics["num_images"],
+        "metrics": metrics,
+        **extra,
+        "world_size": get_world_size(),
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    if get_rank() == 0:
+        print(format_table(record), flush=True)
+        if out:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def _load(checkpoint, device):
+    from vlcontrast.models import load_model_from_checkpoint, resolve_checkpoint
+
+    return resolve_checkpoint(checkpoint), load_model_from_checkpoint(checkpoint, device=device)
+
+
+def run_retrieval_cli(checkpoint, data, out=None, batch_size: int = 256, workers: int = 4,
+                      max_samples: int = 0, device: str | None = None) -> dict:
+    """``vlcontrast eval retrieval``: load CKPT (run dir -> latest), evaluate, write ``out`` JSON."""
+    _setup_distributed()
+    device = _resolve_device(device)
+    folder, bundle = _load(checkpoint, device)
+    metrics = evaluate_retrieval(bundle.model, bundle.preprocess_val, bundle.tokenizer, data,
+                                 batch_size=batch_size, workers=workers, device=device,
+                                 max_samples=max_samples)
+    return _write_record("retrieval", folder, bundle, data, metrics, out,
+                         {"num_texts": metrics["num_texts"], "batch_size": batch_size,
+                          "max_samples": max_samples})
+
+
+def run_zeroshot_cli(checkpoint, data, out=None, classnames=None, templates=None,
+                     batch_size: int = 256, workers: int = 4, device: str | None = None) -> dict:
+    """``vlcontrast eval zeroshot``: load CKPT, classify ``data`` zero-shot, write ``out`` JSON."""
+    _setup_distributed()
+    device = _resolve_device(device)
+    folder, bundle = _load(checkpoint, device)
+    metrics = evaluate_zeroshot(bundle.model, bundle.preprocess_val, bundle.tokenizer, data,
+                                classnames, templates, batch_size=batch_size, workers=workers,
+                                device=device)
+    return _write_record("zeroshot", folder, bundle, data, metrics, out,
+                         {"classnames": str(classnames) if classnames else None,
+                          "templates": str(templates) if templates else None,
+                          "batch_size": batch_size})

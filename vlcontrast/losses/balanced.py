@@ -1,0 +1,50 @@
+"""Balanced contrastive loss (docs/losses.md, row ``balanced``).
+
+Per anchor (image→text shown), on raw cosines ``c`` (``logit_scale`` is not used)::
+
+    l_i = -c_ii + lam * (1/alpha) * logsumexp_{j != i}(alpha * c_ij)
+
+``include_positive=True`` keeps ``j = i`` in the logsumexp. Identities: ``lam = 1`` is
+``dcl(s=alpha) / alpha``; with ``include_positive`` and ``lam = 1`` it is ``infonce(s=alpha) / alpha``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from vlcontrast.losses.base import (ContrastiveLoss, PairBatch, negatives_logsumexp,
+                                    positive_logits)
+
+
+class BalancedLoss(ContrastiveLoss):
+    """Alignment term plus a ``lam``-weighted uniformity term at its own temperature ``1/alpha``.
+
+    Args:
+        alpha: inverse temperature of the negative term (the blocks' logits are ``alpha * c``).
+        lam: weight of the negative term (1 gives DCL at scale ``alpha``, divided by ``alpha``).
+        include_positive: keep the positive in the logsumexp (InfoNCE-like).
+    """
+
+    name = "balanced"
+
+    def __init__(self, alpha: float = 4.0, lam: float = 2.0, include_positive: bool = False, *,
+                 chunk_size: int = 0, id_space: int = 0):
+        super().__init__(chunk_size=chunk_size)
+        if alpha <= 0:
+            raise ValueError(f"balanced: alpha must be > 0, got {alpha}")
+        self.alpha = float(alpha)
+        self.lam = float(lam)
+        self.include_positive = bool(include_positive)
+
+    def scale(self, batch: PairBatch) -> float:
+        return self.alpha
+
+    def row_terms(self, logits: Tensor, positives: Tensor, context: dict[str, Tensor],
+                  num_negatives: int) -> dict[str, Tensor]:
+        positive = positive_logits(logits, positives)
+        if self.include_positive:
+            negative = torch.logsumexp(logits, dim=1)
+        else:
+            negative = negatives_logsumexp(logits, positives)
+        return {"loss": (self.lam * negative - positive) / self.alpha}

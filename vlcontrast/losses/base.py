@@ -1,0 +1,233 @@
+"""Machinery shared by every contrastive loss: gathering, logit row blocks, chunking, diagnostics.
+
+A loss in this package is a :class:`ContrastiveLoss`. Its ``forward`` gathers the global batch
+*with gradient* when a process group with more than one rank exists, then for each direction
+(image→text: local images against all texts; text→image: local texts against all images) scores
+the **local** anchors against the gathered candidates, ``logits = (scale * anchors) @ candidates.T``,
+with the positive of local row ``i`` at global column ``rank * B_local + i``.
+
+A concrete loss only says what one block of rows contributes: :meth:`ContrastiveLoss.row_terms`
+maps a block of logits ``[rows, B_global]`` and its positive columns to per-anchor terms (the key
+``"loss"`` plus anything the loss wants to reduce later). Dense mode is a single block. With
+``chunk_size > 0`` the rows are cut into blocks of at most ``chunk_size`` anchors, each run under
+activation checkpointing, so at most ``chunk_size x B_global`` logits exist at any time and backward
+recomputes each block. Quantities normalised over the global batch (DCLW's weights, DeCL's buffer
+look-ups) are computed once per step in :meth:`ContrastiveLoss.prepare` and handed to the
+blocks as per-row tensors.
+
+The per-rank ``loss`` is the mean over the local anchors (and over directions), so the mean over
+ranks is the global-batch loss; the definitions are in ``docs/losses.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from vlcontrast.distributed import gather_with_grad, get_rank, get_world_size
+
+IMAGE_TO_TEXT = "image_to_text"
+TEXT_TO_IMAGE = "text_to_image"
+
+
+@dataclass
+class PairBatch:
+    """One step's features: the local micro-batch and the gathered global batch."""
+
+    image: Tensor
+    text: Tensor
+    all_image: Tensor
+    all_text: Tensor
+    logit_scale: Tensor
+    logit_bias: Tensor | None
+    sample_ids: Tensor | None
+    step: int | None
+    momentum_features: tuple[Tensor, Tensor] | None
+    rank: int
+    world_size: int
+
+    @property
+    def local_size(self) -> int:
+        return self.image.shape[0]
+
+    @property
+    def global_size(self) -> int:
+        return self.all_image.shape[0]
+
+    @property
+    def num_negatives(self) -> int:
+        """``K = N_global - 1``."""
+        return self.global_size - 1
+
+    @property
+    def offset(self) -> int:
+        """Global index of local row 0."""
+        return self.rank * self.local_size
+
+    def local_rows(self, tensor: Tensor) -> Tensor:
+        """The slice of a global-batch tensor that belongs to this rank's anchors."""
+        return tensor[self.offset:self.offset + self.local_size]
+
+    def positives(self) -> Tensor:
+        return torch.arange(self.offset, self.offset + self.local_size, device=self.image.device)
+
+    def anchors_and_candidates(self, direction: str) -> tuple[Tensor, Tensor]:
+        if direction == IMAGE_TO_TEXT:
+            return self.image, self.all_text
+        return self.text, self.all_image
+
+
+# --------------------------------------------------------------------------------------------
+# Row helpers used by the losses' row_terms.
+
+
+def positive_logits(logits: Tensor, positives: Tensor) -> Tensor:
+    """``L[i, pos_i]`` for every row of the block."""
+    return logits.gather(1, positives[:, None]).squeeze(1)
+
+
+def fill_positives_(logits: Tensor, positives: Tensor, value: float = -math.inf) -> Tensor:
+    """Overwrite each row's positive entry in place (``-inf`` removes it from a logsumexp).
+
+    Only call this on a tensor the caller just created (a matmul output or an arithmetic result):
+    autograd has not saved it, so the in-place write is legal and saves a ``rows x N`` copy.
+    """
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    return logits.index_put_((rows, positives), logits.new_tensor(value))
+
+
+def negatives_logsumexp(logits: Tensor, positives: Tensor) -> Tensor:
+    """``logsumexp_{j != pos_i} logits[i, j]``; consumes ``logits`` (in place, see above)."""
+    return torch.logsumexp(fill_positives_(logits, positives), dim=1)
+
+
+def row_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Row reductions run in at least float32 (bf16/fp16 logsumexp loses the positive's gradient)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+# --------------------------------------------------------------------------------------------
+
+
+class ContrastiveLoss(nn.Module):
+    """Base of every loss: ``forward`` returns ``{"loss": per-rank scalar, **diagnostics}``.
+
+    Subclasses set ``name``, optionally ``directions`` (SigLIP scores one direction), and implement
+    :meth:`row_terms`; hooks :meth:`scale`, :meth:`prepare`, :meth:`row_context` and
+    :meth:`reduce` cover losses with batch-global quantities or training state.
+    """
+
+    name = ""
+    directions: tuple[str, ...] = (IMAGE_TO_TEXT, TEXT_TO_IMAGE)
+    uses_logit_bias = False
+    needs_sample_ids = False
+    needs_momentum_features = False
+    ema_decay: float | None = None
+
+    def __init__(self, *, chunk_size: int = 0):
+        super().__init__()
+        if chunk_size < 0:
+            raise ValueError(f"chunk_size must be >= 0, got {chunk_size}")
+        self.chunk_size = int(chunk_size)
+
+    # ---- hooks ------------------------------------------------------------------------------
+
+    def scale(self, batch: PairBatch) -> Tensor | float:
+        """Multiplier of the cosines in the logits (``logit_scale``; Balanced uses its ``alpha``)."""
+        return batch.logit_scale
+
+    def prepare(self, batch: PairBatch) -> dict:
+        """Batch-global quantities of this step (computed once, before any block)."""
+        return {}
+
+    def row_context(self, batch: PairBatch, direction: str, state: dict) -> dict[str, Tensor]:
+        """Per-anchor tensors ``[B_local, ...]`` the blocks need (sliced with the rows)."""
+        return {}
+
+    def row_terms(self, logits: Tensor, positives: Tensor, context: dict[str, Tensor],
+                  num_negatives: int) -> dict[str, Tensor]:
+        """Per-anchor terms of one block of rows; must contain ``"loss"``. May modify ``logits``."""
+        raise NotImplementedError
+
+    def reduce(self, batch: PairBatch, terms: list[dict[str, Tensor]],
+               state: dict) -> dict[str, Tensor | float]:
+        """Per-rank loss from the per-anchor terms of each direction: mean over anchors and directions."""
+        loss = torch.stack([t["loss"].mean() for t in terms]).mean()
+        return {"loss": loss}
+
+    # ---- driver -----------------------------------------------------------------------------
+
+    def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: Tensor | float,
+                logit_bias: Tensor | None = None, sample_ids: Tensor | None = None,
+                step: int | None = None,
+                momentum_features: tuple[Tensor, Tensor] | None = None) -> dict[str, Tensor | float]:
+        batch = self.make_batch(image_features, text_features, logit_scale, logit_bias, sample_ids,
+                                step, momentum_features)
+        scale = self.scale(batch)
+        state = self.prepare(batch)
+        terms = []
+        for direction in self.directions:
+            anchors, candidates = batch.anchors_and_candidates(direction)
+            context = self.row_context(batch, direction, state)
+            terms.append(self.score_rows(anchors, candidates, scale, batch.positives(), context,
+                                         batch.num_negatives))
+        result = self.reduce(batch, terms, state)
+        result.update(similarity_diagnostics(batch))
+        return result
+
+    def make_batch(self, image_features, text_features, logit_scale, logit_bias, sample_ids, step,
+                   momentum_features) -> PairBatch:
+        if image_features.shape != text_features.shape or image_features.dim() != 2:
+            raise ValueError(f"{self.name}: image and text features must both be [B, D], got "
+                             f"{tuple(image_features.shape)} and {tuple(text_features.shape)}")
+        if not torch.is_tensor(logit_scale):
+            logit_scale = torch.tensor(float(logit_scale), device=image_features.device)
+        world_size = get_world_size()
+        all_image = gather_with_grad(image_features)
+        all_text = gather_with_grad(text_features)
+        if all_image.shape[0] < 2:
+            raise ValueError(f"{self.name}: a contrastive loss needs a global batch of at least 2")
+        return PairBatch(image_features, text_features, all_image, all_text, logit_scale.squeeze(),
+                         logit_bias, sample_ids, step, momentum_features, get_rank(), world_size)
+
+    def score_rows(self, anchors: Tensor, candidates: Tensor, scale: Tensor | float,
+                   positives: Tensor, context: dict[str, Tensor],
+                   num_negatives: int) -> dict[str, Tensor]:
+        """Per-anchor terms of all local rows: one block (dense) or checkpointed blocks (chunked)."""
+        rows = anchors.shape[0]
+        if self.chunk_size == 0 or self.chunk_size >= rows:
+            return self._block(anchors, candidates, scale, positives, context, num_negatives)
+        parts = []
+        for start in range(0, rows, self.chunk_size):
+            block = slice(start, start + self.chunk_size)
+            args = (anchors[block], candidates, scale, positives[block],
+                    {key: value[block] for key, value in context.items()}, num_negatives)
+            if torch.is_grad_enabled():
+                parts.append(checkpoint(self._block, *args, use_reentrant=False))
+            else:
+                parts.append(self._block(*args))
+        return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
+
+    def _block(self, anchors, candidates, scale, positives, context, num_negatives):
+        logits = (scale * anchors) @ candidates.T
+        logits = logits.to(row_dtype(logits.dtype))
+        return self.row_terms(logits, positives, context, num_negatives)
+
+
+@torch.no_grad()
+def similarity_diagnostics(batch: PairBatch) -> dict[str, Tensor]:
+    """Mean positive cosine and mean negative cosine of the local anchors (both directions).
+
+    Computed from feature sums, never from the logit matrix: ``sum_j c_ij = <a_i, sum_j x_j>``.
+    Like the loss, the mean over ranks is the global value.
+    """
+    image, text = batch.image.float(), batch.text.float()
+    positive = (image * text).sum(-1)
+    image_to_text = (image @ batch.all_text.float().sum(0) - positive) / batch.num_negatives
+    text_to_image = (text @ batch.all_image.float().sum(0) - positive) / batch.num_negatives
+    return {"positive_similarity": positive.mean(),
+            "negative_similarity": (image_to_text.mean() + text_to_image.mean()) / 2}

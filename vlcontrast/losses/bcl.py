@@ -1,0 +1,88 @@
+"""BCL, Bayesian contrastive learning (docs/losses.md, row ``bcl`` and "BCL weights"; Liu & Wang).
+
+Per anchor (image→text shown)::
+
+    l_i = -log(e^{L_ii} / (e^{L_ii} + sum_{j != i} w_ij e^{L_ij}))
+        = -L_ii + logaddexp(L_ii, logsumexp_{j != i}(L_ij + log w_ij))
+
+with the importance weights ``w`` (no gradient) built from the rank-based eCDF of each negative
+among the anchor's ``K`` negatives, ``F_k = #{k': x_k' <= x_k} / K`` (the authors' released rule)::
+
+    a = (1 - 2 alpha)(tau_minus - tau_plus) + 1e-3,   b = 2 (alpha tau_minus + (1 - alpha) tau_plus)
+    Phi_k = (-b + sqrt(b^2 + 4 a F_k)) / (2 a)        (computed as 2 F_k / (b + sqrt(b^2 + 4 a F_k)))
+    phi1 = 2 (1 - Phi), phi2 = 2 Phi
+    x_tn = alpha phi1 + (1 - alpha) phi2,   x_fn = (1 - alpha) phi1 + alpha phi2
+    x_htn = (alpha (1 - beta) phi1 + (1 - alpha) beta phi2) / (alpha (1 - beta) + (1 - alpha) beta + 1e-3)
+    w_k = x_htn / (tau_minus x_tn + tau_plus x_fn),   tau_minus = 1 - tau_plus
+
+Ranks are taken on the logits (ranking ``exp`` would create false ties by overflow) and over the
+anchor's full global row, so they do not depend on how the batch is split across ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from vlcontrast.losses.base import ContrastiveLoss, fill_positives_, positive_logits
+
+# The eCDF needs a sort of each row; sorting in sub-blocks of this many entries bounds the
+# memory of sort values, indices and ranks even in dense mode.
+_RANK_BLOCK_ELEMENTS = 1 << 23
+
+
+class BCLLoss(ContrastiveLoss):
+    """InfoNCE with rank-based importance weights on the negatives (hard/false-negative aware).
+
+    Args:
+        tau_plus: class prior (probability that a "negative" is a false negative).
+        alpha: confidence that the eCDF separates true from false negatives.
+        beta: concentration on hard negatives.
+    """
+
+    name = "bcl"
+
+    def __init__(self, tau_plus: float = 0.1, alpha: float = 0.5, beta: float = 1.0, *,
+                 chunk_size: int = 0, id_space: int = 0):
+        super().__init__(chunk_size=chunk_size)
+        if not 0 <= tau_plus < 1:
+            raise ValueError(f"bcl: tau_plus must be in [0, 1), got {tau_plus}")
+        self.tau_plus = float(tau_plus)
+        self.alpha = float(alpha)
+        self.beta = float(beta)
+
+    @torch.no_grad()
+    def log_weights(self, logits: Tensor, positives: Tensor, num_negatives: int) -> Tensor:
+        """``log w_ij`` for every entry of the block (the positive's entry is meaningless)."""
+        out = torch.empty_like(logits)
+        rows_per_block = max(1, _RANK_BLOCK_ELEMENTS // logits.shape[1])
+        for start in range(0, logits.shape[0], rows_per_block):
+            block = slice(start, start + rows_per_block)
+            values = fill_positives_(logits[block].clone(), positives[block])
+            ordered = values.sort(dim=1).values
+            # -1: the positive sits at -inf and is counted below every negative.
+            counts = torch.searchsorted(ordered, values, right=True) - 1
+            out[block] = self.log_weights_from_ecdf(counts.to(logits.dtype) / num_negatives)
+        return out
+
+    def log_weights_from_ecdf(self, ecdf: Tensor) -> Tensor:
+        alpha, beta, tau_plus = self.alpha, self.beta, self.tau_plus
+        tau_minus = 1 - tau_plus
+        a = (1 - 2 * alpha) * (tau_minus - tau_plus) + 1e-3
+        b = 2 * (alpha * tau_minus + (1 - alpha) * tau_plus)
+        # Rationalised root: no cancellation when a is small (a = 1e-3 at alpha = 0.5).
+        phi = 2 * ecdf / (b + torch.sqrt(b * b + 4 * a * ecdf))
+        phi1, phi2 = 2 * (1 - phi), 2 * phi
+        true_negative = alpha * phi1 + (1 - alpha) * phi2
+        false_negative = (1 - alpha) * phi1 + alpha * phi2
+        hard_true_negative = ((alpha * (1 - beta) * phi1 + (1 - alpha) * beta * phi2)
+                              / (alpha * (1 - beta) + (1 - alpha) * beta + 1e-3))
+        weights = hard_true_negative / (tau_minus * true_negative + tau_plus * false_negative)
+        return torch.log(weights)
+
+    def row_terms(self, logits: Tensor, positives: Tensor, context: dict[str, Tensor],
+                  num_negatives: int) -> dict[str, Tensor]:
+        positive = positive_logits(logits, positives)
+        weighted = logits + self.log_weights(logits.detach(), positives, num_negatives)
+        negative = torch.logsumexp(fill_positives_(weighted, positives), dim=1)
+        return {"loss": torch.logaddexp(positive, negative) - positive}

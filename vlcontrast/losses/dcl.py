@@ -1,0 +1,28 @@
+"""DCL, decoupled contrastive learning (docs/losses.md, row ``dcl``; Yeh et al. 2022).
+
+Per anchor (image→text shown)::
+
+    l_i = -L_ii + logsumexp_{j != i} L_ij    (the positive is removed from the denominator)
+
+Unbounded below as ``logit_scale`` grows; it is not >= 0.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from vlcontrast.losses.base import ContrastiveLoss, negatives_logsumexp, positive_logits
+
+
+class DCLLoss(ContrastiveLoss):
+    """Symmetric decoupled contrastive loss; no options."""
+
+    name = "dcl"
+
+    def __init__(self, *, chunk_size: int = 0, id_space: int = 0):
+        super().__init__(chunk_size=chunk_size)
+
+    def row_terms(self, logits: Tensor, positives: Tensor, context: dict[str, Tensor],
+                  num_negatives: int) -> dict[str, Tensor]:
+        positive = positive_logits(logits, positives)
+        return {"loss": negatives_logsumexp(logits, positives) - positive}

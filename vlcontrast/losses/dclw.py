@@ -1,0 +1,56 @@
+"""DCLW, decoupled contrastive learning with a weighted positive (docs/losses.md, row ``dclw``).
+
+Per anchor (image→text shown; the same ``w`` serves both directions)::
+
+    l_i = -w_i L_ii + logsumexp_{j != i} L_ij
+    w_i = 2 - N * softmax_k(c_kk / sigma)_i
+
+``c_kk`` is the positive cosine of pair ``k``; the softmax runs over the **global** batch (all ranks)
+and ``w`` is detached. ``sigma -> inf`` gives ``w = 1``, i.e. DCL.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from vlcontrast.losses.base import (ContrastiveLoss, PairBatch, negatives_logsumexp,
+                                    positive_logits, row_dtype)
+
+
+class DCLWLoss(ContrastiveLoss):
+    """DCL with the positive term reweighted by how easy the pair is within the global batch.
+
+    Args:
+        sigma: temperature of the softmax over positive cosines (paper default 0.5).
+    """
+
+    name = "dclw"
+
+    def __init__(self, sigma: float = 0.5, *, chunk_size: int = 0, id_space: int = 0):
+        super().__init__(chunk_size=chunk_size)
+        if sigma <= 0:
+            raise ValueError(f"dclw: sigma must be > 0, got {sigma}")
+        self.sigma = float(sigma)
+
+    @torch.no_grad()
+    def prepare(self, batch: PairBatch) -> dict:
+        """``w`` of the global batch, from the gathered features (cheap: ``N x D``)."""
+        dtype = row_dtype(batch.all_image.dtype)
+        positive_cosines = (batch.all_image.to(dtype) * batch.all_text.to(dtype)).sum(-1)
+        weights = 2 - batch.global_size * torch.softmax(positive_cosines / self.sigma, dim=0)
+        return {"weights": weights}
+
+    def row_context(self, batch: PairBatch, direction: str, state: dict) -> dict[str, Tensor]:
+        return {"weights": batch.local_rows(state["weights"])}
+
+    def row_terms(self, logits: Tensor, positives: Tensor, context: dict[str, Tensor],
+                  num_negatives: int) -> dict[str, Tensor]:
+        positive = positive_logits(logits, positives)
+        return {"loss": negatives_logsumexp(logits, positives) - context["weights"] * positive}
+
+    def reduce(self, batch: PairBatch, terms: list[dict[str, Tensor]], state: dict) -> dict:
+        result = super().reduce(batch, terms, state)
+        weights = state["weights"]
+        result.update(weight_min=weights.min(), weight_max=weights.max(), weight_std=weights.std())
+        return result

@@ -1,0 +1,29 @@
+"""InfoNCE, the CLIP loss (docs/losses.md, row ``infonce``).
+
+Per anchor (image→text shown; text→image uses the rows of ``L.T``)::
+
+    l_i = -L_ii + logsumexp_j L_ij          (the positive is in the denominator)
+
+with ``L = logit_scale * cos``; the loss is the mean over anchors, averaged over both directions.
+Equal to open_clip ``ClipLoss(gather_with_grad=True)`` in value and gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from vlcontrast.losses.base import ContrastiveLoss, positive_logits
+
+
+class InfoNCELoss(ContrastiveLoss):
+    """Symmetric InfoNCE (CLIP); no options."""
+
+    name = "infonce"
+
+    def __init__(self, *, chunk_size: int = 0, id_space: int = 0):
+        super().__init__(chunk_size=chunk_size)
+
+    def row_terms(self, logits: Tensor, positives: Tensor, context: dict[str, Tensor],
+                  num_negatives: int) -> dict[str, Tensor]:
+        return {"loss": torch.logsumexp(logits, dim=1) - positive_logits(logits, positives)}

@@ -1,0 +1,41 @@
+"""SigLIP, the pairwise sigmoid loss (docs/losses.md, row ``siglip``; Zhai et al. 2023).
+
+With ``x_ij = s * c_ij + b`` and labels ``z_ii = +1``, ``z_ij = -1`` otherwise::
+
+    loss = -(1/N) sum_i sum_j log sigmoid(z_ij * x_ij)
+
+One direction covers every pair, so only image rows are scored. Since
+``-log sigmoid(-x) = softplus(x)`` and ``softplus(x) - softplus(-x) = x``, a row's term is
+``sum_j softplus(x_ij) - x_ii``: no label matrix. Equal to open_clip ``SigLipLoss``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from vlcontrast.losses.base import IMAGE_TO_TEXT, ContrastiveLoss, PairBatch, positive_logits
+
+
+class SigLIPLoss(ContrastiveLoss):
+    """Sigmoid loss with a learnable bias (pass ``logit_bias``; ``None`` means no bias)."""
+
+    name = "siglip"
+    directions = (IMAGE_TO_TEXT,)
+    uses_logit_bias = True
+
+    def __init__(self, *, chunk_size: int = 0, id_space: int = 0):
+        super().__init__(chunk_size=chunk_size)
+
+    def row_context(self, batch: PairBatch, direction: str, state: dict) -> dict[str, Tensor]:
+        if batch.logit_bias is None:
+            return {}
+        # Expanded to one entry per row so chunked blocks slice it like any other per-row input.
+        return {"bias": batch.logit_bias.reshape(()).expand(batch.local_size)}
+
+    def row_terms(self, logits: Tensor, positives: Tensor, context: dict[str, Tensor],
+                  num_negatives: int) -> dict[str, Tensor]:
+        if "bias" in context:
+            logits = logits + context["bias"].to(logits.dtype)[:, None]
+        return {"loss": F.softplus(logits).sum(dim=1) - positive_logits(logits, positives)}

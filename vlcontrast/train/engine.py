@@ -1,0 +1,108 @@
+"""DeepSpeed engine from our config: parameter groups, AdamW, cosine schedule, generated ds config.
+
+The optimizer is plain ``torch.optim.AdamW`` handed to DeepSpeed (no JIT-built fused optimizers, so
+the same code runs on CPU and GPU); weight decay skips gains, biases, embeddings' norms and
+``logit_scale``/``logit_bias`` (open_clip's rule). The generated DeepSpeed config is saved next to
+the run as ``deepspeed.json``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import torch
+
+from vlcontrast.config import RunConfig
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    def exempt(name: str, param: torch.nn.Parameter) -> bool:
+        return (param.ndim < 2 or "bn" in name or "ln" in name or "bias" in name
+                or "logit_scale" in name or "logit_bias" in name)
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    decay = [p for n, p in named if not exempt(n, p)]
+    no_decay = [p for n, p in named if exempt(n, p)]
+    return [{"params": no_decay, "weight_decay": 0.0},
+            {"params": decay, "weight_decay": weight_decay}]
+
+
+def cosine_with_warmup(warmup_steps: int, total_steps: int, min_ratio: float = 0.0):
+    """LR multiplier: linear warmup from 1/warmup to 1, then cosine down to ``min_ratio``."""
+
+    def factor(step: int) -> float:  # LambdaLR passes the number of completed steps
+        if warmup_steps > 0 and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        decay_steps = max(1, total_steps - warmup_steps)
+        progress = min(1.0, (step - warmup_steps) / decay_steps)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def deepspeed_config(config: RunConfig, world_size: int) -> dict[str, Any]:
+    train = config.train
+    ds: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": config.data.batch_size,
+        # The loss of an accumulated step is computed once over all micro-batches (GradCache), and
+        # the k feature-gradient backward passes accumulate into one optimizer step.
+        "gradient_accumulation_steps": train.accum_steps,
+        "train_batch_size": config.data.batch_size * train.accum_steps * world_size,
+        "gradient_clipping": config.optim.grad_clip,
+        "zero_optimization": {"stage": config.deepspeed.zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        "bf16": {"enabled": train.precision == "bf16"},
+        "fp16": {"enabled": train.precision == "fp16", "loss_scale": 0,
+                 "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
+                 "min_loss_scale": 1},
+    }
+    if config.deepspeed.zero_stage == 3:
+        # Keep the small CLIP parameters (logit_scale, norms) whole so clamping stays simple.
+        ds["zero_optimization"]["stage3_param_persistence_threshold"] = 10**5
+    return _merge(ds, config.deepspeed.overrides)
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def build_engine(model: torch.nn.Module, config: RunConfig, total_steps: int, world_size: int):
+    """(engine, ds_config): DeepSpeed engine with torch AdamW and a cosine schedule."""
+    import deepspeed
+
+    optim = config.optim
+    optimizer = torch.optim.AdamW(parameter_groups(model, optim.weight_decay), lr=optim.lr,
+                                  betas=optim.betas, eps=optim.eps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, cosine_with_warmup(optim.warmup_steps, total_steps, optim.min_lr / optim.lr))
+    ds_config = deepspeed_config(config, world_size)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=ds_config, dist_init_required=False)
+    return engine, ds_config
+
+
+def clamp_logit_scale(engine, max_scale: float = 100.0) -> None:
+    """open_clip's rule: keep s = exp(logit_scale) in [1, 100] after every step."""
+    module = engine.module
+    param = getattr(module, "logit_scale", None)
+    if param is None:
+        return
+    if hasattr(param, "ds_id"):  # ZeRO-3 partitioned parameter
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+            with torch.no_grad():
+                param.clamp_(0, math.log(max_scale))
+        return
+    with torch.no_grad():
+        param.clamp_(0, math.log(max_scale))

@@ -1,0 +1,68 @@
+"""End-of-run report: ``report.md`` with a loss-curve PNG and the results table, and the same table
+printed to the terminal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from vlcontrast.train.metrics import read_metrics
+
+
+def results_table(results: dict[str, Any], title: str = "metric") -> str:
+    """Markdown table of flat numeric results (percentages for recalls/accuracies)."""
+    rows = [f"| {title} | value |", "|---|---|"]
+    for key, value in results.items():
+        if isinstance(value, float):
+            rows.append(f"| {key} | {value:.4f} |")
+        elif isinstance(value, (int, str)):
+            rows.append(f"| {key} | {value} |")
+    return "\n".join(rows)
+
+
+def plot_loss_curve(metrics_path: Path, out_png: Path) -> bool:
+    records = [r for r in read_metrics(metrics_path) if r.get("kind") == "train" and "loss" in r]
+    if not records:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    axes[0].plot(steps, [float(r["loss"]) for r in records], lw=1.2)
+    axes[0].set_xlabel("optimizer step")
+    axes[0].set_ylabel("training loss")
+    axes[0].grid(alpha=0.3)
+    axes[1].plot(steps, [float(r.get("logit_scale", float("nan"))) for r in records], lw=1.2,
+                 color="tab:orange")
+    axes[1].set_xlabel("optimizer step")
+    axes[1].set_ylabel("logit scale (1/tau)")
+    axes[1].grid(alpha=0.3)
+    evals = [r for r in read_metrics(metrics_path) if r.get("kind") == "eval"]
+    if evals:
+        ax = axes[0].twinx()
+        for key, color in (("zeroshot/top1", "tab:green"), ("retrieval/text_to_image_R@1", "tab:red")):
+            points = [(r["step"], r[key]) for r in evals if key in r]
+            if points:
+                ax.plot(*zip(*points), "o--", color=color, label=key, ms=3)
+        ax.set_ylabel("eval metric")
+        ax.legend(loc="center right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_report(run_dir: Path, results: dict[str, Any], config_summary: dict[str, Any]) -> Path:
+    png = run_dir / "loss_curve.png"
+    has_plot = plot_loss_curve(run_dir / "metrics.jsonl", png)
+    lines = ["# vlcontrast run report", "", f"Run directory: `{run_dir}`", ""]
+    lines += ["## Setup", "", results_table(config_summary, "setting"), ""]
+    lines += ["## Results", "", results_table(results), ""]
+    if has_plot:
+        lines += ["## Training curve", "", "![loss curve](loss_curve.png)", ""]
+    path = run_dir / "report.md"
+    path.write_text("\n".join(lines))
+    return path
