@@ -1,4 +1,4 @@
-"""The ``vlcontrast`` command: ``train``, ``prep``, ``eval``, ``export``, ``study``, ``config``.
+"""The ``vlcontrast`` command: ``train``, ``prep``, ``eval``, ``export``, ``verify``, ``study``, ``config``.
 
 Subcommands parse arguments and call the library; no logic lives here. ``train --nproc N``
 re-launches itself under ``torchrun`` for N local processes; under torchrun, ``deepspeed`` or
@@ -102,6 +102,14 @@ def _cmd_export(args) -> int:
     return 0
 
 
+def _cmd_verify(args) -> int:
+    from vlcontrast.verify import verify_run
+
+    ok, table = verify_run(args.run_dir, args.min_over_chance)
+    print(table)
+    return 0 if ok else 1
+
+
 def _cmd_study(args) -> int:
     _prepare_environment()
     from vlcontrast.study import run_study
@@ -169,6 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--checkpoint", required=True)
     export.add_argument("--out", required=True)
     export.set_defaults(func=_cmd_export)
+
+    verify = sub.add_parser("verify", help="check a finished run's metrics against chance")
+    verify.add_argument("run_dir")
+    verify.add_argument("--min-over-chance", type=float, default=3.0)
+    verify.set_defaults(func=_cmd_verify)
 
     study = sub.add_parser("study", help="grid of short runs: loss x batch size x seed")
     study.add_argument("--config", required=True)

@@ -144,6 +144,29 @@ def sample_captions(files: dict[str, bytes]) -> list[str]:
     return []
 
 
+class RetrievalDecoder:
+    """files -> (image tensor, captions); a class so loader workers can pickle it."""
+
+    def __init__(self, preprocess):
+        self.preprocess = preprocess
+
+    def __call__(self, files):
+        captions = sample_captions(files)
+        if not captions:
+            raise ValueError("sample has no caption")
+        return self.preprocess(decode_image(files)), captions
+
+
+class ClassificationDecoder:
+    """files -> (image tensor, label) from CLIP_benchmark's ``.cls``."""
+
+    def __init__(self, preprocess):
+        self.preprocess = preprocess
+
+    def __call__(self, files):
+        return self.preprocess(decode_image(files)), int(files["cls"].decode().strip())
+
+
 @dataclass(frozen=True)
 class ReadPlan:
     """Which shards one reader slot reads, and which of their samples it keeps."""
@@ -265,13 +288,7 @@ def build_retrieval_loader(shards: str | Sequence[str], preprocess, *, batch_siz
         sizes = shard_sizes(paths, is_retrieval_sample)
         limits = row_limits_for(sizes, max_samples)
 
-    def decode(files):
-        captions = sample_captions(files)
-        if not captions:
-            raise ValueError("sample has no caption")
-        return preprocess(decode_image(files)), captions
-
-    dataset = TarEvalDataset(paths, is_retrieval_sample, decode, rank=rank, world_size=world_size,
+    dataset = TarEvalDataset(paths, is_retrieval_sample, RetrievalDecoder(preprocess), rank=rank, world_size=world_size,
                              row_limits=limits)
     num_batches = None
     if sizes is not None:
@@ -390,10 +407,8 @@ class FolderEvalDataset(Dataset):
 def build_zeroshot_loader(data: ZeroShotData, preprocess, *, batch_size: int, workers: int = 0,
                           rank: int = 0, world_size: int = 1) -> EvalLoader:
     if data.kind == "wds":
-        def decode(files):
-            return preprocess(decode_image(files)), int(files["cls"].decode().strip())
-
-        dataset = TarEvalDataset(data.shards, is_classification_sample, decode, rank=rank,
+        dataset = TarEvalDataset(data.shards, is_classification_sample,
+                                 ClassificationDecoder(preprocess), rank=rank,
                                  world_size=world_size)
         return EvalLoader(_loader(dataset, batch_size, workers, collate_classification), None,
                           data.root)

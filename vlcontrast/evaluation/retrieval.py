@@ -23,6 +23,27 @@ import torch.nn.functional as F
 DEFAULT_KS = (1, 5, 10)
 
 
+class _Counter:
+    """Per row of a score chunk: how many scores are > and == the row's threshold.
+
+    On CPU the comparisons write into one reused boolean buffer and numpy counts them: torch's bool
+    reductions are several times slower there, and fresh [chunk, N] allocations cost page faults.
+    """
+
+    def __init__(self, rows: int, columns: int, device: torch.device):
+        self.on_cpu = device.type == "cpu"
+        self.mask = np.empty((rows, columns), dtype=bool) if self.on_cpu else None
+
+    def __call__(self, scores: torch.Tensor, threshold: torch.Tensor):
+        if not self.on_cpu:
+            return (scores > threshold).sum(dim=1), (scores == threshold).sum(dim=1)
+        values, limit = scores.numpy(), threshold.numpy()
+        mask = self.mask[: values.shape[0]]
+        higher = np.count_nonzero(np.greater(values, limit, out=mask), axis=1)
+        equal = np.count_nonzero(np.equal(values, limit, out=mask), axis=1)
+        return torch.from_numpy(higher).long(), torch.from_numpy(equal).long()
+
+
 def _positive_ranks(queries: torch.Tensor, candidates: torch.Tensor, pair_query: torch.Tensor,
                     pair_candidate: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """0-based rank of each query's best-ranked positive among all candidates.
@@ -34,12 +55,15 @@ def _positive_ranks(queries: torch.Tensor, candidates: torch.Tensor, pair_query:
     num_queries, num_candidates = queries.shape[0], candidates.shape[0]
     device = queries.device
     ranks = torch.empty(num_queries, dtype=torch.long, device=device)
-    candidates_t = candidates.t()
+    candidates_t = candidates.t().contiguous()
+    rows_per_chunk = min(chunk_size, max(num_queries, 1))
+    buffer = torch.empty(rows_per_chunk, num_candidates, dtype=queries.dtype, device=device)
+    count = _Counter(rows_per_chunk, num_candidates, device)
     bounds = torch.searchsorted(pair_query, torch.arange(0, num_queries + chunk_size, chunk_size,
                                                          device=device).clamp_(max=num_queries))
     for chunk_index, start in enumerate(range(0, num_queries, chunk_size)):
         end = min(start + chunk_size, num_queries)
-        scores = queries[start:end] @ candidates_t  # [c, N]
+        scores = torch.matmul(queries[start:end], candidates_t, out=buffer[: end - start])
         lo, hi = int(bounds[chunk_index]), int(bounds[chunk_index + 1])
         rows = pair_query[lo:hi] - start
         cols = pair_candidate[lo:hi]
@@ -51,8 +75,8 @@ def _positive_ranks(queries: torch.Tensor, candidates: torch.Tensor, pair_query:
         first = torch.full((end - start,), num_candidates, dtype=torch.long, device=device)
         first.scatter_reduce_(0, rows[is_best], cols[is_best], reduce="amin")
         threshold = best.unsqueeze(1)
-        higher = (scores > threshold).sum(dim=1)
-        equal = (scores == threshold).sum(dim=1)
+        higher, equal = count(scores, threshold)
+        higher, equal = higher.to(device), equal.to(device)
         # Only rows with a tie need the index-aware count; they are rare, so do them separately.
         tied = torch.nonzero(equal > 1).flatten()
         if tied.numel():
@@ -60,7 +84,6 @@ def _positive_ranks(queries: torch.Tensor, candidates: torch.Tensor, pair_query:
             lower_index = torch.arange(num_candidates, device=device).unsqueeze(0) < first[tied].unsqueeze(1)
             higher[tied] += ((tied_scores == threshold[tied]) & lower_index).sum(dim=1)
         ranks[start:end] = higher
-        del scores
     return ranks
 
 

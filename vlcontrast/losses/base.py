@@ -86,8 +86,12 @@ class PairBatch:
 
 
 def positive_logits(logits: Tensor, positives: Tensor) -> Tensor:
-    """``L[i, pos_i]`` for every row of the block."""
-    return logits.gather(1, positives[:, None]).squeeze(1)
+    """``L[i, pos_i]`` for every row of the block.
+
+    Advanced indexing, not ``gather``: its backward keeps only the indices, so the caller may then
+    overwrite the positives in place (``gather`` saves the whole block for its backward).
+    """
+    return logits[torch.arange(logits.shape[0], device=logits.device), positives]
 
 
 def fill_positives_(logits: Tensor, positives: Tensor, value: float = -math.inf) -> Tensor:

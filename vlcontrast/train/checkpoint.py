@@ -53,15 +53,19 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 
 def consolidated_state_dict(engine, zero_stage: int) -> dict[str, torch.Tensor] | None:
-    """Full fp32 model weights on rank 0 (collective under ZeRO-3)."""
+    """Full fp32 model weights on rank 0, in open_clip's shapes (collective under ZeRO-3)."""
+    from vlcontrast.train.engine import open_clip_state_dict
+
     if zero_stage == 3:
         state = engine._zero3_consolidated_16bit_state_dict()  # all ranks must call
         if state is None:
             return None
-        return {k: v.float().cpu() for k, v in state.items()}
-    if not dist_utils.is_main_process():
+        state = {k: v.float().cpu() for k, v in state.items()}
+    elif not dist_utils.is_main_process():
         return None
-    return {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()}
+    else:
+        state = {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()}
+    return open_clip_state_dict(engine.module, state)
 
 
 def save_checkpoint(root: Path, step: int, engine, *, zero_stage: int, trainer_state: dict,

@@ -76,10 +76,38 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+SCALAR_PARAMS_ATTR = "_vlcontrast_scalar_params"
+
+
+def vectorise_scalar_parameters(model: torch.nn.Module) -> list[str]:
+    """Give 0-dim parameters (open_clip's ``logit_scale``/``logit_bias``) shape ``[1]``.
+
+    DeepSpeed's initial parameter broadcast views every parameter as bytes, which fails for 0-dim
+    tensors. Shape ``[1]`` broadcasts identically in the model's forward; the names are recorded so
+    checkpoints written for open_clip get the original shape back (:func:`open_clip_state_dict`).
+    """
+    names = []
+    for name, param in model.named_parameters():
+        if param.ndim == 0:
+            param.data = param.data.reshape(1)
+            names.append(name)
+    setattr(model, SCALAR_PARAMS_ATTR, names)
+    return names
+
+
+def open_clip_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Undo :func:`vectorise_scalar_parameters` on a state dict."""
+    for name in getattr(model, SCALAR_PARAMS_ATTR, []):
+        if name in state:
+            state[name] = state[name].reshape(())
+    return state
+
+
 def build_engine(model: torch.nn.Module, config: RunConfig, total_steps: int, world_size: int):
     """(engine, ds_config): DeepSpeed engine with torch AdamW and a cosine schedule."""
     import deepspeed
 
+    vectorise_scalar_parameters(model)
     optim = config.optim
     optimizer = torch.optim.AdamW(parameter_groups(model, optim.weight_decay), lr=optim.lr,
                                   betas=optim.betas, eps=optim.eps)

@@ -248,7 +248,7 @@ def _install_signal_handlers(flag: dict) -> None:
 
 def train(config: RunConfig) -> dict[str, Any]:
     """Run a training job as configured; returns the final results (rank 0: also written)."""
-    from vlcontrast.data import build_train_loader
+    from vlcontrast.data.loader import build_train_loader
     from vlcontrast.losses import build_loss
     from vlcontrast.models import build_model
     from vlcontrast.train import checkpoint as ckpt

@@ -1,0 +1,150 @@
+import json
+import tarfile
+
+import pytest
+import torch
+
+from tests.evaluation.helpers import write_clip_benchmark_wds, write_image_folder, write_retrieval_shards
+from vlcontrast.evaluation.datasets import (ROW_BITS, TarEvalDataset, build_retrieval_loader,
+                                            is_retrieval_sample, plan_reading, read_templates,
+                                            resolve_shards, resolve_zeroshot_data, sample_captions,
+                                            shard_sizes)
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("world,workers", [(1, 1), (1, 3), (2, 1), (2, 2), (3, 2), (4, 1)])
+def test_plan_covers_every_sample_exactly_once(num_shards, world, workers):
+    rows_per_shard = [7, 3, 5, 1, 4, 6, 2, 9][:num_shards]
+    seen = []
+    for rank in range(world):
+        for worker in range(workers):
+            plan = plan_reading(num_shards, rank, world, worker, workers)
+            counter = 0
+            for shard in plan.shard_ids:
+                for row in range(rows_per_shard[shard]):
+                    if counter % plan.stride == plan.offset:
+                        seen.append((shard, row))
+                    counter += 1
+    assert sorted(seen) == [(s, r) for s in range(num_shards) for r in range(rows_per_shard[s])]
+
+
+def test_fewer_shards_than_ranks_splits_by_sample_index():
+    plan = plan_reading(1, rank=1, world=2, worker=0, workers=1)
+    assert plan.shard_ids == (0,) and plan.stride == 2 and plan.offset == 1
+
+
+def test_captions_from_json_list_txt_lines_and_json_caption():
+    assert sample_captions({"json": json.dumps({"captions": ["a", "b"]}).encode(),
+                            "txt": b"ignored"}) == ["a", "b"]
+    assert sample_captions({"txt": b"first\nsecond\n\n", "json": b'{"caption": "x"}'}) == \
+        ["first", "second"]
+    assert sample_captions({"json": b'{"caption": "only"}'}) == ["only"]
+    assert sample_captions({"jpg": b""}) == []
+
+
+@pytest.mark.parametrize("style", ["txt", "json"])
+def test_reader_yields_all_samples_with_their_captions(tmp_path, style):
+    captions = write_retrieval_shards(tmp_path, 11, per_shard=4, captions_per_image=lambda i: 1 + i % 3,
+                                      style=style)
+    seen = {}
+    for rank in range(2):
+        dataset = TarEvalDataset(resolve_shards(str(tmp_path)), is_retrieval_sample, sample_captions,
+                                 rank=rank, world_size=2)
+        for key, texts in dataset:
+            assert key not in seen
+            seen[key] = texts
+    ordered = [seen[k] for k in sorted(seen)]
+    assert ordered == captions
+    assert sorted(seen)[4] == (1 << ROW_BITS)  # shard 1, row 0
+
+
+def test_shard_sizes_from_sizes_json_or_counted(tmp_path):
+    write_retrieval_shards(tmp_path / "a", 10, per_shard=4)
+    write_retrieval_shards(tmp_path / "b", 10, per_shard=4, sizes_json=False)
+    (tmp_path / "a" / "sizes.json").write_text(json.dumps({"00000.tar": 4, "00001.tar": 4,
+                                                            "00002.tar": 99}))
+    assert shard_sizes(resolve_shards(str(tmp_path / "a")), is_retrieval_sample) == [4, 4, 99]
+    assert shard_sizes(resolve_shards(str(tmp_path / "b")), is_retrieval_sample) == [4, 4, 2]
+
+
+def test_max_samples_keeps_dataset_prefix_and_counts_batches(tmp_path, tiny):
+    _, preprocess, _ = tiny
+    write_retrieval_shards(tmp_path, 13, per_shard=5)
+    keys = []
+    for rank in range(2):
+        loader = build_retrieval_loader(str(tmp_path), preprocess, batch_size=2, rank=rank,
+                                        world_size=2, max_samples=7)
+        batches = list(loader.loader)
+        assert len(batches) == loader.num_batches
+        keys += [k for batch in batches for k in batch[2].tolist()]
+    assert sorted(keys) == [0, 1, 2, 3, 4, (1 << ROW_BITS), (1 << ROW_BITS) + 1]
+
+
+def test_broken_images_are_skipped_and_counted(tmp_path, tiny):
+    _, preprocess, _ = tiny
+    write_retrieval_shards(tmp_path, 6, per_shard=6, broken={2})
+    loader = build_retrieval_loader(str(tmp_path), preprocess, batch_size=4)
+    batches = list(loader.loader)
+    assert sum(b[3] for b in batches) == 1
+    assert sum(len(b[2]) for b in batches) == 5
+
+
+def test_resolve_shards_forms(tmp_path):
+    write_retrieval_shards(tmp_path, 9, per_shard=3)
+    expected = [str(tmp_path / f"{i:05d}.tar") for i in range(3)]
+    assert resolve_shards(str(tmp_path)) == expected
+    assert resolve_shards(str(tmp_path / "{00000..00002}.tar")) == expected
+    assert resolve_shards(",".join(expected[:2])) == expected[:2]
+    with pytest.raises(FileNotFoundError):
+        resolve_shards(str(tmp_path / "{00000..00005}.tar"))
+
+
+def test_clip_benchmark_retrieval_layout_is_read(tmp_path):
+    captions = write_clip_benchmark_wds(tmp_path, 5, 2, task="retrieval", captions_per_image=3)
+    shards = resolve_shards(str(tmp_path))
+    assert shards == [str(tmp_path / "test" / f"{i}.tar") for i in range(3)]
+    dataset = TarEvalDataset(shards, is_retrieval_sample, sample_captions)
+    assert [texts for _, texts in dataset] == captions
+
+
+def test_imagenet_val_dir_uses_open_clip_metadata(tmp_path):
+    from open_clip import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES
+
+    wnids = [f"n{i:08d}" for i in range(1000)]
+    for wnid in wnids:
+        (tmp_path / wnid).mkdir()
+    write_image_folder(tmp_path, [wnids[3]], per_class=2)
+    data = resolve_zeroshot_data(str(tmp_path))
+    assert data.kind == "imagenet"
+    assert data.classnames == list(IMAGENET_CLASSNAMES) and len(data.templates) == 80
+    assert data.templates == list(OPENAI_IMAGENET_TEMPLATES)
+    # Labels follow sorted WNIDs, like torchvision's ImageFolder.
+    assert [label for _, label in data.samples] == [3, 3]
+
+
+def test_image_folder_with_classnames_and_templates_files(tmp_path):
+    write_image_folder(tmp_path / "data", ["b_dir", "a_dir"], per_class=2)
+    (tmp_path / "names.txt").write_text("apple\nbanana\n")
+    (tmp_path / "templates.txt").write_text("a photo of a {c}.\n{c} in the wild\n")
+    data = resolve_zeroshot_data(str(tmp_path / "data"), str(tmp_path / "names.txt"),
+                                 str(tmp_path / "templates.txt"))
+    assert data.kind == "imagefolder" and data.classnames == ["apple", "banana"]
+    assert data.templates == ["a photo of a {c}.", "{c} in the wild"]
+    assert [label for _, label in data.samples] == [0, 0, 1, 1]
+    assert "a_dir" in data.samples[0][0]
+    default = resolve_zeroshot_data(str(tmp_path / "data"))
+    assert default.classnames == ["a dir", "b dir"]
+    (tmp_path / "three.txt").write_text("x\ny\nz\n")
+    with pytest.raises(ValueError, match="3 class names for 2"):
+        resolve_zeroshot_data(str(tmp_path / "data"), str(tmp_path / "three.txt"))
+    (tmp_path / "bad.txt").write_text("a photo\n")
+    with pytest.raises(ValueError, match="placeholder"):
+        read_templates(tmp_path / "bad.txt")
+
+
+def test_clip_benchmark_classification_layout(tmp_path):
+    write_clip_benchmark_wds(tmp_path, 6, 4, task="classification", labels=[0, 1, 2, 0, 1, 2],
+                             classnames=["cat", "dog", "car"], templates=["a {c}", "the {c}"])
+    data = resolve_zeroshot_data(str(tmp_path))
+    assert data.kind == "wds" and data.classnames == ["cat", "dog", "car"]
+    assert data.templates == ["a {c}", "the {c}"] and len(data.shards) == 2

@@ -1,0 +1,97 @@
+import io
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from tests.evaluation.helpers import (image_bytes, write_clip_benchmark_wds,
+                                      write_image_folder, write_retrieval_shards)
+from vlcontrast.evaluation import (build_zeroshot_classifier, clip_validation_loss,
+                                   evaluate_retrieval, evaluate_zeroshot, retrieval_metrics,
+                                   run_retrieval_cli, run_zeroshot_cli, zeroshot_metrics)
+
+
+def reference_embeddings(model, preprocess, tokenizer, captions):
+    images = torch.stack([preprocess(Image.open(io.BytesIO(image_bytes(i))).convert("RGB"))
+                          for i in range(len(captions))])
+    with torch.no_grad():
+        image_features = F.normalize(model.encode_image(images), dim=-1)
+        flat = [t for texts in captions for t in texts]
+        text_features = F.normalize(model.encode_text(tokenizer(flat)), dim=-1)
+    t2i = torch.arange(len(captions)).repeat_interleave(torch.tensor([len(c) for c in captions]))
+    return image_features, text_features, t2i
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_evaluate_retrieval_equals_metrics_on_direct_embeddings(tmp_path, tiny, workers):
+    model, preprocess, tokenizer = tiny
+    captions = write_retrieval_shards(tmp_path, 23, per_shard=5,
+                                      captions_per_image=lambda i: 1 + i % 3, style="json")
+    result = evaluate_retrieval(model, preprocess, tokenizer, str(tmp_path), batch_size=4,
+                                workers=workers, device="cpu", progress=False)
+    images, texts, t2i = reference_embeddings(model, preprocess, tokenizer, captions)
+    expected = retrieval_metrics(images, texts, t2i)
+    for key, value in expected.items():
+        assert result[key] == pytest.approx(value, abs=1e-9), key
+    first = torch.tensor([0] + torch.cumsum(torch.tensor([len(c) for c in captions]), 0).tolist()[:-1])
+    scale = model.logit_scale.exp().item()
+    assert result["val_loss"] == pytest.approx(clip_validation_loss(images, texts[first], scale, 4),
+                                               rel=1e-5)
+    assert result["val_loss_batch_size"] == 4 and result["num_skipped"] == 0
+    assert result["num_texts"] == sum(len(c) for c in captions)
+    json.dumps(result)
+    assert model.training is False
+
+
+def test_evaluate_retrieval_restores_training_mode_and_honours_max_samples(tmp_path, tiny):
+    model, preprocess, tokenizer = tiny
+    write_retrieval_shards(tmp_path, 12, per_shard=5)
+    model.train()
+    try:
+        result = evaluate_retrieval(model, preprocess, tokenizer, str(tmp_path), batch_size=5,
+                                    workers=0, max_samples=8, logit_scale=10.0, progress=False)
+        assert model.training
+    finally:
+        model.eval()
+    assert result["num_images"] == 8 and result["num_texts"] == 8
+
+
+def test_evaluate_zeroshot_image_folder_equals_direct_computation(tmp_path, tiny):
+    model, preprocess, tokenizer = tiny
+    samples = write_image_folder(tmp_path / "data", ["c0", "c1", "c2", "c3", "c4", "c5"], per_class=3)
+    templates = ["a photo of a {c}.", "a blurry {c}."]
+    names = ["cat", "dog", "car", "tree", "boat", "house"]
+    result = evaluate_zeroshot(model, preprocess, tokenizer, str(tmp_path / "data"), names, templates,
+                               batch_size=4, workers=0, progress=False)
+    classifier = build_zeroshot_classifier(model, tokenizer, names, templates)
+    images = torch.stack([preprocess(Image.open(p).convert("RGB")) for p, _ in samples])
+    with torch.no_grad():
+        features = F.normalize(model.encode_image(images), dim=-1)
+    expected = zeroshot_metrics(100.0 * features @ classifier, torch.tensor([l for _, l in samples]))
+    for key, value in expected.items():
+        assert result[key] == pytest.approx(value), key
+    assert result["num_images"] == 18 and result["num_classes"] == 6 and result["num_templates"] == 2
+
+
+def test_cli_helpers_write_json_records(tmp_path, tiny_checkpoint, capsys):
+    write_retrieval_shards(tmp_path / "shards", 7, per_shard=4)
+    out = tmp_path / "out" / "retrieval.json"
+    record = run_retrieval_cli(str(tiny_checkpoint), str(tmp_path / "shards"), str(out),
+                               batch_size=4, workers=0, max_samples=0, device="cpu")
+    saved = json.loads(out.read_text())
+    assert saved == record
+    assert saved["checkpoint"].endswith("step_00000100") and saved["N"] == 7
+    assert saved["dataset"] == str(tmp_path / "shards") and "timestamp" in saved
+    assert 0.0 <= saved["metrics"]["image_to_text_R@1"] <= 1.0
+    assert "image_to_text_R@1" in capsys.readouterr().out
+
+    write_clip_benchmark_wds(tmp_path / "cls", 6, 3, task="classification", labels=[0, 1, 2, 0, 1, 2],
+                             classnames=["cat", "dog", "car"], templates=["a {c}", "the {c}"])
+    out = tmp_path / "zs.json"
+    record = run_zeroshot_cli(str(tiny_checkpoint), str(tmp_path / "cls"), str(out), batch_size=4,
+                              workers=0, device="cpu")
+    saved = json.loads(out.read_text())
+    assert saved["task"] == "zeroshot" and saved["N"] == 6
+    assert saved["metrics"]["num_classes"] == 3 and saved["metrics"]["num_templates"] == 2

@@ -1,0 +1,155 @@
+"""Data parallelism: every loss on 2 and 4 gloo ranks equals the single-process loss on the global batch.
+
+One spawn per world size checks all losses (spawning costs seconds): the mean over ranks of the
+per-rank loss equals the global loss; the local feature gradients, divided by the world size and
+concatenated, equal the single-process gradients (DeepSpeed averages the ranks' parameter
+gradients, and the gather's backward sums every rank's contribution); ``logit_scale`` and
+``logit_bias`` gradients averaged over ranks equal the single-process ones. DeCL runs three steps,
+and its buffer (replicated or sharded by id) must end equal to the single-process buffer, also
+after resuming a checkpoint written at another world size.
+"""
+
+from __future__ import annotations
+
+import numpy
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.losses import references
+from vlcontrast.distributed import get_rank, get_world_size
+from vlcontrast.losses import build_loss
+
+GLOBAL_BATCH, DIM, ID_SPACE, SCALE, BIAS = 12, 8, 30, 14.29, -4.0
+STEP_IDS = [list(range(12)), list(range(6, 18)), list(range(0, 24, 2))]
+
+# (label, loss name, options, chunk_size, steps)
+CASES = [
+    ("infonce", "infonce", {}, 0, 1),
+    ("dcl", "dcl", {}, 0, 1),
+    ("dclw", "dclw", {}, 0, 1),
+    ("dclw-chunked", "dclw", {"sigma": 0.3}, 2, 1),
+    ("debiased", "debiased", {}, 0, 1),
+    ("hcl", "hcl", {}, 0, 1),
+    ("bcl", "bcl", {}, 0, 1),
+    ("bcl-chunked", "bcl", {"alpha": 0.7}, 2, 1),
+    ("balanced", "balanced", {}, 0, 1),
+    ("siglip", "siglip", {}, 0, 1),
+    ("siglip-chunked", "siglip", {}, 2, 1),
+    ("decl-buffer", "decl", {"gamma": 0.6}, 0, 3),
+    ("decl-sharded-chunked", "decl", {"gamma": 0.6, "shard_buffer": True}, 2, 3),
+    ("decl-weighted-sample", "decl", {"schedule": "weighted", "u_mode": "sample", "gamma": 0.8}, 0,
+     3),
+    ("decl-momentum", "decl", {"estimator": "momentum", "schedule": "loss1"}, 0, 2),
+]
+RESUME_OPTIONS = {"gamma": 0.6, "shard_buffer": True, "schedule": "loss1"}
+
+
+def make_batches():
+    batches = []
+    for step, ids in enumerate(STEP_IDS):
+        image, text = references.random_pairs(GLOBAL_BATCH, DIM, seed=10 + step)
+        ema = references.random_pairs(GLOBAL_BATCH, DIM, seed=20 + step)
+        batches.append((image, text, torch.tensor(ids), ema))
+    return batches
+
+
+def run_case(name, options, chunk_size, steps, batches, state=None, first_step=1):
+    """Per-step ``(loss, image grad, text grad, scale grad, bias grad, diagnostics)`` on this rank."""
+    rank, world = get_rank(), get_world_size()
+    local = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+    loss_fn = build_loss(name, chunk_size=chunk_size, id_space=ID_SPACE, **options)
+    if state is not None:
+        loss_fn.load_state_dict(to_torch(state))
+    records = []
+    for step in range(first_step, first_step + steps):
+        image, text, ids, (ema_image, ema_text) = to_torch(batches[step - 1])
+        image = image[local].clone().requires_grad_()
+        text = text[local].clone().requires_grad_()
+        scale = torch.tensor(SCALE, dtype=torch.float64, requires_grad=True)
+        bias = torch.tensor(BIAS, dtype=torch.float64, requires_grad=True)
+        out = loss_fn(image, text, scale, logit_bias=bias, sample_ids=ids[local], step=step,
+                      momentum_features=(ema_image[local], ema_text[local]))
+        grads = torch.autograd.grad(out["loss"], (image, text, scale, bias), allow_unused=True)
+        grads = [torch.zeros(()) if g is None else g for g in grads]
+        diagnostics = {key: float(value) for key, value in out.items() if key != "loss"}
+        records.append((float(out["loss"].detach()), *grads, diagnostics))
+    buffer = loss_fn.state_dict()["log_u"].clone() if name == "decl" and loss_fn.needs_sample_ids \
+        else None  # every rank calls state_dict(): it is a collective when sharded
+    return records, buffer
+
+
+def to_numpy(value):
+    """Tensors travel back as numpy arrays: a torch tensor would be shared through a file
+    descriptor that dies with the worker process."""
+    if torch.is_tensor(value):
+        return value.detach().numpy()
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_numpy(v) for v in value)
+    if isinstance(value, dict):
+        return {key: to_numpy(v) for key, v in value.items()}
+    return value
+
+
+def to_torch(value):
+    if isinstance(value, numpy.ndarray):
+        return torch.from_numpy(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_torch(v) for v in value)
+    if isinstance(value, dict):
+        return {key: to_torch(v) for key, v in value.items()}
+    return value
+
+
+def worker(rank, world_size, batches, resume_state):
+    results = {label: run_case(name, options, chunk, steps, batches)
+               for label, name, options, chunk, steps in CASES}
+    results["decl-resumed"] = run_case("decl", RESUME_OPTIONS, 0, 1, batches, state=resume_state,
+                                       first_step=3)
+    return to_numpy(results)
+
+
+def single_process(batches):
+    results = {label: run_case(name, options, chunk, steps, batches)
+               for label, name, options, chunk, steps in CASES}
+    first_two = build_loss("decl", id_space=ID_SPACE, **RESUME_OPTIONS)
+    for step in (1, 2):
+        image, text, ids, _ = batches[step - 1]
+        first_two(image, text, torch.tensor(SCALE, dtype=torch.float64), sample_ids=ids, step=step)
+    resume_state = first_two.state_dict()
+    results["decl-resumed"] = run_case("decl", RESUME_OPTIONS, 0, 1, batches, state=resume_state,
+                                       first_step=3)
+    return results, resume_state
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_data_parallel_equals_single_process(world_size):
+    batches = make_batches()
+    expected, resume_state = single_process(batches)
+    per_rank = to_torch(run_distributed(worker, world_size, to_numpy(batches),
+                                        to_numpy(resume_state)))
+    checked = 0
+    for label, (expected_records, expected_buffer) in expected.items():
+        rank_records = [result[label][0] for result in per_rank]
+        for step, expected_record in enumerate(expected_records, start=1):
+            where = f"{label} step {step} world {world_size}"
+            loss, image_grad, text_grad, scale_grad, bias_grad, diagnostics = expected_record
+            steps = [records[step - 1] for records in rank_records]
+            assert sum(r[0] for r in steps) / world_size == pytest.approx(loss, rel=1e-9), where
+            torch.testing.assert_close(torch.cat([r[1] for r in steps]) / world_size, image_grad,
+                                       msg=where)
+            torch.testing.assert_close(torch.cat([r[2] for r in steps]) / world_size, text_grad,
+                                       msg=where)
+            torch.testing.assert_close(sum(r[3] for r in steps) / world_size, scale_grad, msg=where)
+            torch.testing.assert_close(sum(r[4] for r in steps) / world_size, bias_grad, msg=where)
+            for key in ("loss_1", "loss_2", "positive_similarity", "negative_similarity", "U"):
+                if key in diagnostics:
+                    mean = sum(r[5][key] for r in steps) / world_size
+                    assert mean == pytest.approx(diagnostics[key], rel=1e-6), f"{where} {key}"
+            checked += 1
+        if expected_buffer is not None:
+            for result in per_rank:
+                torch.testing.assert_close(result[label][1], expected_buffer, msg=label)
+            assert torch.isfinite(expected_buffer).any() and torch.isinf(expected_buffer).any()
+    assert checked == sum(case[4] for case in CASES) + 1

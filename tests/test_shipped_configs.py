@@ -1,0 +1,34 @@
+"""Every shipped config parses and validates, and every shipped model config builds."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vlcontrast.config import load_config
+from vlcontrast.models import resolve_model_config
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if "study" not in p.parts)
+
+
+@pytest.mark.parametrize("path", RUN_CONFIGS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_run_config_validates(path):
+    config = load_config(path)
+    assert config.data.train
+    name, model_cfg = resolve_model_config(config.model.name)
+    assert model_cfg["embed_dim"] > 0
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "models").glob("*.json")),
+                         ids=lambda p: p.name)
+def test_model_config_is_open_clip_shaped(path):
+    cfg = json.loads(path.read_text())
+    assert {"embed_dim", "vision_cfg", "text_cfg"} <= set(cfg)
+    name, resolved = resolve_model_config(str(path))
+    assert name == path.stem and resolved == cfg
+
+
+def test_unknown_model_name_is_a_clear_error():
+    with pytest.raises(ValueError, match="model.name='no-such-model'"):
+        resolve_model_config("no-such-model")

@@ -1,0 +1,339 @@
+"""DeCL, decomposable contrastive learning (docs/losses.md, section "DeCL"; seed 000, Algorithm 1).
+
+Per direction (image→text shown), with the mean over the ``K = N_global - 1`` negatives
+``m_i = (1/K) sum_{j != i} e^{L_ij}``::
+
+    loss_1 = mean_i [ U_i * m_i - L_ii ]           U_i = 1/u_i (detached), or U_i ~ Exponential(rate u_i)
+    loss_2 = mean_i [ log(K m_i) - L_ii ]          (= DCL)
+    loss   = lam_t * loss_1 + (1 - lam_t) * loss_2
+
+Estimators of ``u_i`` (the rate of the Gamma posterior of the auxiliary variable):
+
+- ``buffer``: a per-sample moving average per direction, indexed by the global dataset id,
+  ``u <- (1 - gamma) u + gamma m`` (first visit: ``u = m``), stored as ``log u`` and updated with
+  ``logaddexp``, so ``U m = exp(log m - log u)`` never overflows. Updated *before* use, so
+  ``gamma = 1`` gives ``grad loss_1 = grad dcl`` and ``loss_1 = 1 - mean L_ii``.
+- ``momentum``: ``m_i`` of the current batch computed from an EMA copy of the towers, whose
+  features the trainer passes as ``momentum_features``.
+- ``batch``: ``u_i = m_i`` of the current batch (detached).
+
+Schedules of ``lam_t`` (``t`` = 1-based optimizer step): ``alternate`` (odd ``t``: loss_1, even:
+loss_2), ``weighted`` (``min(1, lambda_c / t)``), ``loss1``, ``loss2``.
+
+The buffer holds ``id_space x 2`` float32 values of ``log u`` (``-inf``: never visited). Each step
+every rank all-gathers ``(ids, new log u)`` and applies the same writes, so replicas stay equal;
+``shard_buffer=True`` keeps only ``[rank * S, (rank + 1) * S)`` of the id space per rank and
+resolves look-ups with one all-reduce. ``state_dict()`` always holds the full buffer (gathered on
+save, re-sliced on load), so a checkpoint can be resumed with another world size; with
+``shard_buffer`` saving is a collective: call ``state_dict()`` on every rank.
+
+In eval mode (``loss_fn.eval()``) the estimator is ``batch``, the buffer is neither read nor
+written, and without a ``step`` the loss is ``loss_2``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from vlcontrast.distributed import all_reduce_sum, gather_no_grad, get_rank, get_world_size
+from vlcontrast.losses.base import (IMAGE_TO_TEXT, ContrastiveLoss, PairBatch, negatives_logsumexp,
+                                    positive_logits, row_dtype)
+
+ESTIMATORS = ("buffer", "momentum", "batch")
+U_MODES = ("mean", "sample")
+SCHEDULES = ("alternate", "weighted", "loss1", "loss2")
+
+
+class DeCLLoss(ContrastiveLoss):
+    """Decomposable contrastive loss with a per-sample estimate of the negatives' mean.
+
+    Args:
+        estimator: ``buffer`` | ``momentum`` | ``batch`` (how ``u_i`` is estimated).
+        u_mode: ``mean`` (``U = 1/u``) or ``sample`` (``U ~ Exponential(rate u)``).
+        gamma: weight of the current ``m_i`` in the buffer's moving average (``buffer`` only).
+        schedule: ``alternate`` | ``weighted`` | ``loss1`` | ``loss2``.
+        lambda_c: ``c`` of the ``weighted`` schedule ``lam_t = min(1, c / t)``.
+        ema_decay: decay of the EMA towers the trainer keeps for ``momentum``.
+        shard_buffer: shard the buffer by id across ranks (LAION-scale id spaces).
+        seed: seed of the ``sample`` draws (a function of ``seed`` and the step, equal on all ranks).
+        id_space: number of distinct sample ids (set by ``build_loss``; required by ``buffer``).
+    """
+
+    name = "decl"
+
+    def __init__(self, estimator: str = "buffer", u_mode: str = "mean", gamma: float = 0.9,
+                 schedule: str = "alternate", lambda_c: float = 1.0, ema_decay: float = 0.999,
+                 shard_buffer: bool = False, seed: int = 0, *, chunk_size: int = 0,
+                 id_space: int = 0):
+        super().__init__(chunk_size=chunk_size)
+        for option, value, choices in (("estimator", estimator, ESTIMATORS),
+                                       ("u_mode", u_mode, U_MODES),
+                                       ("schedule", schedule, SCHEDULES)):
+            if value not in choices:
+                raise ValueError(f"decl: {option}={value!r} is not one of {list(choices)}")
+        if not 0 < gamma <= 1:
+            raise ValueError(f"decl: gamma must be in (0, 1], got {gamma}")
+        if not 0 <= ema_decay < 1:
+            raise ValueError(f"decl: ema_decay must be in [0, 1), got {ema_decay}")
+        if id_space < 0:
+            raise ValueError(f"decl: id_space must be >= 0, got {id_space}")
+        self.estimator = estimator
+        self.u_mode = u_mode
+        self.gamma = float(gamma)
+        self.schedule = schedule
+        self.lambda_c = float(lambda_c)
+        self.ema_decay = float(ema_decay)
+        self.shard_buffer = bool(shard_buffer)
+        self.seed = int(seed)
+        self.id_space = int(id_space)
+        self.needs_sample_ids = estimator == "buffer"
+        self.needs_momentum_features = estimator == "momentum"
+        self._unstepped_draws = 0
+        if self.needs_sample_ids:
+            self._layout = self._current_layout()
+            length = self._shard_length(self._layout[1])
+            self.register_buffer("log_u", torch.full((length, 2), -math.inf))
+            self.register_buffer("visited", torch.zeros((), dtype=torch.long))
+
+    # ---- schedule and sampling --------------------------------------------------------------
+
+    def schedule_weight(self, step: int | None) -> float:
+        """``lam_t``: the weight of ``loss_1``."""
+        if self.schedule == "loss1":
+            return 1.0
+        if self.schedule == "loss2":
+            return 0.0
+        if step is None:
+            if self.training:
+                raise ValueError(f"decl: schedule {self.schedule!r} needs step= (the 1-based "
+                                 "optimizer step) in training mode")
+            return 0.0
+        if step < 1:
+            raise ValueError(f"decl: step is 1-based, got {step}")
+        if self.schedule == "alternate":
+            return 1.0 if step % 2 == 1 else 0.0
+        return min(1.0, self.lambda_c / step)
+
+    def exponential_noise(self, batch: PairBatch) -> Tensor:
+        """``E ~ Exponential(1)`` per local anchor and direction, so ``U = E / u``.
+
+        Drawn for the whole global batch from a generator seeded by ``(seed, step)`` and sliced, so
+        a sample's draw does not depend on the world size.
+        """
+        if batch.step is None:
+            self._unstepped_draws += 1
+            counter = self._unstepped_draws
+        else:
+            counter = batch.step
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + counter)
+        noise = torch.empty(batch.global_size, 2, dtype=torch.float64).exponential_(
+            generator=generator)
+        return batch.local_rows(noise).to(batch.image.device)
+
+    # ---- the buffer -------------------------------------------------------------------------
+
+    def _current_layout(self) -> tuple[int, int]:
+        return (get_rank(), get_world_size()) if self.shard_buffer else (0, 1)
+
+    def _shard_length(self, world_size: int) -> int:
+        return -(-self.id_space // world_size)
+
+    def _shard_start(self) -> int:
+        rank, world_size = self._layout
+        return rank * self._shard_length(world_size)
+
+    def _ensure_layout(self) -> None:
+        """Re-slice a buffer built before the process group existed (world size 1 then)."""
+        layout = self._current_layout()
+        if layout == self._layout:
+            return
+        if self._layout[1] != 1:
+            raise RuntimeError(f"decl: buffer sharded for {self._layout} but now running as "
+                               f"{layout}; save and reload the state_dict to change world size")
+        full = self.log_u
+        self._layout = layout
+        start, length = self._shard_start(), self._shard_length(layout[1])
+        shard = full.new_full((length, 2), -math.inf)
+        shard[:max(0, min(length, self.id_space - start))] = full[start:start + length]
+        self.log_u = shard
+
+    def full_buffer(self) -> Tensor:
+        """``log u`` over the whole id space, ``[id_space, 2]`` (a collective when sharded)."""
+        if self._layout[1] == 1:
+            return self.log_u
+        return gather_no_grad(self.log_u)[:self.id_space]
+
+    def buffer_coverage(self) -> float:
+        """Fraction of the id space visited at least once."""
+        return float(self.visited) / max(1, self.id_space)
+
+    def _lookup(self, ids: Tensor) -> Tensor:
+        if self._layout[1] == 1:
+            return self.log_u[ids]
+        start = self._shard_start()
+        owned = (ids >= start) & (ids < start + self.log_u.shape[0])
+        values = self.log_u.new_zeros((ids.shape[0], 2))
+        values[owned] = self.log_u[ids[owned] - start]
+        # Exactly one rank owns each id and the others add 0 (-inf + 0 stays -inf).
+        return all_reduce_sum(values)
+
+    def _write(self, ids: Tensor, new_log_u: Tensor, old_log_u: Tensor) -> None:
+        # A sample id seen twice in one global batch: the last occurrence wins (deterministically).
+        unique_ids, inverse = torch.unique(ids, return_inverse=True)
+        positions = torch.arange(ids.shape[0], device=ids.device)
+        last = torch.full_like(unique_ids, -1).scatter_reduce_(0, inverse, positions, "amax")
+        values = new_log_u[last].to(self.log_u.dtype)
+        self.visited += int((~torch.isfinite(old_log_u[last, 0])).sum())
+        if self._layout[1] == 1:
+            self.log_u[unique_ids] = values
+            return
+        start = self._shard_start()
+        owned = (unique_ids >= start) & (unique_ids < start + self.log_u.shape[0])
+        self.log_u[unique_ids[owned] - start] = values[owned]
+
+    def _global_ids(self, batch: PairBatch) -> Tensor:
+        if batch.sample_ids is None:
+            raise ValueError("decl: estimator 'buffer' needs sample_ids (global dataset ids)")
+        if self.id_space <= 0:
+            raise ValueError("decl: estimator 'buffer' needs id_space > 0 (the number of distinct "
+                             "sample ids): build_loss('decl', id_space=...)")
+        local = batch.sample_ids.to(device=batch.image.device, dtype=torch.long).reshape(-1)
+        if local.shape[0] != batch.local_size:
+            raise ValueError(f"decl: {local.shape[0]} sample_ids for {batch.local_size} pairs")
+        ids = gather_no_grad(local)
+        outside = (ids < 0) | (ids >= self.id_space)
+        if bool(outside.any()):
+            raise ValueError(f"decl: sample id {int(ids[outside][0])} is outside the declared id "
+                             f"space [0, {self.id_space}); was the loss built with the dataset's "
+                             "id_space?")
+        return ids
+
+    def update_rule(self, log_u_old: Tensor, log_mean: Tensor) -> Tensor:
+        """``log((1 - gamma) u + gamma m)``, or ``log m`` on a first visit (``log u = -inf``)."""
+        log_mean = log_mean.to(torch.promote_types(log_mean.dtype, log_u_old.dtype))
+        blended = torch.logaddexp(math.log1p(-self.gamma) + log_u_old if self.gamma < 1
+                                  else torch.full_like(log_mean, -math.inf),
+                                  math.log(self.gamma) + log_mean)
+        return torch.where(torch.isfinite(log_u_old), blended, log_mean)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.needs_sample_ids and self._layout[1] > 1:
+            destination[prefix + "log_u"] = self.full_buffer()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        key = prefix + "log_u"
+        if not (self.needs_sample_ids and key in state_dict):
+            return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                                 missing_keys, unexpected_keys, error_msgs)
+        full = state_dict[key]
+        if tuple(full.shape) != (self.id_space, 2):
+            error_msgs.append(f"decl: checkpoint buffer {key} has shape {tuple(full.shape)}, but "
+                              f"this loss has id_space {self.id_space} (expected "
+                              f"({self.id_space}, 2))")
+            return
+        self._ensure_layout()
+        start, length = self._shard_start(), self.log_u.shape[0]
+        shard = full.new_full((length, 2), -math.inf)
+        shard[:max(0, min(length, self.id_space - start))] = full[start:start + length]
+        state_dict[key] = shard
+        try:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                          unexpected_keys, error_msgs)
+        finally:
+            state_dict[key] = full
+
+    # ---- the loss ---------------------------------------------------------------------------
+
+    def prepare(self, batch: PairBatch) -> dict:
+        estimator = self.estimator if self.training else "batch"
+        state = {"lambda": self.schedule_weight(batch.step), "estimator": estimator}
+        if estimator == "buffer":
+            self._ensure_layout()
+            state["ids"] = self._global_ids(batch)
+            state["old_log_u"] = self._lookup(state["ids"])
+        elif estimator == "momentum":
+            state["log_u"] = self.momentum_log_means(batch)
+        if self.u_mode == "sample":
+            state["noise"] = self.exponential_noise(batch)
+        return state
+
+    @torch.no_grad()
+    def momentum_log_means(self, batch: PairBatch) -> Tensor:
+        """``log m_i`` of the local anchors from the EMA towers' features, ``[B_local, 2]``."""
+        if batch.momentum_features is None:
+            raise ValueError("decl: estimator 'momentum' needs momentum_features=(image, text) "
+                             "from the EMA towers")
+        image, text = batch.momentum_features
+        if image.shape != batch.image.shape or text.shape != batch.text.shape:
+            raise ValueError("decl: momentum_features must have the shape of the features")
+        all_image, all_text = gather_no_grad(image), gather_no_grad(text)
+        scale = batch.logit_scale.detach()
+        positives = batch.positives()
+        rows_per_block = self.chunk_size or batch.local_size
+        columns = []
+        for anchors, candidates in ((image, all_text), (text, all_image)):
+            parts = []
+            for start in range(0, batch.local_size, rows_per_block):
+                block = slice(start, start + rows_per_block)
+                logits = (scale * anchors[block]) @ candidates.T
+                logits = logits.to(row_dtype(logits.dtype))
+                parts.append(negatives_logsumexp(logits, positives[block]))
+            columns.append(torch.cat(parts) - math.log(batch.num_negatives))
+        return torch.stack(columns, dim=1)
+
+    def row_context(self, batch: PairBatch, direction: str, state: dict) -> dict[str, Tensor]:
+        column = 0 if direction == IMAGE_TO_TEXT else 1
+        context = {}
+        if state["estimator"] == "buffer":
+            context["old_log_u"] = batch.local_rows(state["old_log_u"])[:, column]
+        elif state["estimator"] == "momentum":
+            context["log_u"] = state["log_u"][:, column]
+        if "noise" in state:
+            context["noise"] = state["noise"][:, column]
+        return context
+
+    def row_terms(self, logits: Tensor, positives: Tensor, context: dict[str, Tensor],
+                  num_negatives: int) -> dict[str, Tensor]:
+        positive = positive_logits(logits, positives)
+        negative = negatives_logsumexp(logits, positives)
+        log_mean = negative - math.log(num_negatives)
+        if "old_log_u" in context:
+            log_u = self.update_rule(context["old_log_u"], log_mean.detach())
+        elif "log_u" in context:
+            log_u = context["log_u"]
+        else:
+            log_u = log_mean.detach()
+        log_u = log_u.to(log_mean.dtype)
+        # U * m = exp(log m - log u): bounded by 1/gamma for the buffer, never overflows.
+        u_times_mean = torch.exp(log_mean - log_u)
+        inverse_rate = torch.exp(-log_u.double())
+        if "noise" in context:
+            u_times_mean = u_times_mean * context["noise"].to(log_mean.dtype)
+            inverse_rate = inverse_rate * context["noise"]
+        return {"loss_1": u_times_mean - positive, "loss_2": negative - positive,
+                "log_u": log_u.detach(), "U": inverse_rate.detach()}
+
+    def reduce(self, batch: PairBatch, terms: list[dict[str, Tensor]], state: dict) -> dict:
+        loss_1 = torch.stack([t["loss_1"].mean() for t in terms]).mean()
+        loss_2 = torch.stack([t["loss_2"].mean() for t in terms]).mean()
+        weight = state["lambda"]
+        if weight == 1.0:
+            loss = loss_1
+        elif weight == 0.0:
+            loss = loss_2
+        else:
+            loss = weight * loss_1 + (1 - weight) * loss_2
+        result = {"loss": loss, "loss_1": loss_1.detach(), "loss_2": loss_2.detach(),
+                  "lambda": weight,
+                  "U": torch.cat([t["U"] for t in terms]).mean().float()}
+        if state["estimator"] == "buffer":
+            new_log_u = torch.stack([terms[0]["log_u"], terms[1]["log_u"]], dim=1)
+            self._write(state["ids"], gather_no_grad(new_log_u), state["old_log_u"])
+            result["buffer_coverage"] = self.buffer_coverage()
+        return result
+
