@@ -74,3 +74,8 @@ def test_every_option_is_documented():
     undocumented = [key for key, _, doc in rows if not doc]
     assert not undocumented, undocumented
     assert isinstance(RunConfig().data.batch_size, int)
+
+
+def test_scientific_notation_without_dot_is_a_number():
+    config = load_config(None, ["train.steps=5", "optim.lr=2e-3"])
+    assert config.optim.lr == pytest.approx(2e-3)

@@ -47,6 +47,8 @@ class DataConfig:
     """Number of distinct sample ids (DeCL buffer size); 0 reads ``manifest.json``."""
     max_bad_fraction: float = 0.05
     """Stop with an error when more than this fraction of samples is undecodable or caption-less."""
+    max_image_pixels: int = 89_478_485
+    """Images with more pixels are skipped as decompression bombs (PIL's own limit)."""
 
     def check(self) -> None:
         _require(self.batch_size >= 1, "data.batch_size", self.batch_size, "must be >= 1")
@@ -129,6 +131,9 @@ class TrainConfig:
     """torch.compile the towers."""
     dist_timeout_s: int = 600
     """Collective timeout: a dead rank makes the others fail after this many seconds."""
+    stop_at_step: int = 0
+    """Checkpoint and stop (exit 0, as if preempted) once this optimizer step is done; 0: run to
+    the end. The schedule still spans ``train.steps``: a job split into pieces ends as one run."""
     device: str = "auto"
     """``auto`` (cuda when available), ``cpu`` or ``cuda``."""
 
@@ -141,6 +146,10 @@ class TrainConfig:
                  "must be fp32, bf16 or fp16")
         _require(self.accum_steps >= 1, "train.accum_steps", self.accum_steps, "must be >= 1")
         _require(self.log_every >= 1, "train.log_every", self.log_every, "must be >= 1")
+        _require(self.max_bad_steps >= 1, "train.max_bad_steps", self.max_bad_steps, "must be >= 1")
+        _require(self.dist_timeout_s >= 1, "train.dist_timeout_s", self.dist_timeout_s,
+                 "must be >= 1")
+        _require(self.stop_at_step >= 0, "train.stop_at_step", self.stop_at_step, "must be >= 0")
         _require(self.device in ("auto", "cpu", "cuda"), "train.device", self.device,
                  "must be auto, cpu or cuda")
 
@@ -255,6 +264,11 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
         raise ConfigError(f"{key}={value!r}: expected true or false")
+    if annotation in (int, float) and isinstance(value, str):
+        try:  # YAML 1.1 reads "2e-3" as a string
+            value = float(value) if annotation is float else int(value)
+        except ValueError:
+            pass
     if annotation is int:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
             raise ConfigError(f"{key}={value!r}: expected an integer")

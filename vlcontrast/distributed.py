@@ -5,6 +5,10 @@ Launch environments are read in one place (:func:`launch_env`): ``torchrun``/``d
 ``SLURM_NTASKS``, ``SLURM_LOCALID``, master address from ``SLURM_JOB_NODELIST``). Gathers come in two
 kinds: :func:`gather_with_grad` for losses (gradients flow back to the owning rank) and
 :func:`all_gather_variable` for evaluation (ranks may hold different numbers of rows).
+
+Decisions every rank must take alike (skip this step, stop now, a checkpoint failed) go through
+:func:`any_rank` and :func:`raise_on_any_rank`: one rank acting alone would leave the others waiting
+in a collective until the process-group timeout.
 """
 
 from __future__ import annotations
@@ -49,19 +53,45 @@ def _first_slurm_host(nodelist: str) -> str:
 
 
 def launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
-    """Rank, world and rendezvous of this process, from torchrun/deepspeed or SLURM variables."""
+    """Rank, world and rendezvous of this process, from torchrun/deepspeed or SLURM variables.
+
+    A launcher's own variables (``RANK``/``WORLD_SIZE``, set by torchrun and the deepspeed
+    launcher) win over SLURM's, so ``torchrun`` inside an allocation behaves like torchrun.
+    """
     env = os.environ if environ is None else environ
     if "RANK" in env and "WORLD_SIZE" in env:
-        return LaunchEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
-                         env.get("MASTER_ADDR", "127.0.0.1"), env.get("MASTER_PORT", "29500"),
-                         "torchrun")
+        launched = _checked(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
+                            "RANK", "WORLD_SIZE")
+        source = "deepspeed" if "CROSS_RANK" in env or "LOCAL_SIZE" in env else "torchrun"
+        return LaunchEnv(*launched, env.get("MASTER_ADDR", "127.0.0.1"),
+                         env.get("MASTER_PORT", "29500"), source)
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "127.0.0.1")
+        # All tasks of a job derive the same port from the job id; two jobs on a node differ.
         port = env.get("MASTER_PORT") or str(20000 + int(env.get("SLURM_JOB_ID", "9500")) % 20000)
-        return LaunchEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]),
-                         int(env.get("SLURM_LOCALID", 0)),
-                         env.get("MASTER_ADDR") or _first_slurm_host(nodelist), port, "slurm")
+        launched = _checked(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]),
+                            int(env.get("SLURM_LOCALID", 0)), "SLURM_PROCID", "SLURM_NTASKS")
+        return LaunchEnv(*launched, env.get("MASTER_ADDR") or _first_slurm_host(nodelist), port,
+                         "slurm")
     return LaunchEnv(0, 1, 0, "127.0.0.1", env.get("MASTER_PORT", "29500"), "single")
+
+
+def _checked(rank: int, world_size: int, local_rank: int, rank_key: str,
+             world_key: str) -> tuple[int, int, int]:
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"launch environment: {rank_key}={rank} is not in [0, {world_key}="
+                         f"{world_size})")
+    return rank, world_size, local_rank
+
+
+def local_world_size(environ: dict[str, str] | None = None) -> int:
+    """Processes of this job on this node (to share the CPU cores among them)."""
+    env = os.environ if environ is None else environ
+    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = env.get(key, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return launch_env(env).world_size
 
 
 def is_initialized() -> bool:
@@ -143,3 +173,39 @@ def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
 def barrier() -> None:
     if get_world_size() > 1:
         dist.barrier()
+
+
+def _flag_device() -> torch.device:
+    # NCCL reduces CUDA tensors only; gloo reduces CPU tensors.
+    if is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def count_ranks(flag: bool) -> int:
+    """How many ranks pass a true ``flag`` (collective: every rank calls it)."""
+    value = torch.tensor([1.0 if flag else 0.0], device=_flag_device())
+    return int(all_reduce_sum(value).item())
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when ``flag`` is true on at least one (collective)."""
+    return count_ranks(flag) > 0
+
+
+def raise_on_any_rank(error: BaseException | None, exc_type: type[Exception] = RuntimeError) -> None:
+    """Collective: when any rank has an ``error``, every rank raises.
+
+    A rank with an error re-raises it; the others raise ``exc_type`` with the first failing rank's
+    message, so all ranks stop at the same point instead of waiting for each other.
+    """
+    if not any_rank(error is not None):
+        return
+    messages: list[str | None] = [None] * get_world_size()
+    mine = None if error is None else str(error)
+    if get_world_size() > 1:
+        dist.all_gather_object(messages, mine)
+    if error is not None:
+        raise error
+    rank, message = next((r, m) for r, m in enumerate(messages) if m is not None)
+    raise exc_type(f"{message} [reported by rank {rank}]")

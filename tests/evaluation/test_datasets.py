@@ -1,8 +1,6 @@
 import json
-import tarfile
 
 import pytest
-import torch
 
 from tests.evaluation.helpers import write_clip_benchmark_wds, write_image_folder, write_retrieval_shards
 from vlcontrast.evaluation.datasets import (ROW_BITS, TarEvalDataset, build_retrieval_loader,

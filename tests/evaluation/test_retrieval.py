@@ -145,9 +145,9 @@ def test_large_n_smoke_20k_chunked():
     scores_i = images[rows] @ texts.t()
     expected_i = (scores_i > scores_i[torch.arange(64), rows].unsqueeze(1)).sum(1)
     assert torch.equal(image_ranks[rows], expected_i)
-    # Near-duplicate pairs: most texts find their image first, but not all.
+    # Noisy pairs: some texts find their image first, not all; more within the top 10.
     recall_at_1 = float((text_ranks == 0).float().mean())
-    assert 0.5 < recall_at_1 < 1.0
+    assert 0.0 < recall_at_1 < float((text_ranks < 10).float().mean()) < 1.0
     assert image_ranks.max() < n and text_ranks.min() == 0
 
 

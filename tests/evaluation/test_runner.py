@@ -95,3 +95,23 @@ def test_cli_helpers_write_json_records(tmp_path, tiny_checkpoint, capsys):
     saved = json.loads(out.read_text())
     assert saved["task"] == "zeroshot" and saved["N"] == 6
     assert saved["metrics"]["num_classes"] == 3 and saved["metrics"]["num_templates"] == 2
+
+
+def test_compare_checkpoints_script_writes_table(tmp_path, tiny_checkpoint, monkeypatch):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    write_retrieval_shards(tmp_path / "shards", 6, per_shard=3)
+    path = Path(__file__).resolve().parents[2] / "eval" / "compare_checkpoints.py"
+    spec = importlib.util.spec_from_file_location("compare_checkpoints", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", ["compare", str(tiny_checkpoint), str(tiny_checkpoint),
+                                      "--retrieval", str(tmp_path / "shards"), "--workers", "0",
+                                      "--device", "cpu", "--out", str(tmp_path / "cmp")])
+    module.main()
+    table = (tmp_path / "cmp" / "comparison.md").read_text().splitlines()
+    assert table[0].startswith("| checkpoint | retrieval/image_to_text_R@1")
+    assert len(table) == 4 and table[2] .split("|")[2] == table[3].split("|")[2]
+    assert json.loads((tmp_path / "cmp" / "comparison.json").read_text())[0]["retrieval/num_images"] == 6

@@ -40,9 +40,12 @@ def model_dtype(model) -> torch.dtype:
 
 
 def encode_in_lockstep(batches: Iterable, device, *, progress: bool = False, total=None,
-                       description: str = "") -> Iterator:
-    """Yield local batches; once they run out, yield ``None`` while any other rank still has one."""
-    world = get_world_size()
+                       description: str = "", synchronize: bool = True) -> Iterator:
+    """Yield local batches; once they run out, yield ``None`` while any other rank still has one.
+
+    With ``synchronize=False`` (or one process) this is a plain loop with a progress bar.
+    """
+    world = get_world_size() if synchronize else 1
     bar = None
     if progress and get_rank() == 0:
         from tqdm import tqdm

@@ -39,13 +39,23 @@ def _eval_mode(model):
         model.train(was_training)
 
 
-def _share_from_rank0(result, device):
-    """Every rank returns rank 0's result (metrics are computed once)."""
-    if get_world_size() == 1:
-        return result
-    box = [result]
-    dist.broadcast_object_list(box, src=0, device=torch.device(device))
-    return box[0]
+def _share_from_rank0(compute, device):
+    """Run ``compute()`` on rank 0 only; every rank returns its result or raises its error."""
+    result = None
+    if get_rank() == 0:
+        try:
+            result = compute()
+        except Exception as error:  # noqa: BLE001 - re-raised on every rank below
+            if get_world_size() == 1:
+                raise
+            result = error
+    if get_world_size() > 1:
+        box = [result]
+        dist.broadcast_object_list(box, src=0, device=torch.device(device))
+        result = box[0]
+    if isinstance(result, Exception):
+        raise result
+    return result
 
 
 def _model_logit_scale(model) -> float | None:
@@ -75,8 +85,8 @@ def evaluate_retrieval(model, preprocess, tokenizer, shards: str | Sequence[str]
         embeddings = embed_retrieval(model, preprocess, tokenizer, loader.loader, device=device,
                                      progress=progress, total_batches=loader.num_batches)
         scale = logit_scale if logit_scale is not None else _model_logit_scale(model)
-    result = None
-    if rank == 0:
+
+    def compute():
         if embeddings.image_features.shape[0] == 0:
             raise ValueError(f"no decodable retrieval samples in {loader.name!r}")
         compute_device = torch.device(device)
@@ -84,11 +94,13 @@ def evaluate_retrieval(model, preprocess, tokenizer, shards: str | Sequence[str]
         texts = embeddings.text_features.to(compute_device)
         result = retrieval_metrics(images, texts, embeddings.text_to_image, chunk_size=chunk_size)
         if scale is not None:
-            result["val_loss"] = clip_validation_loss(images, texts[embeddings.first_caption.to(
-                compute_device)], scale, batch_size)
+            first = texts[embeddings.first_caption.to(compute_device)]
+            result["val_loss"] = clip_validation_loss(images, first, scale, batch_size)
             result["val_loss_batch_size"] = int(batch_size)
         result["num_skipped"] = embeddings.skipped
-    return _share_from_rank0(result, device)
+        return result
+
+    return _share_from_rank0(compute, device)
 
 
 def evaluate_zeroshot(model, preprocess, tokenizer, data_dir: str, classnames=None,
@@ -113,20 +125,22 @@ def evaluate_zeroshot(model, preprocess, tokenizer, data_dir: str, classnames=No
         clip = unwrap_model(model)
         local = build_zeroshot_classifier(clip, tokenizer, data.classnames[first:last],
                                           data.templates, device=device, batch_size=batch_size,
-                                          progress=progress)
+                                          progress=progress, synchronize=True)
         classifier = all_gather_variable(local.t().contiguous()).t().contiguous()
         _, features, labels, skipped = embed_labelled_images(
             model, preprocess, loader.loader, device=device, progress=progress,
             total_batches=loader.num_batches)
-    result = None
-    if rank == 0:
+
+    def compute():
         if features.shape[0] == 0:
             raise ValueError(f"no decodable images in {data_dir!r}")
         logits = zeroshot_logits(features.to(device), classifier)
         result = zeroshot_metrics(logits, labels.to(logits.device))
         result.update(num_images=int(features.shape[0]), num_classes=num_classes,
                       num_templates=len(data.templates), num_skipped=skipped)
-    return _share_from_rank0(result, device)
+        return result
+
+    return _share_from_rank0(compute, device)
 
 
 # ----------------------------------------------------------------------------------- CLI helpers

@@ -34,11 +34,13 @@ def _encode_texts(model, tokens: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def build_zeroshot_classifier(model, tokenizer, classnames: Sequence[str],
                               templates: Sequence[Template], *, device="cpu",
-                              batch_size: int = 256, progress: bool = False) -> torch.Tensor:
+                              batch_size: int = 256, progress: bool = False,
+                              synchronize: bool = False) -> torch.Tensor:
     """Class weights ``[D, C]`` (float32, unit columns) from prompt ensembles.
 
-    ``batch_size`` is the number of prompts encoded per forward pass. With no classnames the result
-    is ``[D, 0]`` (a rank that was given no classes in a distributed build).
+    ``batch_size`` is the number of prompts encoded per forward pass. ``synchronize=True`` (used by
+    ``evaluate_zeroshot``, where every rank builds a block of classes) keeps the ranks' forward
+    passes in lock step; then a rank given no classes returns ``[D, 0]``.
     """
     if len(templates) == 0:
         raise ValueError("build_zeroshot_classifier: no templates")
@@ -50,7 +52,7 @@ def build_zeroshot_classifier(model, tokenizer, classnames: Sequence[str],
     total = (len(prompts) + batch_size - 1) // batch_size
     pieces, dim = [], 0
     for batch in encode_in_lockstep(batches, device, progress=progress, total=total,
-                                    description="zero-shot classifier"):
+                                    description="zero-shot classifier", synchronize=synchronize):
         if batch is None:  # this rank is done; others still encode (ZeRO-3 needs every rank)
             dim = _encode_texts(model, text_dummy(tokenizer, device)).shape[1]
             continue

@@ -10,11 +10,10 @@ Per anchor (image→text shown), on raw cosines ``c`` (``logit_scale`` is not us
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from vlcontrast.losses.base import (ContrastiveLoss, PairBatch, negatives_logsumexp,
-                                    positive_logits)
+                                    row_logsumexp)
 
 
 class BalancedLoss(ContrastiveLoss):
@@ -40,11 +39,10 @@ class BalancedLoss(ContrastiveLoss):
     def scale(self, batch: PairBatch) -> float:
         return self.alpha
 
-    def row_terms(self, logits: Tensor, positives: Tensor, context: dict[str, Tensor],
-                  num_negatives: int) -> dict[str, Tensor]:
-        positive = positive_logits(logits, positives)
+    def row_terms(self, logits: Tensor, positive: Tensor, positives: Tensor,
+                  context: dict[str, Tensor], num_negatives: int) -> dict[str, Tensor]:
         if self.include_positive:
-            negative = torch.logsumexp(logits, dim=1)
+            negative = row_logsumexp(logits)
         else:
             negative = negatives_logsumexp(logits, positives)
         return {"loss": (self.lam * negative - positive) / self.alpha}

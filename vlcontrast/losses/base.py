@@ -85,13 +85,32 @@ class PairBatch:
 # Row helpers used by the losses' row_terms.
 
 
-def positive_logits(logits: Tensor, positives: Tensor) -> Tensor:
-    """``L[i, pos_i]`` for every row of the block.
+class _RowLogSumExp(torch.autograd.Function):
+    """``logsumexp`` over dim 1 through the fused softmax kernels.
 
-    Advanced indexing, not ``gather``: its backward keeps only the indices, so the caller may then
-    overwrite the positives in place (``gather`` saves the whole block for its backward).
+    ``torch.logsumexp`` is composite on CPU (max, sub, exp, sum, log, add: six passes over the
+    block, two allocating, and three more in backward); ``log_softmax``/``softmax`` are single
+    row kernels. Forward: ``lse_i = max_i - log_softmax(L)[i, argmax_i]`` (exact: the log-softmax
+    at the maximum lies in ``[-log N, 0]``); backward: ``softmax(L) * grad``. The block is saved,
+    not copied.
     """
-    return logits[torch.arange(logits.shape[0], device=logits.device), positives]
+
+    @staticmethod
+    def forward(ctx, logits: Tensor) -> Tensor:
+        top, where = logits.max(dim=1, keepdim=True)
+        lse = top - torch.log_softmax(logits, dim=1).gather(1, where)
+        ctx.save_for_backward(logits)
+        return lse.squeeze(1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        (logits,) = ctx.saved_tensors
+        return torch.softmax(logits, dim=1).mul_(grad[:, None])
+
+
+def row_logsumexp(logits: Tensor) -> Tensor:
+    """``logsumexp_j logits[i, j]`` (see :class:`_RowLogSumExp`)."""
+    return _RowLogSumExp.apply(logits)
 
 
 def fill_positives_(logits: Tensor, positives: Tensor, value: float = -math.inf) -> Tensor:
@@ -106,7 +125,7 @@ def fill_positives_(logits: Tensor, positives: Tensor, value: float = -math.inf)
 
 def negatives_logsumexp(logits: Tensor, positives: Tensor) -> Tensor:
     """``logsumexp_{j != pos_i} logits[i, j]``; consumes ``logits`` (in place, see above)."""
-    return torch.logsumexp(fill_positives_(logits, positives), dim=1)
+    return row_logsumexp(fill_positives_(logits, positives))
 
 
 def row_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -152,9 +171,14 @@ class ContrastiveLoss(nn.Module):
         """Per-anchor tensors ``[B_local, ...]`` the blocks need (sliced with the rows)."""
         return {}
 
-    def row_terms(self, logits: Tensor, positives: Tensor, context: dict[str, Tensor],
-                  num_negatives: int) -> dict[str, Tensor]:
-        """Per-anchor terms of one block of rows; must contain ``"loss"``. May modify ``logits``."""
+    def row_terms(self, logits: Tensor, positive: Tensor, positives: Tensor,
+                  context: dict[str, Tensor], num_negatives: int) -> dict[str, Tensor]:
+        """Per-anchor terms of one block of rows (``"loss"``, unless :meth:`reduce` is overridden).
+
+        ``logits`` is ``[rows, N_global]`` (fresh: the loss may overwrite it in place),
+        ``positive`` the positive logits ``L[i, pos_i]`` (computed from the features, so their
+        gradient never passes through a ``rows x N`` tensor), ``positives`` the positive columns.
+        """
         raise NotImplementedError
 
     def reduce(self, batch: PairBatch, terms: list[dict[str, Tensor]],
@@ -217,9 +241,11 @@ class ContrastiveLoss(nn.Module):
         return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
 
     def _block(self, anchors, candidates, scale, positives, context, num_negatives):
-        logits = (scale * anchors) @ candidates.T
-        logits = logits.to(row_dtype(logits.dtype))
-        return self.row_terms(logits, positives, context, num_negatives)
+        scaled = scale * anchors
+        logits = scaled @ candidates.T
+        dtype = row_dtype(logits.dtype)
+        positive = (scaled.to(dtype) * candidates[positives].to(dtype)).sum(1)
+        return self.row_terms(logits.to(dtype), positive, positives, context, num_negatives)
 
 
 @torch.no_grad()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from vlcontrast.losses.base import ContrastiveLoss, negatives_logsumexp, positive_logits
+from vlcontrast.losses.base import ContrastiveLoss, negatives_logsumexp
 
 
 class DCLLoss(ContrastiveLoss):
@@ -22,7 +22,6 @@ class DCLLoss(ContrastiveLoss):
     def __init__(self, *, chunk_size: int = 0, id_space: int = 0):
         super().__init__(chunk_size=chunk_size)
 
-    def row_terms(self, logits: Tensor, positives: Tensor, context: dict[str, Tensor],
-                  num_negatives: int) -> dict[str, Tensor]:
-        positive = positive_logits(logits, positives)
+    def row_terms(self, logits: Tensor, positive: Tensor, positives: Tensor,
+                  context: dict[str, Tensor], num_negatives: int) -> dict[str, Tensor]:
         return {"loss": negatives_logsumexp(logits, positives) - positive}

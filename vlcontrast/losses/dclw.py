@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from vlcontrast.losses.base import (ContrastiveLoss, PairBatch, negatives_logsumexp,
-                                    positive_logits, row_dtype)
+                                    row_dtype)
 
 
 class DCLWLoss(ContrastiveLoss):
@@ -44,9 +44,8 @@ class DCLWLoss(ContrastiveLoss):
     def row_context(self, batch: PairBatch, direction: str, state: dict) -> dict[str, Tensor]:
         return {"weights": batch.local_rows(state["weights"])}
 
-    def row_terms(self, logits: Tensor, positives: Tensor, context: dict[str, Tensor],
-                  num_negatives: int) -> dict[str, Tensor]:
-        positive = positive_logits(logits, positives)
+    def row_terms(self, logits: Tensor, positive: Tensor, positives: Tensor,
+                  context: dict[str, Tensor], num_negatives: int) -> dict[str, Tensor]:
         return {"loss": negatives_logsumexp(logits, positives) - context["weights"] * positive}
 
     def reduce(self, batch: PairBatch, terms: list[dict[str, Tensor]], state: dict) -> dict:

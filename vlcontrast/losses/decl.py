@@ -40,7 +40,7 @@ from torch import Tensor
 
 from vlcontrast.distributed import all_reduce_sum, gather_no_grad, get_rank, get_world_size
 from vlcontrast.losses.base import (IMAGE_TO_TEXT, ContrastiveLoss, PairBatch, negatives_logsumexp,
-                                    positive_logits, row_dtype)
+                                    row_dtype)
 
 ESTIMATORS = ("buffer", "momentum", "batch")
 U_MODES = ("mean", "sample")
@@ -297,9 +297,8 @@ class DeCLLoss(ContrastiveLoss):
             context["noise"] = state["noise"][:, column]
         return context
 
-    def row_terms(self, logits: Tensor, positives: Tensor, context: dict[str, Tensor],
-                  num_negatives: int) -> dict[str, Tensor]:
-        positive = positive_logits(logits, positives)
+    def row_terms(self, logits: Tensor, positive: Tensor, positives: Tensor,
+                  context: dict[str, Tensor], num_negatives: int) -> dict[str, Tensor]:
         negative = negatives_logsumexp(logits, positives)
         log_mean = negative - math.log(num_negatives)
         if "old_log_u" in context:

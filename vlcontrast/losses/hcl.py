@@ -15,7 +15,7 @@ import math
 import torch
 from torch import Tensor
 
-from vlcontrast.losses.base import ContrastiveLoss, negatives_logsumexp, positive_logits
+from vlcontrast.losses.base import ContrastiveLoss, negatives_logsumexp
 from vlcontrast.losses.debiased import debiased_row_loss
 
 
@@ -40,9 +40,8 @@ class HCLLoss(ContrastiveLoss):
     def row_context(self, batch, direction, state):
         return {"scale": batch.logit_scale.detach().expand(batch.local_size)}
 
-    def row_terms(self, logits: Tensor, positives: Tensor, context: dict[str, Tensor],
-                  num_negatives: int) -> dict[str, Tensor]:
-        positive = positive_logits(logits, positives)
+    def row_terms(self, logits: Tensor, positive: Tensor, positives: Tensor,
+                  context: dict[str, Tensor], num_negatives: int) -> dict[str, Tensor]:
         tilted = negatives_logsumexp((1 + self.beta) * logits, positives)
         normaliser = negatives_logsumexp(self.beta * logits, positives)
         log_negative_mass = math.log(num_negatives) + tilted - normaliser

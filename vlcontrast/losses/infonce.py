@@ -10,10 +10,9 @@ Equal to open_clip ``ClipLoss(gather_with_grad=True)`` in value and gradient.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from vlcontrast.losses.base import ContrastiveLoss, positive_logits
+from vlcontrast.losses.base import ContrastiveLoss, row_logsumexp
 
 
 class InfoNCELoss(ContrastiveLoss):
@@ -24,6 +23,6 @@ class InfoNCELoss(ContrastiveLoss):
     def __init__(self, *, chunk_size: int = 0, id_space: int = 0):
         super().__init__(chunk_size=chunk_size)
 
-    def row_terms(self, logits: Tensor, positives: Tensor, context: dict[str, Tensor],
-                  num_negatives: int) -> dict[str, Tensor]:
-        return {"loss": torch.logsumexp(logits, dim=1) - positive_logits(logits, positives)}
+    def row_terms(self, logits: Tensor, positive: Tensor, positives: Tensor,
+                  context: dict[str, Tensor], num_negatives: int) -> dict[str, Tensor]:
+        return {"loss": row_logsumexp(logits) - positive}

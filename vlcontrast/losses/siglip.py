@@ -12,11 +12,10 @@ up to ``e^{-20}`` per entry, visible in float64 gradients at scale 100.) Equal t
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from vlcontrast.losses.base import IMAGE_TO_TEXT, ContrastiveLoss, PairBatch, positive_logits
+from vlcontrast.losses.base import IMAGE_TO_TEXT, ContrastiveLoss, PairBatch
 
 
 class SigLIPLoss(ContrastiveLoss):
@@ -35,10 +34,10 @@ class SigLIPLoss(ContrastiveLoss):
         # Expanded to one entry per row so chunked blocks slice it like any other per-row input.
         return {"bias": batch.logit_bias.reshape(()).expand(batch.local_size)}
 
-    def row_terms(self, logits: Tensor, positives: Tensor, context: dict[str, Tensor],
-                  num_negatives: int) -> dict[str, Tensor]:
+    def row_terms(self, logits: Tensor, positive: Tensor, positives: Tensor,
+                  context: dict[str, Tensor], num_negatives: int) -> dict[str, Tensor]:
         if "bias" in context:
-            logits = logits + context["bias"].to(logits.dtype)[:, None]
-        positive = positive_logits(logits, positives)
-        # In place: logits is a fresh block and positive_logits keeps no reference to it.
+            bias = context["bias"].to(logits.dtype)
+            logits = logits.add_(bias[:, None])  # in place: the block is fresh
+            positive = positive + bias
         return {"loss": -F.logsigmoid(logits.neg_()).sum(dim=1) - positive}

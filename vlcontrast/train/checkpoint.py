@@ -13,10 +13,18 @@ Layout of one checkpoint (see docs/architecture.md)::
 
 Everything is written into ``step_XXXXXXXX.tmp/`` and renamed when complete, so a crash mid-write
 leaves the previous checkpoint usable; ``latest`` is replaced atomically after the rename.
+
+Write failures (full disk, unwritable directory) are agreed on by all ranks: before the collective
+DeepSpeed save every rank checks the free space and rank 0 creates the temporary directory; after
+it, every rank's own files are written and checked; any failure raises :class:`CheckpointError`
+on every rank, naming the step and the previous checkpoint, which stays intact. (A write that
+fails *inside* DeepSpeed's collective save leaves the other ranks waiting at its barrier until the
+process-group timeout, ``train.dist_timeout_s``; the previous checkpoint is intact then too.)
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -46,6 +54,40 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written; the previous one is intact."""
+
+
+BYTES_PER_PARAMETER = 20
+"""Rough checkpoint size per model parameter: weights (4, or 2 + 4 fp32 master copy), AdamW's two
+moments (8), the consolidated model.pt (4)."""
+
+
+def checkpoint_bytes(num_parameters: int) -> int:
+    """Estimated size of one checkpoint (all ranks' files together)."""
+    return num_parameters * BYTES_PER_PARAMETER
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the filesystem holding ``path`` (its nearest existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def check_free_space(path: Path, needed: int, what: str) -> None:
+    free = free_bytes(path)
+    if free < needed:
+        raise OSError(errno.ENOSPC, f"{what}: {path} has {free / 1e9:.2f} GB free, one checkpoint "
+                      f"needs about {needed / 1e9:.2f} GB")
+
+
+def _save_file(obj: Any, path: Path) -> None:
+    """``torch.save`` (one place, so a test can simulate a full disk)."""
+    torch.save(obj, path)
+
+
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
@@ -69,35 +111,79 @@ def consolidated_state_dict(engine, zero_stage: int) -> dict[str, torch.Tensor] 
 
 
 def save_checkpoint(root: Path, step: int, engine, *, zero_stage: int, trainer_state: dict,
-                    rank_state: dict, model_config: dict, config_yaml: str, keep: int) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint directory."""
+                    rank_state: dict, model_config: dict, config_yaml: str, keep: int,
+                    expected_bytes: int = 0) -> Path:
+    """Collective: every rank calls it. Returns the final checkpoint directory.
+
+    Raises :class:`CheckpointError` on every rank when any rank cannot write; the previous
+    checkpoint and ``latest`` are untouched then.
+    """
     rank = dist_utils.get_rank()
     name = f"step_{step:08d}"
     final = root / name
     tmp = root / (name + ".tmp")
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    dist_utils.barrier()
+    previous = latest_checkpoint(root)
+
+    def agree(error: BaseException | None) -> None:
+        if error is not None:
+            error = CheckpointError(
+                f"checkpoint at step {step} could not be written to {tmp} "
+                f"({type(error).__name__}: {error}); the previous checkpoint "
+                f"({previous or 'none'}) is intact")
+        try:
+            dist_utils.raise_on_any_rank(error, CheckpointError)
+        except CheckpointError:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    error: BaseException | None = None
+    try:
+        check_free_space(root, expected_bytes, "checkpoint")
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+    except OSError as err:
+        error = err
+    agree(error)
+
     engine.save_checkpoint(str(tmp), tag="engine", save_latest=False)
-    state = consolidated_state_dict(engine, zero_stage)
-    torch.save(rank_state, tmp / f"rank_{rank:05d}.pt")
+    state = consolidated_state_dict(engine, zero_stage)  # collective under ZeRO-3
+    try:
+        _save_file(rank_state, tmp / f"rank_{rank:05d}.pt")
+        if rank == 0:
+            _save_file(state, tmp / "model.pt")
+            _save_file(trainer_state, tmp / "trainer_state.pt")
+            (tmp / "model_config.json").write_text(json.dumps(model_config, indent=2))
+            (tmp / "config.yaml").write_text(config_yaml)
+    except (OSError, RuntimeError) as err:  # torch.save reports a failed write as RuntimeError
+        error = err
+    agree(error)
+
     if rank == 0:
-        torch.save(state, tmp / "model.pt")
-        torch.save(trainer_state, tmp / "trainer_state.pt")
-        (tmp / "model_config.json").write_text(json.dumps(model_config, indent=2))
-        (tmp / "config.yaml").write_text(config_yaml)
-    dist_utils.barrier()
+        try:
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _atomic_write_text(root / "latest", name + "\n")
+        except OSError as err:
+            error = err
+    agree(error)
     if rank == 0:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _atomic_write_text(root / "latest", name + "\n")
         prune(root, keep)
     dist_utils.barrier()
     return final
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The checkpoint ``root/latest`` names, if it is complete."""
+    latest = root / "latest"
+    if not latest.is_file():
+        return None
+    path = root / latest.read_text().strip()
+    return path if (path / "trainer_state.pt").is_file() else None
 
 
 def prune(root: Path, keep: int) -> None:

@@ -3,7 +3,13 @@
 The optimizer is plain ``torch.optim.AdamW`` handed to DeepSpeed (no JIT-built fused optimizers, so
 the same code runs on CPU and GPU); weight decay skips gains, biases, embeddings' norms and
 ``logit_scale``/``logit_bias`` (open_clip's rule). The generated DeepSpeed config is saved next to
-the run as ``deepspeed.json``.
+the run as ``deepspeed.json``; ``deepspeed.overrides`` is merged into it last.
+
+Non-finite gradients. DeepSpeed's ZeRO (1, 2, 3) and bf16/fp16 optimizers check the reduced
+gradients themselves: on inf/NaN the update is skipped on every rank, the lr schedule does not
+advance and ``engine.was_step_applied()`` is False. Its plain fp32 path (ZeRO 0, fp32) hands the
+gradients to the client optimizer unchecked; :class:`FiniteCheckedAdamW` gives that path the same
+contract, so the loop has one test for every stage and precision.
 """
 
 from __future__ import annotations
@@ -14,7 +20,29 @@ from typing import Any
 
 import torch
 
-from vlcontrast.config import RunConfig
+from vlcontrast import distributed as dist_utils
+from vlcontrast.config import ConfigError, RunConfig
+
+
+class FiniteCheckedAdamW(torch.optim.AdamW):
+    """AdamW that skips its update on every rank alike when any gradient is non-finite.
+
+    DeepSpeed reads ``optimizer.overflow`` after ``step()``: when it is True the step counts as
+    skipped (``engine.skipped_steps``) and the lr scheduler is not stepped, exactly as for its own
+    mixed-precision optimizers. The flag is all-reduced, so one rank's NaN skips every rank.
+    """
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        self.overflow = False
+
+    def step(self, closure=None):
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        local_bad = bool(grads) and not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all())
+        self.overflow = dist_utils.any_rank(local_bad)
+        if self.overflow:
+            return None
+        return super().step(closure)
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -103,19 +131,45 @@ def open_clip_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor])
     return state
 
 
+def check_precision(precision: str, device: torch.device) -> None:
+    """Fail at start, not deep inside DeepSpeed, when the device cannot train in ``precision``."""
+    if precision == "fp32":
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    supported = (accelerator.is_fp16_supported() if precision == "fp16"
+                 else accelerator.is_bf16_supported())
+    if not supported:
+        raise ConfigError(f"train.precision={precision!r}: DeepSpeed's {accelerator.device_name()} "
+                          f"accelerator does not support {precision} on this {device.type} device; "
+                          "use train.precision=bf16 or fp32")
+
+
+def num_parameters(model: torch.nn.Module) -> int:
+    """Parameter count, also for ZeRO-3 partitioned parameters (``ds_numel``)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+
+
 def build_engine(model: torch.nn.Module, config: RunConfig, total_steps: int, world_size: int):
     """(engine, ds_config): DeepSpeed engine with torch AdamW and a cosine schedule."""
     import deepspeed
 
     vectorise_scalar_parameters(model)
     optim = config.optim
-    optimizer = torch.optim.AdamW(parameter_groups(model, optim.weight_decay), lr=optim.lr,
-                                  betas=optim.betas, eps=optim.eps)
+    plain_fp32 = config.deepspeed.zero_stage == 0 and config.train.precision == "fp32"
+    optimizer_class = FiniteCheckedAdamW if plain_fp32 else torch.optim.AdamW
+    optimizer = optimizer_class(parameter_groups(model, optim.weight_decay), lr=optim.lr,
+                                betas=optim.betas, eps=optim.eps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, cosine_with_warmup(optim.warmup_steps, total_steps, optim.min_lr / optim.lr))
     ds_config = deepspeed_config(config, world_size)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=ds_config, dist_init_required=False)
+    if config.train.compile:
+        # DeepSpeed compiles the wrapped module in place: parameter names (and so checkpoints)
+        # stay those of the eager model.
+        engine.compile()
     return engine, ds_config
 
 
@@ -134,3 +188,16 @@ def clamp_logit_scale(engine, max_scale: float = 100.0) -> None:
         return
     with torch.no_grad():
         param.clamp_(0, math.log(max_scale))
+
+
+def read_logit_scale(engine) -> float:
+    """exp(logit_scale) as a float (gathers the parameter under ZeRO-3; collective there)."""
+    param = getattr(engine.module, "logit_scale", None)
+    if param is None:
+        return float("nan")
+    if hasattr(param, "ds_id"):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([param]):
+            return float(param.detach().float().exp().reshape(-1)[0])
+    return float(param.detach().float().exp().reshape(-1)[0])

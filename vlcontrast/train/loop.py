@@ -6,6 +6,13 @@ micro-batches are computed without gradient, the loss and its gradients with res
 features are computed once, then each micro-batch is embedded again with gradient under the same
 random state and the cached feature gradients are back-propagated. The result equals one batch of
 k x micro-batch with the activation memory of one micro-batch.
+
+Faults. SIGTERM/SIGUSR1 (SLURM's preemption notice) set a flag; at the end of the current step all
+ranks agree on it, checkpoint and raise :class:`StopRequested` (the CLI exits 0). A step whose loss
+or gradients are non-finite on any rank is skipped on every rank, counted and logged; after
+``train.max_bad_steps`` consecutive ones :class:`TrainingDiverged` names the step and the last
+good checkpoint. A dead rank makes the others' next collective fail (connection reset, or the
+process-group timeout ``train.dist_timeout_s``), so the job exits non-zero instead of hanging.
 """
 
 from __future__ import annotations
@@ -27,11 +34,11 @@ from vlcontrast.config import ConfigError, RunConfig, to_dict
 
 
 class StopRequested(Exception):
-    pass
+    """Stopped early on request (signal or ``train.stop_at_step``) after writing a checkpoint."""
 
 
 class TrainingDiverged(RuntimeError):
-    pass
+    """Too many consecutive steps with a non-finite loss or non-finite gradients."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -54,15 +61,19 @@ def preflight(config: RunConfig) -> None:
         value = getattr(config.eval, key)
         if value and not Path(value).is_file():
             raise ConfigError(f"eval.{key}={value!r}: file does not exist")
+    # Rank 0 creates the run directory; every rank learns of a failure (no one waits alone).
+    error = None
     if dist_utils.get_rank() == 0:
         out = Path(config.output_dir)
         try:
-            out.mkdir(parents=True, exist_ok=True)
-            probe = out / ".write_probe"
-            probe.write_text("ok")
-            probe.unlink()
+            for folder in (out, out / "checkpoints"):
+                folder.mkdir(parents=True, exist_ok=True)
+                probe = folder / ".write_probe"
+                probe.write_text("ok")
+                probe.unlink()
         except OSError as err:
-            raise ConfigError(f"output_dir={config.output_dir!r}: not writable ({err})") from err
+            error = ConfigError(f"output_dir={config.output_dir!r}: not writable ({err})")
+    dist_utils.raise_on_any_rank(error, ConfigError)
 
 
 def _check_shards_exist(key: str, spec: str) -> None:
@@ -105,15 +116,28 @@ def _loss_inputs(out):
     return (out["image_features"], out["text_features"], out["logit_scale"], out.get("logit_bias"))
 
 
-def _all_finite(value: torch.Tensor) -> bool:
-    flag = torch.tensor([0.0 if torch.isfinite(value).all() else 1.0])
-    dist_utils.all_reduce_sum(flag)
-    return flag.item() == 0.0
+def _buffers_snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
+
+
+def _buffers_restore(module: torch.nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, buffer in module.named_buffers():
+            if name in saved and saved[name].shape == buffer.shape:
+                buffer.copy_(saved[name])
 
 
 def train_step(engine, loss_fn, micro_batches, step: int, device, dtype, timer: dict,
-               momentum_model=None) -> dict[str, Any] | None:
-    """Forward, loss, backward and optimizer step over ``micro_batches``; None if skipped."""
+               momentum_model=None) -> tuple[dict[str, Any], str | None]:
+    """Forward, loss, backward and optimizer step over ``micro_batches``.
+
+    Returns ``(result, skipped)``: ``skipped`` is None when the update was applied, ``"loss"``
+    when the loss was non-finite on some rank (nothing was back-propagated) and ``"gradients"``
+    when DeepSpeed found non-finite gradients and skipped the update. Both decisions are taken on
+    every rank alike, and neither advances the lr schedule or desynchronises DeepSpeed's
+    micro-step counter (a loss skip happens before the first backward; a gradient skip happens
+    inside ``engine.step()`` at the accumulation boundary).
+    """
     k = len(micro_batches)
     batches = [_to_device(b, device, dtype) for b in micro_batches]
     sample_ids = torch.cat([b[2] for b in batches])
@@ -133,18 +157,23 @@ def train_step(engine, loss_fn, micro_batches, step: int, device, dtype, timer: 
         result = loss_fn(*_loss_inputs(out), sample_ids=sample_ids, step=step,
                          momentum_features=momentum)
         t2 = time.perf_counter()
-        if not _all_finite(result["loss"].detach()):
-            return None
+        if dist_utils.any_rank(not bool(torch.isfinite(result["loss"].detach()).all())):
+            return result, "loss"
         engine.backward(result["loss"])
         t3 = time.perf_counter()
     else:
-        rng = []
+        # GradCache. 1) embed every micro-batch without gradient, remembering the random state
+        # each one started from and the towers' buffers (batch-norm running statistics must be
+        # updated once per micro-batch, by the pass with gradient).
+        rng, buffers = [], _buffers_snapshot(engine.module)
         with torch.no_grad():
             cached = []
             for images, texts, _ in batches:
                 rng.append(_rng_snapshot(device))
                 cached.append(engine(images, texts))
+        _buffers_restore(engine.module, buffers)
         t1 = time.perf_counter()
+        # 2) the loss over the whole accumulated batch and its gradient w.r.t. the features.
         image_features = torch.cat([o["image_features"] for o in cached]).detach().requires_grad_()
         text_features = torch.cat([o["text_features"] for o in cached]).detach().requires_grad_()
         scale = cached[0]["logit_scale"].detach().requires_grad_()
@@ -152,11 +181,13 @@ def train_step(engine, loss_fn, micro_batches, step: int, device, dtype, timer: 
         bias = bias.detach().requires_grad_() if bias is not None else None
         result = loss_fn(image_features, text_features, scale, bias, sample_ids=sample_ids,
                          step=step, momentum_features=momentum)
-        if not _all_finite(result["loss"].detach()):
-            return None
+        if dist_utils.any_rank(not bool(torch.isfinite(result["loss"].detach()).all())):
+            return result, "loss"
         leaves = [image_features, text_features, scale] + ([bias] if bias is not None else [])
         grads = torch.autograd.grad(result["loss"], leaves, allow_unused=True)
         t2 = time.perf_counter()
+        # 3) re-embed each micro-batch with gradient under the same random state and push the
+        # cached feature gradients through it: sum_i <f_i, dL/df_i> has the towers' gradient of L.
         image_grads = grads[0].split([b[0].shape[0] for b in batches])
         text_grads = grads[1].split([b[0].shape[0] for b in batches])
         for i, (images, texts, _) in enumerate(batches):
@@ -172,7 +203,7 @@ def train_step(engine, loss_fn, micro_batches, step: int, device, dtype, timer: 
             # DeepSpeed divides each micro-batch loss by gradient_accumulation_steps.
             engine.backward(surrogate * k)
             if i < k - 1:
-                engine.step()
+                engine.step()  # not a boundary: only advances DeepSpeed's micro-step counter
         t3 = time.perf_counter()
     engine.step()
     t4 = time.perf_counter()
@@ -180,7 +211,11 @@ def train_step(engine, loss_fn, micro_batches, step: int, device, dtype, timer: 
     timer["loss"] += t2 - t1
     timer["backward"] += t3 - t2
     timer["step"] += t4 - t3
-    return result
+    applied = dist_utils.count_ranks(engine.was_step_applied())
+    if applied not in (0, dist_utils.get_world_size()):
+        raise RuntimeError(f"step {step}: DeepSpeed applied the update on {applied} of "
+                           f"{dist_utils.get_world_size()} ranks; the replicas have diverged")
+    return result, None if applied else "gradients"
 
 
 # --------------------------------------------------------------------------------------------
@@ -193,6 +228,10 @@ def _select_device(config: RunConfig) -> torch.device:
         local = dist_utils.launch_env().local_rank
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
+    if "OMP_NUM_THREADS" not in os.environ:
+        # Launchers other than torchrun leave every process one thread per core: N processes on
+        # N cores then spin against each other for minutes inside every collective.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist_utils.local_world_size()))
     return torch.device("cpu")
 
 
@@ -235,7 +274,9 @@ def _evaluate(model, bundle, config: RunConfig, device, step: int) -> dict[str, 
     return results
 
 
-def _install_signal_handlers(flag: dict) -> None:
+def _install_signal_handlers() -> dict:
+    flag = {"signal": None}
+
     def handler(signum, _frame):
         flag["signal"] = signum
 
@@ -244,6 +285,7 @@ def _install_signal_handlers(flag: dict) -> None:
             signal.signal(sig, handler)
         except (ValueError, OSError):  # not the main thread
             pass
+    return flag
 
 
 def train(config: RunConfig) -> dict[str, Any]:
@@ -252,27 +294,28 @@ def train(config: RunConfig) -> dict[str, Any]:
     from vlcontrast.losses import build_loss
     from vlcontrast.models import build_model
     from vlcontrast.train import checkpoint as ckpt
-    from vlcontrast.train.engine import build_engine, clamp_logit_scale
+    from vlcontrast.train.engine import (build_engine, check_precision, clamp_logit_scale,
+                                         num_parameters, read_logit_scale)
     from vlcontrast.train.metrics import MetricsLogger
     from vlcontrast.train.report import results_table, write_report
 
     config.check()
+    stop = _install_signal_handlers()  # first: a preemption notice during start-up is kept
     env = dist_utils.init_distributed(timeout_s=config.train.dist_timeout_s)
     preflight(config)
     rank, world = env.rank, env.world_size
     is_main = rank == 0
     device = _select_device(config)
+    check_precision(config.train.precision, device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[config.train.precision]
     _seed_everything(config.seed + rank)
     run_dir = Path(config.output_dir)
     config_yaml = yaml.safe_dump(to_dict(config), sort_keys=False)
     if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(config_yaml)
 
-    # Data first: a bad shard pattern fails here, before the model is built.
-    loss_probe_siglip = config.loss.name == "siglip"
-    bundle = build_model(config.model, siglip=loss_probe_siglip, device=device)
+    # Data first: a bad shard pattern fails here, before the engine is built.
+    bundle = build_model(config.model, siglip=config.loss.name == "siglip", device=device)
     loader = build_train_loader(config.data, bundle.preprocess_train, bundle.tokenizer,
                                 seed=config.seed, rank=rank, world_size=world)
     loss_fn = build_loss(config.loss.name, chunk_size=config.loss.chunk_size,
@@ -283,8 +326,15 @@ def train(config: RunConfig) -> dict[str, Any]:
     total_steps = config.train.steps or max(1, math.ceil(config.train.epochs * steps_per_epoch))
 
     engine, ds_config = build_engine(bundle.model, config, total_steps, world)
+    checkpoint_size = ckpt.checkpoint_bytes(num_parameters(engine.module))
+    error = None
     if is_main:
         (run_dir / "deepspeed.json").write_text(json.dumps(ds_config, indent=2))
+        try:
+            ckpt.check_free_space(run_dir, checkpoint_size, f"output_dir={config.output_dir!r}")
+        except OSError as err:
+            error = ConfigError(str(err))
+    dist_utils.raise_on_any_rank(error, ConfigError)
     momentum_model = None
     if getattr(loss_fn, "needs_momentum_features", False):
         if config.deepspeed.zero_stage == 3:
@@ -294,29 +344,28 @@ def train(config: RunConfig) -> dict[str, Any]:
 
         momentum_model = copy.deepcopy(engine.module).requires_grad_(False)
 
-    step, samples_seen, epoch = 0, 0, 0
+    step, samples_seen = 0, 0
     resume_from = ckpt.find_resume(config.train.resume, run_dir)
     if resume_from is not None:
         trainer_state, rank_state = ckpt.load_checkpoint(resume_from, engine)
         step = trainer_state["step"]
         samples_seen = trainer_state["samples_seen"]
-        epoch = trainer_state["epoch"]
         loss_fn.load_state_dict(trainer_state["loss"])
         if momentum_model is not None and trainer_state.get("momentum_model") is not None:
             momentum_model.load_state_dict(trainer_state["momentum_model"])
-        if rank_state is not None:
+        if rank_state is not None:  # same world size: exact data position and random state
             ckpt.set_rng_state(rank_state["rng"])
             loader = build_train_loader(config.data, bundle.preprocess_train, bundle.tokenizer,
                                         seed=config.seed, rank=rank, world_size=world,
-                                        epoch=epoch, resume_state=rank_state["loader"])
+                                        resume_state=rank_state["loader"])
         else:
-            loader.set_epoch(epoch)
+            loader.set_epoch(trainer_state["epoch"])
 
     logger = MetricsLogger(run_dir, enabled=is_main, tensorboard=config.logging.tensorboard,
                            wandb=config.logging.wandb, wandb_project=config.logging.wandb_project,
                            config=to_dict(config))
-    stop = {"signal": None}
-    _install_signal_handlers(stop)
+    if resume_from is not None:
+        logger.log(step, {"resumed_from": str(resume_from)}, kind="event")
 
     def save(at_step: int) -> Path:
         trainer_state = {"step": at_step, "samples_seen": samples_seen, "epoch": loader.epoch,
@@ -327,15 +376,12 @@ def train(config: RunConfig) -> dict[str, Any]:
                                     zero_stage=config.deepspeed.zero_stage,
                                     trainer_state=trainer_state, rank_state=rank_state,
                                     model_config=bundle.model_config, config_yaml=config_yaml,
-                                    keep=config.checkpoint.keep)
+                                    keep=config.checkpoint.keep, expected_bytes=checkpoint_size)
 
     def batches():
-        nonlocal epoch
         while True:
-            for batch in loader:
-                yield batch
-            epoch += 1
-            loader.set_epoch(epoch)
+            yield from loader
+            loader.set_epoch(loader.epoch + 1)
 
     progress = None
     if is_main and config.logging.progress:
@@ -346,75 +392,96 @@ def train(config: RunConfig) -> dict[str, Any]:
 
     data_iter = batches()
     timer = {"data": 0.0, "forward": 0.0, "loss": 0.0, "backward": 0.0, "step": 0.0}
-    window_start, window_samples, bad_steps, skipped_total = time.perf_counter(), 0, 0, 0
+    window_start, window_samples, window_attempts = time.perf_counter(), 0, 0
+    bad_steps, skipped_total, overflow_total = 0, 0, 0
     last_checkpoint = str(resume_from) if resume_from else None
-    results: dict[str, Any] = {}
+    saved_step = step if resume_from else -1
     engine.train()
     while step < total_steps:
         t0 = time.perf_counter()
         micro_batches = [next(data_iter) for _ in range(accum)]
         timer["data"] += time.perf_counter() - t0
+        window_attempts += 1
 
-        result = train_step(engine, loss_fn, micro_batches, step + 1, device, dtype, timer,
-                            momentum_model)
-        if result is None:
-            bad_steps += 1
+        loss_state = _buffers_snapshot(loss_fn)  # a skipped step must not move DeCL's buffer
+        result, skipped = train_step(engine, loss_fn, micro_batches, step + 1, device, dtype,
+                                     timer, momentum_model)
+        if skipped is not None:
+            _buffers_restore(loss_fn, loss_state)
             skipped_total += 1
+            # fp16: DeepSpeed's dynamic loss scaling skips overflowing steps while it lowers the
+            # scale (and raises itself at the minimum scale); only NaN/inf losses count as bad.
+            calibrating = skipped == "gradients" and config.train.precision == "fp16"
+            overflow_total += int(calibrating)
+            bad_steps = bad_steps if calibrating else bad_steps + 1
+            logger.log(step + 1, {"skipped": skipped, "consecutive_bad_steps": bad_steps,
+                                  "loss": float(result["loss"].detach())}, kind="skip")
             if bad_steps >= config.train.max_bad_steps:
+                logger.close()
                 raise TrainingDiverged(
-                    f"non-finite loss for {bad_steps} consecutive steps at step {step + 1}; "
-                    f"last good checkpoint: {last_checkpoint or 'none'}")
-            continue
-        bad_steps = 0
-        step += 1
-        samples_seen += global_batch
-        window_samples += global_batch
-        clamp_logit_scale(engine)
-        if momentum_model is not None:
-            with torch.no_grad():
-                decay = loss_fn.ema_decay
-                for ema, live in zip(momentum_model.parameters(), engine.module.parameters()):
-                    ema.mul_(decay).add_(live.detach().to(ema.dtype), alpha=1 - decay)
+                    f"non-finite {skipped} for {bad_steps} consecutive steps (last at step "
+                    f"{step + 1}; train.max_bad_steps={config.train.max_bad_steps}); last good "
+                    f"checkpoint: {last_checkpoint or 'none'}")
+        else:
+            bad_steps = 0
+            step += 1
+            samples_seen += global_batch
+            window_samples += global_batch
+            clamp_logit_scale(engine)
+            if momentum_model is not None:
+                with torch.no_grad():
+                    decay = loss_fn.ema_decay
+                    for ema, live in zip(momentum_model.parameters(), engine.module.parameters()):
+                        ema.mul_(decay).add_(live.detach().to(ema.dtype), alpha=1 - decay)
 
-        if step % config.train.log_every == 0 or step == total_steps:
-            elapsed = time.perf_counter() - window_start
-            values = {"samples_seen": samples_seen, "epoch": epoch,
-                      "loss": float(result["loss"].detach()),
-                      "lr": engine.get_lr()[0],
-                      "logit_scale": float(engine.module.logit_scale.exp().detach()),
-                      "samples_per_s": window_samples / max(elapsed, 1e-9),
-                      "skipped_steps": skipped_total}
-            values.update({k: float(v) for k, v in result.items() if k != "loss"})
-            values.update({f"time/{k}": v / max(1, config.train.log_every) for k, v in timer.items()})
-            values.update({f"data/bad_{k}": v for k, v in loader.bad_samples.items()})
-            logger.log(step, values)
+            if step % config.train.log_every == 0 or step == total_steps:
+                elapsed = time.perf_counter() - window_start
+                values = {"samples_seen": samples_seen, "epoch": loader.epoch,
+                          "loss": float(result["loss"].detach()),
+                          "lr": engine.get_lr()[0],
+                          "logit_scale": read_logit_scale(engine),
+                          "samples_per_s": window_samples / max(elapsed, 1e-9),
+                          "skipped_steps": skipped_total, "overflow_steps": overflow_total}
+                grad_norm = engine.get_global_grad_norm()
+                if grad_norm is not None:
+                    values["grad_norm"] = float(grad_norm)
+                if config.train.precision == "fp16":
+                    values["loss_scale"] = float(getattr(engine.optimizer, "cur_scale", 0.0)
+                                                 or getattr(engine.optimizer, "loss_scale", 0.0))
+                values.update({k: float(v) for k, v in result.items() if k != "loss"})
+                values.update({f"time/{k}": v / window_attempts for k, v in timer.items()})
+                values.update({f"data/bad_{k}": v for k, v in loader.bad_samples.items()})
+                logger.log(step, values)
+                if progress is not None:
+                    progress.set_postfix(loss=f"{values['loss']:.3f}",
+                                         sps=f"{values['samples_per_s']:.0f}")
+                timer = dict.fromkeys(timer, 0.0)
+                window_start, window_samples, window_attempts = time.perf_counter(), 0, 0
             if progress is not None:
-                progress.set_postfix(loss=f"{values['loss']:.3f}",
-                                     sps=f"{values['samples_per_s']:.0f}")
-            timer = dict.fromkeys(timer, 0.0)
-            window_start, window_samples = time.perf_counter(), 0
-        if progress is not None:
-            progress.update(1)
+                progress.update(1)
 
-        if config.eval.every and step % config.eval.every == 0 and step < total_steps:
-            metrics = _evaluate(engine.module, bundle, config, device, step)
-            logger.log(step, metrics, kind="eval")
+            if config.eval.every and step % config.eval.every == 0 and step < total_steps:
+                metrics = _evaluate(engine.module, bundle, config, device, step)
+                logger.log(step, metrics, kind="eval")
 
-        stop_flag = torch.tensor([1.0 if stop["signal"] is not None else 0.0])
-        dist_utils.all_reduce_sum(stop_flag)
-        wants_checkpoint = config.checkpoint.every and step % config.checkpoint.every == 0
-        if wants_checkpoint or stop_flag.item() > 0:
-            last_checkpoint = str(save(step))
-        if stop_flag.item() > 0:
+        # Checkpoint and stop: decided on every rank alike at the end of the step.
+        stop_now = (dist_utils.any_rank(stop["signal"] is not None)
+                    or 0 < config.train.stop_at_step <= step)
+        due = config.checkpoint.every and step % config.checkpoint.every == 0
+        if (due or stop_now) and step != saved_step:
+            last_checkpoint, saved_step = str(save(step)), step
+        if stop_now:
             if progress is not None:
                 progress.close()
-            logger.log(step, {"stopped_by_signal": 1, "checkpoint": last_checkpoint}, kind="event")
+            reason = f"signal {stop['signal']}" if stop["signal"] is not None else "train.stop_at_step"
+            logger.log(step, {"stopped": reason, "checkpoint": last_checkpoint}, kind="event")
             logger.close()
-            raise StopRequested(f"stopped by signal at step {step}; checkpoint {last_checkpoint}")
+            raise StopRequested(f"stopped by {reason} at step {step}; checkpoint {last_checkpoint}")
 
     if progress is not None:
         progress.close()
-    last_checkpoint = str(save(step))
+    if step != saved_step:
+        last_checkpoint = str(save(step))
     results = _evaluate(engine.module, bundle, config, device, step)
     results.update({"step": step, "samples_seen": samples_seen, "global_batch": global_batch})
     if is_main:
@@ -424,7 +491,8 @@ def train(config: RunConfig) -> dict[str, Any]:
              "model": bundle.model_name, "world_size": world, "metrics": results}, indent=2))
         summary = {"loss": config.loss.name, "model": bundle.model_name, "world_size": world,
                    "global_batch": global_batch, "steps": step, "precision": config.train.precision,
-                   "zero_stage": config.deepspeed.zero_stage}
+                   "zero_stage": config.deepspeed.zero_stage,
+                   "skipped_steps": skipped_total}
         write_report(run_dir, results, summary)
         print("\n" + results_table(results) + "\n", flush=True)
     logger.close()

@@ -1,0 +1,193 @@
+"""Forward+backward time and peak memory of every loss next to open_clip's ClipLoss.
+
+Each case (loss, mode, global batch) runs in a fresh subprocess, single process, fp32, ``D = 512``:
+features are made, the current RSS is read, then the loss runs ``1 + repeats`` times (the first
+is a warm-up; with ``--repeats 0`` the only run is timed). Time is the fastest timed run; peak
+memory is ``ru_maxrss`` at the end minus the RSS just before the first call, i.e. the largest
+extra memory the loss needed (tracemalloc does not see torch's allocations).
+
+    python bench/bench_losses.py                                  # the full table
+    python bench/bench_losses.py --sizes 1024 --losses infonce dcl --chunked-sizes 1024
+
+Writes a markdown table with ratios to ``--output`` (default ``bench/results/losses.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ALL_LOSSES = ["infonce", "dcl", "dclw", "decl", "debiased", "hcl", "bcl", "balanced", "siglip"]
+TARGET_OTHER, TARGET_BCL, TARGET_CHUNKED_TIME, TARGET_CHUNKED_MEMORY = 1.5, 3.0, 1.5, 0.25
+
+
+def run_case(loss: str, mode: str, size: int, dim: int, chunk_size: int, repeats: int,
+             threads: int) -> dict:
+    """Runs inside the child process; ``mode`` is ``dense``, ``chunked`` or ``open_clip``."""
+    import psutil
+    import torch
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    image = torch.nn.functional.normalize(torch.randn(size, dim), dim=1).requires_grad_()
+    text = torch.nn.functional.normalize(torch.randn(size, dim), dim=1).requires_grad_()
+    scale = torch.tensor(14.29, requires_grad=True)
+    bias = torch.tensor(-10.0, requires_grad=True)
+    if mode == "open_clip":
+        from open_clip.loss import ClipLoss
+
+        clip_loss = ClipLoss(gather_with_grad=True)
+
+        def step(_):
+            return clip_loss(image, text, scale)
+    else:
+        sys.path.insert(0, str(ROOT))
+        from vlcontrast.losses import build_loss
+
+        loss_fn = build_loss(loss, chunk_size=chunk_size if mode == "chunked" else 0,
+                             id_space=size)
+        sample_ids = torch.arange(size)
+
+        def step(index):
+            return loss_fn(image, text, scale, logit_bias=bias, sample_ids=sample_ids,
+                           step=index)["loss"]
+
+    baseline = psutil.Process().memory_info().rss
+    times = []
+    for index in range(1 + repeats):
+        start = time.perf_counter()
+        step(index + 1).backward()
+        times.append(time.perf_counter() - start)
+        image.grad = text.grad = scale.grad = bias.grad = None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    timed = times[1:] if repeats else times
+    return {"loss": loss, "mode": mode, "size": size, "seconds": min(timed),
+            "peak_mib": max(0, peak - baseline) / 2**20, "runs": len(timed)}
+
+
+def spawn(args: argparse.Namespace, loss: str, mode: str, size: int) -> dict:
+    repeats = args.repeats if size < args.single_run_from else 0
+    command = [sys.executable, __file__, "--case", json.dumps(
+        [loss, mode, size, args.dim, args.chunk_size, repeats, args.threads])]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    if done.returncode != 0:
+        return {"loss": loss, "mode": mode, "size": size, "error": done.stderr.strip()[-300:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 16384],
+                        help="global batch sizes")
+    parser.add_argument("--chunked-sizes", type=int, nargs="*", default=[4096, 16384],
+                        help="sizes at which the chunked mode is also measured")
+    parser.add_argument("--losses", nargs="+", default=ALL_LOSSES, choices=ALL_LOSSES)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--chunk-size", type=int, default=1024, help="loss.chunk_size (rows)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up")
+    parser.add_argument("--single-run-from", type=int, default=16384,
+                        help="from this size on, one timed run and no warm-up (minutes each)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--output", type=Path, default=ROOT / "bench/results/losses.md")
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.case:
+        print(json.dumps(run_case(*json.loads(args.case))))
+        return
+
+    import torch
+
+    results = []
+    for size in args.sizes:
+        cases = [("ClipLoss", "open_clip")] + [(loss, "dense") for loss in args.losses]
+        if size in args.chunked_sizes:
+            cases += [(loss, "chunked") for loss in args.losses]
+        for loss, mode in cases:
+            result = spawn(args, loss, mode, size)
+            results.append(result)
+            print(json.dumps(result), flush=True)
+
+    table = render(results, args, torch.__version__)
+    print(table)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(table)
+
+
+def render(results: list[dict], args: argparse.Namespace, torch_version: str) -> str:
+    by_key = {(r["loss"], r["mode"], r["size"]): r for r in results}
+    lines = [
+        "# Loss benchmark: forward+backward time and peak memory",
+        "",
+        f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
+        f"{args.threads} torch threads, {platform.platform()}; CPU only",
+        f"- torch {torch_version}, python {platform.python_version()}",
+        f"- command: `python bench/bench_losses.py {' '.join(sys.argv[1:])}`".replace(" `", " `"),
+        f"- fp32, D = {args.dim}, single process; chunked mode uses `loss.chunk_size = "
+        f"{args.chunk_size}` rows; time = fastest of {args.repeats} runs after a warm-up "
+        f"(one cold run from {args.single_run_from} on); memory = peak RSS increase over the "
+        "features, in a fresh process per case",
+        "- ratios: `vs ClipLoss` = time / open_clip `ClipLoss(gather_with_grad=True)` time; "
+        "`vs infonce` = time / dense `infonce` time; `chunked/dense` = chunked time / the same "
+        "loss's dense time; `mem vs ClipLoss` = peak / ClipLoss peak",
+        "",
+        "| N | loss | mode | time (s) | peak (MiB) | vs ClipLoss | vs infonce | chunked/dense "
+        "| mem vs ClipLoss | target |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        size = r["size"]
+        if "error" in r:
+            lines.append(f"| {size} | {r['loss']} | {r['mode']} | failed: {r['error'][-80:]} "
+                         "| | | | | | |")
+            continue
+        clip = by_key.get(("ClipLoss", "open_clip", size))
+        infonce = by_key.get(("infonce", "dense", size))
+        dense = by_key.get((r["loss"], "dense", size))
+        vs_clip = r["seconds"] / clip["seconds"] if clip and "seconds" in clip else None
+        vs_infonce = (r["seconds"] / infonce["seconds"]
+                      if infonce and "seconds" in infonce else None)
+        chunked_ratio = (r["seconds"] / dense["seconds"]
+                         if r["mode"] == "chunked" and dense and "seconds" in dense else None)
+        memory_ratio = (r["peak_mib"] / clip["peak_mib"]
+                        if clip and clip.get("peak_mib") else None)
+        target = target_verdict(r, vs_clip, vs_infonce, chunked_ratio, memory_ratio)
+        lines.append(f"| {size} | {r['loss']} | {r['mode']} | {r['seconds']:.3f} | "
+                     f"{r['peak_mib']:.0f} | {fmt(vs_clip)} | {fmt(vs_infonce)} | "
+                     f"{fmt(chunked_ratio)} | {fmt(memory_ratio)} | {target} |")
+    return "\n".join(lines) + "\n"
+
+
+def target_verdict(r, vs_clip, vs_infonce, chunked_ratio, memory_ratio) -> str:
+    if r["mode"] == "open_clip":
+        return "reference"
+    if r["mode"] == "dense":
+        if r["loss"] == "infonce":
+            return verdict(vs_clip, 1.1, "≤1.1× ClipLoss")
+        limit = TARGET_BCL if r["loss"] == "bcl" else TARGET_OTHER
+        return verdict(vs_infonce, limit, f"≤{limit}× infonce")
+    parts = [verdict(chunked_ratio, TARGET_CHUNKED_TIME, "time ≤1.5× dense")]
+    if r["size"] >= 16384:
+        parts.append(verdict(memory_ratio, TARGET_CHUNKED_MEMORY, "mem ≤25% ClipLoss"))
+    return "; ".join(parts)
+
+
+def verdict(ratio, limit, label) -> str:
+    if ratio is None:
+        return f"{label}: n/a"
+    return f"{label}: {'met' if ratio <= limit else 'MISSED'}"
+
+
+def fmt(value) -> str:
+    return "" if value is None else f"{value:.2f}"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Exact resume: a run stopped at step N and resumed to 2N ends with the weights of an
+uninterrupted 2N-step run (2 gloo processes, ZeRO 0, 2 and 3)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.train.helpers import checkpoint_weights, latest_step, max_difference
+
+CASES = {
+    "zero0_infonce": {"deepspeed__zero_stage": 0},
+    # DeCL's buffer, GradCache accumulation and an epoch boundary after the resume point
+    # (256 samples / (16 x 2 ranks x 2 micro-batches) = 4 steps per epoch).
+    "zero2_decl_accum2": {"deepspeed__zero_stage": 2, "loss__name": "decl",
+                          "train__accum_steps": 2, "data__batch_size": 16},
+    "zero3_siglip": {"deepspeed__zero_stage": 3, "loss__name": "siglip"},
+}
+STEPS, STOP_AT = 6, 3
+
+
+def _train_full_and_split(rank, world_size, data_dir, out_root, cases):
+    from vlcontrast.train import StopRequested, train
+    from tests.train.helpers import tiny_config
+
+    stopped = {}
+    for name, extra in cases.items():
+        full, split = out_root / name / "full", out_root / name / "split"
+        train(tiny_config(data_dir, full, train__steps=STEPS, checkpoint__every=STOP_AT, **extra))
+        try:
+            train(tiny_config(data_dir, split, train__steps=STEPS, train__stop_at_step=STOP_AT,
+                              **extra))
+            stopped[name] = None
+        except StopRequested as stop:
+            stopped[name] = str(stop)
+        train(tiny_config(data_dir, split, train__steps=STEPS, train__resume="latest", **extra))
+    return stopped
+
+
+@pytest.mark.slow
+def test_resume_at_step_n_ends_like_an_uninterrupted_run(synthetic_data, tmp_path):
+    stopped = run_distributed(_train_full_and_split, 2, synthetic_data, tmp_path, CASES,
+                              timeout=400)
+    for name in CASES:
+        for rank_result in stopped:
+            assert rank_result[name] and f"at step {STOP_AT}" in rank_result[name]
+        full, split = tmp_path / name / "full", tmp_path / name / "split"
+        assert latest_step(full) == STEPS and latest_step(split) == STEPS
+        full_weights, split_weights = checkpoint_weights(full), checkpoint_weights(split)
+        midway = torch.load(full / "checkpoints" / f"step_{STOP_AT:08d}" / "model.pt",
+                            weights_only=True)
+        assert max_difference(full_weights, midway) > 1e-4, f"{name}: training did not move"
+        assert max_difference(full_weights, split_weights) <= 1e-6, name
+        if "decl" in name:
+            full_state = torch.load(full / "checkpoints" / f"step_{STEPS:08d}" / "trainer_state.pt",
+                                    weights_only=False)
+            split_state = torch.load(split / "checkpoints" / f"step_{STEPS:08d}" / "trainer_state.pt",
+                                     weights_only=False)
+            assert full_state["epoch"] == split_state["epoch"] == 1
+            assert torch.equal(full_state["loss"]["log_u"], split_state["loss"]["log_u"])
+            assert int(full_state["loss"]["visited"]) > 0
