@@ -181,3 +181,14 @@ def test_diagnostics_are_detached_scalars():
         for key, value in out.items():
             if key != "loss":
                 assert isinstance(value, float) or (value.dim() == 0 and not value.requires_grad), key
+
+
+def test_bcl_weights_with_many_ties_match_reference():
+    bcl = build_loss("bcl", tau_plus=0.1, alpha=0.7, beta=0.8)
+    logits = torch.randint(0, 5, (40, 9), generator=torch.Generator().manual_seed(0)).double()
+    positives = torch.randint(0, 9, (40,), generator=torch.Generator().manual_seed(1))
+    log_weights = bcl.log_weights(logits, positives, num_negatives=8)
+    for row in range(40):
+        negatives = [j for j in range(9) if j != positives[row]]
+        expected = references.bcl_weights(logits[row, negatives], tau_plus=0.1, alpha=0.7, beta=0.8)
+        torch.testing.assert_close(torch.exp(log_weights[row, negatives]), expected)

@@ -42,7 +42,7 @@ class BalancedLoss(ContrastiveLoss):
     def row_terms(self, logits: Tensor, positive: Tensor, positives: Tensor,
                   context: dict[str, Tensor], num_negatives: int) -> dict[str, Tensor]:
         if self.include_positive:
-            negative = row_logsumexp(logits)
+            negative = row_logsumexp(logits, positives)
         else:
             negative = negatives_logsumexp(logits, positives)
         return {"loss": (self.lam * negative - positive) / self.alpha}

@@ -90,27 +90,28 @@ class _RowLogSumExp(torch.autograd.Function):
 
     ``torch.logsumexp`` is composite on CPU (max, sub, exp, sum, log, add: six passes over the
     block, two allocating, and three more in backward); ``log_softmax``/``softmax`` are single
-    row kernels. Forward: ``lse_i = max_i - log_softmax(L)[i, argmax_i]`` (exact: the log-softmax
-    at the maximum lies in ``[-log N, 0]``); backward: ``softmax(L) * grad``. The block is saved,
-    not copied.
+    row kernels. Forward: ``lse_i = L[i, r_i] - log_softmax(L)[i, r_i]`` at a finite reference
+    column ``r_i`` (rounding ``~eps * |L[i, r_i] - lse_i| <= eps * (2 s + log N)``, the logits'
+    own precision); backward: ``softmax(L) * grad``. The block is saved, not copied.
     """
 
     @staticmethod
-    def forward(ctx, logits: Tensor) -> Tensor:
-        top, where = logits.max(dim=1, keepdim=True)
-        lse = top - torch.log_softmax(logits, dim=1).gather(1, where)
+    def forward(ctx, logits: Tensor, reference: Tensor) -> Tensor:
+        reference = reference[:, None]
+        log_probabilities = torch.log_softmax(logits, dim=1)
+        lse = logits.gather(1, reference) - log_probabilities.gather(1, reference)
         ctx.save_for_backward(logits)
         return lse.squeeze(1)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
         (logits,) = ctx.saved_tensors
-        return torch.softmax(logits, dim=1).mul_(grad[:, None])
+        return torch.softmax(logits, dim=1).mul_(grad[:, None]), None
 
 
-def row_logsumexp(logits: Tensor) -> Tensor:
-    """``logsumexp_j logits[i, j]`` (see :class:`_RowLogSumExp`)."""
-    return _RowLogSumExp.apply(logits)
+def row_logsumexp(logits: Tensor, reference: Tensor) -> Tensor:
+    """``logsumexp_j logits[i, j]``; ``reference[i]``: any column whose entry is finite."""
+    return _RowLogSumExp.apply(logits, reference)
 
 
 def fill_positives_(logits: Tensor, positives: Tensor, value: float = -math.inf) -> Tensor:
@@ -125,7 +126,7 @@ def fill_positives_(logits: Tensor, positives: Tensor, value: float = -math.inf)
 
 def negatives_logsumexp(logits: Tensor, positives: Tensor) -> Tensor:
     """``logsumexp_{j != pos_i} logits[i, j]``; consumes ``logits`` (in place, see above)."""
-    return row_logsumexp(fill_positives_(logits, positives))
+    return row_logsumexp(fill_positives_(logits, positives), (positives + 1) % logits.shape[1])
 
 
 def row_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -201,7 +202,7 @@ class ContrastiveLoss(nn.Module):
         for direction in self.directions:
             anchors, candidates = batch.anchors_and_candidates(direction)
             context = self.row_context(batch, direction, state)
-            terms.append(self.score_rows(anchors, candidates, scale, batch.positives(), context,
+            terms.append(self.score_rows(anchors, candidates, scale, batch.offset, context,
                                          batch.num_negatives))
         result = self.reduce(batch, terms, state)
         result.update(similarity_diagnostics(batch))
@@ -223,16 +224,19 @@ class ContrastiveLoss(nn.Module):
                          logit_bias, sample_ids, step, momentum_features, get_rank(), world_size)
 
     def score_rows(self, anchors: Tensor, candidates: Tensor, scale: Tensor | float,
-                   positives: Tensor, context: dict[str, Tensor],
+                   first_positive: int, context: dict[str, Tensor],
                    num_negatives: int) -> dict[str, Tensor]:
-        """Per-anchor terms of all local rows: one block (dense) or checkpointed blocks (chunked)."""
+        """Per-anchor terms of all local rows: one block (dense) or checkpointed blocks (chunked).
+
+        Row ``i``'s positive is candidate ``first_positive + i``.
+        """
         rows = anchors.shape[0]
         if self.chunk_size == 0 or self.chunk_size >= rows:
-            return self._block(anchors, candidates, scale, positives, context, num_negatives)
+            return self._block(anchors, candidates, scale, first_positive, context, num_negatives)
         parts = []
         for start in range(0, rows, self.chunk_size):
             block = slice(start, start + self.chunk_size)
-            args = (anchors[block], candidates, scale, positives[block],
+            args = (anchors[block], candidates, scale, first_positive + start,
                     {key: value[block] for key, value in context.items()}, num_negatives)
             if torch.is_grad_enabled():
                 parts.append(checkpoint(self._block, *args, use_reentrant=False))
@@ -240,11 +244,15 @@ class ContrastiveLoss(nn.Module):
                 parts.append(self._block(*args))
         return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
 
-    def _block(self, anchors, candidates, scale, positives, context, num_negatives):
+    def _block(self, anchors, candidates, scale, first_positive, context, num_negatives):
+        rows = anchors.shape[0]
+        positives = torch.arange(first_positive, first_positive + rows, device=anchors.device)
         scaled = scale * anchors
         logits = scaled @ candidates.T
         dtype = row_dtype(logits.dtype)
-        positive = (scaled.to(dtype) * candidates[positives].to(dtype)).sum(1)
+        # The positives are consecutive columns: a slice, whose backward is cheap.
+        paired = candidates.narrow(0, first_positive, rows)
+        positive = (scaled.to(dtype) * paired.to(dtype)).sum(1)
         return self.row_terms(logits.to(dtype), positive, positives, context, num_negatives)
 
 

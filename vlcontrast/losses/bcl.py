@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from vlcontrast.losses.base import ContrastiveLoss, fill_positives_, row_logsumexp
+from vlcontrast.losses.base import ContrastiveLoss, fill_positives_, negatives_logsumexp
 
 # The eCDF needs a sort of each row; sorting in sub-blocks of this many entries bounds the
 # memory of the sort order and sorted values even in dense mode.
@@ -39,15 +39,22 @@ def _argsort_rows(values: Tensor) -> Tensor:
     return values.argsort(dim=1)
 
 
-def _counts_with_ties(ties: Tensor) -> Tensor:
-    """Per sorted position p, the last position q >= p holding the same value (tied entries all
-    get the larger rank, as ``#{k': x_k' <= x_k}`` requires)."""
-    rows, columns = ties.shape[0], ties.shape[1] + 1
-    positions = torch.arange(columns, device=ties.device).expand(rows, columns)
-    is_last = torch.ones(rows, columns, dtype=torch.bool, device=ties.device)
-    is_last[:, :-1] = ~ties
-    last = torch.where(is_last, positions, columns)
-    return torch.cummin(last.flip(1), dim=1).values.flip(1)
+def _tie_run_ends(ties: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Sorted positions that share their value with the next one, and where each such run ends.
+
+    ``ties[r, p]`` says ``sorted[r, p] == sorted[r, p + 1]``. Tied entries must all get the rank
+    of the run's last position (``#{k': x_k' <= x_k}`` counts the whole run). Ties are rare and
+    runs short, so the ends are found by stepping the few tied positions forward.
+    """
+    rows, positions = ties.nonzero(as_tuple=True)
+    ends = positions + 1
+    last = ties.shape[1]  # the last sorted position; it never starts a tie
+    while True:
+        extend = ends < last
+        extend[extend.clone()] = ties[rows[extend], ends[extend]]
+        if not bool(extend.any()):
+            return rows, positions, ends
+        ends = ends + extend.long()
 
 
 class BCLLoss(ContrastiveLoss):
@@ -79,7 +86,9 @@ class BCLLoss(ContrastiveLoss):
         and one scatter per row, whatever the options.
         """
         counts = torch.arange(num_negatives + 1, dtype=torch.float64, device=logits.device)
-        table = self.log_weights_from_ecdf(counts / num_negatives).to(logits.dtype)
+        # A zero weight (possible at alpha = beta = 1) becomes e^{-10^4}: the same 0, but finite,
+        # so a row whose weights all vanish still has a finite logsumexp.
+        table = self.log_weights_from_ecdf(counts / num_negatives).clamp(min=-1e4).to(logits.dtype)
         out = torch.empty_like(logits)
         rows_per_block = max(1, _RANK_BLOCK_ELEMENTS // logits.shape[1])
         for start in range(0, logits.shape[0], rows_per_block):
@@ -89,13 +98,10 @@ class BCLLoss(ContrastiveLoss):
             values = fill_positives_(logits[block].clone(), positives[block])
             order = _argsort_rows(values)
             sorted_values = values.gather(1, order)
-            ties = sorted_values[:, 1:] == sorted_values[:, :-1]
-            if bool(ties.any()):
-                counts_in_order = _counts_with_ties(ties)
-                weights_in_order = table[counts_in_order]
-            else:
-                weights_in_order = table.expand(values.shape[0], -1)
-            out[block].scatter_(1, order, weights_in_order)
+            weights = out[block]
+            weights.scatter_(1, order, table.expand(values.shape[0], -1))
+            rows, positions, ends = _tie_run_ends(sorted_values[:, 1:] == sorted_values[:, :-1])
+            weights[rows, order[rows, positions]] = table[ends]
         return out
 
     def log_weights_from_ecdf(self, ecdf: Tensor) -> Tensor:
@@ -116,5 +122,5 @@ class BCLLoss(ContrastiveLoss):
     def row_terms(self, logits: Tensor, positive: Tensor, positives: Tensor,
                   context: dict[str, Tensor], num_negatives: int) -> dict[str, Tensor]:
         weighted = logits + self.log_weights(logits.detach(), positives, num_negatives)
-        negative = row_logsumexp(fill_positives_(weighted, positives))
+        negative = negatives_logsumexp(weighted, positives)
         return {"loss": torch.logaddexp(positive, negative) - positive}

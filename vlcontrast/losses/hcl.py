@@ -43,7 +43,9 @@ class HCLLoss(ContrastiveLoss):
     def row_terms(self, logits: Tensor, positive: Tensor, positives: Tensor,
                   context: dict[str, Tensor], num_negatives: int) -> dict[str, Tensor]:
         tilted = negatives_logsumexp((1 + self.beta) * logits, positives)
-        normaliser = negatives_logsumexp(self.beta * logits, positives)
+        # The block itself becomes beta * L (in place: nothing saved it), saving a copy.
+        scaled = logits if self.beta == 1 else logits.mul_(self.beta)
+        normaliser = negatives_logsumexp(scaled, positives)
         log_negative_mass = math.log(num_negatives) + tilted - normaliser
         return {"loss": debiased_row_loss(positive, log_negative_mass, num_negatives,
                                           self.tau_plus, context["scale"].to(logits.dtype))}

@@ -25,4 +25,4 @@ class InfoNCELoss(ContrastiveLoss):
 
     def row_terms(self, logits: Tensor, positive: Tensor, positives: Tensor,
                   context: dict[str, Tensor], num_negatives: int) -> dict[str, Tensor]:
-        return {"loss": row_logsumexp(logits) - positive}
+        return {"loss": row_logsumexp(logits, positives) - positive}

@@ -22,7 +22,7 @@ import math
 import os
 import signal
 import time
-from contextlib import nullcontext
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -235,6 +235,27 @@ def _select_device(config: RunConfig) -> torch.device:
     return torch.device("cpu")
 
 
+class SeededTransform:
+    """Training augmentation whose randomness is a function of (run seed, epoch, image).
+
+    The data loader applies it in its worker processes (or in this process with 0 workers), where
+    it would otherwise draw from a random stream that depends on the worker count and restarts on
+    resume. Seeding each image from its pixels makes a resumed run augment exactly like an
+    uninterrupted one, with any number of workers, and leaves the training stream (dropout) alone.
+    """
+
+    def __init__(self, transform, seed: int):
+        self.transform = transform
+        self.seed = seed
+        self.epoch = 0
+
+    def __call__(self, image):
+        key = zlib.crc32(image.tobytes(), zlib.crc32(f"{self.seed}/{self.epoch}".encode()))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(key)
+            return self.transform(image)
+
+
 def _seed_everything(seed: int) -> None:
     import random
 
@@ -316,8 +337,9 @@ def train(config: RunConfig) -> dict[str, Any]:
 
     # Data first: a bad shard pattern fails here, before the engine is built.
     bundle = build_model(config.model, siglip=config.loss.name == "siglip", device=device)
-    loader = build_train_loader(config.data, bundle.preprocess_train, bundle.tokenizer,
-                                seed=config.seed, rank=rank, world_size=world)
+    augment = SeededTransform(bundle.preprocess_train, config.seed)
+    loader = build_train_loader(config.data, augment, bundle.tokenizer, seed=config.seed,
+                                rank=rank, world_size=world)
     loss_fn = build_loss(config.loss.name, chunk_size=config.loss.chunk_size,
                          id_space=loader.id_space, **config.loss.options).to(device)
     accum = config.train.accum_steps
@@ -355,8 +377,8 @@ def train(config: RunConfig) -> dict[str, Any]:
             momentum_model.load_state_dict(trainer_state["momentum_model"])
         if rank_state is not None:  # same world size: exact data position and random state
             ckpt.set_rng_state(rank_state["rng"])
-            loader = build_train_loader(config.data, bundle.preprocess_train, bundle.tokenizer,
-                                        seed=config.seed, rank=rank, world_size=world,
+            loader = build_train_loader(config.data, augment, bundle.tokenizer, seed=config.seed,
+                                        rank=rank, world_size=world,
                                         resume_state=rank_state["loader"])
         else:
             loader.set_epoch(trainer_state["epoch"])
@@ -380,6 +402,7 @@ def train(config: RunConfig) -> dict[str, Any]:
 
     def batches():
         while True:
+            augment.epoch = loader.epoch
             yield from loader
             loader.set_epoch(loader.epoch + 1)
 
@@ -399,7 +422,8 @@ def train(config: RunConfig) -> dict[str, Any]:
     engine.train()
     while step < total_steps:
         t0 = time.perf_counter()
-        micro_batches = [next(data_iter) for _ in range(accum)]
+        with torch.random.fork_rng(devices=[]):  # the loader's own draws leave the training stream alone
+            micro_batches = [next(data_iter) for _ in range(accum)]
         timer["data"] += time.perf_counter() - t0
         window_attempts += 1
 
