@@ -5,8 +5,8 @@ Both trainers read the same synthetic webdataset shards, build the same open_cli
 open_clip), and run the same number of steps with the same per-process batch size, precision
 (fp32), data workers, learning-rate schedule shape, loss (InfoNCE; open_clip's ``ClipLoss`` with
 ``--local-loss --gather-with-grad``, which is what vlcontrast's loss computes across ranks) and
-``OMP_NUM_THREADS`` (cores / processes), once with one process and once with two (``torchrun``,
-gloo). Evaluation and checkpointing are off in open_clip; vlcontrast writes its final checkpoint
+``OMP_NUM_THREADS`` (``--threads``, 1 by default), once with one process and once with two
+(``torchrun``, gloo). Evaluation and checkpointing are off in open_clip; vlcontrast writes its final checkpoint
 after the last step, outside the timed windows.
 
 Throughput is each trainer's own per-window figure: vlcontrast's ``samples_per_s`` from
@@ -42,6 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 OPEN_CLIP_WRAPPER = '''\
+import json
 import sys
 
 import torch
@@ -64,7 +65,10 @@ class _CpuDDP(_DDP):
 torch.nn.parallel.DistributedDataParallel = _CpuDDP
 from open_clip_train.main import main  # noqa: E402
 
-main(sys.argv[2:])
+# The arguments come in a JSON file: torchrun's own parser would take open_clip's --logs for an
+# abbreviation of its --logs-specs.
+with open(sys.argv[2]) as handle:
+    main(json.load(handle))
 '''
 
 OPEN_CLIP_LINE = re.compile(r"Train Epoch: \d+ \[\s*(\d+)/\d+.*?Data \(t\): ([\d.]+) "
@@ -119,10 +123,21 @@ def run_watched(cmd: list[str], env: dict, log_path: Path, timeout: int) -> dict
     return {"rc": rc, "wall_s": time.perf_counter() - start, "peak_rss": peak[0]}
 
 
-def _env(nproc: int) -> dict:
-    threads = max(1, (os.cpu_count() or 1) // nproc)
-    return dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(threads),
-                TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+def _env(args, nproc: int) -> dict:
+    threads = args.threads or max(1, (os.cpu_count() or 1) // nproc)
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(threads),
+               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    if nproc == 1:  # a single vlcontrast process still binds MASTER_PORT (default 29500)
+        env["MASTER_PORT"] = str(_free_port())
+    return env
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _steady(values: list[tuple[int, float]], steps: int, skip_fraction: float) -> list[float]:
@@ -142,7 +157,7 @@ def run_vlcontrast(args, nproc: int, work: Path, tag: str) -> dict:
            "optim.weight_decay=0.1", f"optim.warmup_steps={args.warmup}", "loss.name=infonce",
            "checkpoint.every=0", "checkpoint.keep=1", "eval.zeroshot=", "eval.retrieval=none",
            "logging.tensorboard=false", "logging.progress=false", f"seed={args.seed}"]
-    result = run_watched(cmd, _env(nproc), work / f"vlc-{tag}.log", args.timeout)
+    result = run_watched(cmd, _env(args, nproc), work / f"vlc-{tag}.log", args.timeout)
     records = []
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
@@ -177,13 +192,15 @@ def run_open_clip(args, nproc: int, work: Path, tag: str) -> dict:
         "--save-frequency", "0", "--zeroshot-frequency", "0", "--val-frequency", "0",
         "--log-every-n-steps", str(args.log_every), "--report-to", "", "--seed", str(args.seed),
         "--logs", str(logs), "--name", "run"]
+    args_file = work / f"oc-{tag}.json"
+    args_file.write_text(json.dumps(train_args))
     if nproc == 1:
-        cmd = [sys.executable, str(wrapper), str(model_json)] + train_args
+        cmd = [sys.executable, str(wrapper), str(model_json), str(args_file)]
     else:
         torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
         cmd = [torchrun, "--standalone", f"--nproc_per_node={nproc}", str(wrapper),
-               str(model_json)] + train_args
-    result = run_watched(cmd, _env(nproc), work / f"oc-{tag}.log", args.timeout)
+               str(model_json), str(args_file)]
+    result = run_watched(cmd, _env(args, nproc), work / f"oc-{tag}.log", args.timeout)
     text = (work / f"oc-{tag}.log").read_text(errors="replace")
     windows = []
     for match in OPEN_CLIP_LINE.finditer(text):
@@ -266,7 +283,7 @@ def build_report(args, runs: dict, versions: dict, command: str) -> str:
              "",
              f"Setup: model `{args.model}` ({args.image_size} px), {args.steps} steps of "
              f"{args.batch_size} samples per process, fp32, {args.workers} data worker(s) per "
-             f"process, `OMP_NUM_THREADS` = cores / processes, InfoNCE, no evaluation. "
+             f"process, `OMP_NUM_THREADS={args.threads or 'cores / processes'}`, InfoNCE, no evaluation. "
              f"Throughput: median over windows of {args.log_every} steps after the first "
              f"{args.skip_fraction:.0%} of the run, then median over {args.repeats} alternating "
              "repetitions (min–max in brackets). Peak memory: the process tree's summed RSS.", "",
@@ -314,6 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--skip-fraction", type=float, default=0.25)
     parser.add_argument("--nprocs", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--threads", type=int, default=1,
+                        help="OMP_NUM_THREADS per process, both trainers (0: cores / processes). "
+                             "1 by default: on a shared machine multi-threaded OpenMP spin-waits "
+                             "against other jobs and the numbers become noise")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=int, default=900, help="seconds per run")

@@ -241,6 +241,14 @@ def cell_command(config: StudyConfig, cell: Cell) -> list[str]:
              "--config", config.base] + cell_overrides(config, cell))
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def is_finished(cell: Cell) -> bool:
     return (cell.run_dir / "results.json").is_file()
 
@@ -255,6 +263,11 @@ def run_cell(config: StudyConfig, cell: Cell) -> dict[str, Any]:
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     if config.threads:
         env["OMP_NUM_THREADS"] = str(config.threads)
+    if config.nproc == 1:
+        # A single process still opens a process group, by default on port 29500: two single-process
+        # runs on one machine (another study, a test) would collide. torchrun --standalone picks
+        # its own free port for nproc > 1.
+        env["MASTER_PORT"] = str(_free_port())
     command = cell_command(config, cell)
     stdout_path, stderr_path = cell.run_dir / "stdout.log", cell.run_dir / "stderr.log"
     start = time.perf_counter()
@@ -292,7 +305,7 @@ def run_cell(config: StudyConfig, cell: Cell) -> dict[str, Any]:
 
 CSV_FIELDS = ["cell", "loss", "global_batch", "seed", "status", "returncode", "wall_s", "steps",
               "samples_seen", "zeroshot_top1", "t2i_R@1", "i2t_R@1", "mean_R@1", "t2i_R@5",
-              "i2t_R@5", "final_loss", "samples_per_s", "run_dir", "error"]
+              "i2t_R@5", "mean_R@5", "final_loss", "samples_per_s", "run_dir", "error"]
 METRIC_KEYS = {"zeroshot_top1": "zeroshot/top1", "t2i_R@1": "retrieval/text_to_image_R@1",
                "i2t_R@1": "retrieval/image_to_text_R@1", "t2i_R@5": "retrieval/text_to_image_R@5",
                "i2t_R@5": "retrieval/image_to_text_R@5"}
@@ -327,8 +340,9 @@ def collect_row(cell: Cell) -> dict[str, Any]:
         metrics = json.loads((cell.run_dir / "results.json").read_text()).get("metrics", {})
         for column, key in METRIC_KEYS.items():
             row[column] = metrics.get(key, "")
-        if row["t2i_R@1"] != "" and row["i2t_R@1"] != "":
-            row["mean_R@1"] = (row["t2i_R@1"] + row["i2t_R@1"]) / 2
+        for k in (1, 5):
+            if row[f"t2i_R@{k}"] != "" and row[f"i2t_R@{k}"] != "":
+                row[f"mean_R@{k}"] = (row[f"t2i_R@{k}"] + row[f"i2t_R@{k}"]) / 2
         row["samples_seen"] = metrics.get("samples_seen", "")
     train = _train_records(cell.run_dir)
     if train:
@@ -368,7 +382,9 @@ def markdown_tables(config: StudyConfig, rows: list[dict[str, Any]]) -> str:
     """Per metric, a loss x batch-size table of mean ± std over seeds (in %), then failures."""
     losses, sizes = config.grid.losses, config.grid.global_batch_sizes
     out = []
-    titles = (("zeroshot_top1", "Zero-shot top-1 (%)"), ("mean_R@1", "Retrieval R@1, mean of both directions (%)"),
+    titles = (("zeroshot_top1", "Zero-shot top-1 (%)"),
+              ("mean_R@1", "Retrieval R@1, mean of both directions (%)"),
+              ("mean_R@5", "Retrieval R@5, mean of both directions (%)"),
               ("t2i_R@1", "Text-to-image R@1 (%)"), ("i2t_R@1", "Image-to-text R@1 (%)"))
     for metric, title in titles:
         values = _summaries(rows, metric)
@@ -378,10 +394,30 @@ def markdown_tables(config: StudyConfig, rows: list[dict[str, Any]]) -> str:
         for loss in losses:
             out.append(f"| {loss} | " + " | ".join(_mean_spread(values.get((loss, s), [])) for s in sizes) + " |")
         out.append("")
+    if "infonce" in losses:
+        # The seeds' claims are about beating InfoNCE at the same batch size: show the gap directly.
+        for metric, title in titles[:3]:
+            values = _summaries(rows, metric)
+            out.append(f"### {title.split(' (')[0]}: difference to infonce (points)\n")
+            out.append("| loss | " + " | ".join(f"B={s}" for s in sizes) + " |")
+            out.append("|---|" + "---:|" * len(sizes))
+            for loss in losses:
+                if loss == "infonce":
+                    continue
+                cells = []
+                for s in sizes:
+                    ours, base = values.get((loss, s)), values.get(("infonce", s))
+                    cells.append(f"{100 * (statistics.fmean(ours) - statistics.fmean(base)):+.1f}"
+                                 if ours and base else "-")
+                out.append(f"| {loss} | " + " | ".join(cells) + " |")
+            out.append("")
     done = sum(r.get("status") == "ok" for r in rows)
     out.append(f"Cells finished: {done} of {len(rows)}; values are mean ± standard deviation over "
-               f"{len(config.grid.seeds)} seed(s), in percent.\n")
-    failed = [r for r in rows if r.get("status") not in ("ok",)]
+               f"{len(config.grid.seeds)} seed(s), in percent; '-': no finished cell.\n")
+    failed = [r for r in rows if r.get("status") not in ("ok", "not run")]
+    not_run = sum(r.get("status") == "not run" for r in rows)
+    if not_run:
+        out.append(f"Cells not run yet: {not_run} (rerun the study to resume).\n")
     if failed:
         out.append("### Cells not finished\n")
         out.append("| cell | status | return code | last stderr lines |")
@@ -418,7 +454,8 @@ def plot_metric(config: StudyConfig, rows: list[dict[str, Any]], metric: str, yl
     ax.set_xlabel("global batch size")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
     plt.close(fig)

@@ -15,7 +15,8 @@ CASES = {
     # (256 samples / (16 x 2 ranks x 2 micro-batches) = 4 steps per epoch).
     "zero2_decl_accum2": {"deepspeed__zero_stage": 2, "loss__name": "decl",
                           "train__accum_steps": 2, "data__batch_size": 16},
-    "zero3_siglip": {"deepspeed__zero_stage": 3, "loss__name": "siglip"},
+    "zero3_siglip_accum2": {"deepspeed__zero_stage": 3, "loss__name": "siglip",
+                            "train__accum_steps": 2},
 }
 STEPS, STOP_AT = 6, 3
 

@@ -9,9 +9,9 @@ with the positive of local row ``i`` at global column ``rank * B_local + i``.
 A concrete loss only says what one block of rows contributes: :meth:`ContrastiveLoss.row_terms`
 maps a block of logits ``[rows, B_global]`` and its positive columns to per-anchor terms (the key
 ``"loss"`` plus anything the loss wants to reduce later). Dense mode is a single block. With
-``chunk_size > 0`` the rows are cut into blocks of at most ``chunk_size`` anchors, each run under
-activation checkpointing, so at most ``chunk_size x B_global`` logits exist at any time and backward
-recomputes each block. Quantities normalised over the global batch (DCLW's weights, DeCL's buffer
+``chunk_size > 0`` the rows are cut into blocks of at most ``chunk_size`` anchors and run by one
+custom autograd Function (:class:`_ChunkedRows`) that keeps no block and recomputes each one in
+backward, so at most ``chunk_size x B_global`` logits exist at any time. Quantities normalised over the global batch (DCLW's weights, DeCL's buffer
 look-ups) are computed once per step in :meth:`ContrastiveLoss.prepare` and handed to the
 blocks as per-row tensors.
 
@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from vlcontrast.distributed import gather_with_grad, get_rank, get_world_size
 
@@ -226,23 +225,26 @@ class ContrastiveLoss(nn.Module):
     def score_rows(self, anchors: Tensor, candidates: Tensor, scale: Tensor | float,
                    first_positive: int, context: dict[str, Tensor],
                    num_negatives: int) -> dict[str, Tensor]:
-        """Per-anchor terms of all local rows: one block (dense) or checkpointed blocks (chunked).
+        """Per-anchor terms of all local rows: one block (dense) or recomputed blocks (chunked).
 
         Row ``i``'s positive is candidate ``first_positive + i``.
         """
         rows = anchors.shape[0]
         if self.chunk_size == 0 or self.chunk_size >= rows:
             return self._block(anchors, candidates, scale, first_positive, context, num_negatives)
-        parts = []
-        for start in range(0, rows, self.chunk_size):
+        keys = list(context)
+        scale_tensor = scale if torch.is_tensor(scale) else None
+        outputs = _ChunkedRows.apply(self, first_positive, num_negatives, keys, scale, anchors,
+                                     candidates, scale_tensor, *[context[key] for key in keys])
+        return dict(zip(self._chunk_output_keys, outputs))
+
+    def _blocks(self, anchors, candidates, scale, first_positive, context, num_negatives):
+        """Yield ``(rows slice, per-anchor terms)`` of each block of ``chunk_size`` rows."""
+        for start in range(0, anchors.shape[0], self.chunk_size):
             block = slice(start, start + self.chunk_size)
-            args = (anchors[block], candidates, scale, first_positive + start,
-                    {key: value[block] for key, value in context.items()}, num_negatives)
-            if torch.is_grad_enabled():
-                parts.append(checkpoint(self._block, *args, use_reentrant=False))
-            else:
-                parts.append(self._block(*args))
-        return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
+            yield block, self._block(anchors[block], candidates, scale, first_positive + start,
+                                     {key: value[block] for key, value in context.items()},
+                                     num_negatives)
 
     def _block(self, anchors, candidates, scale, first_positive, context, num_negatives):
         rows = anchors.shape[0]
@@ -254,6 +256,79 @@ class ContrastiveLoss(nn.Module):
         paired = candidates.narrow(0, first_positive, rows)
         positive = (scaled.to(dtype) * paired.to(dtype)).sum(1)
         return self.row_terms(logits.to(dtype), positive, positives, context, num_negatives)
+
+
+class _ChunkedRows(torch.autograd.Function):
+    """The chunked mode: per-anchor terms block by block, each block recomputed in backward.
+
+    Forward runs the blocks without a graph and keeps only the inputs. Backward rebuilds one
+    block's graph at a time, back-propagates the incoming per-anchor gradients through it and
+    accumulates the gradients of anchors, candidates, scale and per-row context; so at most one
+    ``chunk_size x N`` block (and its autograd temporaries) exists at any moment, whatever the
+    loss does inside its block (in-place writes, custom Functions, no-grad side computations).
+    """
+
+    @staticmethod
+    def forward(ctx, loss, first_positive, num_negatives, keys, scale, anchors, candidates,
+                scale_tensor, *context_values):
+        context = dict(zip(keys, context_values))
+        parts = [terms for _, terms in loss._blocks(anchors, candidates, scale, first_positive,
+                                                     context, num_negatives)]
+        output_keys = list(parts[0])
+        outputs = tuple(torch.cat([part[key] for part in parts]) for key in output_keys)
+        loss._chunk_output_keys = output_keys
+        ctx.loss, ctx.first_positive, ctx.num_negatives, ctx.keys = (loss, first_positive,
+                                                                     num_negatives, keys)
+        ctx.scale = None if scale_tensor is not None else scale
+        ctx.save_for_backward(anchors, candidates, scale_tensor, *context_values)
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *output_grads):
+        anchors, candidates, scale_tensor, *context_values = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        detached_candidates = candidates.detach().requires_grad_(needs[6])
+        detached_scale = (scale_tensor.detach().requires_grad_(needs[7])
+                          if scale_tensor is not None else ctx.scale)
+        grad_anchors = torch.zeros_like(anchors) if needs[5] else None
+        grad_candidates = torch.zeros_like(candidates) if needs[6] else None
+        grad_scale = torch.zeros_like(scale_tensor) if scale_tensor is not None and needs[7] \
+            else None
+        grad_context = [torch.zeros_like(value) if needs[8 + index] else None
+                        for index, value in enumerate(context_values)]
+        loss, chunk = ctx.loss, ctx.loss.chunk_size
+        output_keys = loss._chunk_output_keys
+        for start in range(0, anchors.shape[0], chunk):
+            block = slice(start, start + chunk)
+            with torch.enable_grad():
+                block_anchors = anchors[block].detach().requires_grad_(needs[5])
+                block_context = {key: value[block].detach().requires_grad_(needs[8 + index])
+                                 for index, (key, value) in enumerate(zip(ctx.keys,
+                                                                          context_values))}
+                terms = loss._block(block_anchors, detached_candidates, detached_scale,
+                                    ctx.first_positive + start, block_context, ctx.num_negatives)
+                total = sum((terms[key] * grad[block]).sum()
+                            for key, grad in zip(output_keys, output_grads)
+                            if grad is not None and terms[key].requires_grad)
+                inputs = [block_anchors, detached_candidates, detached_scale,
+                          *block_context.values()]
+                wanted = [i for i, t in enumerate(inputs) if torch.is_tensor(t) and t.requires_grad]
+                if not torch.is_tensor(total) or not wanted:
+                    continue
+                grads = torch.autograd.grad(total, [inputs[i] for i in wanted], allow_unused=True)
+            for index, grad in zip(wanted, grads):
+                if grad is None:
+                    continue
+                if index == 0:
+                    grad_anchors[block] += grad
+                elif index == 1:
+                    grad_candidates += grad
+                elif index == 2:
+                    grad_scale += grad
+                else:
+                    grad_context[index - 3][block] += grad
+        return (None, None, None, None, None, grad_anchors, grad_candidates, grad_scale,
+                *grad_context)
 
 
 @torch.no_grad()

@@ -329,9 +329,9 @@ class DeCLLoss(ContrastiveLoss):
             loss = weight * loss_1 + (1 - weight) * loss_2
         result = {"loss": loss, "loss_1": loss_1.detach(), "loss_2": loss_2.detach(),
                   "lambda": weight,
-                  "U": torch.cat([t["U"] for t in terms]).mean().float()}
+                  "U": torch.cat([t["U"] for t in terms]).detach().mean().float()}
         if state["estimator"] == "buffer":
-            new_log_u = torch.stack([terms[0]["log_u"], terms[1]["log_u"]], dim=1)
+            new_log_u = torch.stack([terms[0]["log_u"], terms[1]["log_u"]], dim=1).detach()
             self._write(state["ids"], gather_no_grad(new_log_u), state["old_log_u"])
             result["buffer_coverage"] = self.buffer_coverage()
         return result

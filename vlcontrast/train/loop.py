@@ -132,11 +132,10 @@ def train_step(engine, loss_fn, micro_batches, step: int, device, dtype, timer: 
     """Forward, loss, backward and optimizer step over ``micro_batches``.
 
     Returns ``(result, skipped)``: ``skipped`` is None when the update was applied, ``"loss"``
-    when the loss was non-finite on some rank (nothing was back-propagated) and ``"gradients"``
-    when DeepSpeed found non-finite gradients and skipped the update. Both decisions are taken on
-    every rank alike, and neither advances the lr schedule or desynchronises DeepSpeed's
-    micro-step counter (a loss skip happens before the first backward; a gradient skip happens
-    inside ``engine.step()`` at the accumulation boundary).
+    when the loss was non-finite on some rank, ``"gradients"`` when the gradients were. Either
+    way DeepSpeed skips the update on every rank through its own overflow check (a non-finite
+    loss is turned into NaN gradients, and ZeRO-3 needs the backward of every forward anyway):
+    the lr schedule does not advance and the micro-step counters stay in step.
     """
     k = len(micro_batches)
     batches = [_to_device(b, device, dtype) for b in micro_batches]
@@ -157,9 +156,8 @@ def train_step(engine, loss_fn, micro_batches, step: int, device, dtype, timer: 
         result = loss_fn(*_loss_inputs(out), sample_ids=sample_ids, step=step,
                          momentum_features=momentum)
         t2 = time.perf_counter()
-        if dist_utils.any_rank(not bool(torch.isfinite(result["loss"].detach()).all())):
-            return result, "loss"
-        engine.backward(result["loss"])
+        finite = _finite_everywhere(result["loss"])
+        engine.backward(result["loss"] if finite else result["loss"] * float("nan"))
         t3 = time.perf_counter()
     else:
         # GradCache. 1) embed every micro-batch without gradient, remembering the random state
@@ -181,10 +179,10 @@ def train_step(engine, loss_fn, micro_batches, step: int, device, dtype, timer: 
         bias = bias.detach().requires_grad_() if bias is not None else None
         result = loss_fn(image_features, text_features, scale, bias, sample_ids=sample_ids,
                          step=step, momentum_features=momentum)
-        if dist_utils.any_rank(not bool(torch.isfinite(result["loss"].detach()).all())):
-            return result, "loss"
+        finite = _finite_everywhere(result["loss"])
         leaves = [image_features, text_features, scale] + ([bias] if bias is not None else [])
-        grads = torch.autograd.grad(result["loss"], leaves, allow_unused=True)
+        grads = torch.autograd.grad(result["loss"] if finite else result["loss"] * float("nan"),
+                                    leaves, allow_unused=True)
         t2 = time.perf_counter()
         # 3) re-embed each micro-batch with gradient under the same random state and push the
         # cached feature gradients through it: sum_i <f_i, dL/df_i> has the towers' gradient of L.
@@ -212,10 +210,17 @@ def train_step(engine, loss_fn, micro_batches, step: int, device, dtype, timer: 
     timer["backward"] += t3 - t2
     timer["step"] += t4 - t3
     applied = dist_utils.count_ranks(engine.was_step_applied())
-    if applied not in (0, dist_utils.get_world_size()):
+    if applied not in (0, dist_utils.get_world_size()) or (applied and not finite):
         raise RuntimeError(f"step {step}: DeepSpeed applied the update on {applied} of "
-                           f"{dist_utils.get_world_size()} ranks; the replicas have diverged")
-    return result, None if applied else "gradients"
+                           f"{dist_utils.get_world_size()} ranks (loss finite: {finite}); the "
+                           "replicas may have diverged")
+    if applied:
+        return result, None
+    return result, "gradients" if finite else "loss"
+
+
+def _finite_everywhere(loss: torch.Tensor) -> bool:
+    return not dist_utils.any_rank(not bool(torch.isfinite(loss.detach()).all()))
 
 
 # --------------------------------------------------------------------------------------------

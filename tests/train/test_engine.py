@@ -1,0 +1,96 @@
+"""The generated DeepSpeed config, the precision check, and the non-finite-gradient contract:
+for every ZeRO stage and precision, a NaN gradient on one rank skips the update on every rank,
+leaves the weights and the lr schedule where they were, and the next step applies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+
+
+def _config(**overrides):
+    from vlcontrast.config import load_config
+
+    values = [f"{k.replace('__', '.')}={v}" for k, v in overrides.items()]
+    return load_config(None, ["data.train=x", "train.steps=10"] + values)
+
+
+def test_deepspeed_config_follows_our_config_and_merges_overrides():
+    from vlcontrast.train.engine import deepspeed_config
+
+    config = _config(deepspeed__zero_stage=2, train__precision="bf16", train__accum_steps=4,
+                     data__batch_size=16, optim__grad_clip=1.0,
+                     **{"deepspeed.overrides.zero_optimization.reduce_bucket_size": 1000,
+                        "deepspeed.overrides.wall_clock_breakdown": "true"})
+    ds = deepspeed_config(config, world_size=8)
+    assert ds["train_batch_size"] == 16 * 4 * 8
+    assert ds["gradient_accumulation_steps"] == 4
+    assert ds["gradient_clipping"] == 1.0
+    assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
+    # Overrides merge into nested sections instead of replacing them.
+    assert ds["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 1000}
+    assert ds["wall_clock_breakdown"] is True
+
+
+def test_precision_check_names_the_setting(monkeypatch):
+    from deepspeed.accelerator import get_accelerator
+
+    from vlcontrast.config import ConfigError
+    from vlcontrast.train.engine import check_precision
+
+    check_precision("fp32", torch.device("cpu"))
+    monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: False)
+    with pytest.raises(ConfigError, match="train.precision='fp16'.*use train.precision=bf16"):
+        check_precision("fp16", torch.device("cpu"))
+
+
+COMBINATIONS = [(stage, precision) for precision in ("fp32", "bf16", "fp16")
+                for stage in (0, 1, 2, 3)]
+
+
+def _nan_gradient_on_one_rank(rank, world_size, combinations):
+    from vlcontrast.train.engine import build_engine
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    outcome = {}
+    for stage, precision in combinations:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+        # fp16: a small initial loss scale, so step 1 is not a loss-scale overflow.
+        config = _config(deepspeed__zero_stage=stage, train__precision=precision,
+                         data__batch_size=2, optim__warmup_steps=5,
+                         **{"deepspeed.overrides.fp16.initial_scale_power": 4})
+        engine, _ = build_engine(model, config, total_steps=10, world_size=world_size)
+        # Under ZeRO-3 a rank holds its shard of each parameter in ``ds_tensor``.
+        def weights():
+            return [getattr(p, "ds_tensor", p).detach().float().clone()
+                    for p in engine.module.parameters()]
+
+        steps = []
+        for step in range(3):
+            before = weights()
+            loss = engine(torch.ones(2, 4, dtype=dtypes[precision])).float().pow(2).sum()
+            if step == 1 and rank == 1:
+                loss = loss * float("nan")
+            engine.backward(loss)
+            engine.step()
+            after = weights()
+            moved = any(not torch.equal(a, b) for a, b in zip(before, after))
+            steps.append((engine.was_step_applied(), moved, engine.get_lr()[0]))
+        outcome[(stage, precision)] = steps
+    return outcome
+
+
+@pytest.mark.slow
+def test_nan_gradient_on_one_rank_skips_the_step_on_every_rank():
+    outcomes = run_distributed(_nan_gradient_on_one_rank, 2, COMBINATIONS, timeout=400)
+    for combination in COMBINATIONS:
+        ranks = [outcome[combination] for outcome in outcomes]
+        assert ranks[0] == ranks[1], combination  # the same decision and lr on both ranks
+        (applied_1, moved_1, lr_1), (applied_2, moved_2, lr_2), (applied_3, moved_3, lr_3) = ranks[0]
+        assert applied_1 and moved_1, combination
+        assert not applied_2 and lr_2 == lr_1, combination
+        assert not moved_2, combination
+        assert applied_3 and lr_3 > lr_1, combination
