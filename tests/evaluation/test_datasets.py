@@ -146,3 +146,15 @@ def test_clip_benchmark_classification_layout(tmp_path):
     data = resolve_zeroshot_data(str(tmp_path))
     assert data.kind == "wds" and data.classnames == ["cat", "dog", "car"]
     assert data.templates == ["a {c}", "the {c}"] and len(data.shards) == 2
+
+
+def test_image_folder_reads_its_own_classnames_and_templates(tmp_path):
+    write_image_folder(tmp_path, ["b_dir", "a_dir"], per_class=1)
+    (tmp_path / "classnames.txt").write_text("apple\nbanana\n")
+    (tmp_path / "templates.txt").write_text("a drawing of a {c}.\n")
+    data = resolve_zeroshot_data(str(tmp_path))
+    assert data.classnames == ["apple", "banana"]
+    assert data.templates == ["a drawing of a {c}."]
+    # Explicit files still win over the folder's own.
+    (tmp_path / "other.txt").write_text("{c}!\n")
+    assert resolve_zeroshot_data(str(tmp_path), templates=str(tmp_path / "other.txt")).templates == ["{c}!"]

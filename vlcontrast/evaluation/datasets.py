@@ -374,6 +374,11 @@ def resolve_zeroshot_data(data_dir: str, classnames: str | Sequence[str] | None 
     if not class_dirs:
         raise FileNotFoundError(f"{root}: no class sub-folders (ImageFolder layout expected)")
     is_imagenet = len(class_dirs) == len(IMAGENET_CLASSNAMES) and all(WNID.match(d) for d in class_dirs)
+    # An ImageFolder may carry its own classnames.txt / templates.txt (the synthetic set does).
+    if names is None and (root / "classnames.txt").is_file():
+        names = read_list_file(root / "classnames.txt")
+    if prompts is None and (root / "templates.txt").is_file():
+        prompts = read_templates(root / "templates.txt")
     if names is None:
         names = list(IMAGENET_CLASSNAMES) if is_imagenet else [d.replace("_", " ") for d in class_dirs]
     if prompts is None:
