@@ -127,6 +127,9 @@ def _env(args, nproc: int) -> dict:
     threads = args.threads or max(1, (os.cpu_count() or 1) // nproc)
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(threads),
                TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    # DeepSpeed compiles a CPU comm op into this cache at start-up; the default one is shared with
+    # other jobs on the machine, which can make every run recompile it (minutes of start-up).
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / "runs" / ".torch_extensions-bench"))
     if nproc == 1:  # a single vlcontrast process still binds MASTER_PORT (default 29500)
         env["MASTER_PORT"] = str(_free_port())
     return env

@@ -106,7 +106,12 @@ def test_markdown_table_reports_mean_and_spread_over_seeds(tmp_path):
 
 
 @pytest.mark.slow
-def test_tiny_study_records_a_crash_continues_and_resumes(tmp_path):
+def test_tiny_study_records_a_crash_continues_and_resumes(tmp_path, monkeypatch):
+    # The study gives its cells a private DeepSpeed op cache (compiled once per study); here the
+    # machine's usual cache is reused so the test does not spend a minute compiling.
+    from torch.utils.cpp_extension import get_default_build_root
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", get_default_build_root())
     # One cell gets an option its loss does not have: the trainer rejects it and exits non-zero.
     values = _tiny_study(tmp_path, cell_overrides={"dcl-b16-s0": ["loss.no_such_option=1"]})
     config_path = _write(tmp_path / "study.yaml", values)

@@ -125,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model (DeepSpeed)")
     train.add_argument("--config", help="YAML run config")
     train.add_argument("--nproc", type=int, default=1, help="local processes (re-launch via torchrun)")
+    # The deepspeed launcher appends --local_rank=N; the rank is read from the environment instead.
+    train.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     train.add_argument("overrides", nargs="*", help="section.key=value overrides")
     train.set_defaults(func=_cmd_train)
 

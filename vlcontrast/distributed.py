@@ -133,9 +133,15 @@ def gather_with_grad(tensor: torch.Tensor) -> torch.Tensor:
     """
     if get_world_size() == 1:
         return tensor
+    import warnings
+
     import torch.distributed.nn.functional as dist_fn
 
-    return torch.cat(dist_fn.all_gather(tensor.contiguous()), dim=0)
+    with warnings.catch_warnings():
+        # Deprecated in favour of a private functional-collectives API; still the public,
+        # autograd-aware all_gather, so keep it and keep the logs clean.
+        warnings.simplefilter("ignore", FutureWarning)
+        return torch.cat(dist_fn.all_gather(tensor.contiguous()), dim=0)
 
 
 def gather_no_grad(tensor: torch.Tensor) -> torch.Tensor:

@@ -263,6 +263,11 @@ def run_cell(config: StudyConfig, cell: Cell) -> dict[str, Any]:
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     if config.threads:
         env["OMP_NUM_THREADS"] = str(config.threads)
+    # DeepSpeed JIT-compiles a CPU communication op into TORCH_EXTENSIONS_DIR when a process group
+    # starts. The default cache (~/.cache/torch_extensions) is shared by every job on the machine,
+    # and jobs built with other flags make each cell recompile it (a minute or more per cell); a
+    # cache private to the study compiles once.
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(config.output_dir).resolve() / ".torch_extensions"))
     if config.nproc == 1:
         # A single process still opens a process group, by default on port 29500: two single-process
         # runs on one machine (another study, a test) would collide. torchrun --standalone picks
@@ -407,10 +412,15 @@ def markdown_tables(config: StudyConfig, rows: list[dict[str, Any]]) -> str:
                 cells = []
                 for s in sizes:
                     ours, base = values.get((loss, s)), values.get(("infonce", s))
-                    cells.append(f"{100 * (statistics.fmean(ours) - statistics.fmean(base)):+.1f}"
-                                 if ours and base else "-")
+                    if not ours or not base:
+                        cells.append("-")
+                        continue
+                    mark = " ▲" if min(ours) > max(base) else " ▼" if max(ours) < min(base) else ""
+                    cells.append(f"{100 * (statistics.fmean(ours) - statistics.fmean(base)):+.1f}{mark}")
                 out.append(f"| {loss} | " + " | ".join(cells) + " |")
             out.append("")
+        out.append("▲ / ▼: every seed of the loss is above / below every seed of infonce at that batch "
+                   "size; no mark: the seeds overlap.\n")
     done = sum(r.get("status") == "ok" for r in rows)
     out.append(f"Cells finished: {done} of {len(rows)}; values are mean ± standard deviation over "
                f"{len(config.grid.seeds)} seed(s), in percent; '-': no finished cell.\n")
@@ -462,7 +472,8 @@ def plot_metric(config: StudyConfig, rows: list[dict[str, Any]], metric: str, yl
 
 
 def plot_loss_curves(config: StudyConfig, cells: list[Cell], out_png: Path) -> None:
-    """One panel per batch size, one line per loss (first seed), training loss vs samples seen."""
+    """One panel per batch size, one line per loss: training loss against samples seen, averaged
+    over seeds and smoothed over 3 logged points (each log line is one step's loss)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -473,30 +484,41 @@ def plot_loss_curves(config: StudyConfig, cells: list[Cell], out_png: Path) -> N
     colors = {loss: f"C{i % 10}" for i, loss in enumerate(config.grid.losses)}
     for ax, size in zip(axes[0], sizes):
         for loss in config.grid.losses:
+            by_samples: dict[int, list[float]] = {}
             for cell in cells:
-                if cell.loss != loss or cell.global_batch != size:
-                    continue
-                records = _train_records(cell.run_dir)
-                if records:
-                    ax.plot([r["samples_seen"] for r in records], [r["loss"] for r in records],
-                            color=colors[loss], lw=1.1, label=loss)
-                    break  # first seed with data
+                if cell.loss == loss and cell.global_batch == size and is_finished(cell):
+                    for record in _train_records(cell.run_dir):
+                        by_samples.setdefault(record["samples_seen"], []).append(record["loss"])
+            if not by_samples:
+                continue
+            xs = sorted(by_samples)
+            ys = [statistics.fmean(by_samples[x]) for x in xs]
+            smooth = [statistics.fmean(ys[max(0, i - 1):i + 2]) for i in range(len(ys))]
+            ax.plot([x / 1000 for x in xs], smooth, color=colors[loss], lw=1.2, label=loss)
         ax.set_title(f"global batch {size}", fontsize=9)
-        ax.set_xlabel("samples seen")
+        ax.set_xlabel("thousand samples seen")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("training loss (each loss on its own scale)")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    for ax in axes[0][1:]:
-        more = ax.get_legend_handles_labels()
-        for h, label in zip(*more):
+    axes[0][0].set_ylabel("training loss (each on its own scale)")
+    handles, labels = [], []
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
             if label not in labels:
-                handles.append(h)
+                handles.append(handle)
                 labels.append(label)
     if handles:
         fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 9), fontsize=7)
     fig.tight_layout(rect=(0, 0, 1, 0.9))
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
+
+
+def _chance_line(zeroshot: float | None, retrieval: float | None) -> str:
+    parts = []
+    if zeroshot:
+        parts.append(f"zero-shot top-1 {100 * zeroshot:.1f}%")
+    if retrieval:
+        parts.append(f"R@1 {100 * retrieval:.1f}%, R@5 {500 * retrieval:.1f}%")
+    return f"Chance level: {', '.join(parts)}.\n\n" if parts else ""
 
 
 def write_report(config: StudyConfig, cells: list[Cell]) -> list[dict[str, Any]]:
@@ -524,6 +546,7 @@ def write_report(config: StudyConfig, cells: list[Cell]) -> list[dict[str, Any]]
     header = (f"# Loss study: {out}\n\nBase config `{config.base}`, {config.nproc} process(es) per "
               f"cell, {budget}, warmup {config.warmup_fraction:.0%} of steps, same learning rate "
               f"for every cell. Overrides: `{' '.join(config.overrides)}`.\n\n"
+              + _chance_line(zeroshot_chance, retrieval_chance) +
               "![zero-shot](zeroshot_top1.png) ![R@1](retrieval_R1.png)\n\n"
               "![loss curves](loss_curves.png)\n\n")
     (out / "study.md").write_text(header + markdown_tables(config, rows))

@@ -141,9 +141,10 @@ def _signal_then_resume(rank, world_size, data_dir, out_dir):
 @pytest.mark.slow
 def test_sigterm_finishes_the_step_checkpoints_and_stops_every_rank(synthetic_data, tmp_path):
     outcomes = run_distributed(_signal_then_resume, 2, synthetic_data, tmp_path, timeout=300)
-    for stopped, final_step in outcomes:
-        assert stopped and f"signal {int(signal.SIGTERM)} at step 2" in stopped
-        assert final_step == 4
+    (stopped_0, final_0), (stopped_1, final_1) = outcomes
+    assert f"stopped by signal {int(signal.SIGTERM)} at step 2" in stopped_0
+    assert "stopped by a signal to another rank at step 2" in stopped_1
+    assert final_0 == final_1 == 4
     events = read_metrics(tmp_path, "event")
     assert events[0]["stopped"] == f"signal {int(signal.SIGTERM)}" and events[0]["step"] == 2
     assert events[1]["resumed_from"].endswith("step_00000002")

@@ -151,10 +151,27 @@ def num_parameters(model: torch.nn.Module) -> int:
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 
 
+def skip_cpu_inference_comm_op() -> None:
+    """Keep DeepSpeed's CPU backend from JIT-building its shared-memory all-reduce op.
+
+    The op serves only ``inference_all_reduce``; training reduces through torch.distributed. On
+    CPU DeepSpeed compiles it at the first ``initialize`` of every process (and first probes every
+    op with compiler runs), which costs a minute per launch and serialises concurrent launches on
+    the extension cache's lock. DeepSpeed loads the op only when ``deepspeed.ops``' compatibility
+    table lists it; a table set beforehand is used as is.
+    """
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu" and "__compatible_ops__" not in vars(deepspeed.ops):
+        deepspeed.ops.__compatible_ops__ = {}
+
+
 def build_engine(model: torch.nn.Module, config: RunConfig, total_steps: int, world_size: int):
     """(engine, ds_config): DeepSpeed engine with torch AdamW and a cosine schedule."""
     import deepspeed
 
+    skip_cpu_inference_comm_op()
     vectorise_scalar_parameters(model)
     optim = config.optim
     plain_fp32 = config.deepspeed.zero_stage == 0 and config.train.precision == "fp32"

@@ -494,15 +494,16 @@ def train(config: RunConfig) -> dict[str, Any]:
                 logger.log(step, metrics, kind="eval")
 
         # Checkpoint and stop: decided on every rank alike at the end of the step.
-        stop_now = (dist_utils.any_rank(stop["signal"] is not None)
-                    or 0 < config.train.stop_at_step <= step)
+        signalled = dist_utils.any_rank(stop["signal"] is not None)
+        stop_now = signalled or 0 < config.train.stop_at_step <= step
         due = config.checkpoint.every and step % config.checkpoint.every == 0
         if (due or stop_now) and step != saved_step:
             last_checkpoint, saved_step = str(save(step)), step
         if stop_now:
             if progress is not None:
                 progress.close()
-            reason = f"signal {stop['signal']}" if stop["signal"] is not None else "train.stop_at_step"
+            reason = (f"signal {stop['signal']}" if stop["signal"] is not None
+                      else "a signal to another rank" if signalled else "train.stop_at_step")
             logger.log(step, {"stopped": reason, "checkpoint": last_checkpoint}, kind="event")
             logger.close()
             raise StopRequested(f"stopped by {reason} at step {step}; checkpoint {last_checkpoint}")

@@ -1,0 +1,144 @@
+"""Launchers: the launch environment of torchrun, the deepspeed launcher and srun; real 2-process
+launches through each (srun simulated by its environment variables); preemption, a killed rank
+and restarts through them."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.distributed import free_port
+from tests.train.helpers import (REPO, cli, latest_step, log_tail, process_env, read_metrics,
+                                 start_ranks, stop_all, tiny_overrides, wait_for)
+
+
+def test_torchrun_and_deepspeed_variables_win_over_slurm():
+    from vlcontrast.distributed import launch_env
+
+    env = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.5",
+           "MASTER_PORT": "1234", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}
+    launched = launch_env(env)
+    assert launched.source == "torchrun"
+    assert (launched.rank, launched.world_size, launched.local_rank) == (3, 8, 1)
+    assert (launched.master_addr, launched.master_port) == ("10.0.0.5", "1234")
+    assert launch_env({**env, "CROSS_RANK": "0"}).source == "deepspeed"
+
+
+@pytest.mark.parametrize("nodelist, master", [("gpu-a[017-020,031]", "gpu-a017"),
+                                              ("node7,node9", "node7"), ("single", "single")])
+def test_srun_ranks_world_and_master_come_from_slurm(nodelist, master, monkeypatch):
+    from vlcontrast.distributed import launch_env, local_world_size
+
+    monkeypatch.setenv("PATH", "")  # no scontrol: the node-list parser
+    env = {"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
+           "SLURM_JOB_NODELIST": nodelist, "SLURM_JOB_ID": "123456", "SLURM_NTASKS_PER_NODE": "8"}
+    launched = launch_env(env)
+    assert (launched.rank, launched.world_size, launched.local_rank) == (9, 16, 1)
+    assert launched.master_addr == master and launched.source == "slurm"
+    assert launched.master_port == str(20000 + 123456 % 20000)
+    assert local_world_size(env) == 8
+    assert launch_env({**env, "MASTER_PORT": "4321"}).master_port == "4321"
+
+
+def test_inconsistent_launch_variables_are_an_error():
+    from vlcontrast.distributed import launch_env
+
+    with pytest.raises(ValueError, match="RANK=4 is not in \\[0, WORLD_SIZE=4\\)"):
+        launch_env({"RANK": "4", "WORLD_SIZE": "4"})
+
+
+@pytest.mark.slow
+def test_deepspeed_launcher_with_hostfile_bf16_zero2_and_every_sink(synthetic_data, tmp_path):
+    """``deepspeed --hostfile`` on one node without ssh; bf16 with ZeRO-2; metrics.jsonl,
+    TensorBoard and offline Weights & Biases."""
+    deepspeed = shutil.which("deepspeed", path=os.path.dirname(sys.executable))
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n")
+    run = tmp_path / "run"
+    overrides = tiny_overrides(synthetic_data, run, train__steps=3, train__precision="bf16",
+                               deepspeed__zero_stage=2, logging__tensorboard=True,
+                               logging__wandb=True)
+    command = [deepspeed, "--hostfile", str(hostfile), "--no_ssh", "--node_rank", "0",
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "--no_local_rank",
+               "--module", "vlcontrast.cli", "train", *overrides]
+    done = subprocess.run(command, env=process_env(WANDB_MODE="offline", WANDB_SILENT="true"),
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((run / "results.json").read_text())
+    assert results["world_size"] == 2 and results["metrics"]["step"] == 3
+    ds_config = json.loads((run / "deepspeed.json").read_text())
+    assert ds_config["bf16"]["enabled"] and ds_config["zero_optimization"]["stage"] == 2
+    last = read_metrics(run, "train")[-1]
+    for key in ("loss", "lr", "samples_per_s", "grad_norm", "skipped_steps", "positive_similarity",
+                "time/data", "time/forward", "time/loss", "time/backward", "time/step"):
+        assert key in last, key
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert list(run.glob("wandb/offline-run-*"))
+
+
+@pytest.mark.slow
+def test_preemption_a_killed_rank_and_restarts(synthetic_data, tmp_path):
+    """srun (SLURM variables only): SIGUSR1 to one rank -> both checkpoint and exit 0.
+    Restart with resume=latest (launcher variables): it continues; SIGKILL one rank -> the other
+    exits non-zero within train.dist_timeout_s. Restart with torchrun: it finishes."""
+    run, logs = tmp_path / "run", tmp_path / "logs"
+    logs.mkdir()
+    long_run = tiny_overrides(synthetic_data, run, train__steps=1000, checkpoint__every=2,
+                              train__resume="latest", train__dist_timeout_s=20,
+                              model__grad_checkpointing=True)
+    port = free_port()
+
+    def srun_env(rank):
+        return process_env(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
+                           SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID="77",
+                           SLURM_NTASKS_PER_NODE="2", MASTER_PORT=str(port), PATH=os.environ["PATH"])
+
+    procs = start_ranks(long_run, srun_env, 2, logs)
+    try:
+        wait_for(lambda: len(read_metrics(run, "train")) >= 3, 240, procs, "3 training steps")
+        procs[1].send_signal(signal.SIGUSR1)  # SLURM's warning, as seen by one task
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        stop_all(procs)
+    assert codes == [0, 0], log_tail(logs)
+    preempted_at = latest_step(run)
+    assert preempted_at >= 3
+    assert read_metrics(run, "event")[-1]["stopped"] == "a signal to another rank"
+    assert not (run / "results.json").exists()
+
+    port = free_port()
+
+    def torchrun_env(rank):
+        return process_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+    procs = start_ranks(long_run, torchrun_env, 2, logs)
+    try:
+        wait_for(lambda: latest_step(run) >= preempted_at + 2, 240, procs, "a new checkpoint")
+        procs[1].kill()
+        killed = time.monotonic()
+        code = procs[0].wait(timeout=120)
+        survivor_exit_s = time.monotonic() - killed
+    finally:
+        stop_all(procs)
+    assert code != 0, log_tail(logs)
+    assert survivor_exit_s < 20 + 30, survivor_exit_s
+    crashed_at = latest_step(run)
+    resumed = [r for r in read_metrics(run, "event") if "resumed_from" in r]
+    assert resumed[-1]["resumed_from"].endswith(f"step_{preempted_at:08d}")
+
+    final = tiny_overrides(synthetic_data, run, train__steps=crashed_at + 2,
+                           train__resume="latest")
+    done = subprocess.run(cli("train", "--nproc", "2", *final), env=process_env(), cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert json.loads((run / "results.json").read_text())["metrics"]["step"] == crashed_at + 2
+    steps = [r["step"] for r in read_metrics(run, "train")]
+    assert steps[-2:] == [crashed_at + 1, crashed_at + 2]
