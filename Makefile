@@ -27,7 +27,7 @@ data: setup
 
 demo: setup data
 	$(BIN)/vlcontrast train --config configs/demo.yaml --nproc $(NPROC)
-	$(BIN)/vlcontrast verify runs/demo --min-over-chance 3
+	$(BIN)/vlcontrast verify runs/demo --min-over-chance 3 --metrics retrieval/text_to_image_R@1,retrieval/image_to_text_R@1
 
 test: setup
 	$(BIN)/python -m pytest -q -n 2 --durations=15 $(PYTEST_ARGS) tests

@@ -105,7 +105,8 @@ def _cmd_export(args) -> int:
 def _cmd_verify(args) -> int:
     from vlcontrast.verify import verify_run
 
-    ok, table = verify_run(args.run_dir, args.min_over_chance)
+    keys = tuple(k.strip() for k in args.metrics.split(",") if k.strip())
+    ok, table = verify_run(args.run_dir, args.min_over_chance, keys)
     print(table)
     return 0 if ok else 1
 
@@ -183,6 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     verify = sub.add_parser("verify", help="check a finished run's metrics against chance")
     verify.add_argument("run_dir")
     verify.add_argument("--min-over-chance", type=float, default=3.0)
+    verify.add_argument("--metrics", default=",".join(("retrieval/text_to_image_R@1",
+                                                       "retrieval/image_to_text_R@1",
+                                                       "zeroshot/top1")),
+                        help="comma-separated metrics that must pass (others are shown)")
     verify.set_defaults(func=_cmd_verify)
 
     study = sub.add_parser("study", help="grid of short runs: loss x batch size x seed")
