@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 
 
@@ -30,9 +29,9 @@ def _cmd_train(args) -> int:
     config = load_config(args.config, args.overrides)  # errors here, before any launch
     inside_launcher = "RANK" in os.environ or "SLURM_PROCID" in os.environ
     if args.nproc > 1 and not inside_launcher:
-        torchrun = shutil.which("torchrun") or "torchrun"
-        cmd = [torchrun, "--standalone", f"--nproc_per_node={args.nproc}", "-m", "vlcontrast.cli",
-               "train"] + (["--config", args.config] if args.config else []) + list(args.overrides)
+        # torchrun as a module of this interpreter: works without the venv on PATH.
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={args.nproc}", "-m", "vlcontrast.cli", "train"] + (["--config", args.config] if args.config else []) + list(args.overrides)
         os.execvpe(cmd[0], cmd, os.environ)
     _prepare_environment()
     from vlcontrast.train import StopRequested, train
