@@ -35,6 +35,9 @@ test: setup
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
 
+study: setup
+	$(BIN)/vlcontrast study --config configs/study/default.yaml
+
 bench: setup
 	$(BIN)/python bench/run_all.py
 

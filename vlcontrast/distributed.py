@@ -13,6 +13,7 @@ in a collective until the process-group timeout.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import re
@@ -115,6 +116,13 @@ def init_distributed(backend: str | None = None, timeout_s: int = 600) -> Launch
     env = launch_env()
     if is_initialized():
         return env
+    if env.source == "single" and "MASTER_PORT" not in os.environ:
+        # A lone process needs no agreed port: take a free one, so concurrent runs don't collide.
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            env = dataclasses.replace(env, master_port=str(sock.getsockname()[1]))
     for key, value in (("RANK", env.rank), ("WORLD_SIZE", env.world_size),
                        ("LOCAL_RANK", env.local_rank), ("MASTER_ADDR", env.master_addr),
                        ("MASTER_PORT", env.master_port)):
