@@ -28,26 +28,6 @@ def test_siglip_initialisation():
     assert bundle.model.logit_bias.item() == pytest.approx(-10.0)
 
 
-@pytest.fixture(scope="module")
-def hf_text_dir(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
-
-    folder = tmp_path_factory.mktemp("hf-bert")
-    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "red", "blue", "circle", "square",
-             "small", "large", "two"]
-    vocab = {w: i for i, w in enumerate(words)}
-    raw = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    raw.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]", pad_token="[PAD]",
-                                        cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
-    tokenizer.save_pretrained(folder)
-    config = BertConfig(vocab_size=len(words), hidden_size=32, num_hidden_layers=1,
-                        num_attention_heads=2, intermediate_size=64, max_position_embeddings=32)
-    BertModel(config).save_pretrained(folder)
-    return folder
-
-
 def test_hf_text_tower_from_local_directory(hf_text_dir):
     bundle = build_model(ModelConfig(name="vlc-micro", hf_model_dir=str(hf_text_dir)))
     assert "hf" in bundle.model_name
