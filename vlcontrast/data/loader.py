@@ -114,29 +114,32 @@ class ShardSet:
         return hashlib.sha1(json.dumps(rows).encode()).hexdigest()[:16]
 
 
-def parse_train_spec(spec: str) -> list[Source]:
-    """``a/{0..3}.tar@2::pipe:cat b/{0..1}.tar`` -> sources with weights (default 1)."""
+def parse_train_spec(spec: str, key: str = "data.train") -> list[Source]:
+    """``a/{0..3}.tar@2::pipe:cat b/{0..1}.tar`` -> sources with weights (default 1).
+
+    ``key`` names the config option in error messages.
+    """
     if not spec or not spec.strip():
-        raise LoaderError("data.train is empty: set it to a shard pattern such as "
+        raise LoaderError(f"{key} is empty: set it to a shard pattern such as "
                           "/data/cc3m/{00000..00331}.tar")
     sources = []
     for part in spec.split("::"):
         part = part.strip()
         if not part:
-            raise LoaderError(f"data.train={spec!r}: empty source between '::' separators")
+            raise LoaderError(f"{key}={spec!r}: empty source between '::' separators")
         weight = 1.0
         head, sep, tail = part.rpartition("@")
         if sep and _WEIGHT.fullmatch(tail):
             part, weight = head, float(tail)
             if weight <= 0:
-                raise LoaderError(f"data.train source {part!r}: weight {tail} must be > 0")
+                raise LoaderError(f"{key} source {part!r}: weight {tail} must be > 0")
         sources.append(Source(part, weight))
     return sources
 
 
-def expand_source(pattern: str) -> list[str]:
+def expand_source(pattern: str, key: str = "data.train") -> list[str]:
     """Shard URLs of one source: brace expansion, then globbing and existence checks for local
-    paths; a directory means its numbered ``*.tar`` shards."""
+    paths; a directory means its numbered ``*.tar`` shards. ``key`` names the option in errors."""
     import braceexpand
 
     if pattern.startswith("pipe:"):
@@ -144,7 +147,7 @@ def expand_source(pattern: str) -> list[str]:
     if os.path.isdir(pattern):
         urls = shard_meta.list_shards(pattern)
         if not urls:
-            raise LoaderError(f"data.train: directory {pattern!r} holds no numbered .tar shards")
+            raise LoaderError(f"{key}: directory {pattern!r} holds no numbered .tar shards")
         return urls
     urls: list[str] = []
     for path in braceexpand.braceexpand(pattern):
@@ -155,10 +158,10 @@ def expand_source(pattern: str) -> list[str]:
     missing = [u for u in urls if not os.path.isfile(u)]
     if not urls or len(missing) == len(urls):
         example = f" (e.g. {missing[0]!r})" if missing else ""
-        raise LoaderError(f"data.train pattern {pattern!r} matches no shard files: it expands to "
+        raise LoaderError(f"{key} pattern {pattern!r} matches no shard files: it expands to "
                           f"{len(urls)} paths, none exists{example}")
     if missing:
-        raise LoaderError(f"data.train pattern {pattern!r}: {len(missing)} of {len(urls)} shards "
+        raise LoaderError(f"{key} pattern {pattern!r}: {len(missing)} of {len(urls)} shards "
                           f"do not exist, first {missing[0]!r}")
     return urls
 

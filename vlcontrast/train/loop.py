@@ -77,16 +77,14 @@ def preflight(config: RunConfig) -> None:
 
 
 def _check_shards_exist(key: str, spec: str) -> None:
-    from vlcontrast.data.shards import expand_pattern
+    """The loader's own pattern rules (sources, weights, braces, globs, directories), run early."""
+    from vlcontrast.data.loader import LoaderError, expand_source, parse_train_spec
 
-    paths = expand_pattern(spec)
-    local = [p for p in paths if not p.startswith(("pipe:", "http://", "https://", "s3://"))]
-    if not paths:
-        raise ConfigError(f"{key}={spec!r}: the pattern matches no shard")
-    missing = [p for p in local if not os.path.exists(p)]
-    if missing:
-        raise ConfigError(f"{key}={spec!r}: {len(missing)} of {len(paths)} shards do not exist "
-                          f"(first: {missing[0]})")
+    try:
+        for source in parse_train_spec(spec, key):
+            expand_source(source.pattern, key)
+    except LoaderError as err:
+        raise ConfigError(str(err)) from err
 
 
 # --------------------------------------------------------------------------------------------
@@ -317,7 +315,7 @@ def _install_signal_handlers() -> dict:
 def train(config: RunConfig) -> dict[str, Any]:
     """Run a training job as configured; returns the final results (rank 0: also written)."""
     from vlcontrast.data.loader import build_train_loader
-    from vlcontrast.losses import build_loss
+    from vlcontrast.losses import LOSSES, build_loss
     from vlcontrast.models import build_model
     from vlcontrast.train import checkpoint as ckpt
     from vlcontrast.train.engine import (build_engine, check_precision, clamp_logit_scale,
@@ -341,7 +339,8 @@ def train(config: RunConfig) -> dict[str, Any]:
         (run_dir / "config.yaml").write_text(config_yaml)
 
     # Data first: a bad shard pattern fails here, before the engine is built.
-    bundle = build_model(config.model, siglip=config.loss.name == "siglip", device=device)
+    bundle = build_model(config.model, siglip=LOSSES[config.loss.name].uses_logit_bias,
+                         device=device)
     augment = SeededTransform(bundle.preprocess_train, config.seed)
     loader = build_train_loader(config.data, augment, bundle.tokenizer, seed=config.seed,
                                 rank=rank, world_size=world)
