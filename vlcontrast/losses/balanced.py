@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from vlcontrast.losses.base import (ContrastiveLoss, PairBatch, negatives_logsumexp,
-                                    row_logsumexp)
+from vlcontrast.losses.base import ContrastiveLoss, LogSumExp, PairBatch
 
 
 class BalancedLoss(ContrastiveLoss):
@@ -39,10 +38,9 @@ class BalancedLoss(ContrastiveLoss):
     def scale(self, batch: PairBatch) -> float:
         return self.alpha
 
-    def row_terms(self, logits: Tensor, positive: Tensor, positives: Tensor,
-                  context: dict[str, Tensor], num_negatives: int) -> dict[str, Tensor]:
-        if self.include_positive:
-            negative = row_logsumexp(logits, positives)
-        else:
-            negative = negatives_logsumexp(logits, positives)
-        return {"loss": (self.lam * negative - positive) / self.alpha}
+    def row_statistic(self) -> LogSumExp:
+        return LogSumExp(exclude_positive=not self.include_positive)
+
+    def statistic_terms(self, value: Tensor, positive: Tensor, context: dict[str, Tensor],
+                        num_negatives: int) -> dict[str, Tensor]:
+        return {"loss": (self.lam * value - positive) / self.alpha}

@@ -10,10 +10,19 @@ A concrete loss only says what one block of rows contributes: :meth:`Contrastive
 maps a block of logits ``[rows, B_global]`` and its positive columns to per-anchor terms (the key
 ``"loss"`` plus anything the loss wants to reduce later). Dense mode is a single block. With
 ``chunk_size > 0`` the rows are cut into blocks of at most ``chunk_size`` anchors and run by one
-custom autograd Function (:class:`_ChunkedRows`) that keeps no block and recomputes each one in
-backward, so at most ``chunk_size x B_global`` logits exist at any time. Quantities normalised over the global batch (DCLW's weights, DeCL's buffer
-look-ups) are computed once per step in :meth:`ContrastiveLoss.prepare` and handed to the
-blocks as per-row tensors.
+custom autograd Function that keeps no block and recomputes each one in backward, so at most
+``chunk_size x B_global`` logits exist at any time. Quantities normalised over the global batch
+(DCLW's weights, DeCL's buffer look-ups) are computed once per step in
+:meth:`ContrastiveLoss.prepare` and handed to the blocks as per-row tensors.
+
+Every built-in loss touches its block only through one number per row, a :class:`RowStatistic`
+(a logsumexp over the negatives, HCL's tilted mass, BCL's weighted logsumexp, SigLIP's softplus
+sum) whose gradient is written out. Such a loss implements :meth:`ContrastiveLoss.row_statistic`
+and :meth:`ContrastiveLoss.statistic_terms` instead of :meth:`ContrastiveLoss.row_terms`, and its
+chunked mode (:class:`_ChunkedStatistic`) recomputes only the block's matmul and the statistic's
+gradient in backward (Inf-CL's scheme, for every loss): one extra matmul over dense instead of a
+whole re-run of the block's forward graph (:class:`_ChunkedRows`, the fallback for a loss that
+only implements ``row_terms``).
 
 The per-rank ``loss`` is the mean over the local anchors (and over directions), so the mean over
 ranks is the global-batch loss; the definitions are in ``docs/losses.md``.
@@ -134,6 +143,64 @@ def row_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 # --------------------------------------------------------------------------------------------
+# Row statistics: one number per anchor row of a logit block, with a written-out gradient.
+
+
+class RowStatistic:
+    """``value_i = f(L_i.)`` for each row of a block, in three forms.
+
+    ``dense(logits, positives)``: an autograd op over a whole block (dense mode). ``forward`` and
+    ``backward`` are its graph-free halves for the chunked mode: ``forward`` returns the values and
+    per-row tensors to keep (``aux``); ``backward`` gets the recomputed block and returns
+    ``grad_i * d value_i / d L_ij``. All three may overwrite ``logits`` (always a fresh block).
+    """
+
+    def dense(self, logits: Tensor, positives: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def forward(self, logits: Tensor, positives: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
+        raise NotImplementedError
+
+    def backward(self, logits: Tensor, positives: Tensor, value: Tensor, aux: tuple[Tensor, ...],
+                 grad: Tensor) -> Tensor:
+        raise NotImplementedError
+
+
+class LogSumExp(RowStatistic):
+    """``logsumexp_j L_ij``, over the negatives only when ``exclude_positive``."""
+
+    def __init__(self, exclude_positive: bool):
+        self.exclude_positive = exclude_positive
+
+    def _prepare(self, logits: Tensor, positives: Tensor) -> tuple[Tensor, Tensor]:
+        if self.exclude_positive:
+            return fill_positives_(logits, positives), (positives + 1) % logits.shape[1]
+        return logits, positives
+
+    def dense(self, logits: Tensor, positives: Tensor) -> Tensor:
+        return row_logsumexp(*self._prepare(logits, positives))
+
+    def forward(self, logits, positives):
+        logits, reference = self._prepare(logits, positives)
+        with torch.no_grad():
+            return _RowLogSumExp.forward(_NO_CONTEXT, logits, reference), ()
+
+    def backward(self, logits, positives, value, aux, grad):
+        logits, _ = self._prepare(logits, positives)
+        return logits.sub_(value[:, None]).exp_().mul_(grad[:, None])  # softmax * grad, in place
+
+
+class _NoContext:
+    """Stands in for ``ctx`` when an autograd Function's forward is reused without a graph."""
+
+    def save_for_backward(self, *tensors):
+        pass
+
+
+_NO_CONTEXT = _NoContext()
+
+
+# --------------------------------------------------------------------------------------------
 
 
 class ContrastiveLoss(nn.Module):
@@ -171,6 +238,18 @@ class ContrastiveLoss(nn.Module):
         """Per-anchor tensors ``[B_local, ...]`` the blocks need (sliced with the rows)."""
         return {}
 
+    def row_statistic(self) -> RowStatistic | None:
+        """The one per-row statistic of the block this loss needs (``None``: use :meth:`row_terms`)."""
+        return None
+
+    def statistic_terms(self, value: Tensor, positive: Tensor, context: dict[str, Tensor],
+                        num_negatives: int) -> dict[str, Tensor]:
+        """Per-anchor terms from the rows' statistic ``value`` (losses with a :meth:`row_statistic`).
+
+        ``positive`` is ``L[i, pos_i]`` and ``context`` the per-row tensors of the same rows.
+        """
+        raise NotImplementedError
+
     def row_terms(self, logits: Tensor, positive: Tensor, positives: Tensor,
                   context: dict[str, Tensor], num_negatives: int) -> dict[str, Tensor]:
         """Per-anchor terms of one block of rows (``"loss"``, unless :meth:`reduce` is overridden).
@@ -178,8 +257,17 @@ class ContrastiveLoss(nn.Module):
         ``logits`` is ``[rows, N_global]`` (fresh: the loss may overwrite it in place),
         ``positive`` the positive logits ``L[i, pos_i]`` (computed from the features, so their
         gradient never passes through a ``rows x N`` tensor), ``positives`` the positive columns.
+        The default applies :meth:`row_statistic` (after adding the per-row ``row_offset`` of the
+        context, if any) and :meth:`statistic_terms`.
         """
-        raise NotImplementedError
+        statistic = self.row_statistic()
+        if statistic is None:
+            raise NotImplementedError(f"{type(self).__name__} implements neither row_terms nor "
+                                      "row_statistic")
+        if "row_offset" in context:
+            logits = logits.add_(context["row_offset"].to(logits.dtype)[:, None])
+        return self.statistic_terms(statistic.dense(logits, positives), positive, context,
+                                    num_negatives)
 
     def reduce(self, batch: PairBatch, terms: list[dict[str, Tensor]],
                state: dict) -> dict[str, Tensor | float]:
@@ -232,6 +320,14 @@ class ContrastiveLoss(nn.Module):
         rows = anchors.shape[0]
         if self.chunk_size == 0 or self.chunk_size >= rows:
             return self._block(anchors, candidates, scale, first_positive, context, num_negatives)
+        statistic = self.row_statistic()
+        if statistic is not None:
+            scale_tensor = scale if torch.is_tensor(scale) else None
+            value = _ChunkedStatistic.apply(statistic, self.chunk_size, first_positive, scale,
+                                            anchors, candidates, scale_tensor,
+                                            context.get("row_offset"))
+            positive = _positive_logits(scale * anchors, candidates, first_positive)
+            return self.statistic_terms(value, positive, context, num_negatives)
         keys = list(context)
         scale_tensor = scale if torch.is_tensor(scale) else None
         outputs = _ChunkedRows.apply(self, first_positive, num_negatives, keys, scale, anchors,
@@ -251,11 +347,91 @@ class ContrastiveLoss(nn.Module):
         positives = torch.arange(first_positive, first_positive + rows, device=anchors.device)
         scaled = scale * anchors
         logits = scaled @ candidates.T
-        dtype = row_dtype(logits.dtype)
-        # The positives are consecutive columns: a slice, whose backward is cheap.
-        paired = candidates.narrow(0, first_positive, rows)
-        positive = (scaled.to(dtype) * paired.to(dtype)).sum(1)
-        return self.row_terms(logits.to(dtype), positive, positives, context, num_negatives)
+        positive = _positive_logits(scaled, candidates, first_positive)
+        return self.row_terms(logits.to(row_dtype(logits.dtype)), positive, positives, context,
+                              num_negatives)
+
+
+def _positive_logits(scaled: Tensor, candidates: Tensor, first_positive: int) -> Tensor:
+    """``L[i, first_positive + i]`` from the features (in the row dtype)."""
+    dtype = row_dtype(scaled.dtype)
+    # The positives are consecutive columns: a slice, whose backward is cheap.
+    paired = candidates.narrow(0, first_positive, scaled.shape[0])
+    return (scaled.to(dtype) * paired.to(dtype)).sum(1)
+
+
+class _ChunkedStatistic(torch.autograd.Function):
+    """Chunked mode of a loss with a :class:`RowStatistic`: ``value_i`` for every local row.
+
+    Forward computes each block's logits ``(s A_b) C^T (+ offset_b)``, the statistic and drops the
+    block. Backward recomputes the block's logits, asks the statistic for ``G = grad * dvalue/dL``
+    and applies the matmul's chain rule by hand: ``dA_b = s G C``, ``dC += G^T (s A_b)``,
+    ``ds += sum(A_b * (G C))``, ``d offset_b = G 1``. So chunking costs one extra matmul per block
+    and no autograd graph is built at all.
+    """
+
+    @staticmethod
+    def forward(ctx, statistic, chunk, first_positive, scale, anchors, candidates, scale_tensor,
+                offset):
+        values, auxes = [], []
+        with torch.no_grad():
+            for start in range(0, anchors.shape[0], chunk):
+                logits = _ChunkedStatistic.block_logits(scale, anchors, candidates, offset, start,
+                                                        chunk)
+                positives = torch.arange(first_positive + start,
+                                         first_positive + start + logits.shape[0],
+                                         device=logits.device)
+                value, aux = statistic.forward(logits, positives)
+                values.append(value)
+                auxes.append(aux)
+        value = torch.cat(values)
+        aux = tuple(torch.cat(parts) for parts in zip(*auxes))
+        ctx.statistic, ctx.chunk, ctx.first_positive = statistic, chunk, first_positive
+        ctx.scale = None if scale_tensor is not None else scale
+        ctx.num_aux = len(aux)
+        ctx.save_for_backward(anchors, candidates, scale_tensor, offset, value, *aux)
+        return value
+
+    @staticmethod
+    def block_logits(scale, anchors, candidates, offset, start, chunk):
+        logits = (scale * anchors[start:start + chunk]) @ candidates.T
+        logits = logits.to(row_dtype(logits.dtype))
+        if offset is not None:
+            logits.add_(offset[start:start + chunk].to(logits.dtype)[:, None])
+        return logits
+
+    @staticmethod
+    def backward(ctx, grad):
+        anchors, candidates, scale_tensor, offset, value, *aux = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        scale = scale_tensor.detach() if scale_tensor is not None else ctx.scale
+        grad_anchors = torch.empty_like(anchors) if needs[4] else None
+        grad_candidates = torch.zeros_like(candidates) if needs[5] else None
+        grad_scale = torch.zeros((), dtype=torch.float64) if needs[6] else None
+        grad_offset = torch.empty_like(offset) if needs[7] else None
+        chunk = ctx.chunk
+        for start in range(0, anchors.shape[0], chunk):
+            block = slice(start, start + chunk)
+            logits = _ChunkedStatistic.block_logits(scale, anchors, candidates, offset, start, chunk)
+            positives = torch.arange(ctx.first_positive + start,
+                                     ctx.first_positive + start + logits.shape[0],
+                                     device=logits.device)
+            block_grad = ctx.statistic.backward(logits, positives, value[block],
+                                                tuple(a[block] for a in aux), grad[block])
+            if grad_offset is not None:
+                grad_offset[block] = block_grad.sum(1).to(grad_offset.dtype)
+            block_grad = block_grad.to(anchors.dtype)
+            if grad_anchors is not None or grad_scale is not None:
+                grad_scaled = block_grad @ candidates  # d loss / d (s A_b)
+                if grad_anchors is not None:
+                    grad_anchors[block] = scale * grad_scaled
+                if grad_scale is not None:
+                    grad_scale += (anchors[block].double() * grad_scaled.double()).sum()
+            if grad_candidates is not None:
+                grad_candidates.addmm_(block_grad.T, scale * anchors[block])
+        if grad_scale is not None:
+            grad_scale = grad_scale.to(scale_tensor.dtype).reshape(scale_tensor.shape)
+        return (None, None, None, None, grad_anchors, grad_candidates, grad_scale, grad_offset)
 
 
 class _ChunkedRows(torch.autograd.Function):

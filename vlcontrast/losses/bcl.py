@@ -21,11 +21,13 @@ anchor's full global row, so they do not depend on how the batch is split across
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import torch
 from torch import Tensor
 
-from vlcontrast.losses.base import ContrastiveLoss, fill_positives_, negatives_logsumexp
+from vlcontrast.losses.base import ContrastiveLoss, LogSumExp, RowStatistic, fill_positives_
 
 # The eCDF needs a sort of each row; sorting in sub-blocks of this many entries bounds the
 # memory of the sort order and sorted values even in dense mode.
@@ -33,10 +35,22 @@ _RANK_BLOCK_ELEMENTS = 1 << 23
 
 
 def _argsort_rows(values: Tensor) -> Tensor:
-    if values.device.type == "cpu":
-        # numpy's SIMD argsort is several times faster than torch's CPU sort (the loss's hot spot).
-        return torch.from_numpy(np.argsort(values.numpy(), axis=1))
-    return values.argsort(dim=1)
+    if values.device.type != "cpu":
+        return values.argsort(dim=1)
+    # numpy's SIMD argsort is several times faster than torch's CPU sort (the loss's hot spot);
+    # it releases the GIL, so row slices sort in parallel on torch's intra-op threads.
+    array = values.numpy()
+    threads = min(torch.get_num_threads(), array.shape[0])
+    if threads < 2 or array.size < (1 << 20):
+        return torch.from_numpy(np.argsort(array, axis=1))
+    order = np.empty(array.shape, dtype=np.int64)
+    step = -(-array.shape[0] // threads)
+
+    def sort(start: int) -> None:
+        order[start:start + step] = np.argsort(array[start:start + step], axis=1)
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(sort, range(0, array.shape[0], step)))
+    return torch.from_numpy(order)
 
 
 def _tie_run_ends(ties: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -78,8 +92,11 @@ class BCLLoss(ContrastiveLoss):
         self.beta = float(beta)
 
     @torch.no_grad()
-    def log_weights(self, logits: Tensor, positives: Tensor, num_negatives: int) -> Tensor:
+    def log_weights(self, logits: Tensor, positives: Tensor, num_negatives: int, *,
+                    positives_filled: bool = False) -> Tensor:
         """``log w_ij`` for every entry of the block (the positive's entry is meaningless).
+
+        ``positives_filled``: the positives of ``logits`` are already ``-inf`` (no copy needed).
 
         ``w`` depends on a negative only through its count ``#{k': x_k' <= x_k}`` in ``0..K``, so
         it is a table of ``K + 1`` values scattered through each row's sort order: one argsort
@@ -95,7 +112,9 @@ class BCLLoss(ContrastiveLoss):
             block = slice(start, start + rows_per_block)
             # The positive becomes -inf: sorted first, at position 0, below every negative; the
             # negative at sorted position p then has p negatives <= it (ties: see below).
-            values = fill_positives_(logits[block].clone(), positives[block])
+            values = logits[block]
+            if not positives_filled:
+                values = fill_positives_(values.clone(), positives[block])
             order = _argsort_rows(values)
             sorted_values = values.gather(1, order)
             weights = out[block]
@@ -119,8 +138,37 @@ class BCLLoss(ContrastiveLoss):
         weights = hard_true_negative / (tau_minus * true_negative + tau_plus * false_negative)
         return torch.log(weights)
 
-    def row_terms(self, logits: Tensor, positive: Tensor, positives: Tensor,
-                  context: dict[str, Tensor], num_negatives: int) -> dict[str, Tensor]:
-        weighted = logits + self.log_weights(logits.detach(), positives, num_negatives)
-        negative = negatives_logsumexp(weighted, positives)
-        return {"loss": torch.logaddexp(positive, negative) - positive}
+    def row_statistic(self) -> RowStatistic:
+        return WeightedNegativeLogSumExp(self)
+
+    def statistic_terms(self, value: Tensor, positive: Tensor, context: dict[str, Tensor],
+                        num_negatives: int) -> dict[str, Tensor]:
+        return {"loss": torch.logaddexp(positive, value) - positive}
+
+
+class WeightedNegativeLogSumExp(RowStatistic):
+    """``logsumexp_{j != i}(L_ij + log w_ij)`` with BCL's weights (no gradient through ``w``).
+
+    The chunked backward recomputes the weights (one argsort per row) with the block.
+    """
+
+    def __init__(self, loss: BCLLoss):
+        self.loss = loss
+        self.negatives = LogSumExp(exclude_positive=True)
+
+    def _weighted(self, logits: Tensor, positives: Tensor) -> Tensor:
+        """``L + log w`` in place (the block is fresh; the matmul's backward does not need it)."""
+        logits = fill_positives_(logits, positives)
+        log_weights = self.loss.log_weights(logits.detach(), positives, logits.shape[1] - 1,
+                                            positives_filled=True)
+        return logits.add_(log_weights)
+
+    def dense(self, logits, positives):
+        return self.negatives.dense(self._weighted(logits, positives), positives)
+
+    def forward(self, logits, positives):
+        return self.negatives.forward(self._weighted(logits, positives), positives)
+
+    def backward(self, logits, positives, value, aux, grad):
+        return self.negatives.backward(self._weighted(logits, positives), positives, value, aux,
+                                       grad)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from vlcontrast.losses.base import ContrastiveLoss, negatives_logsumexp
+from vlcontrast.losses.base import ContrastiveLoss, LogSumExp
 
 
 class DCLLoss(ContrastiveLoss):
@@ -22,6 +22,9 @@ class DCLLoss(ContrastiveLoss):
     def __init__(self, *, chunk_size: int = 0, id_space: int = 0):
         super().__init__(chunk_size=chunk_size)
 
-    def row_terms(self, logits: Tensor, positive: Tensor, positives: Tensor,
-                  context: dict[str, Tensor], num_negatives: int) -> dict[str, Tensor]:
-        return {"loss": negatives_logsumexp(logits, positives) - positive}
+    def row_statistic(self) -> LogSumExp:
+        return LogSumExp(exclude_positive=True)
+
+    def statistic_terms(self, value: Tensor, positive: Tensor, context: dict[str, Tensor],
+                        num_negatives: int) -> dict[str, Tensor]:
+        return {"loss": value - positive}

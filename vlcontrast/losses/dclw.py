@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from vlcontrast.losses.base import (ContrastiveLoss, PairBatch, negatives_logsumexp,
-                                    row_dtype)
+from vlcontrast.losses.base import ContrastiveLoss, LogSumExp, PairBatch, row_dtype
 
 
 class DCLWLoss(ContrastiveLoss):
@@ -44,9 +43,12 @@ class DCLWLoss(ContrastiveLoss):
     def row_context(self, batch: PairBatch, direction: str, state: dict) -> dict[str, Tensor]:
         return {"weights": batch.local_rows(state["weights"])}
 
-    def row_terms(self, logits: Tensor, positive: Tensor, positives: Tensor,
-                  context: dict[str, Tensor], num_negatives: int) -> dict[str, Tensor]:
-        return {"loss": negatives_logsumexp(logits, positives) - context["weights"] * positive}
+    def row_statistic(self) -> LogSumExp:
+        return LogSumExp(exclude_positive=True)
+
+    def statistic_terms(self, value: Tensor, positive: Tensor, context: dict[str, Tensor],
+                        num_negatives: int) -> dict[str, Tensor]:
+        return {"loss": value - context["weights"] * positive}
 
     def reduce(self, batch: PairBatch, terms: list[dict[str, Tensor]], state: dict) -> dict:
         result = super().reduce(batch, terms, state)

@@ -16,7 +16,7 @@ import math
 import torch
 from torch import Tensor
 
-from vlcontrast.losses.base import ContrastiveLoss, negatives_logsumexp
+from vlcontrast.losses.base import ContrastiveLoss, LogSumExp
 
 
 def debiased_row_loss(positive: Tensor, log_negative_mass: Tensor, num_negatives: int,
@@ -56,8 +56,10 @@ class DebiasedLoss(ContrastiveLoss):
         # The floor needs s per row; a [B_local] view keeps the block function's signature uniform.
         return {"scale": batch.logit_scale.detach().expand(batch.local_size)}
 
-    def row_terms(self, logits: Tensor, positive: Tensor, positives: Tensor,
-                  context: dict[str, Tensor], num_negatives: int) -> dict[str, Tensor]:
-        log_negative_mass = negatives_logsumexp(logits, positives)
-        return {"loss": debiased_row_loss(positive, log_negative_mass, num_negatives,
-                                          self.tau_plus, context["scale"].to(logits.dtype))}
+    def row_statistic(self) -> LogSumExp:
+        return LogSumExp(exclude_positive=True)
+
+    def statistic_terms(self, value: Tensor, positive: Tensor, context: dict[str, Tensor],
+                        num_negatives: int) -> dict[str, Tensor]:
+        return {"loss": debiased_row_loss(positive, value, num_negatives,
+                                          self.tau_plus, context["scale"].to(value.dtype))}

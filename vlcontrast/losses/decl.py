@@ -39,8 +39,8 @@ import torch
 from torch import Tensor
 
 from vlcontrast.distributed import all_reduce_sum, gather_no_grad, get_rank, get_world_size
-from vlcontrast.losses.base import (IMAGE_TO_TEXT, ContrastiveLoss, PairBatch, negatives_logsumexp,
-                                    row_dtype)
+from vlcontrast.losses.base import (IMAGE_TO_TEXT, ContrastiveLoss, LogSumExp, PairBatch,
+                                    negatives_logsumexp, row_dtype)
 
 ESTIMATORS = ("buffer", "momentum", "batch")
 U_MODES = ("mean", "sample")
@@ -297,9 +297,12 @@ class DeCLLoss(ContrastiveLoss):
             context["noise"] = state["noise"][:, column]
         return context
 
-    def row_terms(self, logits: Tensor, positive: Tensor, positives: Tensor,
-                  context: dict[str, Tensor], num_negatives: int) -> dict[str, Tensor]:
-        negative = negatives_logsumexp(logits, positives)
+    def row_statistic(self) -> LogSumExp:
+        return LogSumExp(exclude_positive=True)
+
+    def statistic_terms(self, value: Tensor, positive: Tensor, context: dict[str, Tensor],
+                        num_negatives: int) -> dict[str, Tensor]:
+        negative = value
         log_mean = negative - math.log(num_negatives)
         if "old_log_u" in context:
             log_u = self.update_rule(context["old_log_u"], log_mean.detach())

@@ -6,6 +6,14 @@ As :mod:`debiased`, with the negative mass replaced by its hardness-reweighted e
 
 computed in log space as ``log K + logsumexp((1+beta) L) - logsumexp(beta L)``. The importance
 weights are not detached. ``beta = 0`` gives ``debiased``.
+
+Both sums share one exponential: with ``m_i = max_{j != i} L_ij`` (detached; it cancels exactly)
+and ``e_ij = exp(L_ij - m_i)`` (0 at the positive, so ``e <= 1`` and no ``exp`` sees a positive
+argument), ``log-mass - log K = m_i + log sum_j e_ij^(1+beta) - log sum_j e_ij^beta``, and its
+gradient is ``e^beta * ((1+beta) e / S_1 - beta / S_0)``. :class:`_HardNegativeMass` does this in
+one ``exp`` pass and keeps only ``e`` (``e^beta`` too when ``beta != 1``), where two tilted
+``logsumexp`` calls would need six passes and two saved blocks; :class:`HardNegativeMass` is the
+same statistic for the chunked mode.
 """
 
 from __future__ import annotations
@@ -15,8 +23,74 @@ import math
 import torch
 from torch import Tensor
 
-from vlcontrast.losses.base import ContrastiveLoss, negatives_logsumexp
+from vlcontrast.losses.base import ContrastiveLoss, LogSumExp, RowStatistic, fill_positives_
 from vlcontrast.losses.debiased import debiased_row_loss
+
+
+def _tilted_sums(logits: Tensor, positives: Tensor, beta: float):
+    """``e = exp(L - m)`` (0 at the positive; ``m`` the max over negatives), ``e^beta``, ``S_0``, ``S_1``.
+
+    ``logits`` becomes ``e`` in place.
+    """
+    exps = fill_positives_(logits, positives)  # -inf: e = 0 there, excluded from the max
+    shift = exps.amax(dim=1)
+    exps.sub_(shift[:, None]).exp_()
+    if beta == 1:
+        tilted = exps
+        s0 = exps.sum(dim=1)
+        s1 = torch.linalg.vector_norm(exps, dim=1).square_()
+    else:
+        tilted = exps.pow(beta)
+        s0 = tilted.sum(dim=1)
+        s1 = torch.linalg.vecdot(tilted, exps, dim=1)
+    return exps, tilted, shift, s0, s1
+
+
+def _tilted_grad(exps: Tensor, tilted: Tensor, s0: Tensor, s1: Tensor, grad: Tensor,
+                 beta: float) -> Tensor:
+    """``grad * e^beta * ((1+beta) e / S_1 - beta / S_0)`` (one allocation)."""
+    out = exps * ((1 + beta) * grad / s1)[:, None]
+    return out.sub_((beta * grad / s0)[:, None]).mul_(tilted)
+
+
+class _HardNegativeMass(torch.autograd.Function):
+    """Dense mode: ``logsumexp_{j != i}((1+beta) L) - logsumexp_{j != i}(beta L)``, ``beta > 0``.
+
+    ``logits`` must be fresh (it becomes ``e`` in place and is saved). ``S_0, S_1 >= 1`` (the
+    maximum's term is 1), so their logs are finite.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, positives: Tensor, beta: float) -> Tensor:
+        exps, tilted, shift, s0, s1 = _tilted_sums(logits, positives, beta)
+        ctx.beta = beta
+        ctx.save_for_backward(exps, tilted, s0, s1)
+        return shift + s1.log() - s0.log()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        exps, tilted, s0, s1 = ctx.saved_tensors
+        return _tilted_grad(exps, tilted, s0, s1, grad, ctx.beta), None, None
+
+
+class HardNegativeMass(RowStatistic):
+    """HCL's ``log(sum e^{(1+beta) L} / sum e^{beta L})`` over the negatives (``beta > 0``)."""
+
+    def __init__(self, beta: float):
+        self.beta = beta
+
+    def dense(self, logits, positives):
+        return _HardNegativeMass.apply(logits, positives, self.beta)
+
+    def forward(self, logits, positives):
+        _, _, shift, s0, s1 = _tilted_sums(logits, positives, self.beta)
+        return shift + s1.log() - s0.log(), (shift, s0, s1)
+
+    def backward(self, logits, positives, value, aux, grad):
+        shift, s0, s1 = aux
+        exps = fill_positives_(logits, positives).sub_(shift[:, None]).exp_()
+        tilted = exps if self.beta == 1 else exps.pow(self.beta)
+        return _tilted_grad(exps, tilted, s0, s1, grad, self.beta)
 
 
 class HCLLoss(ContrastiveLoss):
@@ -35,17 +109,19 @@ class HCLLoss(ContrastiveLoss):
         if not 0 <= tau_plus < 1:
             raise ValueError(f"hcl: tau_plus must be in [0, 1), got {tau_plus}")
         self.tau_plus = float(tau_plus)
+        if beta < 0:
+            raise ValueError(f"hcl: beta must be >= 0, got {beta}")
         self.beta = float(beta)
 
     def row_context(self, batch, direction, state):
         return {"scale": batch.logit_scale.detach().expand(batch.local_size)}
 
-    def row_terms(self, logits: Tensor, positive: Tensor, positives: Tensor,
-                  context: dict[str, Tensor], num_negatives: int) -> dict[str, Tensor]:
-        tilted = negatives_logsumexp((1 + self.beta) * logits, positives)
-        # The block itself becomes beta * L (in place: nothing saved it), saving a copy.
-        scaled = logits if self.beta == 1 else logits.mul_(self.beta)
-        normaliser = negatives_logsumexp(scaled, positives)
-        log_negative_mass = math.log(num_negatives) + tilted - normaliser
+    def row_statistic(self) -> RowStatistic:
+        # beta = 0 is exactly debiased (and has no 0^0 at the positive to special-case).
+        return LogSumExp(exclude_positive=True) if self.beta == 0 else HardNegativeMass(self.beta)
+
+    def statistic_terms(self, value: Tensor, positive: Tensor, context: dict[str, Tensor],
+                        num_negatives: int) -> dict[str, Tensor]:
+        log_negative_mass = value if self.beta == 0 else math.log(num_negatives) + value
         return {"loss": debiased_row_loss(positive, log_negative_mass, num_negatives,
-                                          self.tau_plus, context["scale"].to(logits.dtype))}
+                                          self.tau_plus, context["scale"].to(value.dtype))}

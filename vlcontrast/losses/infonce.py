@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from vlcontrast.losses.base import ContrastiveLoss, row_logsumexp
+from vlcontrast.losses.base import ContrastiveLoss, LogSumExp
 
 
 class InfoNCELoss(ContrastiveLoss):
@@ -23,6 +23,9 @@ class InfoNCELoss(ContrastiveLoss):
     def __init__(self, *, chunk_size: int = 0, id_space: int = 0):
         super().__init__(chunk_size=chunk_size)
 
-    def row_terms(self, logits: Tensor, positive: Tensor, positives: Tensor,
-                  context: dict[str, Tensor], num_negatives: int) -> dict[str, Tensor]:
-        return {"loss": row_logsumexp(logits, positives) - positive}
+    def row_statistic(self) -> LogSumExp:
+        return LogSumExp(exclude_positive=False)
+
+    def statistic_terms(self, value: Tensor, positive: Tensor, context: dict[str, Tensor],
+                        num_negatives: int) -> dict[str, Tensor]:
+        return {"loss": value - positive}

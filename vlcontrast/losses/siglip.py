@@ -15,7 +15,20 @@ from __future__ import annotations
 from torch import Tensor
 from torch.nn import functional as F
 
-from vlcontrast.losses.base import IMAGE_TO_TEXT, ContrastiveLoss, PairBatch
+from vlcontrast.losses.base import IMAGE_TO_TEXT, ContrastiveLoss, PairBatch, RowStatistic
+
+
+class SoftplusSum(RowStatistic):
+    """``sum_j -log sigmoid(-x_ij)`` (i.e. ``sum_j softplus(x_ij)``) of the biased logits ``x``."""
+
+    def dense(self, logits, positives):
+        return -F.logsigmoid(logits.neg_()).sum(dim=1)  # in place: the block is fresh
+
+    def forward(self, logits, positives):
+        return self.dense(logits, positives), ()
+
+    def backward(self, logits, positives, value, aux, grad):
+        return logits.sigmoid_().mul_(grad[:, None])
 
 
 class SigLIPLoss(ContrastiveLoss):
@@ -31,13 +44,15 @@ class SigLIPLoss(ContrastiveLoss):
     def row_context(self, batch: PairBatch, direction: str, state: dict) -> dict[str, Tensor]:
         if batch.logit_bias is None:
             return {}
-        # Expanded to one entry per row so chunked blocks slice it like any other per-row input.
-        return {"bias": batch.logit_bias.reshape(()).expand(batch.local_size)}
+        # The base adds a per-row "row_offset" to the block (dense) or inside the chunked
+        # Function, which also returns its gradient; expanded so blocks can slice it.
+        return {"row_offset": batch.logit_bias.reshape(()).expand(batch.local_size)}
 
-    def row_terms(self, logits: Tensor, positive: Tensor, positives: Tensor,
-                  context: dict[str, Tensor], num_negatives: int) -> dict[str, Tensor]:
-        if "bias" in context:
-            bias = context["bias"].to(logits.dtype)
-            logits = logits.add_(bias[:, None])  # in place: the block is fresh
-            positive = positive + bias
-        return {"loss": -F.logsigmoid(logits.neg_()).sum(dim=1) - positive}
+    def row_statistic(self) -> RowStatistic:
+        return SoftplusSum()
+
+    def statistic_terms(self, value: Tensor, positive: Tensor, context: dict[str, Tensor],
+                        num_negatives: int) -> dict[str, Tensor]:
+        if "row_offset" in context:
+            positive = positive + context["row_offset"].to(value.dtype)
+        return {"loss": value - positive}
