@@ -1,12 +1,17 @@
 """Forward+backward time and peak memory of every loss next to open_clip's ClipLoss.
 
-Each case (loss, mode, global batch) runs in a fresh subprocess, single process, fp32, ``D = 512``:
+Each case (loss, mode, global batch) runs in fresh subprocesses, single process, fp32, ``D = 512``:
 features are made, the current RSS is read, then the loss runs ``1 + repeats`` times (the first
-is a warm-up; with ``--repeats 0`` the only run is timed). Time is the fastest timed run; peak
-memory is ``ru_maxrss`` at the end minus the RSS just before the first call, i.e. the largest
-extra memory the loss needed (tracemalloc does not see torch's allocations; the child runs with
-``MALLOC_MMAP_THRESHOLD_=1MiB`` so that freed blocks leave the RSS instead of staying in glibc's
-heap).
+is a warm-up; from ``--single-run-from`` on the only run is timed). Time is the fastest timed run.
+Peak memory comes from a separate single run per case: ``ru_maxrss`` at the end minus the RSS just
+before the call, i.e. the largest extra memory the loss needed (tracemalloc does not see torch's
+allocations; that child runs with ``MALLOC_MMAP_THRESHOLD_=1MiB`` so that freed blocks leave the
+RSS instead of staying in glibc's heap; it is not timed, because that setting turns every large
+allocation into fresh page faults).
+
+Cases run in ``--rounds`` rounds (the case list forwards, then backwards, ...); a case's time is
+its fastest over all rounds and the table shows the spread (slowest / fastest round), so slow drift
+in a shared machine's load hits every case alike and is visible where it mattered.
 
     python bench/bench_losses.py                                  # the full table
     python bench/bench_losses.py --sizes 1024 --losses infonce dcl --chunked-sizes 1024
@@ -75,13 +80,19 @@ def run_case(loss: str, mode: str, size: int, dim: int, chunk_size: int, repeats
             "peak_mib": max(0, peak - baseline) / 2**20, "runs": len(timed)}
 
 
-def spawn(args: argparse.Namespace, loss: str, mode: str, size: int) -> dict:
-    repeats = args.repeats if size < args.single_run_from else 0
+def spawn(args: argparse.Namespace, loss: str, mode: str, size: int, *, memory: bool) -> dict:
+    """One case in a fresh process: timed runs (``memory=False``) or one run for the peak RSS.
+
+    The memory run sets glibc's ``MALLOC_MMAP_THRESHOLD_=1MiB``: glibc keeps freed heap blocks
+    mapped, and returning every allocation above 1 MiB to the OS makes the RSS peak the peak of
+    live memory (the same for every case, ClipLoss included). It also turns every large
+    allocation into fresh page faults, which is why the times come from separate runs with
+    glibc's defaults.
+    """
+    repeats = 0 if memory else (args.repeats if size < args.single_run_from else 0)
     command = [sys.executable, __file__, "--case", json.dumps(
         [loss, mode, size, args.dim, args.chunk_size, repeats, args.threads])]
-    # glibc keeps freed heap blocks mapped; returning every allocation above 1 MiB to the OS
-    # makes the RSS peak the peak of live memory (the same for every case, ClipLoss included).
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)} if memory else None
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
     if done.returncode != 0:
         return {"loss": loss, "mode": mode, "size": size, "error": done.stderr.strip()[-300:]}
@@ -100,6 +111,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up")
     parser.add_argument("--single-run-from", type=int, default=16384,
                         help="from this size on, one timed run and no warm-up (minutes each)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="passes over the case list (alternating order); time = fastest")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--output", type=Path, default=ROOT / "bench/results/losses.md")
     parser.add_argument("--case", help=argparse.SUPPRESS)
@@ -115,15 +128,39 @@ def main() -> None:
         cases = [("ClipLoss", "open_clip")] + [(loss, "dense") for loss in args.losses]
         if size in args.chunked_sizes:
             cases += [(loss, "chunked") for loss in args.losses]
+        runs: dict[tuple[str, str], list[dict]] = {case: [] for case in cases}
+        peaks = {}
         for loss, mode in cases:
-            result = spawn(args, loss, mode, size)
-            results.append(result)
-            print(json.dumps(result), flush=True)
+            peaks[(loss, mode)] = spawn(args, loss, mode, size, memory=True)
+            print(json.dumps({"memory": True, **peaks[(loss, mode)]}), flush=True)
+        for round_index in range(max(1, args.rounds)):
+            for loss, mode in (cases if round_index % 2 == 0 else cases[::-1]):
+                result = spawn(args, loss, mode, size, memory=False)
+                runs[(loss, mode)].append(result)
+                print(json.dumps({"round": round_index, **result}), flush=True)
+        for case in cases:
+            combined = combine(runs[case])
+            if "error" not in combined:
+                if "error" in peaks[case]:
+                    combined = peaks[case]
+                else:
+                    combined["peak_mib"] = peaks[case]["peak_mib"]
+            results.append(combined)
 
     table = render(results, args, torch.__version__)
     print(table)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(table)
+
+
+def combine(runs: list[dict]) -> dict:
+    """One case's timed rounds: the fastest, and spread = slowest / fastest."""
+    good = [r for r in runs if "error" not in r]
+    if not good:
+        return runs[-1]
+    fastest = min(good, key=lambda r: r["seconds"])
+    return {**fastest, "rounds": len(good),
+            "spread": max(r["seconds"] for r in good) / fastest["seconds"]}
 
 
 def render(results: list[dict], args: argparse.Namespace, torch_version: str) -> str:
@@ -137,22 +174,24 @@ def render(results: list[dict], args: argparse.Namespace, torch_version: str) ->
         f"- command: `python bench/bench_losses.py {' '.join(sys.argv[1:])}`".replace(" `", " `"),
         f"- fp32, D = {args.dim}, single process; chunked mode uses `loss.chunk_size = "
         f"{args.chunk_size}` rows; time = fastest of {args.repeats} runs after a warm-up "
-        f"(one cold run from {args.single_run_from} on); memory = peak RSS increase over the "
-        "features, in a fresh process per case (glibc `MALLOC_MMAP_THRESHOLD_=1MiB`, so freed blocks "
-        "leave the RSS)",
+        f"(one cold run from {args.single_run_from} on) in each of {args.rounds} rounds over the "
+        "case list (alternating order), fastest round kept; `spread` = slowest round / fastest "
+        "round; memory = peak RSS increase over the "
+        "features in one more fresh process per case, with glibc `MALLOC_MMAP_THRESHOLD_=1MiB` so "
+        "that freed blocks leave the RSS (times come from runs with glibc's defaults)",
         "- ratios: `vs ClipLoss` = time / open_clip `ClipLoss(gather_with_grad=True)` time; "
         "`vs infonce` = time / dense `infonce` time; `chunked/dense` = chunked time / the same "
         "loss's dense time; `mem vs ClipLoss` = peak / ClipLoss peak",
         "",
-        "| N | loss | mode | time (s) | peak (MiB) | vs ClipLoss | vs infonce | chunked/dense "
-        "| mem vs ClipLoss | target |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| N | loss | mode | time (s) | spread | peak (MiB) | vs ClipLoss | vs infonce "
+        "| chunked/dense | mem vs ClipLoss | target |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         size = r["size"]
         if "error" in r:
             lines.append(f"| {size} | {r['loss']} | {r['mode']} | failed: {r['error'][-80:]} "
-                         "| | | | | | |")
+                         "| | | | | | | |")
             continue
         clip = by_key.get(("ClipLoss", "open_clip", size))
         infonce = by_key.get(("infonce", "dense", size))
@@ -166,7 +205,7 @@ def render(results: list[dict], args: argparse.Namespace, torch_version: str) ->
                         if clip and clip.get("peak_mib") else None)
         target = target_verdict(r, vs_clip, vs_infonce, chunked_ratio, memory_ratio)
         lines.append(f"| {size} | {r['loss']} | {r['mode']} | {r['seconds']:.3f} | "
-                     f"{r['peak_mib']:.0f} | {fmt(vs_clip)} | {fmt(vs_infonce)} | "
+                     f"{fmt(r.get('spread'))} | {r['peak_mib']:.0f} | {fmt(vs_clip)} | {fmt(vs_infonce)} | "
                      f"{fmt(chunked_ratio)} | {fmt(memory_ratio)} | {target} |")
     return "\n".join(lines) + "\n"
 

@@ -181,23 +181,13 @@ class LogSumExp(RowStatistic):
         return row_logsumexp(*self._prepare(logits, positives))
 
     def forward(self, logits, positives):
-        logits, reference = self._prepare(logits, positives)
-        with torch.no_grad():
-            return _RowLogSumExp.forward(_NO_CONTEXT, logits, reference), ()
+        logits, _ = self._prepare(logits, positives)
+        shift = logits.amax(dim=1, keepdim=True)  # finite: every row has a finite entry
+        return shift.squeeze(1) + logits.sub_(shift).exp_().sum(dim=1).log_(), ()  # in place
 
     def backward(self, logits, positives, value, aux, grad):
         logits, _ = self._prepare(logits, positives)
         return logits.sub_(value[:, None]).exp_().mul_(grad[:, None])  # softmax * grad, in place
-
-
-class _NoContext:
-    """Stands in for ``ctx`` when an autograd Function's forward is reused without a graph."""
-
-    def save_for_backward(self, *tensors):
-        pass
-
-
-_NO_CONTEXT = _NoContext()
 
 
 # --------------------------------------------------------------------------------------------
@@ -285,12 +275,16 @@ class ContrastiveLoss(nn.Module):
                                 step, momentum_features)
         scale = self.scale(batch)
         state = self.prepare(batch)
+        # L_ii is the same number in both directions: computed once, from the local pairs (the
+        # gathered copies of this rank's rows are the same values; other ranks never use them).
+        dtype = row_dtype(batch.image.dtype)
+        positive = scale * (batch.image.to(dtype) * batch.text.to(dtype)).sum(1)
         terms = []
         for direction in self.directions:
             anchors, candidates = batch.anchors_and_candidates(direction)
             context = self.row_context(batch, direction, state)
             terms.append(self.score_rows(anchors, candidates, scale, batch.offset, context,
-                                         batch.num_negatives))
+                                         batch.num_negatives, positive))
         result = self.reduce(batch, terms, state)
         result.update(similarity_diagnostics(batch))
         return result
@@ -311,22 +305,24 @@ class ContrastiveLoss(nn.Module):
                          logit_bias, sample_ids, step, momentum_features, get_rank(), world_size)
 
     def score_rows(self, anchors: Tensor, candidates: Tensor, scale: Tensor | float,
-                   first_positive: int, context: dict[str, Tensor],
-                   num_negatives: int) -> dict[str, Tensor]:
+                   first_positive: int, context: dict[str, Tensor], num_negatives: int,
+                   positive: Tensor | None = None) -> dict[str, Tensor]:
         """Per-anchor terms of all local rows: one block (dense) or recomputed blocks (chunked).
 
         Row ``i``'s positive is candidate ``first_positive + i``.
         """
         rows = anchors.shape[0]
         if self.chunk_size == 0 or self.chunk_size >= rows:
-            return self._block(anchors, candidates, scale, first_positive, context, num_negatives)
+            return self._block(anchors, candidates, scale, first_positive, context, num_negatives,
+                               positive)
         statistic = self.row_statistic()
         if statistic is not None:
             scale_tensor = scale if torch.is_tensor(scale) else None
             value = _ChunkedStatistic.apply(statistic, self.chunk_size, first_positive, scale,
                                             anchors, candidates, scale_tensor,
                                             context.get("row_offset"))
-            positive = _positive_logits(scale * anchors, candidates, first_positive)
+            if positive is None:
+                positive = _positive_logits(scale * anchors, candidates, first_positive)
             return self.statistic_terms(value, positive, context, num_negatives)
         keys = list(context)
         scale_tensor = scale if torch.is_tensor(scale) else None
@@ -342,12 +338,14 @@ class ContrastiveLoss(nn.Module):
                                      {key: value[block] for key, value in context.items()},
                                      num_negatives)
 
-    def _block(self, anchors, candidates, scale, first_positive, context, num_negatives):
+    def _block(self, anchors, candidates, scale, first_positive, context, num_negatives,
+               positive=None):
         rows = anchors.shape[0]
         positives = torch.arange(first_positive, first_positive + rows, device=anchors.device)
         scaled = scale * anchors
         logits = scaled @ candidates.T
-        positive = _positive_logits(scaled, candidates, first_positive)
+        if positive is None:
+            positive = _positive_logits(scaled, candidates, first_positive)
         return self.row_terms(logits.to(row_dtype(logits.dtype)), positive, positives, context,
                               num_negatives)
 
@@ -374,10 +372,11 @@ class _ChunkedStatistic(torch.autograd.Function):
     def forward(ctx, statistic, chunk, first_positive, scale, anchors, candidates, scale_tensor,
                 offset):
         values, auxes = [], []
+        buffer = _ChunkedStatistic.block_buffer(anchors, candidates, chunk)
         with torch.no_grad():
             for start in range(0, anchors.shape[0], chunk):
                 logits = _ChunkedStatistic.block_logits(scale, anchors, candidates, offset, start,
-                                                        chunk)
+                                                        chunk, buffer)
                 positives = torch.arange(first_positive + start,
                                          first_positive + start + logits.shape[0],
                                          device=logits.device)
@@ -393,9 +392,20 @@ class _ChunkedStatistic(torch.autograd.Function):
         return value
 
     @staticmethod
-    def block_logits(scale, anchors, candidates, offset, start, chunk):
-        logits = (scale * anchors[start:start + chunk]) @ candidates.T
-        logits = logits.to(row_dtype(logits.dtype))
+    def block_buffer(anchors, candidates, chunk) -> Tensor | None:
+        """One ``chunk x N`` block reused by every block of the pass (no allocation and page
+        faults per block); ``None`` when the logits need a cast to the row dtype anyway."""
+        if row_dtype(anchors.dtype) != anchors.dtype:
+            return None
+        return anchors.new_empty(min(chunk, anchors.shape[0]), candidates.shape[0])
+
+    @staticmethod
+    def block_logits(scale, anchors, candidates, offset, start, chunk, buffer=None):
+        scaled = scale * anchors[start:start + chunk]
+        if buffer is not None:
+            logits = torch.mm(scaled, candidates.T, out=buffer[:scaled.shape[0]])
+        else:
+            logits = (scaled @ candidates.T).to(row_dtype(anchors.dtype))
         if offset is not None:
             logits.add_(offset[start:start + chunk].to(logits.dtype)[:, None])
         return logits
@@ -410,9 +420,11 @@ class _ChunkedStatistic(torch.autograd.Function):
         grad_scale = torch.zeros((), dtype=torch.float64) if needs[6] else None
         grad_offset = torch.empty_like(offset) if needs[7] else None
         chunk = ctx.chunk
+        buffer = _ChunkedStatistic.block_buffer(anchors, candidates, chunk)
         for start in range(0, anchors.shape[0], chunk):
             block = slice(start, start + chunk)
-            logits = _ChunkedStatistic.block_logits(scale, anchors, candidates, offset, start, chunk)
+            logits = _ChunkedStatistic.block_logits(scale, anchors, candidates, offset, start, chunk,
+                                                    buffer)
             positives = torch.arange(ctx.first_positive + start,
                                      ctx.first_positive + start + logits.shape[0],
                                      device=logits.device)
