@@ -92,36 +92,41 @@ class BCLLoss(ContrastiveLoss):
         self.beta = float(beta)
 
     @torch.no_grad()
-    def log_weights(self, logits: Tensor, positives: Tensor, num_negatives: int, *,
-                    positives_filled: bool = False) -> Tensor:
+    def log_weights(self, logits: Tensor, positives: Tensor, num_negatives: int) -> Tensor:
         """``log w_ij`` for every entry of the block (the positive's entry is meaningless).
-
-        ``positives_filled``: the positives of ``logits`` are already ``-inf`` (no copy needed).
 
         ``w`` depends on a negative only through its count ``#{k': x_k' <= x_k}`` in ``0..K``, so
         it is a table of ``K + 1`` values scattered through each row's sort order: one argsort
         and one scatter per row, whatever the options.
         """
-        counts = torch.arange(num_negatives + 1, dtype=torch.float64, device=logits.device)
+        values = fill_positives_(logits.clone(), positives)
+        out = torch.zeros_like(logits)
+        self.add_log_weights_(out, values, num_negatives)
+        return out
+
+    @torch.no_grad()
+    def add_log_weights_(self, target: Tensor, values: Tensor, num_negatives: int) -> Tensor:
+        """``target += log w`` of ``values`` (logits whose positives are ``-inf``); ``target`` may
+        be ``values`` itself: each row is sorted before it is written."""
+        counts = torch.arange(num_negatives + 1, dtype=torch.float64, device=values.device)
         # A zero weight (possible at alpha = beta = 1) becomes e^{-10^4}: the same 0, but finite,
         # so a row whose weights all vanish still has a finite logsumexp.
-        table = self.log_weights_from_ecdf(counts / num_negatives).clamp(min=-1e4).to(logits.dtype)
-        out = torch.empty_like(logits)
-        rows_per_block = max(1, _RANK_BLOCK_ELEMENTS // logits.shape[1])
-        for start in range(0, logits.shape[0], rows_per_block):
+        table = self.log_weights_from_ecdf(counts / num_negatives).clamp(min=-1e4).to(values.dtype)
+        rows_per_block = max(1, _RANK_BLOCK_ELEMENTS // values.shape[1])
+        for start in range(0, values.shape[0], rows_per_block):
             block = slice(start, start + rows_per_block)
-            # The positive becomes -inf: sorted first, at position 0, below every negative; the
+            # The positive is -inf: sorted first, at position 0, below every negative; the
             # negative at sorted position p then has p negatives <= it (ties: see below).
-            values = logits[block]
-            if not positives_filled:
-                values = fill_positives_(values.clone(), positives[block])
-            order = _argsort_rows(values)
-            sorted_values = values.gather(1, order)
-            weights = out[block]
-            weights.scatter_(1, order, table.expand(values.shape[0], -1))
+            order = _argsort_rows(values[block])
+            sorted_values = values[block].gather(1, order)
             rows, positions, ends = _tie_run_ends(sorted_values[:, 1:] == sorted_values[:, :-1])
-            weights[rows, order[rows, positions]] = table[ends]
-        return out
+            del sorted_values
+            part = target[block]
+            tied = order[rows, positions]
+            before = part[rows, tied]  # tied entries are set, not corrected: ties stay exact
+            part.scatter_add_(1, order, table.expand(part.shape[0], -1))
+            part[rows, tied] = before + table[ends]
+        return target
 
     def log_weights_from_ecdf(self, ecdf: Tensor) -> Tensor:
         alpha, beta, tau_plus = self.alpha, self.beta, self.tau_plus
@@ -157,11 +162,11 @@ class WeightedNegativeLogSumExp(RowStatistic):
         self.negatives = LogSumExp(exclude_positive=True)
 
     def _weighted(self, logits: Tensor, positives: Tensor) -> Tensor:
-        """``L + log w`` in place (the block is fresh; the matmul's backward does not need it)."""
+        """``L + log w`` in place (the block is fresh; the matmul's backward does not need it;
+        ``w`` has no gradient, so adding it into the detached view leaves autograd's ``L``)."""
         logits = fill_positives_(logits, positives)
-        log_weights = self.loss.log_weights(logits.detach(), positives, logits.shape[1] - 1,
-                                            positives_filled=True)
-        return logits.add_(log_weights)
+        self.loss.add_log_weights_(logits.detach(), logits.detach(), logits.shape[1] - 1)
+        return logits
 
     def dense(self, logits, positives):
         return self.negatives.dense(self._weighted(logits, positives), positives)
