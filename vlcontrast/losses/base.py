@@ -387,7 +387,6 @@ class _ChunkedStatistic(torch.autograd.Function):
         aux = tuple(torch.cat(parts) for parts in zip(*auxes))
         ctx.statistic, ctx.chunk, ctx.first_positive = statistic, chunk, first_positive
         ctx.scale = None if scale_tensor is not None else scale
-        ctx.num_aux = len(aux)
         ctx.save_for_backward(anchors, candidates, scale_tensor, offset, value, *aux)
         return value
 

@@ -300,9 +300,8 @@ class DeCLLoss(ContrastiveLoss):
     def row_statistic(self) -> LogSumExp:
         return LogSumExp(exclude_positive=True)
 
-    def statistic_terms(self, value: Tensor, positive: Tensor, context: dict[str, Tensor],
+    def statistic_terms(self, negative: Tensor, positive: Tensor, context: dict[str, Tensor],
                         num_negatives: int) -> dict[str, Tensor]:
-        negative = value
         log_mean = negative - math.log(num_negatives)
         if "old_log_u" in context:
             log_u = self.update_rule(context["old_log_u"], log_mean.detach())
