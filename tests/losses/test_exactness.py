@@ -170,6 +170,22 @@ def test_chunked_equals_dense(name, chunk_size):
     assert_same(run(chunked_fn), run(dense_fn), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("chunk_size", [1, 3])
+def test_bcl_chunked_equals_dense_with_tied_logits(chunk_size):
+    """Duplicated captions/images tie whole columns; the chunked backward reuses forward's ties."""
+    image, text = references.random_pairs(10, 8, seed=10)
+    text[5], image[7] = text[3], image[2]
+    args = leaves(image, text, 14.29)
+    bcl_options = {"tau_plus": 0.2, "alpha": 0.8, "beta": 0.7}
+
+    def run(loss_fn):
+        return loss_and_grads(lambda i, t, s, b: loss_fn(i, t, s)["loss"], *args)
+    dense = run(build_loss("bcl", **bcl_options))
+    assert_same(run(build_loss("bcl", chunk_size=chunk_size, **bcl_options)), dense,
+                rtol=1e-12, atol=1e-12)
+    assert_same(dense, loss_and_grads(reference_fn("bcl", **bcl_options), *args))
+
+
 class RowTermsOnlyLoss(ContrastiveLoss):
     """A user's loss with only ``row_terms`` (no row statistic): chunking re-runs its block graph."""
 

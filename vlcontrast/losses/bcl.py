@@ -105,28 +105,38 @@ class BCLLoss(ContrastiveLoss):
         return out
 
     @torch.no_grad()
-    def add_log_weights_(self, target: Tensor, values: Tensor, num_negatives: int) -> Tensor:
+    def add_log_weights_(self, target: Tensor, values: Tensor, num_negatives: int,
+                         ties: list | None = None) -> list:
         """``target += log w`` of ``values`` (logits whose positives are ``-inf``); ``target`` may
-        be ``values`` itself: each row is sorted before it is written."""
+        be ``values`` itself: each row is sorted before it is written.
+
+        Returns the tied entries ``(rows, columns, run ends)`` of each sub-block; passing them
+        back as ``ties`` for the same values skips finding them again (the chunked backward).
+        """
         counts = torch.arange(num_negatives + 1, dtype=torch.float64, device=values.device)
         # A zero weight (possible at alpha = beta = 1) becomes e^{-10^4}: the same 0, but finite,
         # so a row whose weights all vanish still has a finite logsumexp.
         table = self.log_weights_from_ecdf(counts / num_negatives).clamp(min=-1e4).to(values.dtype)
         rows_per_block = max(1, _RANK_BLOCK_ELEMENTS // values.shape[1])
-        for start in range(0, values.shape[0], rows_per_block):
+        found = []
+        for index, start in enumerate(range(0, values.shape[0], rows_per_block)):
             block = slice(start, start + rows_per_block)
             # The positive is -inf: sorted first, at position 0, below every negative; the
             # negative at sorted position p then has p negatives <= it (ties: see below).
             order = _argsort_rows(values[block])
-            sorted_values = values[block].gather(1, order)
-            rows, positions, ends = _tie_run_ends(sorted_values[:, 1:] == sorted_values[:, :-1])
-            del sorted_values
+            if ties is None:
+                sorted_values = values[block].gather(1, order)
+                rows, positions, ends = _tie_run_ends(sorted_values[:, 1:] == sorted_values[:, :-1])
+                del sorted_values
+                tied = order[rows, positions]
+            else:
+                rows, tied, ends = ties[index]
+            found.append((rows, tied, ends))
             part = target[block]
-            tied = order[rows, positions]
             before = part[rows, tied]  # tied entries are set, not corrected: ties stay exact
             part.scatter_add_(1, order, table.expand(part.shape[0], -1))
             part[rows, tied] = before + table[ends]
-        return target
+        return found
 
     def log_weights_from_ecdf(self, ecdf: Tensor) -> Tensor:
         alpha, beta, tau_plus = self.alpha, self.beta, self.tau_plus
@@ -154,26 +164,32 @@ class BCLLoss(ContrastiveLoss):
 class WeightedNegativeLogSumExp(RowStatistic):
     """``logsumexp_{j != i}(L_ij + log w_ij)`` with BCL's weights (no gradient through ``w``).
 
-    The chunked backward recomputes the weights (one argsort per row) with the block.
+    The chunked backward recomputes the weights (one argsort per row) with the block; the
+    (rare) tied entries found in forward are kept per block, so backward skips finding them.
+    The recomputed block is bitwise the forward's (same matmul, same inputs).
     """
 
     def __init__(self, loss: BCLLoss):
         self.loss = loss
         self.negatives = LogSumExp(exclude_positive=True)
+        self.ties: dict[int, list] = {}  # first positive column of a block -> its ties
 
-    def _weighted(self, logits: Tensor, positives: Tensor) -> Tensor:
+    def _weighted(self, logits: Tensor, positives: Tensor, ties: list | None = None
+                  ) -> tuple[Tensor, list]:
         """``L + log w`` in place (the block is fresh; the matmul's backward does not need it;
         ``w`` has no gradient, so adding it into the detached view leaves autograd's ``L``)."""
         logits = fill_positives_(logits, positives)
-        self.loss.add_log_weights_(logits.detach(), logits.detach(), logits.shape[1] - 1)
-        return logits
+        found = self.loss.add_log_weights_(logits.detach(), logits.detach(), logits.shape[1] - 1,
+                                           ties)
+        return logits, found
 
     def dense(self, logits, positives):
-        return self.negatives.dense(self._weighted(logits, positives), positives)
+        return self.negatives.dense(self._weighted(logits, positives)[0], positives)
 
     def forward(self, logits, positives):
-        return self.negatives.forward(self._weighted(logits, positives), positives)
+        weighted, self.ties[int(positives[0])] = self._weighted(logits, positives)
+        return self.negatives.forward(weighted, positives)
 
     def backward(self, logits, positives, value, aux, grad):
-        return self.negatives.backward(self._weighted(logits, positives), positives, value, aux,
-                                       grad)
+        weighted, _ = self._weighted(logits, positives, self.ties.get(int(positives[0])))
+        return self.negatives.backward(weighted, positives, value, aux, grad)
