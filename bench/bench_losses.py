@@ -9,9 +9,11 @@ allocations; that child runs with ``MALLOC_MMAP_THRESHOLD_=1MiB`` so that freed 
 RSS instead of staying in glibc's heap; it is not timed, because that setting turns every large
 allocation into fresh page faults).
 
-Cases run in ``--rounds`` rounds (the case list forwards, then backwards, ...); a case's time is
-its fastest over all rounds and the table shows the spread (slowest / fastest round), so slow drift
-in a shared machine's load hits every case alike and is visible where it mattered.
+Cases run in ``--rounds`` rounds (the case list forwards, then backwards, ...; at least
+``--small-rounds`` for the cheap sizes below ``--single-run-from``); a case's time is its fastest
+over all rounds and the table shows the spread (slowest / fastest round), so slow drift in a
+shared machine's load hits every case alike and is visible where it mattered. A loss's chunked
+case runs right after its dense case, and short cases repeat until they take ``--min-seconds``.
 
     python bench/bench_losses.py                                  # the full table
     python bench/bench_losses.py --sizes 1024 --losses infonce dcl --chunked-sizes 1024
@@ -37,7 +39,7 @@ TARGET_OTHER, TARGET_BCL, TARGET_CHUNKED_TIME, TARGET_CHUNKED_MEMORY = 1.5, 3.0,
 
 
 def run_case(loss: str, mode: str, size: int, dim: int, chunk_size: int, repeats: int,
-             threads: int) -> dict:
+             threads: int, min_seconds: float = 0.0) -> dict:
     """Runs inside the child process; ``mode`` is ``dense``, ``chunked`` or ``open_clip``."""
     import psutil
     import torch
@@ -69,11 +71,15 @@ def run_case(loss: str, mode: str, size: int, dim: int, chunk_size: int, repeats
 
     baseline = psutil.Process().memory_info().rss
     times = []
-    for index in range(1 + repeats):
+    index = 0
+    # Short cases repeat until their timed runs add up to min_seconds: a fastest-of-3 over 30 ms
+    # runs is at the mercy of one slow second on a shared machine.
+    while index < 1 + repeats or (repeats and sum(times[1:]) < min_seconds and index < 200):
         start = time.perf_counter()
         step(index + 1).backward()
         times.append(time.perf_counter() - start)
         image.grad = text.grad = scale.grad = bias.grad = None
+        index += 1
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     timed = times[1:] if repeats else times
     return {"loss": loss, "mode": mode, "size": size, "seconds": min(timed),
@@ -91,7 +97,7 @@ def spawn(args: argparse.Namespace, loss: str, mode: str, size: int, *, memory: 
     """
     repeats = 0 if memory else (args.repeats if size < args.single_run_from else 0)
     command = [sys.executable, __file__, "--case", json.dumps(
-        [loss, mode, size, args.dim, args.chunk_size, repeats, args.threads])]
+        [loss, mode, size, args.dim, args.chunk_size, repeats, args.threads, args.min_seconds])]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)} if memory else None
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
     if done.returncode != 0:
@@ -109,10 +115,15 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--chunk-size", type=int, default=1024, help="loss.chunk_size (rows)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up")
+    parser.add_argument("--min-seconds", type=float, default=1.0,
+                        help="below --single-run-from, repeat until the timed runs take this long")
     parser.add_argument("--single-run-from", type=int, default=16384,
                         help="from this size on, one timed run and no warm-up (minutes each)")
     parser.add_argument("--rounds", type=int, default=2,
                         help="passes over the case list (alternating order); time = fastest")
+    parser.add_argument("--small-rounds", type=int, default=5,
+                        help="rounds below --single-run-from: cheap cases, and a fresh process's "
+                             "speed varies by 20-30%% on a shared machine, so more of them")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--output", type=Path, default=ROOT / "bench/results/losses.md")
     parser.add_argument("--case", help=argparse.SUPPRESS)
@@ -125,20 +136,24 @@ def main() -> None:
 
     results = []
     for size in args.sizes:
-        cases = [("ClipLoss", "open_clip")] + [(loss, "dense") for loss in args.losses]
-        if size in args.chunked_sizes:
-            cases += [(loss, "chunked") for loss in args.losses]
+        # A loss's chunked case runs right after its dense case: the chunked/dense ratio compares
+        # runs seconds apart, not minutes.
+        modes = ("dense", "chunked") if size in args.chunked_sizes else ("dense",)
+        cases = [("ClipLoss", "open_clip")] + [(loss, mode) for loss in args.losses
+                                                for mode in modes]
         runs: dict[tuple[str, str], list[dict]] = {case: [] for case in cases}
         peaks = {}
         for loss, mode in cases:
             peaks[(loss, mode)] = spawn(args, loss, mode, size, memory=True)
             print(json.dumps({"memory": True, **peaks[(loss, mode)]}), flush=True)
-        for round_index in range(max(1, args.rounds)):
+        rounds = args.rounds if size >= args.single_run_from else max(args.rounds,
+                                                                        args.small_rounds)
+        for round_index in range(max(1, rounds)):
             for loss, mode in (cases if round_index % 2 == 0 else cases[::-1]):
                 result = spawn(args, loss, mode, size, memory=False)
                 runs[(loss, mode)].append(result)
                 print(json.dumps({"round": round_index, **result}), flush=True)
-        for case in cases:
+        for case in sorted(cases, key=lambda case: case[1] == "chunked"):  # table: dense first
             combined = combine(runs[case])
             if "error" not in combined:
                 if "error" in peaks[case]:
@@ -173,9 +188,10 @@ def render(results: list[dict], args: argparse.Namespace, torch_version: str) ->
         f"- torch {torch_version}, python {platform.python_version()}",
         f"- command: `python bench/bench_losses.py {' '.join(sys.argv[1:])}`".replace(" `", " `"),
         f"- fp32, D = {args.dim}, single process; chunked mode uses `loss.chunk_size = "
-        f"{args.chunk_size}` rows; time = fastest of {args.repeats} runs after a warm-up "
-        f"(one cold run from {args.single_run_from} on) in each of {args.rounds} rounds over the "
-        "case list (alternating order), fastest round kept; `spread` = slowest round / fastest "
+        f"{args.chunk_size}` rows; time = fastest of {args.repeats} runs (or more, until "
+        f"they take {args.min_seconds:g} s) after a warm-up (one cold run from "
+        f"{args.single_run_from} on) in each of {args.rounds} rounds over the case list ({max(args.rounds, args.small_rounds)} below N = {args.single_run_from}; "
+        "alternating order), fastest round kept; `spread` = slowest round / fastest "
         "round; memory = peak RSS increase over the "
         "features in one more fresh process per case, with glibc `MALLOC_MMAP_THRESHOLD_=1MiB` so "
         "that freed blocks leave the RSS (times come from runs with glibc's defaults)",

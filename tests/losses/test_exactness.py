@@ -8,6 +8,7 @@ from open_clip.loss import ClipLoss, SigLipLoss
 
 from tests.losses import references
 from vlcontrast.losses import LOSSES, ContrastiveLoss, base, build_loss
+from vlcontrast.losses import bcl as bcl_module
 
 SCALES = (1.0, 14.29, 100.0)
 NAMES = sorted(LOSSES)
@@ -184,6 +185,30 @@ def test_bcl_chunked_equals_dense_with_tied_logits(chunk_size):
     assert_same(run(build_loss("bcl", chunk_size=chunk_size, **bcl_options)), dense,
                 rtol=1e-12, atol=1e-12)
     assert_same(dense, loss_and_grads(reference_fn("bcl", **bcl_options), *args))
+
+
+def test_bcl_chunked_forward_sorts_values_and_only_backward_argsorts(monkeypatch):
+    """Forward needs each row's multiset of ``L + log w`` (a value sort); only backward, which
+    needs ``log w`` at each column, pays for an argsort, once per block and direction."""
+    calls = []
+    argsort = bcl_module._argsort_rows
+    monkeypatch.setattr(bcl_module, "_argsort_rows", lambda v: calls.append(v.shape) or argsort(v))
+    image, text = references.random_pairs(10, 8, seed=11)
+    image.requires_grad_()
+    loss = build_loss("bcl", chunk_size=4)(image, text, 14.29)["loss"]
+    assert calls == []
+    loss.backward()
+    assert calls == [(4, 10), (4, 10), (2, 10)] * 2
+
+
+def test_row_sorts_split_across_threads_match_torch(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # 3 slices, the last one short
+    values = torch.randn(700, 2048, dtype=torch.float32)
+    values[5, 7] = values[5, 9]  # a tie
+    order = bcl_module._argsort_rows(values)
+    expected = values.sort(dim=1).values
+    torch.testing.assert_close(values.gather(1, order), expected, rtol=0, atol=0)
+    torch.testing.assert_close(bcl_module._sort_rows_(values.clone()), expected, rtol=0, atol=0)
 
 
 class RowTermsOnlyLoss(ContrastiveLoss):
