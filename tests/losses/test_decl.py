@@ -223,3 +223,72 @@ def test_invalid_options_are_errors():
                     {"gamma": 0.0}, {"gamma": 1.5}):
         with pytest.raises(ValueError, match=next(iter(options))):
             build_loss("decl", **options)
+
+
+def _bits(tensor):
+    """The raw bits of a float tensor (so -inf, nan and signed zeros compare exactly)."""
+    return tensor.contiguous().view(torch.int32 if tensor.dtype == torch.float32 else torch.int64)
+
+
+@pytest.mark.parametrize("u_mode", ["mean", "sample"])
+def test_rollback_restores_the_buffer_bitwise(u_mode):
+    loss_fn = build_loss("decl", gamma=0.5, u_mode=u_mode, schedule="loss1", id_space=20)
+    history = batches(3)
+    for step, (image, text) in enumerate(history[:2], start=1):  # some rows visited, some not
+        run_step(loss_fn, image, text, torch.arange(8) + 4 * step, step)
+    before, visited = loss_fn.log_u.clone(), loss_fn.visited.clone()
+    image, text = history[2]
+    # Revisited rows, new rows and a duplicate id: every kind of write.
+    ids = torch.tensor([6, 7, 8, 15, 16, 17, 6, 19])
+    run_step(loss_fn, image, text, ids, 3)
+    assert not torch.equal(_bits(loss_fn.log_u), _bits(before))
+    assert int(loss_fn.visited) > int(visited)
+    loss_fn.rollback()
+    assert torch.equal(_bits(loss_fn.log_u), _bits(before))
+    assert torch.equal(loss_fn.visited, visited)
+    loss_fn.rollback()  # nothing left to undo: a no-op
+    assert torch.equal(_bits(loss_fn.log_u), _bits(before))
+    # After a rollback the step can be replayed and gives the same result as the first try.
+    replay = build_loss("decl", gamma=0.5, u_mode=u_mode, schedule="loss1", id_space=20)
+    replay.load_state_dict(loss_fn.state_dict())
+    first, _ = run_step(loss_fn, image, text, ids, 3)
+    second, _ = run_step(replay, image, text, ids, 3)
+    torch.testing.assert_close(first["loss"], second["loss"], rtol=0, atol=0)
+
+
+def test_rollback_restores_the_unstepped_draw_counter():
+    loss_fn = build_loss("decl", estimator="batch", u_mode="sample", schedule="loss1")
+    loss_fn.eval()
+    image, text = batches(1)[0]
+    first = loss_fn(image, text, torch.tensor(SCALE))["loss_1"]
+    loss_fn.rollback()
+    again = loss_fn(image, text, torch.tensor(SCALE))["loss_1"]
+    torch.testing.assert_close(first, again, rtol=0, atol=0)  # the same draw after the undo
+
+
+def test_rollback_is_a_no_op_for_stateless_losses():
+    loss_fn = build_loss("infonce")
+    image, text = batches(1)[0]
+    loss_fn(image, text, torch.tensor(SCALE))
+    assert loss_fn.rollback() is None
+
+
+def test_sharded_write_touches_only_owned_rows_and_rolls_back():
+    """The sharded write path (no boolean indexing) on one process, as rank 1 of 2."""
+    loss_fn = build_loss("decl", shard_buffer=True, id_space=10)
+    loss_fn._layout = (1, 2)  # rows 5..9 of the id space live here, at local rows 0..4
+    loss_fn.log_u = torch.full((5, 2), -math.inf)
+    loss_fn.log_u[1] = torch.tensor([0.5, 0.25])
+    before = loss_fn.log_u.clone()
+    ids = torch.tensor([0, 6, 9, 3, 6, 4])
+    new = torch.arange(12, dtype=torch.float32).reshape(6, 2)
+    loss_fn._write(ids, new, loss_fn._lookup(ids))
+    expected = before.clone()
+    expected[1] = new[4]  # id 6 twice: the last occurrence wins
+    expected[4] = new[2]  # id 9
+    assert torch.equal(_bits(loss_fn.log_u), _bits(expected))
+    loss_fn.rollback()
+    assert torch.equal(_bits(loss_fn.log_u), _bits(before))
+    # A batch with no id of this shard writes nothing.
+    loss_fn._write(torch.tensor([0, 1, 2]), new[:3], torch.zeros(3, 2))
+    assert torch.equal(_bits(loss_fn.log_u), _bits(before))

@@ -128,8 +128,8 @@ def fill_positives_(logits: Tensor, positives: Tensor, value: float = -math.inf)
     Only call this on a tensor the caller just created (a matmul output or an arithmetic result):
     autograd has not saved it, so the in-place write is legal and saves a ``rows x N`` copy.
     """
-    rows = torch.arange(logits.shape[0], device=logits.device)
-    return logits.index_put_((rows, positives), logits.new_tensor(value))
+    # A scalar scatter: no host value is copied to the device.
+    return logits.scatter_(1, positives[:, None], value)
 
 
 def negatives_logsumexp(logits: Tensor, positives: Tensor) -> Tensor:
@@ -264,6 +264,14 @@ class ContrastiveLoss(nn.Module):
         """Per-rank loss from the per-anchor terms of each direction: mean over anchors and directions."""
         loss = torch.stack([t["loss"].mean() for t in terms]).mean()
         return {"loss": loss}
+
+    def rollback(self) -> None:
+        """Undo the state changes made by the last ``forward`` (e.g. DeCL's buffer writes).
+
+        The trainer calls it when the step that forward belonged to is skipped (a non-finite loss
+        or gradient), so a skipped step leaves the loss exactly as it was. Stateless losses have
+        nothing to undo.
+        """
 
     # ---- driver -----------------------------------------------------------------------------
 
@@ -416,7 +424,8 @@ class _ChunkedStatistic(torch.autograd.Function):
         scale = scale_tensor.detach() if scale_tensor is not None else ctx.scale
         grad_anchors = torch.empty_like(anchors) if needs[4] else None
         grad_candidates = torch.zeros_like(candidates) if needs[5] else None
-        grad_scale = torch.zeros((), dtype=torch.float64) if needs[6] else None
+        grad_scale = torch.zeros((), dtype=torch.float64, device=anchors.device) if needs[6] \
+            else None
         grad_offset = torch.empty_like(offset) if needs[7] else None
         chunk = ctx.chunk
         buffer = _ChunkedStatistic.block_buffer(anchors, candidates, chunk)

@@ -92,6 +92,9 @@ class DeCLLoss(ContrastiveLoss):
         self.needs_sample_ids = estimator == "buffer"
         self.needs_momentum_features = estimator == "momentum"
         self._unstepped_draws = 0
+        # What the last forward changed, so that rollback() can undo exactly that: the buffer rows
+        # it wrote with their previous values, the visit count and the draw counter before it.
+        self._undo: dict | None = None
         if self.needs_sample_ids:
             self._layout = self._current_layout()
             length = self._shard_length(self._layout[1])
@@ -128,10 +131,11 @@ class DeCLLoss(ContrastiveLoss):
             counter = self._unstepped_draws
         else:
             counter = batch.step
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + counter)
-        noise = torch.empty(batch.global_size, 2, dtype=torch.float64).exponential_(
-            generator=generator)
-        return batch.local_rows(noise).to(batch.image.device)
+        # Drawn on the features' device: a host draw copied over would block the step.
+        device = batch.image.device
+        generator = torch.Generator(device=device).manual_seed(self.seed * 1_000_003 + counter)
+        noise = torch.empty(batch.global_size, 2, dtype=torch.float64, device=device)
+        return batch.local_rows(noise.exponential_(generator=generator))
 
     # ---- the buffer -------------------------------------------------------------------------
 
@@ -166,33 +170,76 @@ class DeCLLoss(ContrastiveLoss):
             return self.log_u
         return gather_no_grad(self.log_u)[:self.id_space]
 
-    def buffer_coverage(self) -> float:
-        """Fraction of the id space visited at least once."""
-        return float(self.visited) / max(1, self.id_space)
+    def buffer_coverage(self) -> Tensor:
+        """Fraction of the id space visited at least once (a 0-dim tensor on the buffer's device;
+        converting it to a number is the caller's choice, e.g. only when it is logged)."""
+        return self.visited.double() / max(1, self.id_space)
+
+    def _owned_rows(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """``(owned, row)``: whether this rank's shard holds each id, and its row there (0 when
+        not owned). Computed without boolean indexing, whose data-dependent size would make the
+        host wait for the device."""
+        start = self._shard_start()
+        owned = (ids >= start) & (ids < start + self.log_u.shape[0])
+        return owned, torch.where(owned, ids - start, torch.zeros_like(ids))
 
     def _lookup(self, ids: Tensor) -> Tensor:
         if self._layout[1] == 1:
             return self.log_u[ids]
-        start = self._shard_start()
-        owned = (ids >= start) & (ids < start + self.log_u.shape[0])
-        values = self.log_u.new_zeros((ids.shape[0], 2))
-        values[owned] = self.log_u[ids[owned] - start]
+        owned, rows = self._owned_rows(ids)
+        values = torch.where(owned[:, None], self.log_u[rows], 0.0)
         # Exactly one rank owns each id and the others add 0 (-inf + 0 stays -inf).
         return all_reduce_sum(values)
 
     def _write(self, ids: Tensor, new_log_u: Tensor, old_log_u: Tensor) -> None:
-        # A sample id seen twice in one global batch: the last occurrence wins (deterministically).
-        unique_ids, inverse = torch.unique(ids, return_inverse=True)
-        positions = torch.arange(ids.shape[0], device=ids.device)
-        last = torch.full_like(unique_ids, -1).scatter_reduce_(0, inverse, positions, "amax")
-        values = new_log_u[last].to(self.log_u.dtype)
-        self.visited += int((~torch.isfinite(old_log_u[last, 0])).sum())
+        """Store ``new_log_u`` at ``ids``; a sample id seen twice in one global batch takes the
+        value of its last occurrence. Runs on the device with no host sync (no ``unique``, no
+        boolean indexing, no ``int()``): every write position gets a value, and positions that
+        land on one row carry the same value, so the scatter is deterministic."""
+        count = ids.shape[0]
+        positions = torch.arange(count, device=ids.device)
+        # A stable sort groups equal ids with their positions in order: the last of a run is the
+        # last occurrence. Each position then takes the position of its run's last element.
+        sorted_ids, order = torch.sort(ids, stable=True)
+        run_end = torch.ones(count, dtype=torch.bool, device=ids.device)
+        run_end[:-1] = sorted_ids[1:] != sorted_ids[:-1]
+        end_index = torch.where(run_end, positions, count)
+        end_index = end_index.flip(0).cummin(0).values.flip(0)  # the next run end at or after
+        last_position = torch.empty_like(order).scatter_(0, order, order[end_index])
+        values = new_log_u[last_position].to(self.log_u.dtype)
+        # One count per distinct id that had never been visited.
+        first_visits = (run_end & ~torch.isfinite(old_log_u[order, 0])).sum()
         if self._layout[1] == 1:
-            self.log_u[unique_ids] = values
+            rows = ids
+        else:
+            owned, rows = self._owned_rows(ids)
+            # An id of another shard writes nothing: it is redirected to the row (and value) of
+            # one owned position, or to row 0 with row 0's current value when none is owned.
+            anchor = torch.argmax(owned.to(torch.uint8))
+            anchor_owned = owned[anchor]
+            anchor_row = torch.where(anchor_owned, rows[anchor], torch.zeros_like(rows[anchor]))
+            anchor_value = torch.where(anchor_owned, values[anchor], self.log_u[0])
+            rows = torch.where(owned, rows, anchor_row)
+            values = torch.where(owned[:, None], values, anchor_value)
+        if self._undo is None:  # a write outside forward (tests, tools)
+            self._undo = {"draws": self._unstepped_draws}
+        self._undo.update(rows=rows, previous=self.log_u[rows],
+                          visited=self.visited.clone())
+        self.log_u.index_put_((rows,), values)
+        self.visited += first_visits
+
+    def rollback(self) -> None:
+        """Undo the last forward: restore the buffer rows it wrote (their previous values, read
+        before the write), the visit count and the ``sample`` draw counter."""
+        undo, self._undo = self._undo, None
+        if undo is None:
             return
-        start = self._shard_start()
-        owned = (unique_ids >= start) & (unique_ids < start + self.log_u.shape[0])
-        self.log_u[unique_ids[owned] - start] = values[owned]
+        self._unstepped_draws = undo["draws"]
+        if "rows" in undo:
+            with torch.no_grad():
+                # Repeated rows carry the same previous value, so the restore is deterministic.
+                self.log_u.index_put_((undo["rows"],), undo["previous"])
+                self.visited.copy_(undo["visited"])
 
     def _global_ids(self, batch: PairBatch) -> Tensor:
         if batch.sample_ids is None:
@@ -204,11 +251,16 @@ class DeCLLoss(ContrastiveLoss):
         if local.shape[0] != batch.local_size:
             raise ValueError(f"decl: {local.shape[0]} sample_ids for {batch.local_size} pairs")
         ids = gather_no_grad(local)
-        outside = (ids < 0) | (ids >= self.id_space)
-        if bool(outside.any()):
-            raise ValueError(f"decl: sample id {int(ids[outside][0])} is outside the declared id "
-                             f"space [0, {self.id_space}); was the loss built with the dataset's "
-                             "id_space?")
+        # Checked on the device without making the host wait: on CPU this raises at once, on a
+        # GPU it is a device-side assertion (an out-of-range index would be one anyway).
+        message = (f"decl: a sample id is outside the declared id space [0, {self.id_space}); "
+                   "was the loss built with the dataset's id_space?")
+        try:
+            torch._assert_async(((ids >= 0) & (ids < self.id_space)).all(), message)
+        except RuntimeError as error:  # raised at once only where the host is the device (CPU)
+            if message not in str(error):
+                raise
+            raise ValueError(message) from None
         return ids
 
     def update_rule(self, log_u_old: Tensor, log_mean: Tensor) -> Tensor:
@@ -250,6 +302,7 @@ class DeCLLoss(ContrastiveLoss):
     # ---- the loss ---------------------------------------------------------------------------
 
     def prepare(self, batch: PairBatch) -> dict:
+        self._undo = {"draws": self._unstepped_draws}
         estimator = self.estimator if self.training else "batch"
         state = {"lambda": self.schedule_weight(batch.step), "estimator": estimator}
         if estimator == "buffer":
