@@ -14,12 +14,12 @@ import sys
 
 
 def _prepare_environment() -> None:
-    # DeepSpeed picks its accelerator at import: without a GPU it must be told to use the CPU.
-    if "DS_ACCELERATOR" not in os.environ:
-        import torch
+    # DeepSpeed picks its accelerator at import: without a usable GPU it must be told to use the
+    # CPU. With one, the choice waits for train.device (init_distributed makes it, in one place).
+    from vlcontrast.distributed import choose_accelerator, usable_cuda_devices
 
-        if not torch.cuda.is_available():
-            os.environ["DS_ACCELERATOR"] = "cpu"
+    if "DS_ACCELERATOR" not in os.environ and usable_cuda_devices() == 0:
+        choose_accelerator("cpu")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

@@ -6,6 +6,12 @@ Launch environments are read in one place (:func:`launch_env`): ``torchrun``/``d
 kinds: :func:`gather_with_grad` for losses (gradients flow back to the owning rank) and
 :func:`all_gather_variable` for evaluation (ranks may hold different numbers of rows).
 
+Device choice lives here too (:func:`select_device`, called by :func:`init_distributed`): the
+device is chosen and set, and DeepSpeed's accelerator (``DS_ACCELERATOR``) agreed with it, *before*
+the process group exists. NCCL binds a communicator to the current device at its first collective;
+a collective issued before ``torch.cuda.set_device`` puts every local rank on cuda:0 ("Duplicate GPU
+detected").
+
 Decisions every rank must take alike (skip this step, stop now, a checkpoint failed) go through
 :func:`any_rank` and :func:`raise_on_any_rank`: one rank acting alone would leave the others waiting
 in a collective until the process-group timeout.
@@ -32,6 +38,8 @@ class LaunchEnv:
     master_addr: str
     master_port: str
     source: str
+    device: torch.device | None = None
+    """The device this process computes on; set by :func:`init_distributed`."""
 
 
 def _first_slurm_host(nodelist: str) -> str:
@@ -111,11 +119,82 @@ def is_main_process() -> bool:
     return get_rank() == 0
 
 
-def init_distributed(backend: str | None = None, timeout_s: int = 600) -> LaunchEnv:
-    """Initialise the default process group (also for a single process, so code paths stay one)."""
+class DeviceError(RuntimeError):
+    """The requested device cannot be used by this process (named with its rank)."""
+
+
+def usable_cuda_devices() -> int:
+    """CUDA devices this process can see (0 without a driver or with CUDA_VISIBLE_DEVICES='')."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def choose_accelerator(requested: str = "auto") -> str:
+    """``"cuda"`` or ``"cpu"`` for ``train.device=requested``; sets ``DS_ACCELERATOR`` when unset.
+
+    DeepSpeed picks its accelerator once, at its first import, from ``DS_ACCELERATOR`` or by probing
+    for CUDA. Choosing both here keeps the model's device and DeepSpeed's accelerator the same: a
+    user's explicit ``DS_ACCELERATOR=cpu`` makes ``auto`` mean CPU, and contradicting it is an error.
+    """
+    preset = os.environ.get("DS_ACCELERATOR", "")
+    if requested == "cpu":
+        kind = "cpu"
+    elif requested == "cuda":
+        kind = "cuda"
+    elif preset:
+        kind = "cpu" if preset == "cpu" else "cuda"
+    else:
+        kind = "cuda" if usable_cuda_devices() > 0 else "cpu"
+    if preset and (preset == "cpu") != (kind == "cpu"):
+        raise DeviceError(f"train.device={requested!r} computes on {kind} but DS_ACCELERATOR="
+                          f"{preset!r} is set: DeepSpeed and the model would use different devices "
+                          "(unset DS_ACCELERATOR or make train.device agree with it)")
+    if not preset:
+        os.environ["DS_ACCELERATOR"] = kind
+    return kind
+
+
+def select_device(requested: str, local_rank: int, rank: int = 0) -> torch.device:
+    """Choose and set this process's device for ``train.device=requested`` (auto|cpu|cuda).
+
+    CUDA: local rank modulo the visible device count, so both launch styles work: one process per
+    node-local GPU (torchrun, ``srun --gpus-per-node``: local rank r -> cuda:r) and one GPU per task
+    (``srun --gpus-per-task=1``: each task sees one device, cuda:0).
+    """
+    if choose_accelerator(requested) == "cpu":
+        return torch.device("cpu")
+    count = usable_cuda_devices()
+    if count == 0:
+        raise DeviceError(
+            f"train.device={requested!r}: rank {rank} (local rank {local_rank}) sees no usable CUDA "
+            f"device (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r}); "
+            "check the job's GPU binding, or use train.device=cpu")
+    device = torch.device("cuda", local_rank % count)
+    torch.cuda.set_device(device)
+    return device
+
+
+_DEVICE: torch.device | None = None
+"""This process's device once :func:`init_distributed` chose it (the flag tensors' home)."""
+
+
+def init_distributed(backend: str | None = None, timeout_s: int = 600,
+                     device: str = "auto") -> LaunchEnv:
+    """Choose and set the device, then initialise the default process group (also for a single
+    process, so code paths stay one). Returns the launch environment with ``device`` filled in.
+
+    Order matters on GPUs: ``set_device`` first, then ``init_process_group`` with ``device_id``
+    (NCCL binds this rank's communicator to that device eagerly), then any collective.
+    """
+    global _DEVICE
     env = launch_env()
     if is_initialized():
-        return env
+        if _DEVICE is None:  # a group made elsewhere (tests): its backend says where flags live
+            _DEVICE = (torch.device("cuda", torch.cuda.current_device())
+                       if dist.get_backend() == "nccl" else torch.device("cpu"))
+        return dataclasses.replace(env, device=_DEVICE)
+    chosen = select_device(device, env.local_rank, env.rank)
+    _DEVICE = chosen
+    env = dataclasses.replace(env, device=chosen)
     if env.source == "single" and "MASTER_PORT" not in os.environ:
         # A lone process needs no agreed port: take a free one, so concurrent runs don't collide.
         import socket
@@ -128,9 +207,10 @@ def init_distributed(backend: str | None = None, timeout_s: int = 600) -> Launch
                        ("MASTER_PORT", env.master_port)):
         os.environ[str(key)] = str(value)
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if chosen.type == "cuda" else "gloo"
+    kwargs = {"device_id": chosen} if backend == "nccl" else {}
     dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     return env
 
 
@@ -190,10 +270,18 @@ def barrier() -> None:
 
 
 def _flag_device() -> torch.device:
-    # NCCL reduces CUDA tensors only; gloo reduces CPU tensors.
+    # NCCL reduces CUDA tensors only (this rank's own device, chosen by init_distributed: never
+    # "the current device", which is cuda:0 on every rank until set_device); gloo reduces CPU ones.
     if is_initialized() and dist.get_backend() == "nccl":
+        if _DEVICE is not None and _DEVICE.type == "cuda":
+            return _DEVICE
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def flag_device() -> torch.device:
+    """Where a tensor for a small decision collective (:func:`all_reduce_sum`) must live."""
+    return _flag_device()
 
 
 def count_ranks(flag: bool) -> int:

@@ -1,6 +1,7 @@
 """GradCache accumulation equals one large batch: k = 4 micro-batches of 8 give the parameter
 gradients of one batch of 32, for every loss (1-process DeepSpeed engine, plain SGD so the update
-is the gradient)."""
+is the gradient). The process group's backend is the test helper's (``VLC_TEST_BACKEND``: gloo on
+CPU, nccl on a GPU machine, where the model and batches live on the GPU)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from tests.distributed import free_port
+from tests.distributed import default_backend, free_port, rank_device
 
 BATCH, K = 32, 4
 
@@ -26,7 +27,10 @@ def process_group():
         return
     saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+    backend = default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)
     yield
     dist.destroy_process_group()
@@ -44,7 +48,8 @@ def tiny_models():
     from vlcontrast.models import build_model
 
     torch.manual_seed(0)
-    return {siglip: build_model(ModelConfig(name="vlc-micro"), siglip=siglip).model
+    return {siglip: build_model(ModelConfig(name="vlc-micro"), siglip=siglip,
+                                device=rank_device()).model
             for siglip in (False, True)}
 
 
@@ -83,17 +88,20 @@ def _params(engine):
 
 def _run(engine, loss_fn, batches, k):
     from vlcontrast.train.loop import train_step
+    from vlcontrast.train.steplog import StepTimer
 
-    timer = dict.fromkeys(("forward", "loss", "backward", "step"), 0.0)
+    device = rank_device()
+    timer = StepTimer(device)
     updates = []
     for step, batch in enumerate(batches, start=1):
         before = _params(engine)
-        result, skipped = train_step(engine, loss_fn, _split(batch, k), step,
-                                     torch.device("cpu"), torch.float32, timer)
-        assert skipped is None
+        timer.start()
+        outcome = train_step(engine, loss_fn, _split(batch, k), step, device, torch.float32, timer)
+        assert outcome.skipped is None and not outcome.stop_signalled
         after = _params(engine)
         updates.append({n: before[n] - after[n] for n in before})  # SGD, lr 1: the gradient
-    return updates, float(result["loss"])
+    assert set(timer.read()) >= {"forward", "loss", "backward", "step"}
+    return updates, float(outcome.result["loss"].detach())
 
 
 def _losses():
@@ -109,7 +117,7 @@ def test_accumulated_micro_batches_give_the_large_batch_gradient(name, process_g
     model = tiny_models[name == "siglip"]
     # DeCL: two steps, so its alternating schedule and its buffer move between them.
     batches = [_batch(seed) for seed in ((1, 2) if name == "decl" else (1,))]
-    losses = {k: build_loss(name, id_space=1000) for k in (1, K)}
+    losses = {k: build_loss(name, id_space=1000).to(rank_device()) for k in (1, K)}
     grads = {}
     for k, loss_fn in losses.items():
         grads[k], final_loss = _run(_engine(model, BATCH // k, k), loss_fn, batches, k)

@@ -1,15 +1,24 @@
 """Atomic checkpoints: DeepSpeed engine state plus everything else a resume needs.
 
-Layout of one checkpoint (see docs/architecture.md)::
+Layout of one checkpoint (see docs/architecture.md and docs/training.md, "Checkpoints")::
 
     checkpoints/step_00000100/
         engine/              DeepSpeed save_checkpoint (model, optimizer, scheduler, loss scaler)
-        model.pt             consolidated fp32 state dict (evaluation, export)
+        model.pt             consolidated true-fp32 weights (the optimizer's fp32 master under
+                             bf16/fp16 and ZeRO 0-3), open_clip's names and shapes
         model_config.json    open_clip model config and model name
-        trainer_state.pt     step, samples seen, loss state (DeCL buffer), EMA towers
-        rank_00000.pt ...    per-rank data-loader position and RNG states
+        trainer_state.pt     the run-wide stateful objects: train state (step, samples seen,
+                             epoch), divergence counts, loss state (DeCL's buffer), EMA towers
+        rank_00000.pt ...    per-rank stateful objects: data-loader position and RNG states
         config.yaml          resolved run config
     checkpoints/latest       name of the newest complete checkpoint
+
+State goes in through one dict of stateful objects per kind (run-wide, per rank): each has
+``state_dict()``/``load_state_dict()``, and its entry's key names it in the file. Every file this
+module writes holds tensors and plain containers only and is read back with
+``torch.load(weights_only=True)``: a file carrying a pickled object is refused
+(:class:`CheckpointError`) instead of run. DeepSpeed reads ``engine/`` itself, with its own
+``torch.load``; see docs/training.md for what that means for trusting a checkpoint directory.
 
 Everything is written into ``step_XXXXXXXX.tmp/`` and renamed when complete, so a crash mid-write
 leaves the previous checkpoint usable; ``latest`` is replaced atomically after the rename.
@@ -27,10 +36,11 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -38,24 +48,122 @@ import torch
 from vlcontrast import distributed as dist_utils
 
 
-def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
-             "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
 
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint could not be written; the previous one is intact."""
+    """A checkpoint could not be written, or a checkpoint file is not safe to load."""
+
+
+# --------------------------------------------------------------------------------------------
+# finding checkpoints: the one resolver
+
+
+LATEST = "latest"
+COMPLETE_MARKER = "trainer_state.pt"
+
+
+def resolve_checkpoint(path: str | Path, *, require: str = COMPLETE_MARKER) -> Path | None:
+    """The checkpoint directory ``path`` names, or None when it names none.
+
+    ``path`` may be a checkpoint directory itself, a ``checkpoints/`` directory (its ``latest``) or
+    a run directory (``checkpoints/latest``). A candidate counts only when it holds ``require``
+    (``trainer_state.pt`` for a resumable checkpoint, ``model.pt`` for weights to evaluate).
+    """
+    path = Path(path)
+    if (path / require).is_file():
+        return path
+    for folder in (path / "checkpoints", path):
+        latest = folder / LATEST
+        if latest.is_file():
+            target = folder / latest.read_text().strip()
+            if (target / require).is_file():
+                return target
+    return None
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The complete checkpoint ``root/latest`` names (``root`` is a ``checkpoints/`` directory)."""
+    if not (Path(root) / LATEST).is_file():
+        return None
+    return resolve_checkpoint(root)
+
+
+def find_resume(resume: str, output_dir: Path) -> Path | None:
+    """The checkpoint directory named by ``train.resume`` (``latest`` may find none: fresh start)."""
+    if not resume:
+        return None
+    if resume == "latest":
+        return latest_checkpoint(Path(output_dir) / "checkpoints")
+    found = resolve_checkpoint(resume)
+    if found is None:
+        raise FileNotFoundError(f"train.resume={resume!r}: {resume} is not a complete checkpoint "
+                                f"(no {COMPLETE_MARKER}) nor a run directory with one")
+    return found
+
+
+# --------------------------------------------------------------------------------------------
+# safe files
+
+
+def _save_file(obj: Any, path: Path) -> None:
+    """``torch.save`` (one place, so a test can simulate a full disk)."""
+    torch.save(obj, path)
+
+
+def load_file(path: Path) -> Any:
+    """``torch.load(weights_only=True)``: tensors and plain containers, never code."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(
+            f"{path}: refused to load: it holds a pickled Python object, which could run code "
+            "when loaded. vlcontrast writes only tensors and plain containers here; a file "
+            f"written by another program (or an older vlcontrast) is not trusted. ({err})"
+        ) from None
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------------------------
+# random state as tensors and lists
+
+
+class RNGState:
+    """Python's, NumPy's, torch's and CUDA's random generators, as tensors and plain lists."""
+
+    def state_dict(self) -> dict[str, Any]:
+        version, internal, gauss = random.getstate()
+        kind, keys, position, has_gauss, cached = np.random.get_state(legacy=True)
+        state = {"python": [version, list(internal), gauss],
+                 "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)),
+                           "position": int(position), "has_gauss": int(has_gauss),
+                           "cached_gaussian": float(cached)},
+                 "torch": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        numpy = state["numpy"]
+        np.random.set_state((numpy["kind"], numpy["keys"].numpy().astype(np.uint32),
+                             numpy["position"], numpy["has_gauss"], numpy["cached_gaussian"]))
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --------------------------------------------------------------------------------------------
+# sizes
 
 
 BYTES_PER_PARAMETER = 20
@@ -83,107 +191,199 @@ def check_free_space(path: Path, needed: int, what: str) -> None:
                       f"needs about {needed / 1e9:.2f} GB")
 
 
-def _save_file(obj: Any, path: Path) -> None:
-    """``torch.save`` (one place, so a test can simulate a full disk)."""
-    torch.save(obj, path)
+# --------------------------------------------------------------------------------------------
+# true fp32 weights
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def _fp16_optimizer_masters(engine) -> dict[int, torch.Tensor]:
+    """DeepSpeed's ZeRO-0 fp16 optimizer keeps its fp32 master as flat buffers, one per group."""
+    optimizer = getattr(engine, "optimizer", None)
+    flats, groups = (getattr(optimizer, "fp32_groups_flat", None),
+                     getattr(optimizer, "fp16_groups", None))
+    if not flats or not groups:
+        return {}
+    from torch._utils import _unflatten_dense_tensors
+
+    masters = {}
+    for flat, params in zip(flats, groups):
+        for param, master in zip(params, _unflatten_dense_tensors(flat, params)):
+            masters[id(param)] = master
+    return masters
 
 
-def consolidated_state_dict(engine, zero_stage: int) -> dict[str, torch.Tensor] | None:
-    """Full fp32 model weights on rank 0, in open_clip's shapes (collective under ZeRO-3)."""
+def full_fp32_state_dict(engine) -> dict[str, torch.Tensor] | None:
+    """The model's weights as the optimizer holds them, in fp32, on rank 0 (None elsewhere).
+
+    Under bf16/fp16 the module's parameters are 16-bit working copies; the fp32 master lives in
+    the optimizer (flat, or partitioned over ranks under ZeRO 1-3). ``safe_get_full_fp32_param``
+    assembles it (a collective under ZeRO 1-3: every rank calls, in the same parameter order).
+    Frozen parameters have no master: their own values (gathered under ZeRO-3) are the weights.
+    """
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
     from vlcontrast.train.engine import open_clip_state_dict
 
-    if zero_stage == 3:
-        state = engine._zero3_consolidated_16bit_state_dict()  # all ranks must call
-        if state is None:
-            return None
-        state = {k: v.float().cpu() for k, v in state.items()}
-    elif not dist_utils.is_main_process():
+    module = engine.module
+    is_main = dist_utils.is_main_process()
+    masters = _fp16_optimizer_masters(engine)
+    by_tensor: dict[int, torch.Tensor] = {}
+    for param in module.parameters():  # the same order on every rank
+        full = safe_get_full_fp32_param(param) if param.requires_grad else None
+        if full is None and hasattr(param, "ds_id"):
+            with deepspeed.zero.GatheredParameters([param]):
+                full = param.detach().clone()
+        if full is None:
+            full = masters.get(id(param), param)
+        if is_main:
+            by_tensor[id(param)] = full.detach().float().cpu().clone()
+    if not is_main:
         return None
-    else:
-        state = {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()}
-    return open_clip_state_dict(engine.module, state)
+    parameters = dict(module.named_parameters(remove_duplicate=False))
+    state = {}
+    for name, value in module.state_dict().items():
+        param = parameters.get(name)
+        state[name] = (by_tensor[id(param)].reshape(getattr(param, "ds_shape", param.shape))
+                       if param is not None else value.detach().float().cpu().clone()
+                       if value.is_floating_point() else value.detach().cpu().clone())
+    return open_clip_state_dict(module, state)
 
 
-def save_checkpoint(root: Path, step: int, engine, *, zero_stage: int, trainer_state: dict,
-                    rank_state: dict, model_config: dict, config_yaml: str, keep: int,
-                    expected_bytes: int = 0) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint directory.
+# --------------------------------------------------------------------------------------------
+# the checkpointer
 
-    Raises :class:`CheckpointError` on every rank when any rank cannot write; the previous
-    checkpoint and ``latest`` are untouched then.
+
+class Checkpointer:
+    """Saves and resumes a run: when a checkpoint is due, retention, the last good checkpoint.
+
+    ``run_states`` are written once (rank 0, ``trainer_state.pt``), ``rank_states`` by every rank
+    (``rank_RRRRR.pt``); both map a name to an object with ``state_dict``/``load_state_dict``.
     """
-    rank = dist_utils.get_rank()
-    name = f"step_{step:08d}"
-    final = root / name
-    tmp = root / (name + ".tmp")
-    previous = latest_checkpoint(root)
 
-    def agree(error: BaseException | None) -> None:
-        if error is not None:
-            error = CheckpointError(
-                f"checkpoint at step {step} could not be written to {tmp} "
-                f"({type(error).__name__}: {error}); the previous checkpoint "
-                f"({previous or 'none'}) is intact")
+    def __init__(self, run_dir: Path, engine, *, every: int, keep: int,
+                 run_states: dict[str, Stateful], rank_states: dict[str, Stateful],
+                 model_config: dict, config_yaml: str, expected_bytes: int = 0):
+        self.root = Path(run_dir) / "checkpoints"
+        self.engine = engine
+        self.every = every
+        self.keep = keep
+        self.run_states = run_states
+        self.rank_states = rank_states
+        self.model_config = model_config
+        self.config_yaml = config_yaml
+        self.expected_bytes = expected_bytes
+        self.last_good: Path | None = None
+        """The newest checkpoint written or resumed from (named when a run fails)."""
+        self._saved_step = -1
+
+    # -- resume --------------------------------------------------------------------------------
+
+    def resume(self, resume: str) -> bool | None:
+        """Restore from ``train.resume``. None: nothing to resume. True: every state restored.
+        False: run states restored, per-rank states not (the world size changed)."""
+        path = find_resume(resume, self.root.parent)
+        if path is None:
+            return None
+        # Ours first: a file carrying code is refused before DeepSpeed reads its own files.
+        run_state = load_file(path / "trainer_state.pt")
+        rank_file = path / f"rank_{dist_utils.get_rank():05d}.pt"
+        same_world = (rank_file.is_file()
+                      and len(list(path.glob("rank_*.pt"))) == dist_utils.get_world_size())
+        rank_state = load_file(rank_file) if same_world else None
+        self.engine.load_checkpoint(str(path), tag="engine", load_module_strict=True)
+        _load_states(self.run_states, run_state, path / "trainer_state.pt")
+        if rank_state is not None:
+            _load_states(self.rank_states, rank_state, rank_file)
+        self.last_good = path
+        self._saved_step = int(run_state.get("train", {}).get("step", -1))
+        return rank_state is not None
+
+    # -- save ----------------------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0 and step != self._saved_step
+
+    def maybe_save(self, step: int, *, force: bool = False) -> Path | None:
+        """Save when a checkpoint is due at ``step`` (or ``force``), once per step (collective)."""
+        if step == self._saved_step or not (force or self.due(step)):
+            return None
+        path = self.save(step)
+        self.last_good, self._saved_step = path, step
+        return path
+
+    def save(self, step: int) -> Path:
+        """Collective: every rank calls it. Returns the final checkpoint directory.
+
+        Raises :class:`CheckpointError` on every rank when any rank cannot write; the previous
+        checkpoint and ``latest`` are untouched then.
+        """
+        rank = dist_utils.get_rank()
+        name = f"step_{step:08d}"
+        final, tmp = self.root / name, self.root / (name + ".tmp")
+        previous = latest_checkpoint(self.root)
+
+        def agree(error: BaseException | None) -> None:
+            if error is not None:
+                error = CheckpointError(
+                    f"checkpoint at step {step} could not be written to {tmp} "
+                    f"({type(error).__name__}: {error}); the previous checkpoint "
+                    f"({previous or 'none'}) is intact")
+            try:
+                dist_utils.raise_on_any_rank(error, CheckpointError)
+            except CheckpointError:
+                if rank == 0:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                raise
+
+        error: BaseException | None = None
         try:
-            dist_utils.raise_on_any_rank(error, CheckpointError)
-        except CheckpointError:
+            check_free_space(self.root, self.expected_bytes, "checkpoint")
             if rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise
-
-    error: BaseException | None = None
-    try:
-        check_free_space(root, expected_bytes, "checkpoint")
-        if rank == 0:
-            root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-    except OSError as err:
-        error = err
-    agree(error)
-
-    engine.save_checkpoint(str(tmp), tag="engine", save_latest=False)
-    state = consolidated_state_dict(engine, zero_stage)  # collective under ZeRO-3
-    try:
-        _save_file(rank_state, tmp / f"rank_{rank:05d}.pt")
-        if rank == 0:
-            _save_file(state, tmp / "model.pt")
-            _save_file(trainer_state, tmp / "trainer_state.pt")
-            (tmp / "model_config.json").write_text(json.dumps(model_config, indent=2))
-            (tmp / "config.yaml").write_text(config_yaml)
-    except (OSError, RuntimeError) as err:  # torch.save reports a failed write as RuntimeError
-        error = err
-    agree(error)
-
-    if rank == 0:
-        try:
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _atomic_write_text(root / "latest", name + "\n")
+                self.root.mkdir(parents=True, exist_ok=True)
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                tmp.mkdir(parents=True)
         except OSError as err:
             error = err
-    agree(error)
-    if rank == 0:
-        prune(root, keep)
-    dist_utils.barrier()
-    return final
+        agree(error)
+
+        self.engine.save_checkpoint(str(tmp), tag="engine", save_latest=False)
+        weights = full_fp32_state_dict(self.engine)  # collective under ZeRO 1-3
+        run_state = {key: obj.state_dict() for key, obj in self.run_states.items()}
+        rank_state = {key: obj.state_dict() for key, obj in self.rank_states.items()}
+        try:
+            _save_file(rank_state, tmp / f"rank_{rank:05d}.pt")
+            if rank == 0:
+                _save_file(weights, tmp / "model.pt")
+                _save_file(run_state, tmp / "trainer_state.pt")
+                (tmp / "model_config.json").write_text(json.dumps(self.model_config, indent=2))
+                (tmp / "config.yaml").write_text(self.config_yaml)
+        except (OSError, RuntimeError) as err:  # torch.save reports a failed write as RuntimeError
+            error = err
+        agree(error)
+
+        if rank == 0:
+            try:
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+                _atomic_write_text(self.root / LATEST, name + "\n")
+            except OSError as err:
+                error = err
+        agree(error)
+        if rank == 0:
+            prune(self.root, self.keep)
+        dist_utils.barrier()
+        return final
 
 
-def latest_checkpoint(root: Path) -> Path | None:
-    """The checkpoint ``root/latest`` names, if it is complete."""
-    latest = root / "latest"
-    if not latest.is_file():
-        return None
-    path = root / latest.read_text().strip()
-    return path if (path / "trainer_state.pt").is_file() else None
+def _load_states(objects: dict[str, Stateful], saved: dict[str, Any], path: Path) -> None:
+    missing = sorted(set(objects) - set(saved))
+    if missing:
+        raise CheckpointError(f"{path}: has no state for {missing} (it holds {sorted(saved)}); "
+                              "was it written by this version of vlcontrast?")
+    for key, obj in objects.items():
+        obj.load_state_dict(saved[key])
 
 
 def prune(root: Path, keep: int) -> None:
@@ -192,34 +392,3 @@ def prune(root: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
     for stale in root.glob("step_*.tmp"):
         shutil.rmtree(stale, ignore_errors=True)
-
-
-def find_resume(resume: str, output_dir: Path) -> Path | None:
-    """The checkpoint directory named by ``train.resume`` (``latest`` may find none: fresh start)."""
-    if not resume:
-        return None
-    if resume == "latest":
-        latest = output_dir / "checkpoints" / "latest"
-        if not latest.is_file():
-            return None
-        path = output_dir / "checkpoints" / latest.read_text().strip()
-    else:
-        path = Path(resume)
-        if (path / "checkpoints" / "latest").is_file():
-            path = path / "checkpoints" / (path / "checkpoints" / "latest").read_text().strip()
-    if not (path / "trainer_state.pt").is_file():
-        raise FileNotFoundError(f"train.resume={resume!r}: {path} is not a complete checkpoint "
-                                "(no trainer_state.pt)")
-    return path
-
-
-def load_checkpoint(path: Path, engine) -> tuple[dict, dict | None]:
-    """Restore the engine; return (trainer_state, this rank's state or None if world size changed)."""
-    engine.load_checkpoint(str(path), tag="engine", load_module_strict=True)
-    trainer_state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
-    rank_file = path / f"rank_{dist_utils.get_rank():05d}.pt"
-    ranks_saved = len(list(path.glob("rank_*.pt")))
-    rank_state = None
-    if rank_file.is_file() and ranks_saved == dist_utils.get_world_size():
-        rank_state = torch.load(rank_file, map_location="cpu", weights_only=False)
-    return trainer_state, rank_state

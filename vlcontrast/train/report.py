@@ -66,3 +66,19 @@ def write_report(run_dir: Path, results: dict[str, Any], config_summary: dict[st
     path = run_dir / "report.md"
     path.write_text("\n".join(lines))
     return path
+
+
+def finish_run(run_dir: Path, results: dict[str, Any], *, checkpoint, config, model_name: str,
+               world_size: int, skipped_steps: int) -> None:
+    """Rank 0 at the end of a run: ``results.json``, ``report.md`` and the table on stdout."""
+    import json
+
+    (run_dir / "results.json").write_text(json.dumps(
+        {"checkpoint": str(checkpoint) if checkpoint else None, "loss": config.loss.name,
+         "model": model_name, "world_size": world_size, "metrics": results}, indent=2))
+    summary = {"loss": config.loss.name, "model": model_name, "world_size": world_size,
+               "global_batch": results.get("global_batch"), "steps": results.get("step"),
+               "precision": config.train.precision, "zero_stage": config.deepspeed.zero_stage,
+               "skipped_steps": skipped_steps}
+    write_report(run_dir, results, summary)
+    print("\n" + results_table(results) + "\n", flush=True)

@@ -1,0 +1,34 @@
+"""The resumable position of a run: optimizer steps taken, samples seen, the data epoch.
+
+One small stateful object (``state_dict``/``load_state_dict``) that the loop advances after every
+applied step and the checkpointer saves with the others. Plain ints only, so it loads with
+``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    """Optimizer steps applied so far (skipped steps do not count)."""
+    samples_seen: int = 0
+    """Training pairs consumed by applied steps, over all ranks."""
+    epoch: int = 0
+    """The loader's epoch at the last save (the loader's own state holds the exact position)."""
+
+    def advance(self, global_batch: int, epoch: int) -> None:
+        """One applied step of ``global_batch`` samples; the data stream is now in ``epoch``."""
+        self.step += 1
+        self.samples_seen += global_batch
+        self.epoch = epoch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "samples_seen": self.samples_seen, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step = int(state["step"])
+        self.samples_seen = int(state["samples_seen"])
+        self.epoch = int(state["epoch"])

@@ -1,0 +1,166 @@
+"""One optimizer step: forward, loss, backward, update; GradCache when it spans micro-batches.
+
+With ``train.accum_steps = k > 1`` the loss spans all k micro-batches (GradCache): features of all
+micro-batches are computed without gradient, the loss and its gradients with respect to the
+features are computed once, then each micro-batch is embedded again with gradient under the same
+random state and the cached feature gradients are back-propagated. The result equals one batch of
+k x micro-batch with the activation memory of one micro-batch.
+
+Host synchronisation. A step issues exactly one small collective of its own: after the update, a
+two-element flag tensor ``[loss non-finite here, stop signal here]`` is summed over ranks and read
+once. Everything else that every rank must agree on comes from DeepSpeed's own checks:
+
+* a rank whose loss is non-finite back-propagates NaN (``loss * nan``); the gradient reduction
+  spreads it and DeepSpeed's overflow check (all-reduced inside the optimizer step, for every ZeRO
+  stage and precision; ``FiniteCheckedAdamW`` for plain fp32) skips the update on every rank, the
+  lr schedule does not advance and ``engine.was_step_applied()`` is False everywhere;
+* the flag sum then tells every rank whether the skipped step was a loss or a gradient fault, and
+  whether any rank received a stop signal: all ranks stop at the same step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vlcontrast import distributed as dist_utils
+
+
+@dataclass
+class StepOutcome:
+    result: dict[str, Any]
+    """The loss's outputs (tensors; read them at log steps only)."""
+    skipped: str | None
+    """None: the update was applied. "loss" or "gradients": what was non-finite."""
+    stop_signalled: bool = False
+    """Some rank received a stop signal during this step."""
+
+
+def _to_device(batch, device, dtype):
+    images, texts, sample_ids = batch
+    return (images.to(device=device, dtype=dtype, non_blocking=True),
+            texts.to(device, non_blocking=True), sample_ids.to(device, non_blocking=True))
+
+
+def _rng_snapshot(device):
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _rng_restore(state, device):
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _loss_inputs(out):
+    return (out["image_features"], out["text_features"], out["logit_scale"], out.get("logit_bias"))
+
+
+def _buffers_snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
+
+
+def _buffers_restore(module: torch.nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, buffer in module.named_buffers():
+            if name in saved and saved[name].shape == buffer.shape:
+                buffer.copy_(saved[name])
+
+
+def _poisoned(loss: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    """``loss`` times 1, or times NaN when ``bad``, without a host round trip: a rank whose loss
+    is non-finite back-propagates NaN into every gradient it touches, so DeepSpeed's overflow
+    check fires on every rank (``torch.where`` would not do: its gradient to the NaN branch is
+    zero)."""
+    return loss * torch.where(bad, float("nan"), 1.0).to(loss.dtype)
+
+
+def train_step(engine, loss_fn, micro_batches, step: int, device, dtype, timer,
+               momentum=None, stop=None) -> StepOutcome:
+    """Forward, loss, backward and optimizer step over ``micro_batches``.
+
+    ``timer`` is a :class:`~vlcontrast.train.steplog.StepTimer` (its ``mark`` ends a phase);
+    ``momentum`` the :class:`~vlcontrast.train.momentum.MomentumTowers` a loss may need;
+    ``stop`` the :class:`~vlcontrast.train.stop.StopSignal` whose ``pending`` flag is agreed with
+    the other ranks at the end of the step (a signal that arrived during the step counts).
+    """
+    k = len(micro_batches)
+    batches = [_to_device(b, device, dtype) for b in micro_batches]
+    sample_ids = torch.cat([b[2] for b in batches])
+    momentum_features = momentum.features(batches) if momentum is not None else None
+
+    if k == 1:
+        images, texts, _ = batches[0]
+        out = engine(images, texts)
+        timer.mark("forward")
+        result = loss_fn(*_loss_inputs(out), sample_ids=sample_ids, step=step,
+                         momentum_features=momentum_features)
+        bad = ~torch.isfinite(result["loss"].detach()).all()
+        timer.mark("loss")
+        engine.backward(_poisoned(result["loss"], bad))
+        timer.mark("backward")
+    else:
+        # GradCache. 1) embed every micro-batch without gradient, remembering the random state
+        # each one started from and the towers' buffers (batch-norm running statistics must be
+        # updated once per micro-batch, by the pass with gradient).
+        rng, buffers = [], _buffers_snapshot(engine.module)
+        with torch.no_grad():
+            cached = []
+            for images, texts, _ in batches:
+                rng.append(_rng_snapshot(device))
+                cached.append(engine(images, texts))
+        _buffers_restore(engine.module, buffers)
+        timer.mark("forward")
+        # 2) the loss over the whole accumulated batch and its gradient w.r.t. the features.
+        image_features = torch.cat([o["image_features"] for o in cached]).detach().requires_grad_()
+        text_features = torch.cat([o["text_features"] for o in cached]).detach().requires_grad_()
+        scale = cached[0]["logit_scale"].detach().requires_grad_()
+        bias = cached[0].get("logit_bias")
+        bias = bias.detach().requires_grad_() if bias is not None else None
+        result = loss_fn(image_features, text_features, scale, bias, sample_ids=sample_ids,
+                         step=step, momentum_features=momentum_features)
+        bad = ~torch.isfinite(result["loss"].detach()).all()
+        leaves = [image_features, text_features, scale] + ([bias] if bias is not None else [])
+        grads = torch.autograd.grad(_poisoned(result["loss"], bad), leaves, allow_unused=True)
+        timer.mark("loss")
+        # 3) re-embed each micro-batch with gradient under the same random state and push the
+        # cached feature gradients through it: sum_i <f_i, dL/df_i> has the towers' gradient of L.
+        image_grads = grads[0].split([b[0].shape[0] for b in batches])
+        text_grads = grads[1].split([b[0].shape[0] for b in batches])
+        for i, (images, texts, _) in enumerate(batches):
+            _rng_restore(rng[i], device)
+            out = engine(images, texts)
+            surrogate = ((out["image_features"] * image_grads[i].to(out["image_features"].dtype)).sum()
+                         + (out["text_features"] * text_grads[i].to(out["text_features"].dtype)).sum())
+            if i == 0:  # the temperature (and bias) enter the loss once per step
+                if grads[2] is not None:
+                    surrogate = surrogate + (out["logit_scale"] * grads[2]).sum()
+                if bias is not None and grads[3] is not None:
+                    surrogate = surrogate + (out["logit_bias"] * grads[3]).sum()
+            # DeepSpeed divides each micro-batch loss by gradient_accumulation_steps.
+            engine.backward(surrogate * k)
+            if i < k - 1:
+                engine.step()  # not a boundary: only advances DeepSpeed's micro-step counter
+        timer.mark("backward")
+    engine.step()
+    timer.mark("step")
+    return _agree(engine, result, bad, stop is not None and stop.pending, step)
+
+
+def _agree(engine, result, bad: torch.Tensor, stop_pending: bool, step: int) -> StepOutcome:
+    """The step's one collective: ``[loss non-finite, stop signal]`` summed over ranks."""
+    flags = torch.stack([bad.to(torch.float32),
+                         bad.new_tensor(float(stop_pending), dtype=torch.float32)])
+    flags = dist_utils.all_reduce_sum(flags.to(dist_utils.flag_device()))
+    loss_bad, signalled = (value > 0 for value in flags.tolist())
+    applied = engine.was_step_applied()
+    if applied and loss_bad:
+        raise RuntimeError(f"step {step}: DeepSpeed applied an update although a rank's loss was "
+                           "non-finite; the replicas may have diverged")
+    skipped = None if applied else "loss" if loss_bad else "gradients"
+    return StepOutcome(result, skipped, signalled)

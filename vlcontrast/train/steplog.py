@@ -1,0 +1,138 @@
+"""Step logger: when to log, the timing window, what a training record holds, progress output.
+
+:class:`StepTimer` splits each attempt into data / forward / loss / backward / step. On a GPU the
+split comes from CUDA events recorded on the stream and read only at log time (one
+synchronisation per logged window, none per step); host timestamps would measure when the CPU
+*queued* the kernels. On CPU it is ``time.perf_counter``.
+
+:class:`StepLogger` owns the window between two logged steps (wall time, samples, attempts), decides
+``should_log`` itself, turns the step's tensors into numbers only at log steps (no ``.item()`` in
+between), writes the record through :class:`~vlcontrast.train.metrics.MetricsLogger` and drives the
+rank-0 progress display (:class:`vlcontrast.progress.Progress`: a live bar on a terminal, plain
+lines in a log file).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+PHASES = ("data", "forward", "loss", "backward", "step")
+
+
+class StepTimer:
+    """Time between consecutive :meth:`mark` calls, attributed to the phase each mark names."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._marks: list[tuple[str, Any]] = []  # (phase, timestamp or event), oldest first
+        self._totals = dict.fromkeys(PHASES, 0.0)
+
+    def _now(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self) -> None:
+        """The beginning of an attempt (the first phase is measured from here)."""
+        self._marks.append(("", self._now()))
+
+    def mark(self, phase: str) -> None:
+        """``phase`` ended now."""
+        self._marks.append((phase, self._now()))
+
+    def read(self) -> dict[str, float]:
+        """Seconds per phase since the last read (synchronises once on a GPU)."""
+        marks, self._marks = self._marks, []
+        if self.cuda and marks:
+            marks[-1][1].synchronize()
+        for (_, begin), (phase, end) in zip(marks, marks[1:]):
+            if not phase:  # a new attempt started: no phase spans the gap
+                continue
+            seconds = begin.elapsed_time(end) / 1000 if self.cuda else end - begin
+            self._totals[phase] = self._totals.get(phase, 0.0) + seconds
+        totals, self._totals = self._totals, dict.fromkeys(PHASES, 0.0)
+        return totals
+
+
+class StepLogger:
+    def __init__(self, metrics, *, every: int, total_steps: int, device: torch.device,
+                 precision: str, start_step: int = 0, progress: bool = False):
+        self.metrics = metrics
+        self.every = every
+        self.total_steps = total_steps
+        self.precision = precision
+        self.timer = StepTimer(device)
+        self._window_start = time.perf_counter()
+        self._window_samples = 0
+        self._window_attempts = 0
+        self.progress = None
+        if progress:
+            from vlcontrast.progress import Progress
+
+            # Outside a terminal: one plain line per logged step (and every 30 s at most apart).
+            self.progress = Progress(total=total_steps, desc="train", unit="step",
+                                     initial=start_step, every_n=every)
+
+    def should_log(self, step: int) -> bool:
+        return step % self.every == 0 or step == self.total_steps
+
+    def attempt(self) -> None:
+        """An attempt (applied or skipped) begins: count it and start its timing."""
+        self._window_attempts += 1
+        self.timer.start()
+
+    def event(self, step: int, values: dict[str, Any]) -> None:
+        self.metrics.log(step, values, kind="event")
+
+    def eval(self, step: int, values: dict[str, Any]) -> None:
+        self.metrics.log(step, values, kind="eval")
+
+    def skipped(self, step: int, reason: str, result: dict, bad_in_a_row: int) -> None:
+        self.metrics.log(step, {"skipped": reason, "consecutive_bad_steps": bad_in_a_row,
+                                "loss": float(result["loss"].detach())}, kind="skip")
+
+    def applied(self, step: int, global_batch: int, *, state, engine, result: dict,
+                data, counts: dict[str, int]) -> None:
+        """After an applied step: advance the window; at log steps write the record."""
+        self._window_samples += global_batch
+        if self.should_log(step):
+            values = self._record(state, engine, result, data, counts)
+            self.metrics.log(step, values)
+            if self.progress is not None:
+                self.progress.set_postfix(loss=f"{values['loss']:.3f}",
+                                          samples_per_s=f"{values['samples_per_s']:.0f}")
+        if self.progress is not None:
+            self.progress.update(1)
+
+    def _record(self, state, engine, result, data, counts) -> dict[str, Any]:
+        from vlcontrast.train.engine import read_logit_scale
+
+        elapsed = time.perf_counter() - self._window_start
+        attempts = max(1, self._window_attempts)
+        values = {"samples_seen": state.samples_seen, "epoch": data.epoch,
+                  "loss": float(result["loss"].detach()), "lr": engine.get_lr()[0],
+                  "logit_scale": read_logit_scale(engine),
+                  "samples_per_s": self._window_samples / max(elapsed, 1e-9), **counts}
+        grad_norm = engine.get_global_grad_norm()
+        if grad_norm is not None:
+            values["grad_norm"] = float(grad_norm)
+        if self.precision == "fp16":
+            values["loss_scale"] = float(getattr(engine.optimizer, "cur_scale", 0.0)
+                                         or getattr(engine.optimizer, "loss_scale", 0.0))
+        values.update({k: float(v) for k, v in result.items() if k != "loss"})
+        values.update({f"time/{k}": v / attempts for k, v in self.timer.read().items()})
+        values.update({f"data/bad_{k}": v for k, v in data.bad_samples.items()})
+        self._window_start = time.perf_counter()
+        self._window_samples = self._window_attempts = 0
+        return values
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
+        self.metrics.close()
