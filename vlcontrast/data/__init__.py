@@ -1,28 +1,48 @@
-"""Data: the synthetic world, shard metadata, CC3M preparation, shard checks, the training loader.
+"""Data: the shard layer (one spec grammar, one tar reader, one bad-sample taxonomy), shard
+metadata, preparation, the check, and the training loader.
 
-``synthetic`` renders the default image-caption dataset; ``prep_cc3m`` drives img2dataset to turn
-Google's CC3M TSV into webdataset shards; both write the same layout (``00000.tar`` ... with
-``<key>.jpg/.txt/.json``, 9-digit keys ``shard*10^4 + row``, ``sizes.json``, ``manifest.json``),
-described in ``shards``. ``check`` reads every shard and reports what is broken. ``loader`` builds
-the training pipeline over those shards. User documentation: ``docs/data.md``.
+=================  ================================================================================
+``spec``           the shard-spec grammar every entry point reads (braces, globs, directories, comma
+                   lists, ``::`` sources with ``@weight``, ``pipe:``, CLIP_benchmark folders)
+``tar_reader``     the one tar reader: shard URL -> rows ``(row, key, {extension: bytes})``
+``samples``        the bad-sample taxonomy and the checks behind it (training, evaluation, check)
+``shards``         shard metadata: ``sizes.json``, ``manifest.json``, img2dataset keys and ids
+``sources``        ``data.train`` -> the training shard set (sizes, weights, id ranges)
+``plan``           the pure epoch plan: which rows each rank and worker reads
+``stream``         the DataLoader worker stream, a chain of small stages
+``loader``         the main-process training loader (``build_train_loader``, ``TrainLoader``)
+``check``          ``vlcontrast prep check``: read every sample, report what the loader would skip
+``synthetic``      the default synthetic image-caption world
+``prep_cc3m``      CC3M's TSV -> webdataset shards via img2dataset
+``errors``         ``LoaderError``, ``ShardSpecError``, ``ShardsNotFoundError``
+=================  ================================================================================
+
+User documentation: ``docs/data.md`` (formats, preparation, the check) and ``docs/loader.md``.
 """
 
 from .check import check_shards
+from .errors import LoaderError, ShardsNotFoundError, ShardSpecError
 from .prep_cc3m import prepare_cc3m
 from .shards import (expand_pattern, list_shards, read_manifest, read_sizes, sample_id,
                      write_manifest, write_sizes)
+from .spec import check_spec, expand_spec, parse_spec
 from .synthetic import write_synthetic
 
-from .loader import Batch, LoaderError, TrainLoader, build_train_loader
+from .loader import Batch, TrainLoader, build_train_loader
 
 __all__ = [
     "Batch",
     "LoaderError",
+    "ShardSpecError",
+    "ShardsNotFoundError",
     "TrainLoader",
     "build_train_loader",
     "check_shards",
+    "check_spec",
     "expand_pattern",
+    "expand_spec",
     "list_shards",
+    "parse_spec",
     "prepare_cc3m",
     "read_manifest",
     "read_sizes",

@@ -14,15 +14,12 @@ training starts.
 
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
 import re
 from pathlib import Path
 from typing import Any, Iterable
-
-import braceexpand
 
 from vlcontrast.config import ConfigError
 
@@ -96,28 +93,14 @@ def shard_pattern(names: Iterable[str]) -> str:
 
 
 def expand_pattern(pattern: str) -> list[str]:
-    """Shard paths of a brace pattern; several sources may be joined with ``::``.
+    """Shard paths of a spec in the one grammar of :mod:`vlcontrast.data.spec` (brace patterns,
+    globs, directories, comma lists, ``::``-joined sources whose ``@weight`` is dropped).
 
-    ``/d/{00000..00002}.tar::/e/00007.tar`` -> five paths. An optional ``@weight`` suffix per
-    source (the training mix syntax) is dropped here. A plain directory expands to its numbered
-    shards, a glob (``/d/*.tar``) to the sorted matches.
+    ``/d/{00000..00002}.tar::/e/00007.tar`` -> four paths. Local shards must exist.
     """
-    paths: list[str] = []
-    for source in pattern.split("::"):
-        source = source.strip()
-        if not source:
-            continue
-        if "@" in source and not source.startswith("pipe:"):
-            head, _, tail = source.rpartition("@")
-            if re.fullmatch(r"[0-9.eE+-]+", tail):
-                source = head
-        if os.path.isdir(source):
-            paths.extend(list_shards(source))
-        elif not source.startswith("pipe:") and any(c in source for c in "*?["):
-            paths.extend(sorted(glob.glob(source)))
-        else:
-            paths.extend(braceexpand.braceexpand(source))
-    return paths
+    from .spec import expand_spec
+
+    return expand_spec(pattern, "shards")
 
 
 def list_shards(directory: str | os.PathLike) -> list[str]:
@@ -134,7 +117,10 @@ def _shard_directory(path: str | os.PathLike) -> Path:
         return Path(text)
     if os.path.basename(text) in (SIZES_FILE, MANIFEST_FILE):
         return Path(text).parent
-    paths = expand_pattern(text)
+    try:
+        paths = expand_pattern(text)
+    except FileNotFoundError:  # shards not written yet: the directory is still the pattern's
+        paths = [text]
     return Path(os.path.dirname(paths[0] if paths else text) or ".")
 
 

@@ -1,0 +1,165 @@
+"""The one shard-spec grammar: every option that names shards is read here.
+
+``data.train``, ``data.val``, ``eval.retrieval``, ``vlcontrast prep check`` and ``vlcontrast eval
+retrieval`` all accept the same text::
+
+    spec    := source ( "::" source )*          sources of a training mix
+    source  := members [ "@" weight ]           weight: a positive number (training mix only)
+    members := member ( "," member )*           a comma list (commas inside {} are brace syntax)
+    member  := pipe:COMMAND | PATTERN | DIRECTORY
+
+* ``PATTERN``: a path with brace ranges/lists (``/d/{00000..00331}.tar``, ``/d/{a,b}.tar``) and/or
+  glob characters (``/d/*.tar``, sorted matches).
+* ``DIRECTORY``: CLIP_benchmark's webdataset layout (``DIR/<split>/nshards.txt`` with
+  ``0.tar`` ... beside it, or a split folder holding ``nshards.txt`` itself), else its numbered
+  shards (``00000.tar`` ..., by index), else every ``*.tar`` in it (sorted).
+* ``pipe:COMMAND``: a shell command writing the tar to stdout, brace-expanded
+  (``pipe:aws s3 cp s3://b/{00000..00099}.tar -``). A member starting with ``pipe:`` runs to the
+  end of its source, so a command may contain commas.
+
+A source or member that exists as a path is taken as it is (a file name may contain ``,`` or
+``@``). Local paths must exist: a member matching nothing, or a pattern with missing shards, is an
+error naming the option, the pattern and the counts, raised before any heavy work.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import braceexpand
+
+from .errors import ShardsNotFoundError, ShardSpecError
+from .shards import list_shards
+
+PIPE_PREFIX = "pipe:"
+CLIP_BENCHMARK_COUNT_FILE = "nshards.txt"
+DEFAULT_SPLIT = "test"
+"""CLIP_benchmark's split folder read when a directory in its layout is named."""
+
+_WEIGHT = re.compile(r"(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+_GLOB_CHARACTERS = "*?["
+
+
+@dataclass(frozen=True)
+class Source:
+    """One ``::``-separated source: its members (text before expansion) and its mix weight."""
+    pattern: str
+    weight: float = 1.0
+
+    @property
+    def members(self) -> list[str]:
+        return split_members(self.pattern)
+
+
+def parse_spec(spec: str, key: str = "data.train") -> list[Source]:
+    """``a/{0..3}.tar@2::pipe:cat b/{0..1}.tar`` -> sources with weights (default 1).
+
+    ``key`` names the config option in error messages.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ShardSpecError(f"{key} is empty: set it to a shard pattern such as "
+                             "/data/cc3m/{00000..00331}.tar")
+    sources = []
+    for part in spec.split("::"):
+        part = part.strip()
+        if not part:
+            raise ShardSpecError(f"{key}={spec!r}: empty source between '::' separators")
+        weight = 1.0
+        head, sep, tail = part.rpartition("@")
+        if sep and _WEIGHT.fullmatch(tail) and not os.path.exists(part):
+            part, weight = head.strip(), float(tail)
+            if weight <= 0:
+                raise ShardSpecError(f"{key} source {part!r}: weight {tail} must be > 0")
+        sources.append(Source(part, weight))
+    return sources
+
+
+def split_members(source: str) -> list[str]:
+    """The comma list of one source: commas at brace depth 0 separate members; a member that
+    starts with ``pipe:`` takes the rest of the source; an existing path is one member."""
+    if os.path.exists(source):
+        return [source]
+    members: list[str] = []
+    current: list[str] = []
+    depth = 0
+    for index, char in enumerate(source):
+        if not current and source.startswith(PIPE_PREFIX, index):
+            members.append(source[index:].strip())
+            return [m for m in members if m]
+        if char == "{":
+            depth += 1
+        elif char == "}":
+            depth = max(0, depth - 1)
+        if char == "," and depth == 0:
+            members.append("".join(current).strip())
+            current = []
+            continue
+        if current or not char.isspace():
+            current.append(char)
+    members.append("".join(current).strip())
+    return [m for m in members if m]
+
+
+def expand_directory(directory: str, split: str = DEFAULT_SPLIT) -> list[str]:
+    """Shards of a directory: CLIP_benchmark's layout, else numbered shards, else any ``*.tar``."""
+    folder = Path(directory)
+    for candidate in (folder / split, folder):
+        count_file = candidate / CLIP_BENCHMARK_COUNT_FILE
+        if count_file.is_file():
+            text = count_file.read_text().strip()
+            if not text.isdigit():
+                raise ShardSpecError(f"{count_file}: expected the number of shards, found {text!r}")
+            return [str(candidate / f"{i}.tar") for i in range(int(text))]
+    numbered = list_shards(folder)
+    if numbered:
+        return numbered
+    return sorted(glob.glob(os.path.join(glob.escape(str(folder)), "*.tar")))
+
+
+def expand_member(member: str, key: str = "data.train", split: str = DEFAULT_SPLIT) -> list[str]:
+    """Shard URLs of one member, checked to exist when local (see the module docstring)."""
+    if member.startswith(PIPE_PREFIX):
+        return list(braceexpand.braceexpand(member))
+    if os.path.isdir(member):
+        urls = expand_directory(member, split)
+        if not urls:
+            raise ShardsNotFoundError(
+                f"{key}: directory {member!r} holds no .tar shards (numbered 00000.tar ..., any "
+                f"*.tar, or CLIP_benchmark's {split}/{CLIP_BENCHMARK_COUNT_FILE})")
+    else:
+        urls = []
+        for path in braceexpand.braceexpand(member):
+            if any(ch in path for ch in _GLOB_CHARACTERS) and not os.path.exists(path):
+                urls.extend(sorted(glob.glob(path)))
+            else:
+                urls.append(path)
+    missing = [u for u in urls if not os.path.isfile(u)]
+    if not urls or len(missing) == len(urls):
+        example = f" (e.g. {missing[0]!r})" if missing else ""
+        raise ShardsNotFoundError(f"{key} pattern {member!r} matches no shard files: it expands to "
+                                  f"{len(urls)} paths, none exists{example}")
+    if missing:
+        raise ShardsNotFoundError(f"{key} pattern {member!r}: {len(missing)} of {len(urls)} "
+                                  f"shards do not exist, first {missing[0]!r}")
+    return urls
+
+
+def expand_source(pattern: str, key: str = "data.train", split: str = DEFAULT_SPLIT) -> list[str]:
+    """Shard URLs of one source (its comma list of members, in order)."""
+    return [url for member in split_members(pattern) for url in expand_member(member, key, split)]
+
+
+def expand_spec(spec: str, key: str = "data.train", split: str = DEFAULT_SPLIT) -> list[str]:
+    """Shard URLs of a whole spec, sources in order, weights dropped."""
+    return [url for source in parse_spec(spec, key)
+            for url in expand_source(source.pattern, key, split)]
+
+
+def check_spec(key: str, spec: str) -> list[str]:
+    """Preflight: the shard URLs ``spec`` names, or a :class:`~vlcontrast.config.ConfigError`
+    (a :class:`ShardSpecError`) naming ``key``. Reads no shard."""
+    return expand_spec(spec, key)

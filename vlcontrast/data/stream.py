@@ -1,0 +1,197 @@
+"""The worker stream: what each DataLoader worker runs, as a chain of small stages.
+
+    plan segments -> read rows -> shuffle -> number -> skip replayed -> decode -> batch -> collate
+
+* **rows** (:meth:`SlotStream.rows`): the slot's segments of the epoch plan (:mod:`.plan`), read by
+  the one tar reader, through a seeded shuffle buffer;
+* **number**: each row gets its stream position (rows taken out of the shuffle buffer so far);
+* **skip replayed**: on resume, rows up to the saved position are passed over without decoding;
+* **decode**: :func:`~vlcontrast.data.samples.decode_sample`; bad rows are counted by reason in a
+  :class:`Tally`, which also enforces ``data.max_bad_fraction`` inside the worker;
+* **batch** and **collate**: ``batch_size`` samples -> (images, token ids, sample ids, meta), where
+  meta carries the worker's position and counts for :class:`~vlcontrast.data.loader.TrainLoader`.
+
+Each worker's stream is deterministic given the seed, epoch, rank and worker, which is what makes
+resume exact. The per-epoch inputs (epoch, resume positions) live in a shared-memory tensor, so
+persistent workers see the values the main process sets before each epoch's iterator.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from . import plan
+from .errors import LoaderError
+from .samples import bad_items, bad_rate_error, count, decode_sample
+from .sources import ShardSet
+from .tar_reader import read_shard
+
+MIN_EXAMINED_FOR_RATE = 64
+"""The bad-sample rate is enforced once this many samples were examined (and at epoch end)."""
+
+Row = tuple[int, str, dict[str, bytes]]
+"""(shard index, key, {extension: bytes})."""
+
+
+@dataclass
+class Tally:
+    """Bad samples per reason and good samples examined, for one worker and one epoch."""
+    where: str
+    max_bad_fraction: float
+    counts: dict[str, int] = field(default_factory=dict)
+    good: int = 0
+
+    @property
+    def examined(self) -> int:
+        return self.good + bad_items(self.counts)
+
+    def bad(self, reason: str) -> None:
+        count(self.counts, reason)
+        if self.examined >= MIN_EXAMINED_FOR_RATE:
+            error = bad_rate_error(self.counts, self.examined, self.max_bad_fraction, self.where)
+            if error is not None:
+                raise error
+
+
+@dataclass
+class Decoded:
+    position: int
+    image: torch.Tensor
+    caption: str
+    sample_id: int
+    last: list
+
+
+def number(rows: Iterable[Row]) -> Iterator[tuple[int, Row]]:
+    """Stage: attach the stream position (1-based) to every row."""
+    return enumerate(rows, start=1)
+
+
+def skip_replayed(numbered: Iterable[tuple[int, Row]], position: int
+                  ) -> Iterator[tuple[int, Row]]:
+    """Stage: drop rows already handed out before a resume (no decoding)."""
+    return itertools.dropwhile(lambda item: item[0] <= position, numbered)
+
+
+def decode(numbered: Iterable[tuple[int, Row]], shard_set: ShardSet, tally: Tally, *,
+           preprocess: Callable, max_image_pixels: int) -> Iterator[Decoded]:
+    """Stage: decode each row; bad rows are counted in ``tally`` and dropped."""
+    for position, (shard, key, members) in numbered:
+        result = decode_sample(key, members, preprocess=preprocess,
+                               id_offset=shard_set.id_offsets[shard],
+                               id_space=shard_set.id_space, max_image_pixels=max_image_pixels)
+        if isinstance(result, str):
+            tally.bad(result)
+            continue
+        tally.good += 1
+        image, caption, sample_id = result
+        yield Decoded(position, image, caption, sample_id, [shard_set.urls[shard], key])
+
+
+def batched(samples: Iterable[Decoded], batch_size: int) -> Iterator[list[Decoded]]:
+    """Stage: full batches only (a short remainder is never yielded)."""
+    iterator = iter(samples)
+    while len(batch := list(itertools.islice(iterator, batch_size))) == batch_size:
+        yield batch
+
+
+def collate(batch: list[Decoded], tokenizer: Callable, *, worker: int, batches_done: int,
+            tally: Tally) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """Stage: (images, token ids, sample ids, meta) with the worker's position after the batch."""
+    texts = tokenizer([s.caption for s in batch])
+    meta = {"worker": worker, "position": batch[-1].position, "batches": batches_done,
+            "bad": dict(tally.counts), "examined": tally.examined, "last": batch[-1].last}
+    return (torch.stack([s.image for s in batch]), torch.as_tensor(texts).long(),
+            torch.tensor([s.sample_id for s in batch]), meta)
+
+
+class SlotStream(IterableDataset):
+    """Runs in each DataLoader worker: yields (images, texts, ids, meta) for its slot."""
+
+    def __init__(self, shard_set: ShardSet, *, mode: str, seed: int, rank: int, world_size: int,
+                 num_workers: int, batch_size: int, steps_per_epoch: int, shuffle_buffer: int,
+                 preprocess: Callable, tokenizer: Callable, max_bad_fraction: float,
+                 max_image_pixels: int):
+        super().__init__()
+        self.shard_set = shard_set
+        self.mode = mode
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.num_workers = num_workers
+        self.batch_size = batch_size
+        self.steps_per_epoch = steps_per_epoch
+        self.shuffle_buffer = shuffle_buffer
+        self.preprocess = preprocess
+        self.tokenizer = tokenizer
+        self.max_bad_fraction = max_bad_fraction
+        self.max_image_pixels = max_image_pixels
+        # [epoch, start position per worker..., batches already handed out per worker...], set by
+        # TrainLoader before each epoch's iterator; shared memory reaches persistent workers.
+        self._shared = torch.zeros(1 + 2 * num_workers, dtype=torch.long).share_memory_()
+
+    # -- per-epoch inputs (main process writes, workers read at the start of each iteration) --
+
+    def set_epoch_state(self, epoch: int, positions: list[int], batches: list[int]) -> None:
+        self._shared.copy_(torch.tensor([epoch, *positions, *batches], dtype=torch.long))
+
+    @property
+    def epoch(self) -> int:
+        return int(self._shared[0])
+
+    def start_of(self, worker: int) -> tuple[int, int]:
+        """(stream position, batches handed out) this worker resumes from."""
+        return (int(self._shared[1 + worker]),
+                int(self._shared[1 + self.num_workers + worker]))
+
+    # -- stages ----------------------------------------------------------------------------
+
+    def _read(self, segments: Iterable[plan.Segment], counts: dict[str, int]) -> Iterator[Row]:
+        for shard, skip, take in segments:
+            for _, key, members in read_shard(self.shard_set.urls[shard], skip=skip, take=take,
+                                              counts=counts, exact=self.shard_set.exact[shard]):
+                yield shard, key, members
+
+    def rows(self, worker: int, counts: dict[str, int]) -> Iterator[Row]:
+        """This slot's rows for the epoch, in shuffled order (deterministic)."""
+        shard_set, epoch = self.shard_set, self.epoch
+        rng = plan.seeded_rng("shuffle", self.seed, epoch, self.rank, worker)
+        if self.mode == "resampled":
+            draws = plan.resampled_segments(shard_set.sizes, shard_set.exact, shard_set.weights,
+                                            seed=self.seed, epoch=epoch, rank=self.rank,
+                                            worker=worker)
+            yield from plan.shuffled(self._read(draws, counts), self.shuffle_buffer, rng)
+            return
+        where = dict(seed=self.seed, epoch=epoch, rank=self.rank, worker=worker,
+                     world_size=self.world_size, num_workers=self.num_workers,
+                     steps=self.steps_per_epoch, batch_size=self.batch_size)
+        own = plan.own_segments(shard_set.sizes, **where)
+        yield from plan.shuffled(self._read(own, counts), self.shuffle_buffer, rng)
+        # Only reached when bad or missing rows left this slot short.
+        spare = plan.spare_segments(shard_set.sizes, shard_set.exact, **where)
+        yield from plan.shuffled(self._read(spare, counts), self.shuffle_buffer, rng)
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        quota = plan.worker_batches(self.steps_per_epoch, self.num_workers)[worker]
+        position, done = self.start_of(worker)
+        if done >= quota:
+            return
+        tally = Tally(f"data (rank {self.rank}, worker {worker}, epoch {self.epoch})",
+                      self.max_bad_fraction)
+        fresh = skip_replayed(number(self.rows(worker, tally.counts)), position)
+        samples = decode(fresh, self.shard_set, tally, preprocess=self.preprocess,
+                         max_image_pixels=self.max_image_pixels)
+        for batch in itertools.islice(batched(samples, self.batch_size), quota - done):
+            done += 1
+            yield collate(batch, self.tokenizer, worker=worker, batches_done=done, tally=tally)
+        if done < quota:
+            raise LoaderError(
+                f"{tally.where}: ran out of samples after {done} of {quota} batches even after "
+                f"reading every shard once more; bad samples so far {tally.counts}")

@@ -1,0 +1,179 @@
+"""The one tar reader: shard URLs -> rows ``(row, key, {extension: bytes})``.
+
+Used by the training loader, ``vlcontrast prep check`` and evaluation alike, so all three see the
+same samples. Members are grouped by key the way img2dataset and webdataset write them (the key is
+the member path up to the first dot of its file name); nothing depends on webdataset's internals:
+the ``{}`` end-of-shard marker webdataset >= 0.2.96 inserts between shards (which breaks
+open_clip's ``group_by_keys_nothrow``) is accepted by :func:`group_members` anyway.
+
+Local files are opened seekable, so rows before a requested range cost one header read per member
+(the member data is skipped, not read); ``pipe:`` URLs are read as a stream.
+
+A shard that ends without tar's end-of-archive block is *truncated*: Python's ``tarfile`` ends
+quietly when a file stops at (or inside) a header, so the reader checks for the block itself. The
+last row before a cut may be missing members and is never delivered.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+import tarfile
+import zlib
+from typing import Iterable, Iterator
+
+logger = logging.getLogger(__name__)
+
+PIPE_PREFIX = "pipe:"
+SHARD_EVENTS = ("truncated_tar", "unreadable_shard")
+"""Per-shard events: each counts shard reads that ended early or never started."""
+
+_NAME_SPLIT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
+_READ_ERRORS = (tarfile.TarError, EOFError, OSError, zlib.error)
+
+Row = tuple[int, str, dict[str, bytes]]
+
+
+class TruncatedShard(tarfile.TarError):
+    """The archive stopped before its end-of-archive block."""
+
+
+def split_name(fname: str) -> tuple[str | None, str | None]:
+    """``dir/000000012.jpg`` -> (``dir/000000012``, ``jpg``); (None, None) without extension."""
+    match = _NAME_SPLIT.match(fname)
+    if not match:
+        return None, None
+    return match.group(1), match.group(2).lower()
+
+
+def group_members(entries: Iterable[dict], *, skip: int = 0, stop: int | None = None
+                  ) -> Iterator[Row]:
+    """Group tar members into rows ``(row, key, {ext: bytes})`` for rows ``skip <= row < stop``.
+
+    ``entries`` are webdataset-style ``{"fname", "data"}`` dicts (``data`` may be a zero-argument
+    callable, called only for rows that are kept). An entry without ``fname`` -- such as the
+    ``{}`` end-of-shard marker webdataset >= 0.2.96 emits -- closes the current row. Members
+    without an extension and ``__meta__`` members are ignored; a repeated extension starts a new
+    row (as open_clip does) instead of raising, so a key written twice becomes two rows.
+    """
+    key: str | None = None
+    members: dict[str, bytes] | None = None
+    row = -1
+    for entry in entries:
+        fname = entry.get("fname") if entry else None
+        if fname is None:
+            if members is not None and row >= skip:
+                yield row, key, members  # type: ignore[misc]
+            key, members = None, None
+            continue
+        base = os.path.basename(fname)
+        if base.startswith("__") and base.endswith("__"):
+            continue
+        prefix, ext = split_name(fname)
+        if prefix is None:
+            continue
+        if members is None or prefix != key or ext in members:
+            if members is not None and row >= skip:
+                yield row, key, members  # type: ignore[misc]
+            row += 1
+            if stop is not None and row >= stop:
+                return
+            key, members = prefix, {}
+        if row >= skip:
+            data = entry["data"]
+            members[ext] = data() if callable(data) else data  # type: ignore[index]
+    if members is not None and row >= skip:
+        yield row, key, members  # type: ignore[misc]
+
+
+class _EndAwareTarInfo(tarfile.TarInfo):
+    """Records on the archive that the end-of-archive block was read (tarfile does not say)."""
+
+    @classmethod
+    def fromtarfile(cls, archive):  # type: ignore[override]
+        try:
+            return super().fromtarfile(archive)
+        except tarfile.EOFHeaderError:
+            archive.vlc_end_seen = True
+            raise
+
+
+def tar_entries(fileobj, *, stream: bool = True) -> Iterator[dict]:
+    """webdataset-style entries of one tar; raises :class:`TruncatedShard` at the end of an
+    archive without its end-of-archive block (before the last row is closed)."""
+    archive = tarfile.open(fileobj=fileobj, mode="r|*" if stream else "r:*",
+                           tarinfo=_EndAwareTarInfo)
+    archive.vlc_end_seen = False
+    for info in archive:
+        if info.isreg():
+            yield {"fname": info.name,
+                   "data": lambda info=info: archive.extractfile(info).read()}
+        archive.members = []  # do not keep every TarInfo of the shard alive
+    if not archive.vlc_end_seen:
+        raise TruncatedShard(f"no end-of-archive block after byte {archive.offset}")
+    yield {}
+
+
+def _count(counts: dict[str, int], reason: str, n: int = 1) -> None:
+    counts[reason] = counts.get(reason, 0) + n
+
+
+def read_shard(url: str, *, skip: int = 0, take: int | None = None,
+               counts: dict[str, int] | None = None, exact: bool = True) -> Iterator[Row]:
+    """Rows ``skip .. skip+take-1`` of one shard (a path or ``pipe:`` command).
+
+    A shard that cannot be opened or ends early (truncated tar, failing pipe) is counted in
+    ``counts`` (``unreadable_shard`` / ``truncated_tar``) and ends the iteration. When ``exact``
+    (``take`` comes from the shard's known size), rows promised but not delivered are counted as
+    ``missing_samples`` and a shard that simply has fewer rows as ``truncated_tar``.
+    """
+    counts = counts if counts is not None else {}
+    process = None
+    try:
+        if url.startswith(PIPE_PREFIX):
+            process = subprocess.Popen(url[len(PIPE_PREFIX):], shell=True,
+                                       stdout=subprocess.PIPE, bufsize=1 << 20)
+            source = process.stdout
+        else:
+            source = open(url, "rb", buffering=1 << 16)
+    except OSError:
+        _count(counts, "unreadable_shard")
+        if take and exact:
+            _count(counts, "missing_samples", take)
+        return
+    delivered = 0
+    finished = False
+    broken = False
+    try:
+        stop = None if take is None else skip + take
+        entries = tar_entries(source, stream=process is not None)
+        for row in group_members(entries, skip=skip, stop=stop):
+            yield row
+            delivered += 1
+        finished = True
+    except _READ_ERRORS as err:
+        logger.debug("shard %s ended early after %d rows: %r", url, delivered, err)
+        _count(counts, "truncated_tar")
+        broken = True
+    finally:
+        if process is not None and finished and (take is None or delivered < take):
+            # Read to the end (tarfile stops at the first zero block; drain the padding so the
+            # command does not die of SIGPIPE): its exit status says whether the shard was whole.
+            while source.read(1 << 16):
+                pass
+        source.close()
+        if process is not None:
+            if finished and (take is None or delivered < take):
+                if process.wait() != 0:
+                    _count(counts, "unreadable_shard")
+                    broken = True
+            else:
+                process.kill()
+                process.wait()
+    if exact and take is not None and delivered < take:
+        _count(counts, "missing_samples", take - delivered)
+        if not broken:
+            _count(counts, "truncated_tar")
+
