@@ -30,6 +30,29 @@ def default_backend() -> str:
     return backend
 
 
+def backend_params(world_size: int) -> list:
+    """``pytest.param``s of the backends an exactness test runs under: ``VLC_TEST_BACKEND`` alone
+    when set, else ``gloo`` and, on a machine with ``world_size`` GPUs, ``nccl`` (marked cuda)."""
+    import pytest
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    nccl = pytest.param("nccl", marks=[pytest.mark.cuda, pytest.mark.skipif(
+        gpus < world_size, reason=f"nccl with {world_size} ranks needs {world_size} GPUs")])
+    if os.environ.get("VLC_TEST_BACKEND"):
+        return [nccl if default_backend() == "nccl" else pytest.param("gloo")]
+    return [pytest.param("gloo"), nccl]
+
+
+def world_backend_params(*world_sizes: int) -> list:
+    """``pytest.param(world_size, backend)`` for each world size and each of its backends."""
+    import pytest
+
+    return [pytest.param(world_size, param.values[0], marks=param.marks,
+                         id=f"{world_size}-{param.values[0]}")
+            for world_size in world_sizes for param in backend_params(world_size)]
+
+
 def rank_device(backend: str | None = None):
     """The device a rank's tensors live on under ``backend``: ``cuda`` (current) or ``cpu``."""
     import torch

@@ -1,4 +1,4 @@
-"""Data parallelism: every loss on 2 and 4 gloo ranks equals the single-process loss on the global batch.
+"""Data parallelism: every loss on 2 and 4 ranks equals the single-process loss on the global batch.
 
 One spawn per world size checks all losses (spawning costs seconds): the mean over ranks of the
 per-rank loss equals the global loss; the local feature gradients, divided by the world size and
@@ -7,6 +7,10 @@ gradients, and the gather's backward sums every rank's contribution); ``logit_sc
 ``logit_bias`` gradients averaged over ranks equal the single-process ones. DeCL runs three steps,
 and its buffer (replicated or sharded by id) must end equal to the single-process buffer, also
 after resuming a checkpoint written at another world size.
+
+Each test runs under every backend of ``backend_params``: gloo on CPU here, and NCCL on CUDA on a
+machine with enough GPUs, where the gather's backward is a reduce_scatter instead of gloo's
+all_to_all (``torch.distributed.nn.functional``) and DeCL's collectives move CUDA tensors.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import numpy
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from tests.distributed import rank_device, run_distributed, world_backend_params
 from tests.losses import references
 from vlcontrast.distributed import get_rank, get_world_size
 from vlcontrast.losses import build_loss
@@ -54,27 +58,31 @@ def make_batches():
     return batches
 
 
-def run_case(name, options, chunk_size, steps, batches, state=None, first_step=1):
-    """Per-step ``(loss, image grad, text grad, scale grad, bias grad, diagnostics)`` on this rank."""
+def run_case(name, options, chunk_size, steps, batches, state=None, first_step=1,
+             device=torch.device("cpu")):
+    """Per-step ``(loss, image grad, text grad, scale grad, bias grad, diagnostics)`` on this rank
+    (computed on ``device``, returned on the CPU)."""
     rank, world = get_rank(), get_world_size()
     local = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
-    loss_fn = build_loss(name, chunk_size=chunk_size, id_space=ID_SPACE, **options)
+    loss_fn = build_loss(name, chunk_size=chunk_size, id_space=ID_SPACE, **options).to(device)
     if state is not None:
         loss_fn.load_state_dict(to_torch(state))
     records = []
     for step in range(first_step, first_step + steps):
         image, text, ids, (ema_image, ema_text) = to_torch(batches[step - 1])
-        image = image[local].clone().requires_grad_()
-        text = text[local].clone().requires_grad_()
-        scale = torch.tensor(SCALE, dtype=torch.float64, requires_grad=True)
-        bias = torch.tensor(BIAS, dtype=torch.float64, requires_grad=True)
-        out = loss_fn(image, text, scale, logit_bias=bias, sample_ids=ids[local], step=step,
-                      momentum_features=(ema_image[local], ema_text[local]))
+        image = image[local].to(device).requires_grad_()
+        text = text[local].to(device).requires_grad_()
+        scale = torch.tensor(SCALE, dtype=torch.float64, device=device, requires_grad=True)
+        bias = torch.tensor(BIAS, dtype=torch.float64, device=device, requires_grad=True)
+        out = loss_fn(image, text, scale, logit_bias=bias, sample_ids=ids[local].to(device),
+                      step=step, momentum_features=(ema_image[local].to(device),
+                                                    ema_text[local].to(device)))
         grads = torch.autograd.grad(out["loss"], (image, text, scale, bias), allow_unused=True)
-        grads = [torch.zeros(()) if g is None else g for g in grads]
+        grads = [torch.zeros(()) if g is None else g.cpu() for g in grads]
         diagnostics = {key: float(value) for key, value in out.items() if key != "loss"}
         records.append((float(out["loss"].detach()), *grads, diagnostics))
-    buffer = loss_fn.state_dict()["log_u"].clone() if name == "decl" and loss_fn.needs_sample_ids \
+    buffer = loss_fn.state_dict()["log_u"].cpu().clone() \
+        if name == "decl" and loss_fn.needs_sample_ids \
         else None  # every rank calls state_dict(): it is a collective when sharded
     return records, buffer
 
@@ -83,7 +91,7 @@ def to_numpy(value):
     """Tensors travel back as numpy arrays: a torch tensor would be shared through a file
     descriptor that dies with the worker process."""
     if torch.is_tensor(value):
-        return value.detach().numpy()
+        return value.detach().cpu().numpy()
     if isinstance(value, (list, tuple)):
         return type(value)(to_numpy(v) for v in value)
     if isinstance(value, dict):
@@ -101,11 +109,12 @@ def to_torch(value):
     return value
 
 
-def worker(rank, world_size, batches, resume_state):
-    results = {label: run_case(name, options, chunk, steps, batches)
+def worker(rank, world_size, batches, resume_state, backend):
+    device = rank_device(backend)
+    results = {label: run_case(name, options, chunk, steps, batches, device=device)
                for label, name, options, chunk, steps in CASES}
     results["decl-resumed"] = run_case("decl", RESUME_OPTIONS, 0, 1, batches, state=resume_state,
-                                       first_step=3)
+                                       first_step=3, device=device)
     return to_numpy(results)
 
 
@@ -123,12 +132,12 @@ def single_process(batches):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_data_parallel_equals_single_process(world_size):
+@pytest.mark.parametrize("world_size, backend", world_backend_params(2, 4))
+def test_data_parallel_equals_single_process(world_size, backend):
     batches = make_batches()
     expected, resume_state = single_process(batches)
     per_rank = to_torch(run_distributed(worker, world_size, to_numpy(batches),
-                                        to_numpy(resume_state)))
+                                        to_numpy(resume_state), backend, backend=backend))
     checked = 0
     for label, (expected_records, expected_buffer) in expected.items():
         rank_records = [result[label][0] for result in per_rank]
