@@ -5,14 +5,18 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-export DS_ACCELERATOR ?= cpu
+# No DS_ACCELERATOR here: the package chooses DeepSpeed's accelerator and the torch device together
+# (CUDA when there is a GPU, else CPU), so the demo and the tests use one device on every host.
 export PYTHONUNBUFFERED := 1
 
 DATA   ?= data/synthetic
-NPROC  ?= 2
+# One process per visible GPU, else 2 CPU processes. Recursive (=): evaluated when a recipe uses
+# it, after `setup` has installed torch.
+NPROC  ?= $(shell $(BIN)/python -c 'import torch; print(torch.cuda.device_count() or 2)' 2>/dev/null || echo 2)
+GPU_CHECK_OUT ?= runs/gpu_check
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast data bench study clean
+.PHONY: setup demo test test-fast gpu-check data bench study clean
 
 setup: $(STAMP)
 
@@ -34,6 +38,12 @@ test: setup
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
+
+# On a CUDA machine: CUDA-marked tests, tower x precision x ZeRO matrix, chunked losses, DeCL momentum,
+# stop-and-resume, syncs per step, samples/s against open_clip (<= 10 min on one GPU). Without
+# CUDA it runs the reduced CPU variant (what tests/test_gpu_check.py runs). docs/training.md.
+gpu-check: setup
+	$(BIN)/python -m vlcontrast.gpu_check --out $(GPU_CHECK_OUT)
 
 study: setup
 	$(BIN)/vlcontrast study --config configs/study/default.yaml

@@ -1,32 +1,79 @@
-# Shared by the sbatch scripts: environment, launch with srun, requeue when stopped early.
+# Shared by the sbatch scripts: environment, CPU binding, launch with srun, requeue when preempted.
 #
 # Every task reads its rank and the world from SLURM_PROCID/SLURM_NTASKS and the master address
 # from the first host of SLURM_JOB_NODELIST (vlcontrast.distributed.launch_env); the port is
 # derived from the job id. train.resume=latest is always set: a fresh job starts from scratch,
 # a requeued one continues from its newest complete checkpoint.
+#
+# CPU binding. Since Slurm 22.05 srun no longer inherits the job's --cpus-per-task: without it
+# each task (one GPU rank and its data.workers loader processes) would get one core. srun gets it
+# explicitly (SRUN_CPUS_PER_TASK and --cpus-per-task) and every task is bound to its own cores
+# (--cpu-bind=cores, VLC_CPU_BIND to change). Inside a task: data.workers loader processes (at most
+# cores - 1, lowered with a notice otherwise) and OMP_NUM_THREADS = the cores left to the rank.
+#
+# Requeue. A run stopped by a signal (SIGUSR1 from --signal before the time limit, SIGTERM on
+# preemption) checkpoints, exits 0 and leaves RUN/preempted.json (vlcontrast.requeue): then the job
+# is requeued and resumes. A run that exits 0 without that marker finished (results.json) or
+# stopped at train.stop_at_step: not requeued. A failure (non-zero exit) is not requeued either.
 export MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
 export MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 export PYTHONUNBUFFERED=1
 PYTHON=${PYTHON:-python}
+# Requeues allowed before giving up (a job preempted again and again without progress ends here).
+VLC_MAX_RESTARTS=${VLC_MAX_RESTARTS:-100}
+
+# Print KEY VALUE lines of the resolved config: output_dir and data.workers.
+_vlcontrast_settings() {
+  "$PYTHON" -m vlcontrast.cli config "$@" | "$PYTHON" -c '
+import sys, yaml
+config = yaml.safe_load(sys.stdin)
+print("output_dir", config["output_dir"])
+print("workers", config["data"]["workers"])'
+}
 
 run_vlcontrast() {
   local config=$1; shift
-  local out
-  out=$($PYTHON -m vlcontrast.cli config --config "$config" "$@" \
-        | $PYTHON -c 'import sys, yaml; print(yaml.safe_load(sys.stdin)["output_dir"])') || return 2
-  echo "vlcontrast: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NUM_NODES node(s), $SLURM_NTASKS tasks, run dir $out"
+  local settings out workers
+  settings=$(_vlcontrast_settings --config "$config" "$@") || return 2
+  out=$(awk '$1 == "output_dir" { sub(/^output_dir /, ""); print }' <<<"$settings")
+  workers=$(awk '$1 == "workers" { print $2 }' <<<"$settings")
+
+  local cpus=${SLURM_CPUS_PER_TASK:-1}
+  export SRUN_CPUS_PER_TASK=$cpus
+  local extra=()
+  if [ "$workers" -gt $((cpus - 1)) ]; then
+    local fitted=$((cpus > 1 ? cpus - 1 : 0))
+    echo "vlcontrast: data.workers=$workers needs $((workers + 1)) cores per task, the task has $cpus (--cpus-per-task): using data.workers=$fitted"
+    workers=$fitted
+    extra+=("data.workers=$workers")
+  fi
+  # The rank's own threads: the cores its loader workers leave (each worker runs one thread).
+  local threads=$((cpus - workers))
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((threads > 0 ? threads : 1))}
+
+  echo "vlcontrast: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NUM_NODES:-1} node(s), ${SLURM_NTASKS:-1} tasks x $cpus cores ($workers loader workers, OMP_NUM_THREADS=$OMP_NUM_THREADS), run dir $out"
+  rm -f "$out/preempted.json"  # a marker from an earlier stop must not requeue this run
   # --kill-on-bad-exit: a rank that dies ends the step at once; the others would otherwise fail
   # only at their next collective (after train.dist_timeout_s at worst).
-  srun --kill-on-bad-exit=1 --cpu-bind=none \
-    $PYTHON -m vlcontrast.cli train --config "$config" "$@" train.resume=latest
+  srun --kill-on-bad-exit=1 --cpus-per-task="$cpus" --cpu-bind="${VLC_CPU_BIND:-cores}" \
+    "$PYTHON" -m vlcontrast.cli train --config "$config" "$@" ${extra[@]+"${extra[@]}"} train.resume=latest
   local rc=$?
-  # Exit 0 without results.json: stopped by SIGUSR1/SIGTERM after a checkpoint (time limit or
-  # preemption notice). Requeue: the next run resumes from that checkpoint.
-  if [ $rc -eq 0 ] && [ ! -f "$out/results.json" ]; then
-    echo "vlcontrast: stopped before the end; requeueing job $SLURM_JOB_ID"
-    scontrol requeue "$SLURM_JOB_ID"
+  if [ $rc -ne 0 ]; then
+    echo "vlcontrast: training failed (exit $rc); not requeueing"
+    return $rc
   fi
-  return $rc
+  if [ -f "$out/preempted.json" ]; then
+    if [ "${SLURM_RESTART_COUNT:-0}" -ge "$VLC_MAX_RESTARTS" ]; then
+      echo "vlcontrast: stopped by a signal after $VLC_MAX_RESTARTS requeues (VLC_MAX_RESTARTS); not requeueing"
+      return 0
+    fi
+    echo "vlcontrast: stopped by a signal after a checkpoint; requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID"
+  elif [ -f "$out/results.json" ]; then
+    echo "vlcontrast: finished; results in $out/results.json"
+  else
+    echo "vlcontrast: stopped at train.stop_at_step with a checkpoint; not requeueing (resubmit to continue)"
+  fi
+  return 0
 }

@@ -1,6 +1,26 @@
-"""Fixtures shared across test folders."""
+"""Fixtures and hooks shared across test folders: DeepSpeed's accelerator on a host without CUDA,
+the ``cuda`` marker (skipped without CUDA)."""
+
+import os
 
 import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+
+# DeepSpeed picks its accelerator at import. Without CUDA it must be the CPU one; with CUDA the
+# package chooses (vlcontrast.distributed), so nothing is forced here and GPU tests use the GPU.
+if not CUDA:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    if CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (run `make gpu-check` on a GPU machine)")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,63 @@
+"""The contract between a stopped training job and its scheduler: "requeue me" or "I am done".
+
+A training job ends in one of four ways: finished (``results.json`` in the run directory), failed
+(non-zero exit), stopped by a signal (SLURM's preemption or time-limit notice: a checkpoint was
+written and the job should run again) or stopped at ``train.stop_at_step`` (a checkpoint was
+written and the job must *not* run again, or it would stop at once, forever). The last two both
+exit 0, so the process that saw the signal stop leaves a marker file, ``PREEMPTED_MARKER``, in the
+run directory; ``slurm/common.sh`` requeues the job only when it is there.
+
+Why a file and not an exit code: ``srun --kill-on-bad-exit=1`` kills every task as soon as one
+exits non-zero, and ``srun`` then reports the highest code of any task, a killed one's included
+(128 + 9): a "requeue me" exit code from rank 0 could arrive as "killed" and the job would not be
+requeued. All ranks exit 0; rank 0 writes the marker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+PREEMPTED_MARKER = "preempted.json"
+"""File in the run directory written when training stopped because of a signal."""
+
+
+def stopped_by_signal(stop: BaseException) -> bool:
+    """Whether a ``StopRequested`` came from a signal (on this rank or another) rather than from
+    ``train.stop_at_step``. Uses the exception's ``signalled`` attribute when it has one, else its
+    message ("stopped by signal 10 at step ...", "stopped by a signal to another rank ...")."""
+    signalled = getattr(stop, "signalled", None)
+    if signalled is not None:
+        return bool(signalled)
+    return "signal" in str(stop).lower()
+
+
+def launcher_rank(environ: dict[str, str] | None = None) -> int:
+    """This process's global rank as the launcher set it (torchrun ``RANK``, srun ``SLURM_PROCID``)."""
+    environ = os.environ if environ is None else environ
+    for key in ("RANK", "SLURM_PROCID"):
+        if environ.get(key, "").isdigit():
+            return int(environ[key])
+    return 0
+
+
+def record_stop(output_dir: str | os.PathLike, stop: BaseException,
+                environ: dict[str, str] | None = None) -> Path | None:
+    """After a ``StopRequested``: on rank 0, write the marker when a signal caused the stop.
+    Returns the marker's path when written."""
+    environ = os.environ if environ is None else environ
+    if launcher_rank(environ) != 0 or not stopped_by_signal(stop):
+        return None
+    path = Path(output_dir) / PREEMPTED_MARKER
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"stopped": str(stop), "slurm_job_id": environ.get("SLURM_JOB_ID"),
+                               "restart_count": environ.get("SLURM_RESTART_COUNT")}) + "\n")
+    os.replace(tmp, path)  # the scheduler script never sees half a file
+    return path
+
+
+def clear(output_dir: str | os.PathLike) -> None:
+    """Remove a marker left by an earlier stop (called before a job starts training again)."""
+    (Path(output_dir) / PREEMPTED_MARKER).unlink(missing_ok=True)
