@@ -46,6 +46,7 @@ def test_clean_shards_pass(shards):
     assert report["ok"] and report["num_samples"] == 90 and report["num_shards"] == 3
     assert report["unreadable_shards"] == [] and report["size_mismatches"] == []
     assert report["max_id"] == 20_029 and report["id_space"] == 30_000
+    assert not any(report["bad_samples"].values())
     assert json.loads((shards / "check_report.json").read_text())["num_samples"] == 90
 
 
@@ -66,16 +67,17 @@ def test_problems_are_counted_and_unreadable_shard_fails(shards, tmp_path):
     report_path = tmp_path / "report" / "check.json"
     report = check_shards(shards, report_path=report_path, progress=False)
 
-    assert report["undecodable_images"] == 1
-    assert report["examples"]["undecodable_images"] == [first[3]["__key__"]]
-    assert report["empty_captions"] == 1 and report["missing_captions"] == 1
-    assert report["examples"]["missing_captions"] == [first[7]["__key__"]]
-    assert report["duplicate_keys"] == 1
-    assert report["examples"]["duplicate_keys"] == [str(int(first[0]["__key__"]))]
+    bad = report["bad_samples"]
+    assert bad["undecodable_image"] == 1
+    assert report["examples"]["undecodable_image"] == [first[3]["__key__"]]
+    assert bad["empty_caption"] == 1 and bad["missing_caption"] == 1
+    assert report["examples"]["missing_caption"] == [first[7]["__key__"]]
+    assert bad["duplicate_key"] == 1
+    assert report["examples"]["duplicate_key"] == [str(int(first[0]["__key__"]))]
     assert [u["shard"] for u in report["unreadable_shards"]] == ["00002.tar"]
     assert 0 < report["unreadable_shards"][0]["samples_read"] < 30
     assert {m["shard"] for m in report["size_mismatches"]} == {"00001.tar", "00002.tar"}
-    assert report["shards"]["00000.tar"]["undecodable_images"] == 1
+    assert report["shards"]["00000.tar"]["bad_samples"]["undecodable_image"] == 1
     assert not report["ok"] and "FAILED" in report["summary"]
     assert json.loads(report_path.read_text())["unreadable_shards"] == report["unreadable_shards"]
 
@@ -112,5 +114,40 @@ def test_pattern_input_and_no_shards(shards, tmp_path):
     assert "report_path" not in report  # no directory given: nothing written unless asked
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(FileNotFoundError, match="no shards"):
+    with pytest.raises(FileNotFoundError, match="no .tar shards"):
         check_shards(empty, progress=False)
+
+
+def test_truncated_jpeg_empty_and_non_utf8_captions_report_3_of_3(shards):
+    samples = _read(shards / "00000.tar")
+    samples[2]["jpg"] = samples[2]["jpg"][: len(samples[2]["jpg"]) // 2]  # a truncated JPEG
+    samples[4]["txt"] = b""
+    samples[6]["txt"] = b"\xff\xfe caption in latin-1: \xe9t\xe9"
+    _write(shards / "00000.tar", samples)
+    report = check_shards(shards, progress=False)
+    bad = {k: v for k, v in report["bad_samples"].items() if v}
+    assert bad == {"undecodable_image": 1, "empty_caption": 1, "caption_not_utf8": 1}
+    assert report["examples"]["caption_not_utf8"] == [samples[6]["__key__"]]
+    for kind in bad:
+        assert f"1 {kind}" in report["summary"]
+    assert not report["ok"] and report["unreadable_shards"] == []
+
+
+def test_the_check_counts_what_the_loader_skips(tmp_path):
+    from tests.data.conftest import make_shards
+    from tests.data.test_loader import PREPROCESS, CountingTokenizer, config, run_epoch
+    from vlcontrast.data.loader import build_train_loader
+
+    defects = {(0, 1): "undecodable", (0, 2): "missing_image", (1, 0): "missing_caption",
+               (1, 3): "empty_caption", (1, 5): "not_utf8", (0, 7): "bomb"}
+    make_shards(tmp_path, [10, 10], defects=defects)
+    report = check_shards(tmp_path, progress=False, max_image_pixels=32 * 32)
+    cfg = config(str(tmp_path), batch_size=2, num_samples=14, shuffle_buffer=0)
+    cfg.max_image_pixels = 32 * 32
+    loader = build_train_loader(cfg, PREPROCESS, CountingTokenizer(), seed=0, rank=0,
+                                world_size=1)
+    run_epoch(loader)
+    checked = {k: v for k, v in report["bad_samples"].items() if v}
+    assert checked == loader.bad_samples == {
+        "undecodable_image": 1, "missing_image": 1, "missing_caption": 1, "empty_caption": 1,
+        "caption_not_utf8": 1, "decompression_bomb": 1}

@@ -508,3 +508,50 @@ def test_pipe_urls_are_read(uneven_shards):
     assert loader.bad_samples == {}
     counts = collections.Counter(i // KEY_STRIDE for i in ids)
     assert set(counts) == set(range(6))
+
+
+# ---------------------------------------------------------------------------------------------
+# DataLoader options: pinned memory for CUDA, persistent workers
+
+
+def test_dataloader_options_for_a_cuda_device_pin_and_persist():
+    options = loader_module.dataloader_options(4, torch.device("cuda", 3))
+    assert options["pin_memory"] is True and options["persistent_workers"] is True
+    assert options["num_workers"] == 4 and options["prefetch_factor"] == 2
+    cpu = loader_module.dataloader_options(4, "cpu")
+    assert cpu["pin_memory"] is False and cpu["persistent_workers"] is True
+    inline = loader_module.dataloader_options(0, "cuda")
+    assert inline["pin_memory"] is True and inline["persistent_workers"] is False
+    assert "prefetch_factor" not in inline  # DataLoader refuses it without workers
+
+
+def test_build_passes_the_device_to_the_dataloader(uneven_shards):
+    pattern, _ = uneven_shards
+    loader = build_train_loader(config(pattern, workers=2), PREPROCESS, CountingTokenizer(),
+                                seed=0, rank=0, world_size=1, device="cuda:1")
+    assert loader.loader_options["pin_memory"] and loader.loader_options["persistent_workers"]
+
+
+class EpochProbe:
+    """A transform with an ``epoch`` attribute: the image becomes (epoch, worker pid)."""
+
+    def __init__(self):
+        self.epoch = -1
+
+    def __call__(self, image):
+        return torch.tensor([self.epoch, os.getpid()])
+
+
+def test_persistent_workers_follow_the_epoch_and_its_transform(uneven_shards):
+    pattern, good = uneven_shards
+    loader = build_train_loader(config(pattern, workers=2), EpochProbe(), CountingTokenizer(),
+                                seed=0, rank=0, world_size=1)
+    pids, epochs = [], []
+    for epoch in (0, 1):
+        loader.set_epoch(epoch)
+        batches = list(loader)
+        assert sorted(i for b in batches for i in b.sample_ids.tolist()) == sorted(good)
+        epochs.append({int(e) for b in batches for e in b.images[:, 0]})
+        pids.append({int(p) for b in batches for p in b.images[:, 1]})
+    assert epochs == [{0}, {1}]  # the workers' own copy of the transform saw each epoch
+    assert pids[0] == pids[1] and len(pids[0]) == 2 and os.getpid() not in pids[0]

@@ -1,171 +1,131 @@
-"""Shard check: read every sample of every shard and report what a training run would trip on.
+"""Shard check: read every sample of every shard and report what a training run would skip.
 
-:func:`check_shards` counts samples per shard and finds images that fail to decode (PIL open +
-load), samples without an image, missing or empty captions, unparsable ``.json`` members,
-non-numeric keys, keys outside the manifest's id space, duplicate keys (within and across
-shards), shards listed in ``sizes.json`` but absent, counts that disagree with ``sizes.json``, and
-unreadable shards (truncated or corrupt tar). The report is JSON (``DIR/check_report.json`` by
-default); ``vlcontrast prep check`` exits 1 when ``unreadable_shards`` is not empty.
+:func:`check_shards` reads shards with the same tar reader (:mod:`.tar_reader`) and judges every
+sample with the same function (:func:`.samples.inspect_sample`) as the training loader and
+evaluation, so its counts use the same names and mean the same samples: every class the loader
+skips (``missing_image``, ``undecodable_image``, ``decompression_bomb``, ``missing_caption``,
+``caption_not_utf8``, ``empty_caption``, ``no_sample_id``, ``sample_id_out_of_range``), plus
+``duplicate_key`` (a key seen twice in one shard, or an id in two shards of one directory) and
+``invalid_json``, which no reader skips. Shard-level findings: shards listed in ``sizes.json`` but
+absent, counts that disagree with ``sizes.json``, and truncated or unreadable shards. The one class
+of the loader the check cannot see is ``transform_error`` (it depends on the model's transform).
+
+The input is any shard spec of :mod:`.spec` (a directory, a pattern, a comma list, ...). The
+report is JSON (``DIR/check_report.json`` when a directory was given); ``vlcontrast prep check``
+exits 1 when ``unreadable_shards`` is not empty.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import multiprocessing
 import os
 import sys
-import tarfile
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .shards import expand_pattern, list_shards, read_manifest, read_sizes
+from .samples import (CHECK_ONLY_REASONS, CONTENT_REASONS, DEFAULT_MAX_IMAGE_PIXELS, ID_REASONS,
+                      IdRule, count, inspect_sample, read_json, read_sample_id)
+from .shards import read_manifest, read_sizes
+from .spec import expand_spec
+from .tar_reader import read_shard
 
-IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
-CAPTION_EXTENSION = "txt"
 MAX_EXAMPLES = 10
 REPORT_FILE = "check_report.json"
-PROBLEMS = ("undecodable_images", "missing_images", "missing_captions", "empty_captions",
-            "invalid_json", "non_numeric_keys", "duplicate_keys")
+PROBLEMS = tuple(r for r in CONTENT_REASONS if r != "transform_error") + ID_REASONS + \
+    CHECK_ONLY_REASONS
+"""Every per-sample class the check counts (the loader's names)."""
 
 
-def _split_name(name: str) -> tuple[str, str]:
-    """webdataset's grouping rule: the key is the path up to the first dot of the basename."""
-    directory, _, base = name.rpartition("/")
-    stem, dot, extension = base.partition(".")
-    key = f"{directory}/{stem}" if directory else stem
-    return key, extension.lower() if dot else ""
+def _id_space(directory: str) -> int:
+    try:
+        return int(read_manifest(directory).get("id_space", 0) or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
 
 
-def _check_sample(key: str, members: dict[str, bytes], result: dict[str, Any],
-                  decode_images: bool) -> None:
-    def problem(kind: str) -> None:
-        result[kind] += 1
+def check_shard(path: str, decode_images: bool = True, id_space: int = 0,
+                max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> dict[str, Any]:
+    """Read one shard; never raises: a broken shard is reported in ``error``."""
+    result: dict[str, Any] = {"shard": os.path.basename(path), "path": path, "samples": 0,
+                              "error": None, "bad_samples": {kind: 0 for kind in PROBLEMS},
+                              "examples": {kind: [] for kind in PROBLEMS}, "ids": []}
+
+    def problem(kind: str, key: str) -> None:
+        count(result["bad_samples"], kind)
         if len(result["examples"][kind]) < MAX_EXAMPLES:
             result["examples"][kind].append(key)
 
-    image_ext = next((ext for ext in IMAGE_EXTENSIONS if ext in members), None)
-    if image_ext is None:
-        problem("missing_images")
-    elif decode_images:
-        from PIL import Image
-
-        try:
-            with Image.open(io.BytesIO(members[image_ext])) as image:
-                image.load()
-        except Exception:  # noqa: BLE001 - any decoder failure means the sample is unusable
-            problem("undecodable_images")
-    if CAPTION_EXTENSION not in members:
-        problem("missing_captions")
-    elif not members[CAPTION_EXTENSION].decode("utf-8", errors="replace").strip():
-        problem("empty_captions")
-    if "json" in members:
-        try:
-            json.loads(members["json"])
-        except ValueError:
-            problem("invalid_json")
-    if not key.isdigit():
-        problem("non_numeric_keys")
-    else:
-        result["ids"].append(int(key))
-
-
-def check_shard(path: str, decode_images: bool = True) -> dict[str, Any]:
-    """Read one shard; never raises: a broken tar is reported in ``error``."""
-    result: dict[str, Any] = {"shard": os.path.basename(path), "path": path, "samples": 0,
-                              "error": None, **{kind: 0 for kind in PROBLEMS},
-                              "examples": {kind: [] for kind in PROBLEMS}, "ids": []}
-    keys_seen: set[str] = set()
-
-    def finish(key: str, members: dict[str, bytes], repeated: bool) -> None:
-        result["samples"] += 1
-        if key in keys_seen or repeated:
-            result["duplicate_keys"] += 1
-            if len(result["examples"]["duplicate_keys"]) < MAX_EXAMPLES:
-                result["examples"]["duplicate_keys"].append(key)
-        keys_seen.add(key)
-        _check_sample(key, members, result, decode_images)
-
-    if not os.path.exists(path):
+    if not path.startswith("pipe:") and not os.path.exists(path):
         result["error"] = "missing: the shard file does not exist"
         return result
-    key, members, repeated = None, {}, False
-    try:
-        with tarfile.open(path, mode="r:*") as tar:
-            for member in tar:
-                if not member.isfile():
-                    continue
-                member_key, extension = _split_name(member.name)
-                data = tar.extractfile(member).read()  # type: ignore[union-attr]
-                if member_key != key:
-                    if key is not None:
-                        finish(key, members, repeated)
-                    key, members, repeated = member_key, {}, False
-                if extension in members:
-                    repeated = True  # the same key written twice in a row
-                members[extension] = data
-            end_offset = tar.offset
-        # tarfile ends quietly when a file stops at or inside a header; a complete archive has
-        # a zero block where the iteration stopped.
-        if path.endswith(".tar"):
-            with open(path, "rb") as f:
-                f.seek(end_offset)
-                marker = f.read(tarfile.BLOCKSIZE)
-            if len(marker) < tarfile.BLOCKSIZE or marker.count(0) != tarfile.BLOCKSIZE:
-                result["error"] = (f"truncated: no end-of-archive marker at byte {end_offset} "
-                                   f"(file has {os.path.getsize(path)} bytes)")
-        # The last sample of a truncated shard may be missing members: not counted.
-        if key is not None and result["error"] is None:
-            finish(key, members, repeated)
-    except (tarfile.TarError, OSError, EOFError) as err:
-        result["error"] = f"unreadable after {result['samples']} samples: {type(err).__name__}: {err}"
+    keys_seen: set[str] = set()
+    events: dict[str, int] = {}
+    errors: list[str] = []
+    rule = IdRule(0, id_space)
+    for _, key, members in read_shard(path, counts=events, exact=False, errors=errors):
+        result["samples"] += 1
+        if key in keys_seen:
+            problem("duplicate_key", key)
+        keys_seen.add(key)
+        if "json" in members and read_json(members) is None:
+            problem("invalid_json", key)
+        sample = inspect_sample(key, members, ids=rule, max_image_pixels=max_image_pixels,
+                                decode_image=decode_images)
+        if isinstance(sample, str):
+            problem(sample, key)
+        sample_id = read_sample_id(key, members, IdRule())  # for duplicates, whatever else failed
+        if not isinstance(sample_id, str):
+            result["ids"].append(sample_id)
+    if events:
+        result["error"] = f"unreadable after {result['samples']} samples: " + "; ".join(errors)
     return result
 
 
-def _check_job(job: tuple[str, bool]) -> dict[str, Any]:
+def _check_job(job: tuple) -> dict[str, Any]:
     return check_shard(*job)
 
 
-def _resolve(dir_or_pattern: str | os.PathLike) -> tuple[list[str], Path | None]:
-    text = str(dir_or_pattern)
-    if os.path.isdir(text):
-        directory = Path(text)
-        found = list_shards(directory)
-        listed = [str(directory / name) for name in read_sizes(directory)]
-        return sorted(set(found) | set(listed)), directory
-    paths = expand_pattern(text)
-    return paths, Path(os.path.dirname(paths[0]) or ".") if paths else None
+def _resolve(spec: str) -> list[str]:
+    """Shards of the spec; for a directory also those its ``sizes.json`` lists (a missing one is
+    reported, not an error)."""
+    paths = expand_spec(spec, "prep check")
+    if os.path.isdir(spec):
+        listed = [os.path.join(spec, name) for name in read_sizes(spec)]
+        paths = sorted(set(paths) | set(listed))
+    return paths
 
 
 def check_shards(dir_or_pattern: str | os.PathLike, report_path: str | os.PathLike | None = None,
-                 progress: bool = True, *, workers: int = 1,
-                 decode_images: bool = True) -> dict[str, Any]:
-    """Check every shard of a directory (or brace pattern); write and return the JSON report.
+                 progress: bool = True, *, workers: int = 1, decode_images: bool = True,
+                 max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> dict[str, Any]:
+    """Check every shard a spec names; write and return the JSON report.
 
-    ``report_path`` defaults to ``DIR/check_report.json``. ``workers`` > 1 reads shards in
-    parallel processes. ``progress`` shows a bar and prints a summary to stderr. The report's
-    ``ok`` is false when any shard is unreadable or any sample has a problem; the CLI's exit
-    status follows ``unreadable_shards`` only (bad samples are skipped by the loader).
+    ``report_path`` defaults to ``DIR/check_report.json`` when a directory is given. ``workers``
+    > 1 reads shards in parallel processes. ``progress`` shows a bar and prints a summary to
+    stderr. The report's ``ok`` is false when any shard is unreadable or any sample has a
+    problem; the CLI's exit status follows ``unreadable_shards`` only (bad samples are skipped
+    by the loader).
     """
     start = time.perf_counter()
-    paths, directory = _resolve(dir_or_pattern)
-    if not paths:
-        raise FileNotFoundError(f"no shards found at {str(dir_or_pattern)!r}")
-    sizes = read_sizes(directory) if directory is not None else {}
-    try:
-        manifest = read_manifest(directory) if directory is not None else {}
-    except FileNotFoundError:
-        manifest = {}
+    spec = str(dir_or_pattern)
+    paths = _resolve(spec)
+    directories = list(dict.fromkeys(os.path.dirname(os.path.abspath(p)) for p in paths
+                                     if not p.startswith("pipe:")))
+    sizes = {os.path.join(d, name): n for d in directories for name, n in read_sizes(d).items()}
+    spaces = {d: _id_space(d) for d in directories}
 
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(paths), unit="shard", desc=f"check {dir_or_pattern}")
-    jobs = [(path, decode_images) for path in paths]
+        bar = tqdm(total=len(paths), unit="shard", desc=f"check {spec}")
+    jobs = [(path, decode_images,
+             spaces.get(os.path.dirname(os.path.abspath(path)), 0), max_image_pixels)
+            for path in paths]
     results: list[dict[str, Any]] = []
     pool = None
     if workers > 1 and len(jobs) > 1:
@@ -188,48 +148,46 @@ def check_shards(dir_or_pattern: str | os.PathLike, report_path: str | os.PathLi
             bar.close()
     results.sort(key=lambda r: r["path"])
 
-    report: dict[str, Any] = {"path": str(dir_or_pattern), "num_shards": len(results),
+    report: dict[str, Any] = {"path": spec, "num_shards": len(results),
                               "num_samples": sum(r["samples"] for r in results)}
-    for kind in PROBLEMS:
-        report[kind] = sum(r[kind] for r in results)
-    examples = {kind: [] for kind in PROBLEMS}
+    bad = {kind: sum(r["bad_samples"][kind] for r in results) for kind in PROBLEMS}
+    examples: dict[str, list[str]] = {kind: [] for kind in PROBLEMS}
     for r in results:
         for kind in PROBLEMS:
             examples[kind].extend(r["examples"][kind][:MAX_EXAMPLES - len(examples[kind])])
 
-    # Duplicates across shards: the same id in two shards.
-    all_ids = np.concatenate([np.asarray(r["ids"], np.int64) for r in results]) if results else np.zeros(0, np.int64)
-    cross = 0
-    for r in results:
-        r["ids"] = np.unique(np.asarray(r["ids"], np.int64))
-    per_shard_unique = np.concatenate([r["ids"] for r in results]) if results else np.zeros(0, np.int64)
-    values, counts = np.unique(per_shard_unique, return_counts=True)
-    repeated = values[counts > 1]
-    if repeated.size:
-        cross = int((counts[counts > 1] - 1).sum())
-        for value in repeated[:MAX_EXAMPLES - len(examples["duplicate_keys"])]:
-            examples["duplicate_keys"].append(str(int(value)))
-    report["duplicate_keys"] += cross
+    # The same id in two shards of one directory (the loader offsets ids per directory).
+    for directory in directories:
+        in_directory = [r for r in results
+                        if os.path.dirname(os.path.abspath(r["path"])) == directory]
+        unique = [np.unique(np.asarray(r["ids"], np.int64)) for r in in_directory]
+        values, counts = np.unique(np.concatenate(unique) if unique else np.zeros(0, np.int64),
+                                   return_counts=True)
+        if (counts > 1).any():
+            bad["duplicate_key"] += int((counts[counts > 1] - 1).sum())
+            for value in values[counts > 1][:MAX_EXAMPLES - len(examples["duplicate_key"])]:
+                examples["duplicate_key"].append(str(int(value)))
+    all_ids = [i for r in results for i in r["ids"]]
 
-    id_space = int(manifest.get("id_space", 0) or 0)
-    report["id_space"] = id_space
-    report["ids_outside_id_space"] = int((all_ids >= id_space).sum()) if id_space else 0
-    report["max_id"] = int(all_ids.max()) if all_ids.size else None
-
-    report["unreadable_shards"] = [{"shard": r["shard"], "error": r["error"], "samples_read": r["samples"]}
-                                   for r in results if r["error"]]
-    report["size_mismatches"] = [{"shard": r["shard"], "sizes_json": sizes[r["shard"]], "found": r["samples"]}
-                                 for r in results if r["shard"] in sizes and sizes[r["shard"]] != r["samples"]]
+    report["bad_samples"] = bad
+    report["id_space"] = sum(spaces.values()) if spaces and all(spaces.values()) else 0
+    report["max_id"] = max(all_ids) if all_ids else None
+    report["unreadable_shards"] = [{"shard": r["shard"], "error": r["error"],
+                                    "samples_read": r["samples"]} for r in results if r["error"]]
+    report["size_mismatches"] = [
+        {"shard": r["shard"], "sizes_json": sizes[os.path.abspath(r["path"])], "found": r["samples"]}
+        for r in results if sizes.get(os.path.abspath(r["path"]), r["samples"]) != r["samples"]]
     report["examples"] = examples
     report["shards"] = {r["shard"]: {"samples": r["samples"], "error": r["error"],
-                                     **{kind: r[kind] for kind in PROBLEMS}} for r in results}
-    report["ok"] = not report["unreadable_shards"] and not report["size_mismatches"] and not any(
-        report[kind] for kind in PROBLEMS) and not report["ids_outside_id_space"]
+                                     "bad_samples": {k: v for k, v in r["bad_samples"].items()
+                                                     if v}} for r in results}
+    report["ok"] = (not report["unreadable_shards"] and not report["size_mismatches"]
+                    and not any(bad.values()))
     report["seconds"] = round(time.perf_counter() - start, 2)
     report["summary"] = summarize(report)
 
-    if report_path is None and directory is not None and os.path.isdir(str(dir_or_pattern)):
-        report_path = directory / REPORT_FILE
+    if report_path is None and os.path.isdir(spec):
+        report_path = Path(spec) / REPORT_FILE
     if report_path is not None:
         report["report_path"] = str(report_path)
         Path(report_path).parent.mkdir(parents=True, exist_ok=True)
@@ -243,9 +201,9 @@ def check_shards(dir_or_pattern: str | os.PathLike, report_path: str | os.PathLi
 def summarize(report: dict[str, Any]) -> str:
     """One line: the counts that matter, and the verdict."""
     parts = [f"{report['num_shards']} shards", f"{report['num_samples']} samples"]
-    for kind in PROBLEMS + ("ids_outside_id_space",):
-        if report.get(kind):
-            parts.append(f"{report[kind]} {kind.replace('_', ' ')}")
+    for kind, n in report["bad_samples"].items():
+        if n:
+            parts.append(f"{n} {kind}")
     if report["size_mismatches"]:
         parts.append(f"{len(report['size_mismatches'])} shards disagree with sizes.json")
     if report["unreadable_shards"]:

@@ -13,7 +13,8 @@
 
 Each worker's stream is deterministic given the seed, epoch, rank and worker, which is what makes
 resume exact. The per-epoch inputs (epoch, resume positions) live in a shared-memory tensor, so
-persistent workers see the values the main process sets before each epoch's iterator.
+persistent workers see the values the main process sets before each epoch's iterator; a transform
+with an ``epoch`` attribute (epoch-seeded augmentation) gets the epoch in the worker too.
 """
 
 from __future__ import annotations
@@ -183,6 +184,10 @@ class SlotStream(IterableDataset):
         position, done = self.start_of(worker)
         if done >= quota:
             return
+        if hasattr(self.preprocess, "epoch"):
+            # An epoch-seeded transform (train.batches.SeededTransform): persistent workers hold
+            # their own copy of it, which the main process's assignment never reaches.
+            self.preprocess.epoch = self.epoch
         tally = Tally(f"data (rank {self.rank}, worker {worker}, epoch {self.epoch})",
                       self.max_bad_fraction)
         fresh = skip_replayed(number(self.rows(worker, tally.counts)), position)

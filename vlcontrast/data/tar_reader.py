@@ -121,14 +121,17 @@ def _count(counts: dict[str, int], reason: str, n: int = 1) -> None:
 
 
 def read_shard(url: str, *, skip: int = 0, take: int | None = None,
-               counts: dict[str, int] | None = None, exact: bool = True) -> Iterator[Row]:
+               counts: dict[str, int] | None = None, exact: bool = True,
+               errors: list[str] | None = None) -> Iterator[Row]:
     """Rows ``skip .. skip+take-1`` of one shard (a path or ``pipe:`` command).
 
     A shard that cannot be opened or ends early (truncated tar, failing pipe) is counted in
     ``counts`` (``unreadable_shard`` / ``truncated_tar``) and ends the iteration. When ``exact``
     (``take`` comes from the shard's known size), rows promised but not delivered are counted as
-    ``missing_samples`` and a shard that simply has fewer rows as ``truncated_tar``.
+    ``missing_samples`` and a shard that simply has fewer rows as ``truncated_tar``. ``errors``
+    collects a line per event (the exception, or the command's exit status).
     """
+    errors = errors if errors is not None else []
     counts = counts if counts is not None else {}
     process = None
     try:
@@ -138,7 +141,8 @@ def read_shard(url: str, *, skip: int = 0, take: int | None = None,
             source = process.stdout
         else:
             source = open(url, "rb", buffering=1 << 16)
-    except OSError:
+    except OSError as err:
+        errors.append(f"cannot open: {type(err).__name__}: {err}")
         _count(counts, "unreadable_shard")
         if take and exact:
             _count(counts, "missing_samples", take)
@@ -155,6 +159,7 @@ def read_shard(url: str, *, skip: int = 0, take: int | None = None,
         finished = True
     except _READ_ERRORS as err:
         logger.debug("shard %s ended early after %d rows: %r", url, delivered, err)
+        errors.append(f"truncated or corrupt after {delivered} rows: {type(err).__name__}: {err}")
         _count(counts, "truncated_tar")
         broken = True
     finally:
@@ -167,6 +172,7 @@ def read_shard(url: str, *, skip: int = 0, take: int | None = None,
         if process is not None:
             if finished and (take is None or delivered < take):
                 if process.wait() != 0:
+                    errors.append(f"command exited with status {process.returncode}")
                     _count(counts, "unreadable_shard")
                     broken = True
             else:
@@ -175,5 +181,6 @@ def read_shard(url: str, *, skip: int = 0, take: int | None = None,
     if exact and take is not None and delivered < take:
         _count(counts, "missing_samples", take - delivered)
         if not broken:
+            errors.append(f"{delivered} of {take} rows")
             _count(counts, "truncated_tar")
 
