@@ -34,12 +34,17 @@ def _cmd_train(args) -> int:
                f"--nproc_per_node={args.nproc}", "-m", "vlcontrast.cli", "train"] + (["--config", args.config] if args.config else []) + list(args.overrides)
         os.execvpe(cmd[0], cmd, os.environ)
     _prepare_environment()
+    from vlcontrast import requeue
     from vlcontrast.train import StopRequested, train
 
+    if requeue.launcher_rank() == 0:
+        requeue.clear(config.output_dir)
     try:
         train(config)
     except StopRequested as stop:
         print(f"vlcontrast: {stop}", file=sys.stderr)
+        # Exit 0 either way; a signal stop leaves RUN/preempted.json, the scheduler's cue to requeue.
+        requeue.record_stop(config.output_dir, stop)
         return 0
     return 0
 
