@@ -7,7 +7,7 @@ import torch
 from open_clip.loss import ClipLoss, SigLipLoss
 
 from tests.losses import references
-from vlcontrast.losses import LOSSES, ContrastiveLoss, base, build_loss
+from vlcontrast.losses import LOSSES, base, build_loss
 from vlcontrast.losses import bcl as bcl_module
 
 SCALES = (1.0, 14.29, 100.0)
@@ -211,42 +211,20 @@ def test_row_sorts_split_across_threads_match_torch(monkeypatch):
     torch.testing.assert_close(bcl_module._sort_rows_(values.clone()), expected, rtol=0, atol=0)
 
 
-class RowTermsOnlyLoss(ContrastiveLoss):
-    """A user's loss with only ``row_terms`` (no row statistic): chunking re-runs its block graph."""
-
-    name = "row-terms-only"
-
-    def row_terms(self, logits, positive, positives, context, num_negatives):
-        return {"loss": torch.logsumexp(logits, 1) + 0.1 * logits.square().mean(1) - positive}
-
-
-@pytest.mark.parametrize("chunk_size", [1, 4])
-def test_chunked_fallback_for_row_terms_only_losses(chunk_size, monkeypatch):
-    image, text = references.random_pairs(10, 8, seed=8)
-    args = leaves(image, text, 14.29)
-    calls = []
-    original = base._ChunkedRows.apply
-    monkeypatch.setattr(base._ChunkedRows, "apply",
-                        lambda *a: calls.append(1) or original(*a))
-
-    def run(loss_fn):
-        return loss_and_grads(lambda i, t, s, b: loss_fn(i, t, s)["loss"], *args)
-    assert_same(run(RowTermsOnlyLoss(chunk_size=chunk_size)), run(RowTermsOnlyLoss()),
-                rtol=1e-12, atol=1e-12)
-    assert calls  # the generic path ran
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_builtin_losses_chunk_through_their_row_statistic(name, monkeypatch):
-    """Every built-in loss takes the one-extra-matmul chunked path, not the graph re-run."""
-    monkeypatch.setattr(base._ChunkedRows, "apply",
-                        lambda *a: pytest.fail("generic chunked path used"))
+    """Every built-in loss takes the one-extra-matmul chunked path."""
+    calls = []
+    original = base._ChunkedStatistic.apply
+    monkeypatch.setattr(base._ChunkedStatistic, "apply",
+                        lambda *a: calls.append(1) or original(*a))
     image, text = references.random_pairs(6, 4, seed=9)
     options = CHUNKED_OPTIONS.get(name, {})
     loss_fn = build_loss(name, chunk_size=2, **options)
     assert isinstance(loss_fn.row_statistic(), base.RowStatistic)
     loss_fn(image, text, torch.tensor(10.0, dtype=torch.float64),
             logit_bias=torch.tensor(-1.0, dtype=torch.float64), step=1)
+    assert calls
 
 
 def test_diagnostics_are_detached_scalars():

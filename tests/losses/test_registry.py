@@ -63,3 +63,61 @@ def test_rejects_mismatched_shapes_and_single_pair():
         loss_fn(torch.zeros(4, 3), torch.zeros(5, 3), 10.0)
     with pytest.raises(ValueError, match="at least 2"):
         loss_fn(torch.ones(1, 3), torch.ones(1, 3), 10.0)
+
+
+def test_id_space_reaches_only_losses_that_declare_it(monkeypatch):
+    received = {}
+
+    def spy(cls):
+        original = cls.__init__
+
+        def init(self, *args, **kwargs):
+            received[cls.name] = dict(kwargs)
+            original(self, *args, **kwargs)
+        init.__signature__ = __import__("inspect").signature(original)
+        monkeypatch.setattr(cls, "__init__", init)
+
+    for cls in LOSSES.values():
+        spy(cls)
+    for name in LOSSES:
+        build_loss(name, chunk_size=2, id_space=7)
+    assert received["decl"]["id_space"] == 7
+    assert all("id_space" not in kwargs for name, kwargs in received.items() if name != "decl")
+    assert all(kwargs["chunk_size"] == 2 for kwargs in received.values())
+
+
+def test_register_loss_adds_a_buildable_loss(monkeypatch):
+    from vlcontrast import losses
+    from vlcontrast.losses import ContrastiveLoss, register_loss
+    from vlcontrast.losses.base import LogSumExp
+
+    monkeypatch.setattr(losses, "LOSSES", dict(LOSSES))
+
+    class Doubled(ContrastiveLoss):
+        name = "doubled-infonce"
+
+        def __init__(self, factor: float = 2.0, *, chunk_size: int = 0):
+            super().__init__(chunk_size=chunk_size)
+            self.factor = factor
+
+        def row_statistic(self):
+            return LogSumExp(exclude_positive=False)
+
+        def statistic_terms(self, value, positive, context, num_negatives):
+            return {"loss": self.factor * (value - positive)}
+
+    assert register_loss(Doubled) is Doubled
+    assert losses.LOSSES["doubled-infonce"] is Doubled
+    assert losses.loss_option_defaults("doubled-infonce") == {"factor": 2.0}
+    loss_fn = losses.build_loss("doubled-infonce", id_space=5, factor=3.0)  # id_space not passed
+    image, text = torch.nn.functional.normalize(torch.randn(2, 6, 4), dim=-1)
+    expected = build_loss("infonce")(image, text, 10.0)["loss"] * 3
+    torch.testing.assert_close(loss_fn(image, text, 10.0)["loss"], expected)
+    assert "doubled-infonce" not in LOSSES  # the module's registry was a copy for this test
+
+    class Other(Doubled):
+        pass
+    with pytest.raises(ValueError, match="taken by Doubled"):
+        register_loss(Other)
+    with pytest.raises(TypeError, match="not a ContrastiveLoss"):
+        register_loss(int)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from vlcontrast.losses.base import ContrastiveLoss, LogSumExp, PairBatch
+from vlcontrast.losses.base import ContrastiveLoss, LogSumExp, PairBatch, RowContext
 
 
 class BalancedLoss(ContrastiveLoss):
@@ -27,7 +27,7 @@ class BalancedLoss(ContrastiveLoss):
     name = "balanced"
 
     def __init__(self, alpha: float = 4.0, lam: float = 2.0, include_positive: bool = False, *,
-                 chunk_size: int = 0, id_space: int = 0):
+                 chunk_size: int = 0):
         super().__init__(chunk_size=chunk_size)
         if alpha <= 0:
             raise ValueError(f"balanced: alpha must be > 0, got {alpha}")
@@ -41,6 +41,6 @@ class BalancedLoss(ContrastiveLoss):
     def row_statistic(self) -> LogSumExp:
         return LogSumExp(exclude_positive=not self.include_positive)
 
-    def statistic_terms(self, value: Tensor, positive: Tensor, context: dict[str, Tensor],
+    def statistic_terms(self, value: Tensor, positive: Tensor, context: RowContext,
                         num_negatives: int) -> dict[str, Tensor]:
         return {"loss": (self.lam * value - positive) / self.alpha}

@@ -6,26 +6,22 @@ A loss in this package is a :class:`ContrastiveLoss`. Its ``forward`` gathers th
 the **local** anchors against the gathered candidates, ``logits = (scale * anchors) @ candidates.T``,
 with the positive of local row ``i`` at global column ``rank * B_local + i``.
 
-A concrete loss only says what one block of rows contributes: :meth:`ContrastiveLoss.row_terms`
-maps a block of logits ``[rows, B_global]`` and its positive columns to per-anchor terms (the key
-``"loss"`` plus anything the loss wants to reduce later). Dense mode is a single block. With
-``chunk_size > 0`` the rows are cut into blocks of at most ``chunk_size`` anchors and run by one
-custom autograd Function that keeps no block and recomputes each one in backward, so at most
-``chunk_size x B_global`` logits exist at any time. Quantities normalised over the global batch
-(DCLW's weights, DeCL's buffer look-ups) are computed once per step in
-:meth:`ContrastiveLoss.prepare` and handed to the blocks as per-row tensors.
-
-Every built-in loss touches its block only through one number per row, a :class:`RowStatistic`
-(a logsumexp over the negatives, HCL's tilted mass, BCL's weighted logsumexp, SigLIP's softplus
-sum) whose gradient is written out. Such a loss implements :meth:`ContrastiveLoss.row_statistic`
-and :meth:`ContrastiveLoss.statistic_terms` instead of :meth:`ContrastiveLoss.row_terms`, and its
-chunked mode (:class:`_ChunkedStatistic`) recomputes only the block's matmul and the statistic's
-gradient in backward (Inf-CL's scheme, for every loss): one extra matmul over dense instead of a
-whole re-run of the block's forward graph (:class:`_ChunkedRows`, the fallback for a loss that
-only implements ``row_terms``).
+A loss touches its logit rows only through one number per row, a :class:`RowStatistic` (a
+logsumexp over the negatives, HCL's tilted mass, BCL's weighted logsumexp, SigLIP's softplus sum)
+whose gradient is written out. That is the one way to write a loss: implement
+:meth:`ContrastiveLoss.row_statistic` (which statistic) and :meth:`ContrastiveLoss.statistic_terms`
+(per-anchor terms from the statistic, the positive logit and the rows' :class:`RowContext`).
+Dense mode computes the statistic over one ``[B_local, B_global]`` block. With ``chunk_size > 0``
+:class:`_ChunkedStatistic` cuts the rows into blocks of at most ``chunk_size`` anchors, keeps none
+of them, and in backward recomputes only each block's matmul and the statistic's gradient
+(Inf-CL's scheme, for every loss): one extra matmul over dense, at most ``chunk_size x B_global``
+logits alive at any time. Quantities normalised over the global batch (DCLW's weights, DeCL's
+buffer look-ups) are computed once per step in :meth:`ContrastiveLoss.prepare` and handed to the
+rows through the :class:`RowContext`.
 
 The per-rank ``loss`` is the mean over the local anchors (and over directions), so the mean over
-ranks is the global-batch loss; the definitions are in ``docs/losses.md``.
+ranks is the global-batch loss; the definitions are in ``docs/losses.md`` and the guide to writing
+a loss is ``docs/losses-guide.md``.
 """
 
 from __future__ import annotations
@@ -89,8 +85,21 @@ class PairBatch:
         return self.text, self.all_image
 
 
+@dataclass(kw_only=True)
+class RowContext:
+    """What one direction's anchor rows need besides their logits: per-anchor tensors ``[B_local]``.
+
+    ``offset`` (optional) is added to every logit of row ``i`` before the statistic (SigLIP's bias);
+    the base applies it in dense and chunked mode and returns its gradient. A loss that needs more
+    (DCLW's weights, DeCL's rate estimates) subclasses this dataclass with typed fields of its own
+    and returns an instance from :meth:`ContrastiveLoss.row_context`.
+    """
+
+    offset: Tensor | None = None
+
+
 # --------------------------------------------------------------------------------------------
-# Row helpers used by the losses' row_terms.
+# Row helpers used by the row statistics.
 
 
 class _RowLogSumExp(torch.autograd.Function):
@@ -197,8 +206,10 @@ class ContrastiveLoss(nn.Module):
     """Base of every loss: ``forward`` returns ``{"loss": per-rank scalar, **diagnostics}``.
 
     Subclasses set ``name``, optionally ``directions`` (SigLIP scores one direction), and implement
-    :meth:`row_terms`; hooks :meth:`scale`, :meth:`prepare`, :meth:`row_context` and
-    :meth:`reduce` cover losses with batch-global quantities or training state.
+    :meth:`row_statistic` and :meth:`statistic_terms`; hooks :meth:`scale`, :meth:`prepare`,
+    :meth:`row_context`, :meth:`reduce` and :meth:`rollback` cover losses with batch-global
+    quantities or training state. A loss that wants the number of distinct sample ids declares an
+    ``id_space`` keyword in its ``__init__`` (``build_loss`` passes it only then).
     """
 
     name = ""
@@ -224,40 +235,23 @@ class ContrastiveLoss(nn.Module):
         """Batch-global quantities of this step (computed once, before any block)."""
         return {}
 
-    def row_context(self, batch: PairBatch, direction: str, state: dict) -> dict[str, Tensor]:
-        """Per-anchor tensors ``[B_local, ...]`` the blocks need (sliced with the rows)."""
-        return {}
+    def row_context(self, batch: PairBatch, direction: str, state: dict) -> RowContext:
+        """What the anchor rows of ``direction`` need besides their logits (see :class:`RowContext`)."""
+        return RowContext()
 
-    def row_statistic(self) -> RowStatistic | None:
-        """The one per-row statistic of the block this loss needs (``None``: use :meth:`row_terms`)."""
-        return None
+    def row_statistic(self) -> RowStatistic:
+        """The one per-row statistic of the logit block this loss needs."""
+        raise NotImplementedError(f"{type(self).__name__} must implement row_statistic()")
 
-    def statistic_terms(self, value: Tensor, positive: Tensor, context: dict[str, Tensor],
+    def statistic_terms(self, value: Tensor, positive: Tensor, context: RowContext,
                         num_negatives: int) -> dict[str, Tensor]:
-        """Per-anchor terms from the rows' statistic ``value`` (losses with a :meth:`row_statistic`).
+        """Per-anchor terms from the rows' statistic (``"loss"``, unless :meth:`reduce` is overridden).
 
-        ``positive`` is ``L[i, pos_i]`` and ``context`` the per-row tensors of the same rows.
+        ``value`` is the statistic of each local anchor row, ``positive`` its positive logit
+        ``L[i, pos_i]`` (computed from the features, so its gradient never passes through a
+        ``rows x N`` tensor), ``context`` the rows' :class:`RowContext`, ``num_negatives`` ``K``.
         """
-        raise NotImplementedError
-
-    def row_terms(self, logits: Tensor, positive: Tensor, positives: Tensor,
-                  context: dict[str, Tensor], num_negatives: int) -> dict[str, Tensor]:
-        """Per-anchor terms of one block of rows (``"loss"``, unless :meth:`reduce` is overridden).
-
-        ``logits`` is ``[rows, N_global]`` (fresh: the loss may overwrite it in place),
-        ``positive`` the positive logits ``L[i, pos_i]`` (computed from the features, so their
-        gradient never passes through a ``rows x N`` tensor), ``positives`` the positive columns.
-        The default applies :meth:`row_statistic` (after adding the per-row ``row_offset`` of the
-        context, if any) and :meth:`statistic_terms`.
-        """
-        statistic = self.row_statistic()
-        if statistic is None:
-            raise NotImplementedError(f"{type(self).__name__} implements neither row_terms nor "
-                                      "row_statistic")
-        if "row_offset" in context:
-            logits = logits.add_(context["row_offset"].to(logits.dtype)[:, None])
-        return self.statistic_terms(statistic.dense(logits, positives), positive, context,
-                                    num_negatives)
+        raise NotImplementedError(f"{type(self).__name__} must implement statistic_terms()")
 
     def reduce(self, batch: PairBatch, terms: list[dict[str, Tensor]],
                state: dict) -> dict[str, Tensor | float]:
@@ -313,49 +307,31 @@ class ContrastiveLoss(nn.Module):
                          logit_bias, sample_ids, step, momentum_features, get_rank(), world_size)
 
     def score_rows(self, anchors: Tensor, candidates: Tensor, scale: Tensor | float,
-                   first_positive: int, context: dict[str, Tensor], num_negatives: int,
+                   first_positive: int, context: RowContext, num_negatives: int,
                    positive: Tensor | None = None) -> dict[str, Tensor]:
         """Per-anchor terms of all local rows: one block (dense) or recomputed blocks (chunked).
 
         Row ``i``'s positive is candidate ``first_positive + i``.
         """
+        statistic = self.row_statistic()
         rows = anchors.shape[0]
         if self.chunk_size == 0 or self.chunk_size >= rows:
-            return self._block(anchors, candidates, scale, first_positive, context, num_negatives,
-                               positive)
-        statistic = self.row_statistic()
-        if statistic is not None:
+            positives = torch.arange(first_positive, first_positive + rows, device=anchors.device)
+            scaled = scale * anchors
+            logits = scaled @ candidates.T
+            logits = logits.to(row_dtype(logits.dtype))  # fresh: the statistic may overwrite it
+            if positive is None:
+                positive = _positive_logits(scaled, candidates, first_positive)
+            if context.offset is not None:
+                logits = logits.add_(context.offset.to(logits.dtype)[:, None])
+            value = statistic.dense(logits, positives)
+        else:
             scale_tensor = scale if torch.is_tensor(scale) else None
             value = _ChunkedStatistic.apply(statistic, self.chunk_size, first_positive, scale,
-                                            anchors, candidates, scale_tensor,
-                                            context.get("row_offset"))
+                                            anchors, candidates, scale_tensor, context.offset)
             if positive is None:
                 positive = _positive_logits(scale * anchors, candidates, first_positive)
-            return self.statistic_terms(value, positive, context, num_negatives)
-        keys = list(context)
-        scale_tensor = scale if torch.is_tensor(scale) else None
-        outputs = _ChunkedRows.apply(self, first_positive, num_negatives, keys, scale, anchors,
-                                     candidates, scale_tensor, *[context[key] for key in keys])
-        return dict(zip(self._chunk_output_keys, outputs))
-
-    def _blocks(self, anchors, candidates, scale, first_positive, context, num_negatives):
-        """Yield ``(rows slice, per-anchor terms)`` of each block of ``chunk_size`` rows."""
-        for start in range(0, anchors.shape[0], self.chunk_size):
-            block = slice(start, start + self.chunk_size)
-            yield block, self._block(anchors[block], candidates, scale, first_positive + start,
-                                     {key: value[block] for key, value in context.items()},
-                                     num_negatives)
-
-    def _block(self, anchors, candidates, scale, first_positive, context, num_negatives,
-               positive=None):
-        rows = anchors.shape[0]
-        positives = torch.arange(first_positive, first_positive + rows, device=anchors.device)
-        scaled = scale * anchors
-        logits = scaled @ candidates.T
-        if positive is None:
-            positive = _positive_logits(scaled, candidates, first_positive)
-        return self.row_terms(logits.to(row_dtype(logits.dtype)), positive, positives, context,
-                              num_negatives)
+        return self.statistic_terms(value, positive, context, num_negatives)
 
 
 def _positive_logits(scaled: Tensor, candidates: Tensor, first_positive: int) -> Tensor:
@@ -452,79 +428,6 @@ class _ChunkedStatistic(torch.autograd.Function):
         if grad_scale is not None:
             grad_scale = grad_scale.to(scale_tensor.dtype).reshape(scale_tensor.shape)
         return (None, None, None, None, grad_anchors, grad_candidates, grad_scale, grad_offset)
-
-
-class _ChunkedRows(torch.autograd.Function):
-    """The chunked mode: per-anchor terms block by block, each block recomputed in backward.
-
-    Forward runs the blocks without a graph and keeps only the inputs. Backward rebuilds one
-    block's graph at a time, back-propagates the incoming per-anchor gradients through it and
-    accumulates the gradients of anchors, candidates, scale and per-row context; so at most one
-    ``chunk_size x N`` block (and its autograd temporaries) exists at any moment, whatever the
-    loss does inside its block (in-place writes, custom Functions, no-grad side computations).
-    """
-
-    @staticmethod
-    def forward(ctx, loss, first_positive, num_negatives, keys, scale, anchors, candidates,
-                scale_tensor, *context_values):
-        context = dict(zip(keys, context_values))
-        parts = [terms for _, terms in loss._blocks(anchors, candidates, scale, first_positive,
-                                                     context, num_negatives)]
-        output_keys = list(parts[0])
-        outputs = tuple(torch.cat([part[key] for part in parts]) for key in output_keys)
-        loss._chunk_output_keys = output_keys
-        ctx.loss, ctx.first_positive, ctx.num_negatives, ctx.keys = (loss, first_positive,
-                                                                     num_negatives, keys)
-        ctx.scale = None if scale_tensor is not None else scale
-        ctx.save_for_backward(anchors, candidates, scale_tensor, *context_values)
-        return outputs
-
-    @staticmethod
-    def backward(ctx, *output_grads):
-        anchors, candidates, scale_tensor, *context_values = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        detached_candidates = candidates.detach().requires_grad_(needs[6])
-        detached_scale = (scale_tensor.detach().requires_grad_(needs[7])
-                          if scale_tensor is not None else ctx.scale)
-        grad_anchors = torch.zeros_like(anchors) if needs[5] else None
-        grad_candidates = torch.zeros_like(candidates) if needs[6] else None
-        grad_scale = torch.zeros_like(scale_tensor) if scale_tensor is not None and needs[7] \
-            else None
-        grad_context = [torch.zeros_like(value) if needs[8 + index] else None
-                        for index, value in enumerate(context_values)]
-        loss, chunk = ctx.loss, ctx.loss.chunk_size
-        output_keys = loss._chunk_output_keys
-        for start in range(0, anchors.shape[0], chunk):
-            block = slice(start, start + chunk)
-            with torch.enable_grad():
-                block_anchors = anchors[block].detach().requires_grad_(needs[5])
-                block_context = {key: value[block].detach().requires_grad_(needs[8 + index])
-                                 for index, (key, value) in enumerate(zip(ctx.keys,
-                                                                          context_values))}
-                terms = loss._block(block_anchors, detached_candidates, detached_scale,
-                                    ctx.first_positive + start, block_context, ctx.num_negatives)
-                total = sum((terms[key] * grad[block]).sum()
-                            for key, grad in zip(output_keys, output_grads)
-                            if grad is not None and terms[key].requires_grad)
-                inputs = [block_anchors, detached_candidates, detached_scale,
-                          *block_context.values()]
-                wanted = [i for i, t in enumerate(inputs) if torch.is_tensor(t) and t.requires_grad]
-                if not torch.is_tensor(total) or not wanted:
-                    continue
-                grads = torch.autograd.grad(total, [inputs[i] for i in wanted], allow_unused=True)
-            for index, grad in zip(wanted, grads):
-                if grad is None:
-                    continue
-                if index == 0:
-                    grad_anchors[block] += grad
-                elif index == 1:
-                    grad_candidates += grad
-                elif index == 2:
-                    grad_scale += grad
-                else:
-                    grad_context[index - 3][block] += grad
-        return (None, None, None, None, None, grad_anchors, grad_candidates, grad_scale,
-                *grad_context)
 
 
 @torch.no_grad()

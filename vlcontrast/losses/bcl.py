@@ -27,7 +27,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from vlcontrast.losses.base import ContrastiveLoss, LogSumExp, RowStatistic, fill_positives_
+from vlcontrast.losses.base import (ContrastiveLoss, LogSumExp, RowContext, RowStatistic,
+                                    fill_positives_)
 
 # The eCDF needs a sort of each row; sorting in sub-blocks of this many entries bounds the
 # memory of the sort order and sorted values even in dense mode.
@@ -103,7 +104,7 @@ class BCLLoss(ContrastiveLoss):
     name = "bcl"
 
     def __init__(self, tau_plus: float = 0.1, alpha: float = 0.5, beta: float = 1.0, *,
-                 chunk_size: int = 0, id_space: int = 0):
+                 chunk_size: int = 0):
         super().__init__(chunk_size=chunk_size)
         if not 0 <= tau_plus < 1:
             raise ValueError(f"bcl: tau_plus must be in [0, 1), got {tau_plus}")
@@ -204,7 +205,7 @@ class BCLLoss(ContrastiveLoss):
     def row_statistic(self) -> RowStatistic:
         return WeightedNegativeLogSumExp(self)
 
-    def statistic_terms(self, value: Tensor, positive: Tensor, context: dict[str, Tensor],
+    def statistic_terms(self, value: Tensor, positive: Tensor, context: RowContext,
                         num_negatives: int) -> dict[str, Tensor]:
         return {"loss": torch.logaddexp(positive, value) - positive}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from vlcontrast.losses.base import ContrastiveLoss, LogSumExp
+from vlcontrast.losses.base import ContrastiveLoss, LogSumExp, RowContext
 
 
 class DCLLoss(ContrastiveLoss):
@@ -19,12 +19,12 @@ class DCLLoss(ContrastiveLoss):
 
     name = "dcl"
 
-    def __init__(self, *, chunk_size: int = 0, id_space: int = 0):
+    def __init__(self, *, chunk_size: int = 0):
         super().__init__(chunk_size=chunk_size)
 
     def row_statistic(self) -> LogSumExp:
         return LogSumExp(exclude_positive=True)
 
-    def statistic_terms(self, value: Tensor, positive: Tensor, context: dict[str, Tensor],
+    def statistic_terms(self, value: Tensor, positive: Tensor, context: RowContext,
                         num_negatives: int) -> dict[str, Tensor]:
         return {"loss": value - positive}

@@ -11,10 +11,19 @@ and ``w`` is detached. ``sigma -> inf`` gives ``w = 1``, i.e. DCL.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
-from vlcontrast.losses.base import ContrastiveLoss, LogSumExp, PairBatch, row_dtype
+from vlcontrast.losses.base import ContrastiveLoss, LogSumExp, PairBatch, RowContext, row_dtype
+
+
+@dataclass(kw_only=True)
+class WeightedRows(RowContext):
+    """DCLW's rows: ``weights`` is ``w_i`` of each local anchor (detached)."""
+
+    weights: Tensor
 
 
 class DCLWLoss(ContrastiveLoss):
@@ -26,7 +35,7 @@ class DCLWLoss(ContrastiveLoss):
 
     name = "dclw"
 
-    def __init__(self, sigma: float = 0.5, *, chunk_size: int = 0, id_space: int = 0):
+    def __init__(self, sigma: float = 0.5, *, chunk_size: int = 0):
         super().__init__(chunk_size=chunk_size)
         if sigma <= 0:
             raise ValueError(f"dclw: sigma must be > 0, got {sigma}")
@@ -40,15 +49,15 @@ class DCLWLoss(ContrastiveLoss):
         weights = 2 - batch.global_size * torch.softmax(positive_cosines / self.sigma, dim=0)
         return {"weights": weights}
 
-    def row_context(self, batch: PairBatch, direction: str, state: dict) -> dict[str, Tensor]:
-        return {"weights": batch.local_rows(state["weights"])}
+    def row_context(self, batch: PairBatch, direction: str, state: dict) -> WeightedRows:
+        return WeightedRows(weights=batch.local_rows(state["weights"]))
 
     def row_statistic(self) -> LogSumExp:
         return LogSumExp(exclude_positive=True)
 
-    def statistic_terms(self, value: Tensor, positive: Tensor, context: dict[str, Tensor],
+    def statistic_terms(self, value: Tensor, positive: Tensor, context: RowContext,
                         num_negatives: int) -> dict[str, Tensor]:
-        return {"loss": value - context["weights"] * positive}
+        return {"loss": value - context.weights * positive}
 
     def reduce(self, batch: PairBatch, terms: list[dict[str, Tensor]], state: dict) -> dict:
         result = super().reduce(batch, terms, state)

@@ -12,11 +12,12 @@ then, because every ``L_ij >= -s``).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from vlcontrast.losses.base import ContrastiveLoss, LogSumExp
+from vlcontrast.losses.base import ContrastiveLoss, LogSumExp, RowContext
 
 
 def debiased_row_loss(positive: Tensor, log_negative_mass: Tensor, num_negatives: int,
@@ -37,6 +38,13 @@ def debiased_row_loss(positive: Tensor, log_negative_mass: Tensor, num_negatives
     return shift - positive + torch.log(positive_mass + estimate)
 
 
+@dataclass(kw_only=True)
+class ScaledRows(RowContext):
+    """The rows of a loss whose terms need the logit scale itself (the ``K e^{-s}`` floor)."""
+
+    scale: Tensor
+
+
 class DebiasedLoss(ContrastiveLoss):
     """Debiased InfoNCE: the negative term corrected for same-class samples among the negatives.
 
@@ -46,20 +54,19 @@ class DebiasedLoss(ContrastiveLoss):
 
     name = "debiased"
 
-    def __init__(self, tau_plus: float = 0.1, *, chunk_size: int = 0, id_space: int = 0):
+    def __init__(self, tau_plus: float = 0.1, *, chunk_size: int = 0):
         super().__init__(chunk_size=chunk_size)
         if not 0 <= tau_plus < 1:
             raise ValueError(f"debiased: tau_plus must be in [0, 1), got {tau_plus}")
         self.tau_plus = float(tau_plus)
 
-    def row_context(self, batch, direction, state):
-        # The floor needs s per row; a [B_local] view keeps the block function's signature uniform.
-        return {"scale": batch.logit_scale.detach().expand(batch.local_size)}
+    def row_context(self, batch, direction, state) -> ScaledRows:
+        return ScaledRows(scale=batch.logit_scale.detach())
 
     def row_statistic(self) -> LogSumExp:
         return LogSumExp(exclude_positive=True)
 
-    def statistic_terms(self, value: Tensor, positive: Tensor, context: dict[str, Tensor],
+    def statistic_terms(self, value: Tensor, positive: Tensor, context: RowContext,
                         num_negatives: int) -> dict[str, Tensor]:
         return {"loss": debiased_row_loss(positive, value, num_negatives,
-                                          self.tau_plus, context["scale"].to(value.dtype))}
+                                          self.tau_plus, context.scale.to(value.dtype))}

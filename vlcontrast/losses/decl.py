@@ -34,17 +34,32 @@ written, and without a ``step`` the loss is ``loss_2``.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from vlcontrast.distributed import all_reduce_sum, gather_no_grad, get_rank, get_world_size
 from vlcontrast.losses.base import (IMAGE_TO_TEXT, ContrastiveLoss, LogSumExp, PairBatch,
-                                    negatives_logsumexp, row_dtype)
+                                    RowContext, negatives_logsumexp, row_dtype)
 
 ESTIMATORS = ("buffer", "momentum", "batch")
 U_MODES = ("mean", "sample")
 SCHEDULES = ("alternate", "weighted", "loss1", "loss2")
+
+
+@dataclass(kw_only=True)
+class DeCLRows(RowContext):
+    """DeCL's rows of one direction, each ``[B_local]`` or ``None``.
+
+    ``old_log_u``: the buffer's ``log u`` before this step (``buffer`` estimator; updated with the
+    rows' own ``m`` before use). ``log_u``: the estimate to use as is (``momentum``). Neither: the
+    batch's own ``m`` (``batch``). ``noise``: ``E ~ Exponential(1)`` (``u_mode=sample``).
+    """
+
+    old_log_u: Tensor | None = None
+    log_u: Tensor | None = None
+    noise: Tensor | None = None
 
 
 class DeCLLoss(ContrastiveLoss):
@@ -339,36 +354,36 @@ class DeCLLoss(ContrastiveLoss):
             columns.append(torch.cat(parts) - math.log(batch.num_negatives))
         return torch.stack(columns, dim=1)
 
-    def row_context(self, batch: PairBatch, direction: str, state: dict) -> dict[str, Tensor]:
+    def row_context(self, batch: PairBatch, direction: str, state: dict) -> DeCLRows:
         column = 0 if direction == IMAGE_TO_TEXT else 1
-        context = {}
+        context = DeCLRows()
         if state["estimator"] == "buffer":
-            context["old_log_u"] = batch.local_rows(state["old_log_u"])[:, column]
+            context.old_log_u = batch.local_rows(state["old_log_u"])[:, column]
         elif state["estimator"] == "momentum":
-            context["log_u"] = state["log_u"][:, column]
+            context.log_u = state["log_u"][:, column]
         if "noise" in state:
-            context["noise"] = state["noise"][:, column]
+            context.noise = state["noise"][:, column]
         return context
 
     def row_statistic(self) -> LogSumExp:
         return LogSumExp(exclude_positive=True)
 
-    def statistic_terms(self, negative: Tensor, positive: Tensor, context: dict[str, Tensor],
+    def statistic_terms(self, negative: Tensor, positive: Tensor, context: DeCLRows,
                         num_negatives: int) -> dict[str, Tensor]:
         log_mean = negative - math.log(num_negatives)
-        if "old_log_u" in context:
-            log_u = self.update_rule(context["old_log_u"], log_mean.detach())
-        elif "log_u" in context:
-            log_u = context["log_u"]
+        if context.old_log_u is not None:
+            log_u = self.update_rule(context.old_log_u, log_mean.detach())
+        elif context.log_u is not None:
+            log_u = context.log_u
         else:
             log_u = log_mean.detach()
         log_u = log_u.to(log_mean.dtype)
         # U * m = exp(log m - log u): bounded by 1/gamma for the buffer, never overflows.
         u_times_mean = torch.exp(log_mean - log_u)
         inverse_rate = torch.exp(-log_u.double())
-        if "noise" in context:
-            u_times_mean = u_times_mean * context["noise"].to(log_mean.dtype)
-            inverse_rate = inverse_rate * context["noise"]
+        if context.noise is not None:
+            u_times_mean = u_times_mean * context.noise.to(log_mean.dtype)
+            inverse_rate = inverse_rate * context.noise
         return {"loss_1": u_times_mean - positive, "loss_2": negative - positive,
                 "log_u": log_u.detach(), "U": inverse_rate.detach()}
 

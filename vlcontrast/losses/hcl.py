@@ -23,8 +23,9 @@ import math
 import torch
 from torch import Tensor
 
-from vlcontrast.losses.base import ContrastiveLoss, LogSumExp, RowStatistic, fill_positives_
-from vlcontrast.losses.debiased import debiased_row_loss
+from vlcontrast.losses.base import (ContrastiveLoss, LogSumExp, RowContext, RowStatistic,
+                                    fill_positives_)
+from vlcontrast.losses.debiased import ScaledRows, debiased_row_loss
 
 
 def _tilted_sums(logits: Tensor, positives: Tensor, beta: float):
@@ -103,8 +104,7 @@ class HCLLoss(ContrastiveLoss):
 
     name = "hcl"
 
-    def __init__(self, tau_plus: float = 0.1, beta: float = 1.0, *, chunk_size: int = 0,
-                 id_space: int = 0):
+    def __init__(self, tau_plus: float = 0.1, beta: float = 1.0, *, chunk_size: int = 0):
         super().__init__(chunk_size=chunk_size)
         if not 0 <= tau_plus < 1:
             raise ValueError(f"hcl: tau_plus must be in [0, 1), got {tau_plus}")
@@ -113,15 +113,15 @@ class HCLLoss(ContrastiveLoss):
             raise ValueError(f"hcl: beta must be >= 0, got {beta}")
         self.beta = float(beta)
 
-    def row_context(self, batch, direction, state):
-        return {"scale": batch.logit_scale.detach().expand(batch.local_size)}
+    def row_context(self, batch, direction, state) -> ScaledRows:
+        return ScaledRows(scale=batch.logit_scale.detach())
 
     def row_statistic(self) -> RowStatistic:
         # beta = 0 is exactly debiased (and has no 0^0 at the positive to special-case).
         return LogSumExp(exclude_positive=True) if self.beta == 0 else HardNegativeMass(self.beta)
 
-    def statistic_terms(self, value: Tensor, positive: Tensor, context: dict[str, Tensor],
+    def statistic_terms(self, value: Tensor, positive: Tensor, context: RowContext,
                         num_negatives: int) -> dict[str, Tensor]:
         log_negative_mass = value if self.beta == 0 else math.log(num_negatives) + value
         return {"loss": debiased_row_loss(positive, log_negative_mass, num_negatives,
-                                          self.tau_plus, context["scale"].to(value.dtype))}
+                                          self.tau_plus, context.scale.to(value.dtype))}

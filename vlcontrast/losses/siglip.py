@@ -15,7 +15,7 @@ from __future__ import annotations
 from torch import Tensor
 from torch.nn import functional as F
 
-from vlcontrast.losses.base import IMAGE_TO_TEXT, ContrastiveLoss, PairBatch, RowStatistic
+from vlcontrast.losses.base import IMAGE_TO_TEXT, ContrastiveLoss, PairBatch, RowContext, RowStatistic
 
 
 class SoftplusSum(RowStatistic):
@@ -38,21 +38,21 @@ class SigLIPLoss(ContrastiveLoss):
     directions = (IMAGE_TO_TEXT,)
     uses_logit_bias = True
 
-    def __init__(self, *, chunk_size: int = 0, id_space: int = 0):
+    def __init__(self, *, chunk_size: int = 0):
         super().__init__(chunk_size=chunk_size)
 
-    def row_context(self, batch: PairBatch, direction: str, state: dict) -> dict[str, Tensor]:
+    def row_context(self, batch: PairBatch, direction: str, state: dict) -> RowContext:
         if batch.logit_bias is None:
-            return {}
-        # The base adds a per-row "row_offset" to the block (dense) or inside the chunked
-        # Function, which also returns its gradient; expanded so blocks can slice it.
-        return {"row_offset": batch.logit_bias.reshape(()).expand(batch.local_size)}
+            return RowContext()
+        # The base adds the per-row offset to the block (dense) or inside the chunked Function,
+        # which also returns its gradient; expanded to one entry per row as the contract says.
+        return RowContext(offset=batch.logit_bias.reshape(()).expand(batch.local_size))
 
     def row_statistic(self) -> RowStatistic:
         return SoftplusSum()
 
-    def statistic_terms(self, value: Tensor, positive: Tensor, context: dict[str, Tensor],
+    def statistic_terms(self, value: Tensor, positive: Tensor, context: RowContext,
                         num_negatives: int) -> dict[str, Tensor]:
-        if "row_offset" in context:
-            positive = positive + context["row_offset"].to(value.dtype)
+        if context.offset is not None:
+            positive = positive + context.offset.to(value.dtype)
         return {"loss": value - positive}
