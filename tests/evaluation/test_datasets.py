@@ -4,9 +4,12 @@ import pytest
 
 from tests.evaluation.helpers import write_clip_benchmark_wds, write_image_folder, write_retrieval_shards
 from vlcontrast.evaluation.datasets import (ROW_BITS, TarEvalDataset, build_retrieval_loader,
-                                            is_retrieval_sample, plan_reading, read_templates,
-                                            resolve_shards, resolve_zeroshot_data, sample_captions,
-                                            shard_sizes)
+                                            plan_reading, read_templates, resolve_shards,
+                                            resolve_zeroshot_data, sample_captions, shard_sizes)
+
+
+def captions_of(key, files):
+    return sample_captions(files)
 
 
 @pytest.mark.parametrize("num_shards", [1, 2, 3, 5, 8])
@@ -46,8 +49,8 @@ def test_reader_yields_all_samples_with_their_captions(tmp_path, style):
                                       style=style)
     seen = {}
     for rank in range(2):
-        dataset = TarEvalDataset(resolve_shards(str(tmp_path)), is_retrieval_sample, sample_captions,
-                                 rank=rank, world_size=2)
+        dataset = TarEvalDataset(resolve_shards(str(tmp_path)), captions_of, rank=rank,
+                                 world_size=2)
         for key, texts in dataset:
             assert key not in seen
             seen[key] = texts
@@ -61,8 +64,8 @@ def test_shard_sizes_from_sizes_json_or_counted(tmp_path):
     write_retrieval_shards(tmp_path / "b", 10, per_shard=4, sizes_json=False)
     (tmp_path / "a" / "sizes.json").write_text(json.dumps({"00000.tar": 4, "00001.tar": 4,
                                                             "00002.tar": 99}))
-    assert shard_sizes(resolve_shards(str(tmp_path / "a")), is_retrieval_sample) == [4, 4, 99]
-    assert shard_sizes(resolve_shards(str(tmp_path / "b")), is_retrieval_sample) == [4, 4, 2]
+    assert shard_sizes(resolve_shards(str(tmp_path / "a"))) == [4, 4, 99]
+    assert shard_sizes(resolve_shards(str(tmp_path / "b"))) == [4, 4, 2]
 
 
 def test_max_samples_keeps_dataset_prefix_and_counts_batches(tmp_path, tiny):
@@ -85,6 +88,7 @@ def test_broken_images_are_skipped_and_counted(tmp_path, tiny):
     batches = list(loader.loader)
     assert sum(b[3] for b in batches) == 1
     assert sum(len(b[2]) for b in batches) == 5
+    assert [b[3].reasons for b in batches if b[3]] == [{"undecodable_image": 1}]
 
 
 def test_resolve_shards_forms(tmp_path):
@@ -101,7 +105,7 @@ def test_clip_benchmark_retrieval_layout_is_read(tmp_path):
     captions = write_clip_benchmark_wds(tmp_path, 5, 2, task="retrieval", captions_per_image=3)
     shards = resolve_shards(str(tmp_path))
     assert shards == [str(tmp_path / "test" / f"{i}.tar") for i in range(3)]
-    dataset = TarEvalDataset(shards, is_retrieval_sample, sample_captions)
+    dataset = TarEvalDataset(shards, captions_of)
     assert [texts for _, texts in dataset] == captions
 
 

@@ -1,142 +1,96 @@
 """Readers for evaluation data, split deterministically across ranks and loader workers.
 
-Retrieval data are webdataset tar shards: img2dataset's layout (``<key>.jpg`` + ``<key>.txt`` +
-``<key>.json``, what ``vlcontrast.data`` writes) or CLIP_benchmark's (``DIR/test/nshards.txt``,
-``DIR/test/0.tar`` ...). Captions of a sample, first match wins: a ``captions`` list in its ``.json``;
-the lines of its ``.txt`` (CLIP_benchmark writes one caption per line, ``str.splitlines``); the
-``caption`` field of its ``.json``.
+Retrieval data are webdataset tar shards named in the one shard-spec grammar of
+:mod:`vlcontrast.data.spec` (a directory, a brace pattern, a glob, a comma list, CLIP_benchmark's
+``DIR/test/nshards.txt`` layout, ``pipe:`` URLs), read by the one tar reader
+(:mod:`vlcontrast.data.tar_reader`): img2dataset's layout (``<key>.jpg`` + ``<key>.txt`` +
+``<key>.json``, what ``vlcontrast.data`` writes) or CLIP_benchmark's. Each sample is judged by
+the training loader's own checks (:func:`vlcontrast.data.samples.inspect_sample`), so evaluation
+skips and counts exactly the samples training skips, under the same names. Captions of a usable
+sample, first match wins: a ``captions`` list in its ``.json``; the lines of its ``.txt``
+(CLIP_benchmark writes one caption per line, ``str.splitlines``).
 
 Zero-shot data are an ImageNet ``val`` directory (1000 WNID folders -> open_clip's
 ``IMAGENET_CLASSNAMES`` and ``OPENAI_IMAGENET_TEMPLATES``), any ImageFolder (sorted sub-folders are
 the classes; names from ``--classnames``, else the folder names), or CLIP_benchmark's classification
-webdataset (``classnames.txt``, ``zeroshot_classification_templates.txt``, ``.cls`` labels).
+webdataset (``classnames.txt``, ``zeroshot_classification_templates.txt``, ``.cls`` labels; the
+image checks plus ``missing_label``).
 
-Every sample gets a global ``key``: ``shard_index * 2**32 + row`` for shards (row = position among the
-shard's complete samples), the file's position for folders. Keys give the dataset order back after a
+Every sample gets a global ``key``: ``shard_index * 2**32 + row`` for shards (row = the sample's
+position in its shard), the file's position for folders. Keys give the dataset order back after a
 distributed gather. Splitting: with at least as many shards as reader slots (ranks x workers) each
 slot reads whole shards; otherwise every slot of a rank reads the rank's shards (all shards when there
 are fewer shards than ranks) and keeps every ``stride``-th sample, so small sets still use every rank.
+
+Skipped samples reach the caller as the ``skipped`` element of every batch: an ``int`` (the number
+of samples skipped) whose ``reasons`` attribute counts them, and any shard events, per reason.
 """
 
 from __future__ import annotations
 
-import glob
-import io
 import json
+import logging
 import os
 import re
-import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import torch
-from PIL import Image
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
+from vlcontrast.data.samples import (DEFAULT_MAX_IMAGE_PIXELS, IMAGE_EXTENSIONS, find_image,
+                                     inspect_sample, open_image, read_json, read_label)
+from vlcontrast.data.shards import read_sizes
+from vlcontrast.data.spec import DEFAULT_SPLIT, expand_spec
+from vlcontrast.data.tar_reader import SHARD_EVENTS, read_shard
+
+logger = logging.getLogger(__name__)
+
 FOLDER_IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".ppm",
                            ".pgm", ".JPEG", ".JPG", ".PNG")
 WNID = re.compile(r"^n\d{8}$")
 ROW_BITS = 32
+SPEC_KEY = "evaluation data"
+"""How evaluation names its shard spec in errors (the trainer checks data.val/eval.retrieval
+before, under their own keys)."""
 
 
 # ----------------------------------------------------------------------------------------- shards
 
-def resolve_shards(spec: str | Sequence[str], split: str = "test") -> list[str]:
-    """Shard paths from a directory, a brace pattern (``data/{00000..00009}.tar``), a comma-separated
-    list, or a list. A directory in CLIP_benchmark's layout contributes ``split/0.tar ...``."""
+def resolve_shards(spec: str | Sequence[str], split: str = DEFAULT_SPLIT) -> list[str]:
+    """Shard paths of a spec in the one grammar (:mod:`vlcontrast.data.spec`), or of a list of
+    specs. Missing shards raise :class:`~vlcontrast.data.errors.ShardsNotFoundError` (a
+    ``FileNotFoundError``) naming them."""
     if not isinstance(spec, str):
-        paths = [p for item in spec for p in resolve_shards(item, split)]
-    elif "," in spec and not os.path.exists(spec):
-        paths = [p for item in spec.split(",") if item for p in resolve_shards(item, split)]
-    elif os.path.isdir(spec):
-        nshards = Path(spec) / split / "nshards.txt"
-        if nshards.is_file():
-            count = int(nshards.read_text().strip())
-            paths = [str(Path(spec) / split / f"{i}.tar") for i in range(count)]
-        else:
-            paths = sorted(glob.glob(os.path.join(spec, "*.tar")))
-    elif "{" in spec:
-        from braceexpand import braceexpand
-
-        paths = list(braceexpand(spec))
-    else:
-        paths = [spec]
-    if not paths:
-        raise FileNotFoundError(f"no .tar shards found at {spec!r}")
-    missing = [p for p in paths if not os.path.isfile(p)]
-    if missing:
-        raise FileNotFoundError(f"{len(missing)} shard(s) missing, e.g. {missing[0]}")
-    return paths
+        return [p for item in spec for p in resolve_shards(item, split)]
+    return expand_spec(spec, SPEC_KEY, split)
 
 
 def iter_tar_groups(path: str) -> Iterator[tuple[str, dict[str, bytes]]]:
-    """``(key, {extension: bytes})`` for consecutive members sharing a key (webdataset's rule: the key
-    is the member path up to the first dot of its file name)."""
-    current, files = None, {}
-    with tarfile.open(path, "r|*") as archive:
-        for member in archive:
-            if not member.isfile():
-                continue
-            folder, _, name = member.name.rpartition("/")
-            stem, dot, extension = name.partition(".")
-            if not dot or name.startswith("."):
-                continue
-            key = f"{folder}/{stem}" if folder else stem
-            if key != current:
-                if current is not None:
-                    yield current, files
-                current, files = key, {}
-            files[extension.lower()] = archive.extractfile(member).read()
-    if current is not None:
-        yield current, files
+    """``(key, {extension: bytes})`` for every sample of one shard (the one tar reader)."""
+    for _, key, members in read_shard(path, exact=False):
+        yield key, members
 
 
-def has_image(files: dict[str, bytes]) -> bool:
-    return any(ext in files for ext in IMAGE_EXTENSIONS)
-
-
-def is_retrieval_sample(files: dict[str, bytes]) -> bool:
-    return has_image(files) and ("txt" in files or "json" in files)
-
-
-def is_classification_sample(files: dict[str, bytes]) -> bool:
-    return has_image(files) and "cls" in files
-
-
-def shard_sizes(shards: Sequence[str], is_sample: Callable[[dict], bool]) -> list[int]:
-    """Samples per shard: from ``sizes.json`` beside the shards when it lists them all, else counted."""
-    sizes = {}
+def shard_sizes(shards: Sequence[str]) -> list[int]:
+    """Samples per shard: from ``sizes.json`` beside the shards when it lists them, else counted."""
+    known: dict[str, int] = {}
     for folder in {os.path.dirname(os.path.abspath(s)) for s in shards}:
-        sizes_file = os.path.join(folder, "sizes.json")
-        if os.path.isfile(sizes_file):
-            with open(sizes_file) as handle:
-                for name, count in json.load(handle).items():
-                    sizes[os.path.join(folder, name)] = int(count)
-    result = []
-    for shard in shards:
-        known = sizes.get(os.path.abspath(shard))
-        result.append(known if known is not None else
-                      sum(1 for _, files in iter_tar_groups(shard) if is_sample(files)))
-    return result
-
-
-def decode_image(files: dict[str, bytes]) -> Image.Image:
-    data = next(files[ext] for ext in IMAGE_EXTENSIONS if ext in files)
-    with Image.open(io.BytesIO(data)) as image:
-        return image.convert("RGB")
+        for name, n in read_sizes(folder).items():
+            known[os.path.join(folder, name)] = n
+    return [known[os.path.abspath(shard)] if os.path.abspath(shard) in known else
+            sum(1 for _ in read_shard(shard, exact=False)) for shard in shards]
 
 
 def sample_captions(files: dict[str, bytes]) -> list[str]:
-    meta = None
-    if "json" in files:
-        try:
-            meta = json.loads(files["json"])
-        except ValueError:
-            meta = None
+    """A ``captions`` list in the ``.json``, else the non-empty lines of the ``.txt``, else the
+    ``.json``'s ``caption``."""
+    meta = read_json(files)
     if isinstance(meta, dict) and isinstance(meta.get("captions"), list):
-        return [str(c) for c in meta["captions"] if str(c).strip()]
+        captions = [str(c) for c in meta["captions"] if str(c).strip()]
+        if captions:
+            return captions
     if "txt" in files:
         return [line for line in files["txt"].decode("utf-8").splitlines() if line.strip()]
     if isinstance(meta, dict) and meta.get("caption"):
@@ -145,26 +99,45 @@ def sample_captions(files: dict[str, bytes]) -> list[str]:
 
 
 class RetrievalDecoder:
-    """files -> (image tensor, captions); a class so loader workers can pickle it."""
+    """(key, files) -> (image tensor, captions), or the reason the sample is skipped (the
+    training loader's checks); a class so loader workers can pickle it."""
 
-    def __init__(self, preprocess):
+    def __init__(self, preprocess, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
         self.preprocess = preprocess
+        self.max_image_pixels = max_image_pixels
 
-    def __call__(self, files):
-        captions = sample_captions(files)
-        if not captions:
-            raise ValueError("sample has no caption")
-        return self.preprocess(decode_image(files)), captions
+    def __call__(self, key: str, files: dict[str, bytes]):
+        sample = inspect_sample(key, files, max_image_pixels=self.max_image_pixels)
+        if isinstance(sample, str):
+            return sample
+        try:
+            image = self.preprocess(sample.image)
+        except Exception:  # noqa: BLE001 - counted, as in training
+            return "transform_error"
+        return image, sample_captions(files)
 
 
 class ClassificationDecoder:
-    """files -> (image tensor, label) from CLIP_benchmark's ``.cls``."""
+    """(key, files) -> (image tensor, label) from CLIP_benchmark's ``.cls``, or the reason."""
 
-    def __init__(self, preprocess):
+    def __init__(self, preprocess, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
         self.preprocess = preprocess
+        self.max_image_pixels = max_image_pixels
 
-    def __call__(self, files):
-        return self.preprocess(decode_image(files)), int(files["cls"].decode().strip())
+    def __call__(self, key: str, files: dict[str, bytes]):
+        image_bytes = find_image(files)
+        if image_bytes is None:
+            return "missing_image"
+        label = read_label(files)
+        if isinstance(label, str):
+            return label
+        image = open_image(image_bytes, self.max_image_pixels)
+        if isinstance(image, str):
+            return image
+        try:
+            return self.preprocess(image), label
+        except Exception:  # noqa: BLE001 - counted, as in training
+            return "transform_error"
 
 
 @dataclass(frozen=True)
@@ -185,14 +158,14 @@ def plan_reading(num_shards: int, rank: int, world: int, worker: int, workers: i
 
 
 class TarEvalDataset(IterableDataset):
-    """Yields ``(key, decoded)`` for this rank's part of the shards; ``decoded`` is ``None`` when the
-    sample could not be decoded (counted as skipped by the collate function)."""
+    """Yields ``(key, decoded)`` for this rank's part of the shards; ``decoded`` is the reason
+    string when the sample is skipped. Shard events (a truncated or unreadable shard) come as
+    ``(None, event)``; the collate functions count both."""
 
-    def __init__(self, shards: Sequence[str], is_sample: Callable[[dict], bool],
-                 decode: Callable[[dict], object], *, rank: int = 0, world_size: int = 1,
-                 row_limits: Sequence[int] | None = None):
+    def __init__(self, shards: Sequence[str], decode: Callable[[str, dict], object], *,
+                 rank: int = 0, world_size: int = 1, row_limits: Sequence[int] | None = None):
         self.shards = list(shards)
-        self.is_sample, self.decode = is_sample, decode
+        self.decode = decode
         self.rank, self.world_size = rank, world_size
         self.row_limits = list(row_limits) if row_limits is not None else None
 
@@ -207,20 +180,16 @@ class TarEvalDataset(IterableDataset):
             limit = self.row_limits[shard_id] if self.row_limits is not None else None
             if limit == 0:
                 continue
-            row = 0
-            for _, files in iter_tar_groups(self.shards[shard_id]):
-                if not self.is_sample(files):
-                    continue
-                if limit is not None and row >= limit:
-                    break
+            events: dict[str, int] = {}
+            for row, key, files in read_shard(self.shards[shard_id], take=limit, exact=False,
+                                              counts=events):
                 if counter % plan.stride == plan.offset:
-                    try:
-                        decoded = self.decode(files)
-                    except Exception:  # noqa: BLE001 - a broken sample is skipped and counted
-                        decoded = None
-                    yield (shard_id << ROW_BITS) + row, decoded
+                    yield (shard_id << ROW_BITS) + row, self.decode(key, files)
                 counter += 1
-                row += 1
+            for event, n in events.items():
+                logger.warning("evaluation shard %s: %s", self.shards[shard_id], event)
+                for _ in range(n):
+                    yield None, event
 
     def planned_samples(self, sizes: Sequence[int], workers: int) -> list[int]:
         """Samples each loader worker of this rank will read given per-shard ``sizes``."""
@@ -243,9 +212,25 @@ def row_limits_for(sizes: Sequence[int], max_samples: int) -> list[int]:
     return limits
 
 
+class Skipped(int):
+    """The number of samples a batch skipped; ``reasons`` counts them (and shard events) by the
+    training loader's reason names."""
+
+    reasons: dict[str, int]
+
+    def __new__(cls, reasons: dict[str, int]):
+        value = super().__new__(cls, sum(n for r, n in reasons.items() if r not in SHARD_EVENTS))
+        value.reasons = dict(reasons)
+        return value
+
+
 def _collate(samples, stack_second: bool):
-    kept = [(key, item) for key, item in samples if item is not None]
-    skipped = len(samples) - len(kept)
+    kept = [(key, item) for key, item in samples if not isinstance(item, str)]
+    reasons: dict[str, int] = {}
+    for _, item in samples:
+        if isinstance(item, str):
+            reasons[item] = reasons.get(item, 0) + 1
+    skipped = Skipped(reasons)
     if not kept:
         return None, [], torch.zeros(0, dtype=torch.long), skipped
     keys = torch.tensor([key for key, _ in kept], dtype=torch.long)
@@ -281,15 +266,16 @@ class EvalLoader:
 
 def build_retrieval_loader(shards: str | Sequence[str], preprocess, *, batch_size: int,
                            workers: int = 0, rank: int = 0, world_size: int = 1,
-                           max_samples: int = 0) -> EvalLoader:
+                           max_samples: int = 0,
+                           max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> EvalLoader:
     paths = resolve_shards(shards)
     limits = sizes = None
     if max_samples and max_samples > 0:
-        sizes = shard_sizes(paths, is_retrieval_sample)
+        sizes = shard_sizes(paths)
         limits = row_limits_for(sizes, max_samples)
 
-    dataset = TarEvalDataset(paths, is_retrieval_sample, RetrievalDecoder(preprocess), rank=rank, world_size=world_size,
-                             row_limits=limits)
+    dataset = TarEvalDataset(paths, RetrievalDecoder(preprocess, max_image_pixels), rank=rank,
+                             world_size=world_size, row_limits=limits)
     num_batches = None
     if sizes is not None:
         num_batches = sum(-(-n // batch_size) for n in dataset.planned_samples(sizes, workers))
@@ -403,17 +389,22 @@ class FolderEvalDataset(Dataset):
         index = self.indices[position]
         path, label = self.samples[index]
         try:
-            with Image.open(path) as image:
-                return index, (self.preprocess(image.convert("RGB")), label)
-        except Exception:  # noqa: BLE001 - unreadable image: skipped and counted
-            return index, None
+            with open(path, "rb") as handle:
+                image = open_image(handle.read())
+        except OSError:
+            return index, "undecodable_image"
+        if isinstance(image, str):
+            return index, image  # skipped and counted under the training loader's name
+        try:
+            return index, (self.preprocess(image), label)
+        except Exception:  # noqa: BLE001 - counted, as in training
+            return index, "transform_error"
 
 
 def build_zeroshot_loader(data: ZeroShotData, preprocess, *, batch_size: int, workers: int = 0,
                           rank: int = 0, world_size: int = 1) -> EvalLoader:
     if data.kind == "wds":
-        dataset = TarEvalDataset(data.shards, is_classification_sample,
-                                 ClassificationDecoder(preprocess), rank=rank,
+        dataset = TarEvalDataset(data.shards, ClassificationDecoder(preprocess), rank=rank,
                                  world_size=world_size)
         return EvalLoader(_loader(dataset, batch_size, workers, collate_classification), None,
                           data.root)
