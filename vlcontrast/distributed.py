@@ -191,6 +191,7 @@ def init_distributed(backend: str | None = None, timeout_s: int = 600,
         if _DEVICE is None:  # a group made elsewhere (tests): its backend says where flags live
             _DEVICE = (torch.device("cuda", torch.cuda.current_device())
                        if dist.get_backend() == "nccl" else torch.device("cpu"))
+            os.environ.setdefault("DS_ACCELERATOR", _DEVICE.type)
         return dataclasses.replace(env, device=_DEVICE)
     chosen = select_device(device, env.local_rank, env.rank)
     _DEVICE = chosen

@@ -11,7 +11,8 @@ import os
 
 import pytest
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+if os.environ.get("VLC_TEST_BACKEND", "gloo") != "nccl":  # under nccl DeepSpeed uses the GPUs
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

@@ -1,0 +1,166 @@
+"""Device choice happens in one place, before the process group exists (issue: a collective before
+``torch.cuda.set_device`` puts every local rank of a node on cuda:0 and NCCL refuses).
+
+``torch.cuda`` and ``torch.distributed`` are mocked: the tests record the order of
+``set_device``, ``init_process_group`` and the first collective, on a CPU machine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vlcontrast.distributed as dist_utils
+
+
+class Recorder:
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.current = 0
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    """A node with 4 visible GPUs and no process group; records device and group calls."""
+    recorder = Recorder()
+    state = {"initialized": False, "backend": None}
+
+    def set_device(device):
+        index = torch.device(device).index if not isinstance(device, int) else device
+        recorder.current = index
+        recorder.calls.append(("set_device", index))
+
+    def init_process_group(backend, **kwargs):
+        recorder.calls.append(("init_process_group", backend, kwargs.get("device_id")))
+        state.update(initialized=True, backend=backend)
+
+    def all_reduce(tensor, op=None):
+        recorder.calls.append(("all_reduce", str(tensor.device)))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: recorder.current)
+    monkeypatch.setattr(dist_utils.dist, "is_initialized", lambda: state["initialized"])
+    monkeypatch.setattr(dist_utils.dist, "init_process_group", init_process_group)
+    monkeypatch.setattr(dist_utils.dist, "get_backend", lambda: state["backend"])
+    monkeypatch.setattr(dist_utils.dist, "get_world_size", lambda: 8)
+    monkeypatch.setattr(dist_utils.dist, "get_rank", lambda: 5)
+    monkeypatch.setattr(dist_utils.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(dist_utils, "_DEVICE", None)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "DS_ACCELERATOR", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(key, raising=False)
+    return recorder
+
+
+def _launch(monkeypatch, rank: int, local_rank: int, world: int = 8):
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29999")
+
+
+def test_device_is_set_before_the_group_and_before_any_collective(fake_gpus, monkeypatch):
+    _launch(monkeypatch, rank=5, local_rank=1)
+    env = dist_utils.init_distributed(timeout_s=5, device="auto")
+    # Tensors cannot really be made on the fake GPU: the flag tensor is built, then "reduced".
+    real_tensor = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda data, device=None, **kw: _OnDevice(
+        real_tensor(data, **kw), device))
+    dist_utils.raise_on_any_rank(None)  # preflight's collective
+
+    assert env.device == torch.device("cuda", 1)
+    assert fake_gpus.calls[0] == ("set_device", 1)
+    assert fake_gpus.calls[1] == ("init_process_group", "nccl", torch.device("cuda", 1))
+    assert fake_gpus.calls[2] == ("all_reduce", "cuda:1")  # this rank's GPU, not cuda:0
+    import os
+
+    assert os.environ["DS_ACCELERATOR"] == "cuda"
+
+
+class _OnDevice:
+    """A CPU tensor that reports the device it was asked for (the fake GPU)."""
+
+    def __init__(self, tensor, device):
+        self.tensor, self.device = tensor, torch.device(device) if device else tensor.device
+
+    def item(self):
+        return self.tensor.item()
+
+
+def test_flag_tensors_live_on_each_ranks_own_gpu(fake_gpus, monkeypatch):
+    _launch(monkeypatch, rank=3, local_rank=3)
+    dist_utils.init_distributed(timeout_s=5, device="cuda")
+    assert dist_utils.flag_device() == torch.device("cuda", 3)
+    fake_gpus.current = 0  # whatever the current device says, the chosen one is used
+    assert dist_utils.flag_device() == torch.device("cuda", 3)
+
+
+def test_one_gpu_per_task_maps_every_local_rank_to_its_only_device(fake_gpus, monkeypatch):
+    # srun --gpus-per-task=1: each task sees one GPU, SLURM_LOCALID still counts 0..7.
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    _launch(monkeypatch, rank=6, local_rank=6)
+    env = dist_utils.init_distributed(timeout_s=5, device="cuda")
+    assert env.device == torch.device("cuda", 0)
+    assert fake_gpus.calls[0] == ("set_device", 0)
+
+
+def test_a_task_without_a_usable_gpu_is_a_clear_error(fake_gpus, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    _launch(monkeypatch, rank=2, local_rank=2)
+    with pytest.raises(dist_utils.DeviceError,
+                       match=r"train.device='cuda': rank 2 \(local rank 2\) sees no usable CUDA "
+                             r"device \(CUDA_VISIBLE_DEVICES=''\)"):
+        dist_utils.init_distributed(timeout_s=5, device="cuda")
+    assert not [c for c in fake_gpus.calls if c[0] == "init_process_group"]
+
+
+def test_accelerator_and_device_are_chosen_together(fake_gpus, monkeypatch):
+    # A user's DS_ACCELERATOR=cpu makes auto mean CPU (gloo), on a GPU machine too.
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    _launch(monkeypatch, rank=0, local_rank=0, world=1)
+    env = dist_utils.init_distributed(timeout_s=5, device="auto")
+    assert env.device == torch.device("cpu")
+    assert fake_gpus.calls == [("init_process_group", "gloo", None)]
+    # Contradicting it is an error naming both settings.
+    with pytest.raises(dist_utils.DeviceError, match="train.device='cuda'.*DS_ACCELERATOR='cpu'"):
+        dist_utils.select_device("cuda", local_rank=0)
+
+
+def test_no_gpu_auto_chooses_cpu_and_tells_deepspeed(monkeypatch):
+    import os
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    assert dist_utils.select_device("auto", local_rank=3) == torch.device("cpu")
+    assert os.environ["DS_ACCELERATOR"] == "cpu"
+
+
+def test_train_initialises_the_device_before_preflight(monkeypatch, tmp_path):
+    """The loop's order: init_distributed (device, then group) comes before preflight's
+    collective."""
+    import vlcontrast.train.loop as loop
+    from vlcontrast.config import load_config
+
+    order = []
+
+    class Stop(Exception):
+        pass
+
+    def init_distributed(**kwargs):
+        order.append(("init_distributed", kwargs.get("device")))
+        return dist_utils.LaunchEnv(0, 1, 0, "127.0.0.1", "1", "single", torch.device("cpu"))
+
+    def preflight(config):
+        order.append(("preflight",))
+        raise Stop
+
+    monkeypatch.setattr(loop.dist_utils, "init_distributed", init_distributed)
+    monkeypatch.setattr(loop, "preflight", preflight)
+    config = load_config(None, ["data.train=x", "train.steps=1", "train.device=cpu",
+                                f"output_dir={tmp_path}"])
+    with pytest.raises(Stop):
+        loop.train(config)
+    assert order == [("init_distributed", "cpu"), ("preflight",)]
