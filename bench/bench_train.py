@@ -1,7 +1,7 @@
 """End-to-end training throughput: ``vlcontrast train`` (DeepSpeed) against open_clip's own trainer.
 
 Both trainers read the same synthetic webdataset shards, build the same open_clip model config
-(``configs/models/vlc-micro.json`` by default, registered with ``open_clip.add_model_config`` for
+(``vlcontrast/models/configs/vlc-micro.json`` by default, registered with ``open_clip.add_model_config`` for
 open_clip), and run the same number of steps with the same per-process batch size, precision
 (fp32), data workers, learning-rate schedule shape, loss (InfoNCE; open_clip's ``ClipLoss`` with
 ``--local-loss --gather-with-grad``, which is what vlcontrast's loss computes across ranks) and
@@ -224,13 +224,12 @@ def run_open_clip(args, nproc: int, work: Path, tag: str) -> dict:
 
 
 def _model_json(model: str) -> Path:
-    path = Path(model)
-    if path.suffix == ".json" and path.is_file():
-        return path.resolve()
-    candidate = ROOT / "configs" / "models" / f"{model}.json"
-    if not candidate.is_file():
-        raise SystemExit(f"--model {model}: no open_clip model config at {candidate}")
-    return candidate
+    from vlcontrast.models import find_model_config_file
+
+    path = find_model_config_file(model)
+    if path is None:
+        raise SystemExit(f"--model {model}: no model-config JSON of that name or path")
+    return path.resolve()
 
 
 def _shard_pattern(directory: Path) -> str:
@@ -324,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=str(ROOT / "data" / "bench-micro32"),
                         help="synthetic dataset root (written if missing)")
-    parser.add_argument("--model", default="vlc-micro", help="configs/models/<name>.json or a path")
+    parser.add_argument("--model", default="vlc-micro", help="a shipped model config name or a JSON path")
     parser.add_argument("--image-size", type=int, default=32, help="image size when writing data")
     parser.add_argument("--batch-size", type=int, default=64, help="per process")
     parser.add_argument("--steps", type=int, default=120)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from vlcontrast.config import load_config
-from vlcontrast.models import resolve_model_config
+from vlcontrast.models import PACKAGE_CONFIG_DIR, resolve_model_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if "study" not in p.parts)
@@ -20,8 +20,7 @@ def test_run_config_validates(path):
     assert model_cfg["embed_dim"] > 0
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "models").glob("*.json")),
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted(PACKAGE_CONFIG_DIR.glob("*.json")), ids=lambda p: p.name)
 def test_model_config_is_open_clip_shaped(path):
     cfg = json.loads(path.read_text())
     assert {"embed_dim", "vision_cfg", "text_cfg"} <= set(cfg)

@@ -25,6 +25,10 @@ class ConfigError(ValueError):
     """A configuration value is unknown, of the wrong type, or impossible."""
 
 
+PRECISIONS = ("fp32", "amp_bf16", "bf16", "fp16")
+"""Values of ``train.precision`` (see :class:`TrainConfig`)."""
+
+
 @dataclass
 class DataConfig:
     train: str = ""
@@ -63,10 +67,12 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     name: str = "vlc-tiny"
-    """An open_clip model name (RN50, ViT-B-32, ...) or a path to an open_clip model-config JSON;
-    bare names are also looked up in ``configs/models/<name>.json``."""
+    """An open_clip model name (RN50, ViT-B-32, ...), a model config shipped with vlcontrast
+    (``vlc-micro``, ``vlc-tiny``, ...), a path to an open_clip model-config JSON, or a bare name
+    found as ``configs/models/<name>.json`` under the current directory (a folder for your own)."""
     pretrained: str = ""
-    """open_clip ``pretrained`` tag or local weights file (empty: random init)."""
+    """Initial weights: an open_clip ``pretrained`` tag, an open_clip weights file, or a vlcontrast
+    run or checkpoint directory (its ``model.pt``; the model configs must match). Empty: random."""
     hf_model_dir: str = ""
     """Local Hugging Face model directory for the text tower (sets ``text_cfg.hf_model_name``)."""
     grad_checkpointing: bool = False
@@ -75,6 +81,34 @@ class ModelConfig:
     """log(1/tau) at init; 0 means the loss's default (log(1/0.07), or log(10) for SigLIP)."""
     init_logit_bias: float | None = None
     """Initial logit bias; None means -10 for SigLIP and no bias otherwise."""
+    lock_image: bool = False
+    """Freeze the image tower (LiT; open_clip's ``lock_image_tower``): no gradient, no optimizer
+    state. Usually with ``model.pretrained``."""
+    lock_image_unlocked_groups: int = 0
+    """With ``lock_image``: leave the last N layer groups of the image tower trainable (ViT
+    towers; open_clip's ResNet towers lock whole, so N must be 0 there)."""
+    lock_image_freeze_bn_stats: bool = False
+    """With ``lock_image``: also freeze the batch-norm running statistics (ResNet towers)."""
+    lock_text: bool = False
+    """Freeze the text tower (open_clip's ``lock_text_tower``)."""
+    lock_text_unlocked_layers: int = 0
+    """With ``lock_text``: leave the last N transformer blocks trainable (with the final norm and
+    projection, as open_clip does)."""
+    lock_text_freeze_layer_norm: bool = True
+    """With ``lock_text``: freeze the layer norms of the locked blocks too (open_clip's built-in
+    text tower supports only True; False applies to Hugging Face text towers)."""
+
+    def check(self) -> None:
+        _require(self.lock_image_unlocked_groups >= 0, "model.lock_image_unlocked_groups",
+                 self.lock_image_unlocked_groups, "must be >= 0")
+        _require(self.lock_text_unlocked_layers >= 0, "model.lock_text_unlocked_layers",
+                 self.lock_text_unlocked_layers, "must be >= 0")
+        for key in ("lock_image_unlocked_groups", "lock_image_freeze_bn_stats"):
+            _require(self.lock_image or getattr(self, key) == getattr(ModelConfig, key),
+                     f"model.{key}", getattr(self, key), "applies only with model.lock_image=true")
+        for key in ("lock_text_unlocked_layers", "lock_text_freeze_layer_norm"):
+            _require(self.lock_text or getattr(self, key) == getattr(ModelConfig, key),
+                     f"model.{key}", getattr(self, key), "applies only with model.lock_text=true")
 
 
 @dataclass
@@ -118,7 +152,9 @@ class TrainConfig:
     epochs: float = 0.0
     """Epochs over ``data.num_samples`` (used when ``steps`` is 0)."""
     precision: str = "fp32"
-    """``fp32``, ``bf16`` or ``fp16`` (dynamic loss scaling)."""
+    """``fp32``; ``amp_bf16`` (fp32 weights, gradients and reductions, bf16 autocast compute:
+    open_clip's choice); ``bf16`` (everything in bf16 with an fp32 master copy in the optimizer);
+    ``fp16`` (like bf16, with dynamic loss scaling). See docs/training.md, "Precision"."""
     accum_steps: int = 1
     """Micro-batches per optimizer step; the loss spans all of them (GradCache-style)."""
     resume: str = ""
@@ -142,8 +178,8 @@ class TrainConfig:
         _require(self.epochs >= 0, "train.epochs", self.epochs, "must be >= 0")
         _require(self.steps > 0 or self.epochs > 0, "train.steps", self.steps,
                  "set train.steps or train.epochs to a positive value")
-        _require(self.precision in ("fp32", "bf16", "fp16"), "train.precision", self.precision,
-                 "must be fp32, bf16 or fp16")
+        _require(self.precision in PRECISIONS, "train.precision", self.precision,
+                 f"must be one of {', '.join(PRECISIONS)}")
         _require(self.accum_steps >= 1, "train.accum_steps", self.accum_steps, "must be >= 1")
         _require(self.log_every >= 1, "train.log_every", self.log_every, "must be >= 1")
         _require(self.max_bad_steps >= 1, "train.max_bad_steps", self.max_bad_steps, "must be >= 1")
@@ -225,7 +261,8 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def check(self) -> None:
-        for section in (self.data, self.optim, self.train, self.deepspeed, self.checkpoint):
+        for section in (self.data, self.model, self.optim, self.train, self.deepspeed,
+                        self.checkpoint):
             section.check()
         from vlcontrast.losses import LOSSES, loss_option_defaults
 

@@ -1,17 +1,22 @@
 """Image and text towers, tokenizer and transforms, all from open_clip.
 
 :func:`build_model` turns ``model.*`` of the run config into a :class:`ModelBundle`: any open_clip
-model name (``RN50``, ``ViT-B-32`` ...), a path to an open_clip model-config JSON, or a name found in
-``configs/models/``; a Hugging Face text tower loads from a local directory (``model.hf_model_dir``).
+model name (``RN50``, ``ViT-B-32`` ...), a model config shipped in ``vlcontrast/models/configs/``
+(``vlc-micro``, ``vlc-tiny`` ...), a path to an open_clip model-config JSON, or a name found in
+``configs/models/`` under the current directory; a Hugging Face text tower loads from a local
+directory (``model.hf_model_dir``). ``model.pretrained`` loads open_clip weights or a vlcontrast
+checkpoint, and ``model.lock_image``/``model.lock_text`` lock towers as open_clip does (LiT).
 :func:`load_model_from_checkpoint` rebuilds the model of a vlcontrast checkpoint for evaluation and
 export. Nothing here re-implements open_clip: it only resolves configs and registers them.
 """
 
 from __future__ import annotations
 
+import atexit
 import copy
 import json
 import math
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +24,10 @@ from typing import Any, Callable
 
 import torch
 
-REPO_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
+PACKAGE_CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+"""Model configs shipped with the package (``pyproject.toml`` package-data)."""
+USER_CONFIG_DIR = Path("configs") / "models"
+"""Relative to the current directory: a place for your own model configs, found by bare name."""
 
 
 @dataclass
@@ -32,36 +40,75 @@ class ModelBundle:
     model_config: dict[str, Any]
 
 
+_registry_folder: Path | None = None
+
+
+def _registry() -> Path:
+    """The one folder per process through which configs reach open_clip (removed at exit).
+
+    open_clip reads model configs only from files it has been pointed at; writing every config
+    into a single folder, file name = model name, keeps the number of folders at one per process
+    whatever the number of :func:`build_model` calls.
+    """
+    global _registry_folder
+    if _registry_folder is None or not _registry_folder.is_dir():
+        _registry_folder = Path(tempfile.mkdtemp(prefix="vlcontrast-model-"))
+        atexit.register(shutil.rmtree, _registry_folder, True)
+    return _registry_folder
+
+
+def remove_registry() -> None:
+    """Delete the registry folder now (it is also removed when the process exits)."""
+    global _registry_folder
+    if _registry_folder is not None:
+        shutil.rmtree(_registry_folder, ignore_errors=True)
+        _registry_folder = None
+
+
 def _register_config(name: str, model_cfg: dict[str, Any]) -> str:
     """Make ``model_cfg`` known to open_clip under ``name`` (open_clip reads configs from files)."""
     import open_clip
 
-    folder = Path(tempfile.mkdtemp(prefix="vlcontrast-model-"))
-    path = folder / f"{name}.json"
+    if open_clip.get_model_config(name) == model_cfg:
+        return name
+    path = _registry() / f"{name}.json"
     path.write_text(json.dumps(model_cfg))
-    open_clip.add_model_config(path)
+    open_clip.add_model_config(path)  # rescans every known file: the newest content wins
     return name
 
 
-def resolve_model_config(name: str, hf_model_dir: str = "") -> tuple[str, dict[str, Any]]:
-    """(registered name, open_clip model config) for a model name, JSON path or configs/models name."""
-    import open_clip
+def find_model_config_file(name: str) -> Path | None:
+    """The model-config JSON that ``model.name=name`` refers to, or None for open_clip's own names.
 
-    candidates = [Path(name), Path("configs/models") / f"{name}.json", REPO_CONFIG_DIR / f"{name}.json"]
-    model_cfg = None
+    Order: ``name`` as a path; ``configs/models/<name>.json`` under the current directory (your
+    own configs); the configs shipped with the package.
+    """
+    candidates = [Path(name), USER_CONFIG_DIR / f"{name}.json", PACKAGE_CONFIG_DIR / f"{name}.json"]
     for candidate in candidates:
         if candidate.suffix == ".json" and candidate.is_file():
-            try:
-                model_cfg = json.loads(candidate.read_text())
-            except json.JSONDecodeError as err:
-                raise ValueError(f"model.name={name!r}: {candidate} is not valid JSON: {err}") from err
-            name = candidate.stem
-            break
+            return candidate
+    return None
+
+
+def resolve_model_config(name: str, hf_model_dir: str = "") -> tuple[str, dict[str, Any]]:
+    """(registered name, open_clip model config) for a model name, JSON path or config name."""
+    import open_clip
+
+    model_cfg = None
+    candidate = find_model_config_file(name)
+    if candidate is not None:
+        try:
+            model_cfg = json.loads(candidate.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"model.name={name!r}: {candidate} is not valid JSON: {err}") from err
+        name = candidate.stem
     if model_cfg is None:
         model_cfg = open_clip.get_model_config(name)
     if model_cfg is None:
-        raise ValueError(f"model.name={name!r}: not an open_clip model, not a model-config JSON, and "
-                         f"not in configs/models/ (open_clip has e.g. {open_clip.list_models()[:6]} ...)")
+        shipped = sorted(p.stem for p in PACKAGE_CONFIG_DIR.glob("*.json"))
+        raise ValueError(f"model.name={name!r}: not an open_clip model, not a model-config JSON, not "
+                         f"shipped with vlcontrast ({', '.join(shipped)}) and not in "
+                         f"{USER_CONFIG_DIR}/ (open_clip has e.g. {open_clip.list_models()[:6]} ...)")
     for key in ("embed_dim", "vision_cfg", "text_cfg"):
         if key not in model_cfg:
             raise ValueError(f"model.name={name!r}: model config lacks {key!r}")
@@ -97,30 +144,116 @@ def build_model(model_cfg, *, siglip: bool = False, device: str | torch.device =
         bias = -10.0
     if bias is not None:
         kwargs["init_logit_bias"] = bias
+    checkpoint = _vlcontrast_checkpoint(model_cfg.pretrained)
+    open_clip_weights = None if checkpoint is not None else (model_cfg.pretrained or None)
     model, preprocess_train, preprocess_val = open_clip.create_model_and_transforms(
-        registered, pretrained=model_cfg.pretrained or None, device=device, output_dict=True,
+        registered, pretrained=open_clip_weights, device=device, output_dict=True,
         pretrained_text=bool(model_cfg.hf_model_dir), **kwargs)
+    if checkpoint is not None:
+        load_weights(model, checkpoint / "model.pt", f"model.pretrained={model_cfg.pretrained!r}",
+                     device)
+    lock_towers(model, model_cfg)
     if model_cfg.grad_checkpointing:
         model.set_grad_checkpointing(True)
+    if torch.device(device).type == "cuda":
+        use_channels_last(model)
     tokenizer = open_clip.get_tokenizer(registered)
     stored = {"model_name": name, "model_cfg": cfg, "init_logit_scale": init_scale,
               "init_logit_bias": bias}
     return ModelBundle(model, preprocess_train, preprocess_val, tokenizer, name, stored)
 
 
+def _vlcontrast_checkpoint(pretrained: str) -> Path | None:
+    """The checkpoint directory when ``model.pretrained`` names a vlcontrast run or checkpoint."""
+    if not pretrained or not Path(pretrained).is_dir():
+        return None
+    try:
+        return resolve_checkpoint(pretrained)
+    except FileNotFoundError as err:
+        raise ValueError(f"model.pretrained={pretrained!r}: a directory, but not a vlcontrast run "
+                         "or checkpoint directory (no model.pt and no checkpoints/latest)") from err
+
+
+def load_weights(model: torch.nn.Module, path: Path, what: str,
+                 device: str | torch.device = "cpu") -> None:
+    """Load a vlcontrast ``model.pt`` (tensors only, no code runs) into ``model``.
+
+    Frozen batch norms (``lock_image_freeze_bn_stats``) have no ``num_batches_tracked``; a
+    checkpoint and a model that differ only there still load.
+    """
+    state = torch.load(path, map_location=device, weights_only=True)
+    result = model.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("num_batches_tracked")]
+    unexpected = [k for k in result.unexpected_keys if not k.endswith("num_batches_tracked")]
+    if missing or unexpected:
+        raise ValueError(f"{what}: {path} does not fit this model (missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}); model.name must be the checkpoint's model")
+
+
+def lock_towers(model: torch.nn.Module, model_cfg) -> None:
+    """``model.lock_image``/``model.lock_text``: open_clip's LiT locking, with clear errors.
+
+    Locked parameters get ``requires_grad=False``: the optimizer never sees them (no moments),
+    and autograd stops at a wholly locked tower, so its backward is never run.
+    """
+    from open_clip.hf_model import HFTextEncoder
+    from open_clip.modified_resnet import ModifiedResNet
+
+    if model_cfg.lock_image:
+        groups = model_cfg.lock_image_unlocked_groups
+        if groups and isinstance(model.visual, ModifiedResNet):
+            raise ValueError(f"model.lock_image_unlocked_groups={groups}: open_clip locks its ResNet "
+                             "image towers whole; use 0 (or a ViT or timm tower)")
+        model.lock_image_tower(unlocked_groups=groups,
+                               freeze_bn_stats=model_cfg.lock_image_freeze_bn_stats)
+    if model_cfg.lock_text:
+        text = getattr(model, "text", None)
+        if not model_cfg.lock_text_freeze_layer_norm and not isinstance(text, HFTextEncoder):
+            raise ValueError("model.lock_text_freeze_layer_norm=false: open_clip's own text tower "
+                             "always freezes its layer norms with the locked blocks; only Hugging "
+                             "Face text towers (model.hf_model_dir) can leave them trainable")
+        model.lock_text_tower(unlocked_layers=model_cfg.lock_text_unlocked_layers,
+                              freeze_layer_norm=model_cfg.lock_text_freeze_layer_norm)
+
+
+def is_convolutional(tower: torch.nn.Module) -> bool:
+    """True for ResNet-like image towers (batch norms), False for ViTs."""
+    from torchvision.ops.misc import FrozenBatchNorm2d
+
+    return any(isinstance(m, (torch.nn.BatchNorm2d, FrozenBatchNorm2d)) for m in tower.modules())
+
+
+def use_channels_last(model: torch.nn.Module) -> bool:
+    """Channels-last memory format for a ResNet image tower (cuDNN's fast layout on tensor cores).
+
+    The weights are converted, and a pre-hook hands the tower its images in channels-last: the
+    input decides the convolutions' layout even where DeepSpeed later re-views the weights as
+    slices of its flat buffers (ZeRO, bf16). Returns whether the tower was converted.
+    """
+    visual = model.visual
+    if not is_convolutional(visual):
+        return False
+    visual.to(memory_format=torch.channels_last)
+
+    def to_channels_last(_module, args):
+        images, *rest = args
+        return (images.contiguous(memory_format=torch.channels_last), *rest)
+
+    visual.register_forward_pre_hook(to_channels_last)
+    return True
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory from a run directory (its latest), a checkpoints/ dir, or itself."""
-    path = Path(path)
-    if (path / "model.pt").is_file():
-        return path
-    for folder in (path / "checkpoints", path):
-        latest = folder / "latest"
-        if latest.is_file():
-            target = folder / latest.read_text().strip()
-            if (target / "model.pt").is_file():
-                return target
-    raise FileNotFoundError(f"--checkpoint {str(path)!r}: no model.pt there and no "
-                            "checkpoints/latest (expected a run directory or a checkpoint directory)")
+    """A checkpoint directory with weights (``model.pt``) from a run directory (its latest), a
+    checkpoints/ dir, or itself; the training package's one resolver decides."""
+    from vlcontrast.train.checkpoint import resolve_checkpoint as resolve
+
+    found = resolve(path, require="model.pt")
+    if found is None:
+        raise FileNotFoundError(f"--checkpoint {str(path)!r}: no model.pt there and no "
+                                "checkpoints/latest (expected a run directory or a checkpoint "
+                                "directory)")
+    return found
 
 
 def load_model_from_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> ModelBundle:
@@ -135,8 +268,7 @@ def load_model_from_checkpoint(path: str | Path, device: str | torch.device = "c
         kwargs["init_logit_bias"] = meta["init_logit_bias"]
     model, preprocess_train, preprocess_val = open_clip.create_model_and_transforms(
         registered, device=device, output_dict=True, pretrained_text=False, **kwargs)
-    state = torch.load(folder / "model.pt", map_location=device, weights_only=True)
-    model.load_state_dict(state)
+    load_weights(model, folder / "model.pt", f"--checkpoint {str(path)!r}", device)
     model.eval()
     tokenizer = open_clip.get_tokenizer(registered)
     return ModelBundle(model, preprocess_train, preprocess_val, tokenizer, meta["model_name"], meta)

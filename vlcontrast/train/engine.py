@@ -5,6 +5,12 @@ the same code runs on CPU and GPU); weight decay skips gains, biases, embeddings
 ``logit_scale``/``logit_bias`` (open_clip's rule). The generated DeepSpeed config is saved next to
 the run as ``deepspeed.json``; ``deepspeed.overrides`` is merged into it last.
 
+Precision (``train.precision``, docs/training.md "Precision"). ``amp_bf16`` is DeepSpeed's
+``torch_autocast`` with no "lower-precision-safe" modules: parameters, gradients, their all-reduce
+and accumulation stay fp32 and only the forward computes in bf16 (open_clip's ``amp_bf16``).
+``bf16``/``fp16`` are DeepSpeed's own modes: bf16/fp16 parameters and gradients with an fp32 master
+copy in the optimizer. :func:`input_dtype` says what the images are cast to.
+
 Non-finite gradients. DeepSpeed's ZeRO (1, 2, 3) and bf16/fp16 optimizers check the reduced
 gradients themselves: on inf/NaN the update is skipped on every rank, the lr schedule does not
 advance and ``engine.was_step_applied()`` is False. Its plain fp32 path (ZeRO 0, fp32) hands the
@@ -21,7 +27,7 @@ from typing import Any
 import torch
 
 from vlcontrast import distributed as dist_utils
-from vlcontrast.config import ConfigError, RunConfig
+from vlcontrast.config import PRECISIONS, ConfigError, RunConfig
 
 
 class FiniteCheckedAdamW(torch.optim.AdamW):
@@ -50,11 +56,16 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[s
         return (param.ndim < 2 or "bn" in name or "ln" in name or "bias" in name
                 or "logit_scale" in name or "logit_bias" in name)
 
+    # Locked towers (requires_grad=False) never reach the optimizer: no moments, no master copy.
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        raise ConfigError("nothing to train: every parameter is locked (model.lock_image and "
+                          "model.lock_text lock both towers, and logit_scale is frozen)")
     decay = [p for n, p in named if not exempt(n, p)]
     no_decay = [p for n, p in named if exempt(n, p)]
-    return [{"params": no_decay, "weight_decay": 0.0},
-            {"params": decay, "weight_decay": weight_decay}]
+    groups = [{"params": no_decay, "weight_decay": 0.0},
+              {"params": decay, "weight_decay": weight_decay}]
+    return [group for group in groups if group["params"]]
 
 
 def cosine_with_warmup(warmup_steps: int, total_steps: int, min_ratio: float = 0.0):
@@ -70,7 +81,41 @@ def cosine_with_warmup(warmup_steps: int, total_steps: int, min_ratio: float = 0
     return factor
 
 
-def deepspeed_config(config: RunConfig, world_size: int) -> dict[str, Any]:
+def input_dtype(precision: str) -> torch.dtype:
+    """The dtype images are cast to before the forward.
+
+    fp32 and amp_bf16 keep fp32 parameters, so the images stay fp32 (autocast casts per op);
+    bf16/fp16 parameters need inputs of their own dtype.
+    """
+    if precision not in PRECISIONS:
+        raise ConfigError(f"train.precision={precision!r}: must be one of {', '.join(PRECISIONS)}")
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+
+
+def set_gpu_defaults() -> None:
+    """open_clip's CUDA settings: TF32 matmuls and convolutions, cuDNN autotuning.
+
+    TF32 keeps fp32 storage and range with a 10-bit mantissa in the tensor-core products (fp32
+    runs and amp_bf16's fp32 ops); cuDNN benchmarks its convolution algorithms once per input
+    shape, and the training shapes do not change.
+    """
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    if hasattr(matmul, "fp32_precision") and hasattr(conv, "fp32_precision"):
+        matmul.fp32_precision = "tf32"
+        conv.fp32_precision = "tf32"
+    else:  # torch < 2.9
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cudnn.benchmark = True
+
+
+def deepspeed_config(config: RunConfig, world_size: int,
+                     accelerator: str | None = None) -> dict[str, Any]:
+    """The DeepSpeed config of a run; ``accelerator`` (default: DeepSpeed's) is "cuda" or "cpu"."""
+    if accelerator is None:
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator().device_name()
     train = config.train
     ds: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": config.data.batch_size,
@@ -88,9 +133,20 @@ def deepspeed_config(config: RunConfig, world_size: int) -> dict[str, Any]:
                  "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
                  "min_loss_scale": 1},
     }
+    if train.precision == "amp_bf16":
+        # An empty list of lower-precision-safe modules: DeepSpeed then tags no parameter with a
+        # bf16 communication dtype, so gradients are reduced and accumulated in fp32 as well.
+        ds["torch_autocast"] = {"enabled": True, "dtype": "bfloat16",
+                                "lower_precision_safe_modules": []}
+    zero = ds["zero_optimization"]
     if config.deepspeed.zero_stage == 3:
-        # Keep the small CLIP parameters (logit_scale, norms) whole so clamping stays simple.
-        ds["zero_optimization"]["stage3_param_persistence_threshold"] = 10**5
+        # Keep the small CLIP parameters (logit_scale, norms) whole: they are read every step.
+        zero["stage3_param_persistence_threshold"] = 10**5
+    if config.deepspeed.zero_stage >= 1 and accelerator == "cuda":
+        # EVA-CLIP's settings: reduce gradient buckets on a side stream while the backward goes
+        # on, into one contiguous buffer (no fragmentation). CPU has no streams to overlap on.
+        zero["overlap_comm"] = True
+        zero["contiguous_gradients"] = True
     return _merge(ds, config.deepspeed.overrides)
 
 
@@ -133,6 +189,8 @@ def open_clip_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor])
 
 def check_precision(precision: str, device: torch.device) -> None:
     """Fail at start, not deep inside DeepSpeed, when the device cannot train in ``precision``."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"train.precision={precision!r}: must be one of {', '.join(PRECISIONS)}")
     if precision == "fp32":
         return
     from deepspeed.accelerator import get_accelerator
@@ -143,7 +201,7 @@ def check_precision(precision: str, device: torch.device) -> None:
     if not supported:
         raise ConfigError(f"train.precision={precision!r}: DeepSpeed's {accelerator.device_name()} "
                           f"accelerator does not support {precision} on this {device.type} device; "
-                          "use train.precision=bf16 or fp32")
+                          "use train.precision=bf16, amp_bf16 or fp32")
 
 
 def num_parameters(model: torch.nn.Module) -> int:
@@ -167,14 +225,28 @@ def skip_cpu_inference_comm_op() -> None:
         deepspeed.ops.__compatible_ops__ = {}
 
 
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device the model's parameters live on (the loop moves the model there first)."""
+    return next(model.parameters()).device
+
+
 def build_engine(model: torch.nn.Module, config: RunConfig, total_steps: int, world_size: int):
     """(engine, ds_config): DeepSpeed engine with torch AdamW and a cosine schedule."""
     import deepspeed
 
+    from vlcontrast.models.norms import keep_batch_norm_statistics_fp32
+
     skip_cpu_inference_comm_op()
     vectorise_scalar_parameters(model)
+    # bf16/fp16 cast the batch norms' weights but not their running statistics.
+    keep_batch_norm_statistics_fp32(model)
+    device = model_device(model)
+    if device.type == "cuda":
+        set_gpu_defaults()
     optim = config.optim
-    plain_fp32 = config.deepspeed.zero_stage == 0 and config.train.precision == "fp32"
+    # ZeRO 0 without DeepSpeed's mixed-precision optimizers: the client optimizer sees the
+    # gradients unchecked (amp_bf16 keeps fp32 parameters and uses no DeepSpeed optimizer wrapper).
+    plain_fp32 = config.deepspeed.zero_stage == 0 and config.train.precision in ("fp32", "amp_bf16")
     optimizer_class = FiniteCheckedAdamW if plain_fp32 else torch.optim.AdamW
     # torch's fused AdamW (CPU and CUDA kernels shipped with torch, nothing JIT-built): one pass over
     # the parameters instead of a dozen; 8x faster per step than the loop form on CPU.
@@ -182,7 +254,7 @@ def build_engine(model: torch.nn.Module, config: RunConfig, total_steps: int, wo
                                 betas=optim.betas, eps=optim.eps, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, cosine_with_warmup(optim.warmup_steps, total_steps, optim.min_lr / optim.lr))
-    ds_config = deepspeed_config(config, world_size)
+    ds_config = deepspeed_config(config, world_size, device.type)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=ds_config, dist_init_required=False)
     if config.train.compile:
@@ -192,21 +264,59 @@ def build_engine(model: torch.nn.Module, config: RunConfig, total_steps: int, wo
     return engine, ds_config
 
 
+def _master_copies(engine, param: torch.nn.Parameter) -> list[torch.Tensor]:
+    """This rank's pieces of ``param``'s fp32 master copy, as views that can be written in place.
+
+    The optimizer updates the master and copies it into the working parameter after each step,
+    so a change made only to the working copy is undone at the next step. Local pieces only: no
+    collective, no host synchronisation. Empty when the parameter is its own master (ZeRO 0 in
+    fp32 or amp_bf16) or when this rank holds none of it.
+    """
+    if hasattr(param, "ds_id"):  # ZeRO-3: this rank's partition of the fp32 master
+        from deepspeed.utils import safe_get_local_fp32_param
+
+        local = safe_get_local_fp32_param(param)
+        return [local] if local is not None and local.numel() else []
+    mapping = getattr(param, "_hp_mapping", None)  # ZeRO 1/2 and DeepSpeed's bf16 optimizer
+    if mapping is not None:
+        fragment = mapping.get_hp_fragment()
+        return [fragment] if fragment.numel() else []
+    optimizer = getattr(engine, "optimizer", None)
+    groups = getattr(optimizer, "fp16_groups", None)  # DeepSpeed's ZeRO-0 bf16/fp16 optimizers
+    if groups is not None and hasattr(optimizer, "fp32_groups"):
+        # Unfused: one fp32 master tensor per parameter, in the same order.
+        for group, masters in zip(groups, optimizer.fp32_groups):
+            for member, master in zip(group, masters):
+                if member is param:
+                    return [master.data.view(-1)]
+    if groups is not None and hasattr(optimizer, "fp32_groups_flat"):
+        # Fused: one flat fp32 master per group, parameters in order.
+        for group, flat in zip(groups, optimizer.fp32_groups_flat):
+            offset = 0
+            for member in group:
+                if member is param:
+                    return [flat.data.narrow(0, offset, param.numel())]
+                offset += member.numel()
+    return []
+
+
 def clamp_logit_scale(engine, max_scale: float = 100.0) -> None:
-    """open_clip's rule: keep s = exp(logit_scale) in [1, 100] after every step."""
-    module = engine.module
-    param = getattr(module, "logit_scale", None)
+    """open_clip's rule: keep s = exp(logit_scale) in [1, 100] after every step.
+
+    Clamps the fp32 master copy (which the next step starts from and the optimizer checkpoint
+    holds) and the working copy alike, on every rank, with no collective.
+    """
+    param = getattr(engine.module, "logit_scale", None)
     if param is None:
         return
-    if hasattr(param, "ds_id"):  # ZeRO-3 partitioned parameter
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-            with torch.no_grad():
-                param.clamp_(0, math.log(max_scale))
-        return
+    high = math.log(max_scale)
     with torch.no_grad():
-        param.clamp_(0, math.log(max_scale))
+        for master in _master_copies(engine, param):
+            master.clamp_(0, high)
+        if hasattr(param, "ds_tensor"):  # ZeRO-3: the partition the next gather reads
+            param.ds_tensor.clamp_(0, high)
+        if param.numel():  # the working copy (ZeRO-3: present while gathered or persistent)
+            param.clamp_(0, high)
 
 
 def read_logit_scale(engine) -> float:

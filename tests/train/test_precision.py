@@ -1,0 +1,262 @@
+"""Precision: the generated DeepSpeed config per ``train.precision``, amp_bf16's fp32 parameters,
+gradients and reductions, the logit-scale clamp acting on the fp32 master under every ZeRO stage,
+and both shipped tower families (ResNet, ViT) training under every precision the CPU supports."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+
+LN_100 = math.log(100.0)
+
+
+def _config(**overrides):
+    from vlcontrast.config import load_config
+
+    values = [f"{k.replace('__', '.')}={v}" for k, v in overrides.items()]
+    return load_config(None, ["data.train=x", "train.steps=10"] + values)
+
+
+def test_precisions_and_input_dtypes():
+    from vlcontrast.config import PRECISIONS, ConfigError
+    from vlcontrast.train.engine import input_dtype
+
+    assert PRECISIONS == ("fp32", "amp_bf16", "bf16", "fp16")
+    assert [input_dtype(p) for p in PRECISIONS] == [torch.float32, torch.float32, torch.bfloat16,
+                                                    torch.float16]
+    with pytest.raises(ConfigError, match="train.precision='fp8'"):
+        input_dtype("fp8")
+    with pytest.raises(ConfigError, match="train.precision='bf32'.*amp_bf16"):
+        _config(train__precision="bf32")
+
+
+def test_amp_bf16_config_is_torch_autocast_with_fp32_reductions():
+    from vlcontrast.train.engine import deepspeed_config
+
+    ds = deepspeed_config(_config(train__precision="amp_bf16", deepspeed__zero_stage=2),
+                          world_size=8, accelerator="cpu")
+    assert not ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
+    # No module is "lower-precision safe": DeepSpeed then reduces every gradient in fp32.
+    assert ds["torch_autocast"] == {"enabled": True, "dtype": "bfloat16",
+                                    "lower_precision_safe_modules": []}
+    for precision in ("fp32", "bf16", "fp16"):
+        assert "torch_autocast" not in deepspeed_config(_config(train__precision=precision), 8, "cpu")
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_gpu_defaults_in_the_deepspeed_config(stage):
+    from vlcontrast.train.engine import deepspeed_config
+
+    cuda = deepspeed_config(_config(deepspeed__zero_stage=stage), 8, "cuda")["zero_optimization"]
+    cpu = deepspeed_config(_config(deepspeed__zero_stage=stage), 8, "cpu")["zero_optimization"]
+    assert "overlap_comm" not in cpu and "contiguous_gradients" not in cpu
+    if stage == 0:
+        assert "overlap_comm" not in cuda
+    else:
+        assert cuda["overlap_comm"] is True and cuda["contiguous_gradients"] is True
+    # deepspeed.overrides still win over the defaults.
+    config = _config(deepspeed__zero_stage=stage,
+                     **{"deepspeed.overrides.zero_optimization.overlap_comm": "false"})
+    assert deepspeed_config(config, 8, "cuda")["zero_optimization"]["overlap_comm"] is False
+
+
+def test_gpu_defaults_set_tf32_and_cudnn_benchmark():
+    from vlcontrast.train.engine import set_gpu_defaults
+
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    saved = (matmul.fp32_precision, conv.fp32_precision, torch.backends.cudnn.benchmark)
+    try:
+        matmul.fp32_precision, conv.fp32_precision = "ieee", "ieee"
+        torch.backends.cudnn.benchmark = False
+        set_gpu_defaults()
+        assert matmul.fp32_precision == "tf32" and conv.fp32_precision == "tf32"
+        assert torch.backends.cudnn.benchmark is True
+    finally:
+        matmul.fp32_precision, conv.fp32_precision, torch.backends.cudnn.benchmark = saved
+
+
+def test_build_engine_sets_gpu_defaults_only_for_cuda_models(monkeypatch):
+    """build_engine reads the model's device: a CUDA model gets the GPU defaults and the CUDA
+    DeepSpeed config (device and DeepSpeed mocked)."""
+    import deepspeed
+
+    from vlcontrast.train import engine as engine_module
+
+    calls, configs = [], []
+    monkeypatch.setattr(engine_module, "set_gpu_defaults", lambda: calls.append("gpu"))
+    monkeypatch.setattr(deepspeed, "initialize",
+                        lambda **kw: configs.append(kw["config"]) or (object(), None, None, None))
+    config = _config(deepspeed__zero_stage=1)
+    engine_module.build_engine(torch.nn.Linear(4, 4), config, total_steps=10, world_size=2)
+    assert calls == [] and "overlap_comm" not in configs[-1]["zero_optimization"]
+
+    monkeypatch.setattr(engine_module, "model_device", lambda model: torch.device("cuda"))
+    engine_module.build_engine(torch.nn.Linear(4, 4), config, total_steps=10, world_size=2)
+    assert calls == ["gpu"] and configs[-1]["zero_optimization"]["overlap_comm"] is True
+
+
+# --------------------------------------------------------------------------------------------
+# the logit-scale clamp acts on the fp32 master
+
+
+class _ScaleModel(torch.nn.Module):
+    """A weight and open_clip's ``logit_scale``; the loss pushes ``logit_scale`` up."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.logit_scale = torch.nn.Parameter(torch.tensor(4.0))
+
+    def forward(self, x):
+        return self.linear(x).float().pow(2).mean() - 10.0 * self.logit_scale.float().sum()
+
+
+def _master_value(engine, param) -> float:
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    master = safe_get_full_fp32_param(param)  # collective under ZeRO 1-3: every rank calls it
+    if master is None and hasattr(engine.optimizer, "fp32_groups"):
+        # ZeRO 0 bf16: DeepSpeed's unfused optimizer, an fp32 master per parameter.
+        masters = [m for group, fp32 in zip(engine.optimizer.fp16_groups,
+                                            engine.optimizer.fp32_groups)
+                   for p, m in zip(group, fp32) if p is param]
+        master = masters[0]
+    if master is None:  # ZeRO 0 in fp32 / amp_bf16: the parameter is its own master
+        master = param
+    return float(master.detach().float().reshape(-1)[0])
+
+
+def _clamp_under_every_stage(rank, world_size, combinations):
+    import deepspeed
+
+    from vlcontrast.train.engine import build_engine, clamp_logit_scale, input_dtype
+
+    outcome = {}
+    for stage, precision in combinations:
+        torch.manual_seed(0)
+        # lr 1 with Adam: logit_scale moves by about 1 per step, from 4.0 to past ln 100.
+        config = _config(deepspeed__zero_stage=stage, train__precision=precision,
+                         data__batch_size=2, optim__lr=1.0, optim__warmup_steps=0,
+                         optim__weight_decay=0.0)
+        engine, _ = build_engine(_ScaleModel(), config, total_steps=10, world_size=world_size)
+        param = engine.module.logit_scale
+        values = []
+        for _ in range(3):
+            loss = engine(torch.ones(2, 4, dtype=input_dtype(precision)))
+            engine.backward(loss)
+            engine.step()
+            clamp_logit_scale(engine)
+            master = _master_value(engine, param)
+            if hasattr(param, "ds_id"):
+                with deepspeed.zero.GatheredParameters([param]):
+                    working = float(param.detach().float().reshape(-1)[0])
+            else:
+                working = float(param.detach().float().reshape(-1)[0])
+            values.append((master, working, str(param.dtype)))
+        outcome[(stage, precision)] = values
+    return outcome
+
+
+CLAMP_COMBINATIONS = [(stage, precision) for precision in ("fp32", "amp_bf16", "bf16")
+                      for stage in (0, 1, 2, 3)]
+
+
+@pytest.mark.slow
+def test_logit_scale_clamp_holds_on_the_master_under_every_stage():
+    outcomes = run_distributed(_clamp_under_every_stage, 2, CLAMP_COMBINATIONS, timeout=600)
+    for combination in CLAMP_COMBINATIONS:
+        ranks = [outcome[combination] for outcome in outcomes]
+        assert ranks[0] == ranks[1], combination
+        for step, (master, working, dtype) in enumerate(ranks[0]):
+            # Without clamping the master, step 2 would start from the unclamped 5.0 and reach 6.
+            assert master == pytest.approx(LN_100, abs=1e-6), (combination, step)
+            low = {"torch.bfloat16": torch.bfloat16}.get(dtype, torch.float32)
+            assert working == float(torch.tensor(master).to(low)), (combination, step)
+            assert working <= LN_100 + 1e-6, (combination, step)
+
+
+# --------------------------------------------------------------------------------------------
+# both tower families train under every precision
+
+
+def _train_towers(rank, world_size, cases):
+    from vlcontrast.config import ModelConfig
+    from vlcontrast.losses import build_loss
+    from vlcontrast.models import build_model
+    from vlcontrast.train.engine import build_engine, input_dtype
+
+    outcome = {}
+    for model_name, precision, stage in cases:
+        torch.manual_seed(0)
+        bundle = build_model(ModelConfig(name=model_name))
+        config = _config(deepspeed__zero_stage=stage, train__precision=precision,
+                         data__batch_size=8, optim__lr=1e-3, optim__warmup_steps=0)
+        engine, _ = build_engine(bundle.model, config, total_steps=10, world_size=world_size)
+        loss_fn = build_loss("infonce")
+        size = bundle.model_config["model_cfg"]["vision_cfg"]["image_size"]
+        images = torch.rand(8, 3, size, size, generator=torch.Generator().manual_seed(1))
+        texts = bundle.tokenizer([f"caption number {i}" for i in range(8)])
+        norms = [m for m in engine.module.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+        stats_before = [m.running_mean.clone() for m in norms]
+        weights_before = [p.detach().float().clone() for p in engine.module.parameters()]
+        losses, applied = [], []
+        for _ in range(3):
+            out = engine(images.to(input_dtype(precision)), texts)
+            result = loss_fn(out["image_features"], out["text_features"], out["logit_scale"],
+                             sample_ids=torch.arange(8))
+            engine.backward(result["loss"])
+            engine.step()
+            losses.append(float(result["loss"]))
+            applied.append(engine.was_step_applied())
+        outcome[(model_name, precision, stage)] = {
+            "losses": losses, "applied": applied,
+            "feature_dtype": str(out["image_features"].dtype),
+            "param_dtypes": sorted({str(p.dtype) for p in engine.module.parameters()}),
+            "moved": sum(not torch.equal(a, p.detach().float())
+                         for a, p in zip(weights_before, engine.module.parameters())),
+            "bn": len(norms),
+            "bn_stats_fp32": all(m.running_mean.dtype == torch.float32 for m in norms),
+            "bn_stats_moved": all(not torch.equal(a, m.running_mean)
+                                  for a, m in zip(stats_before, norms)),
+        }
+    return outcome
+
+
+TOWER_PRECISIONS = ["fp32", "amp_bf16", "bf16", "fp16"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_name", ["vlc-rn-micro", "vlc-micro"], ids=["resnet", "vit"])
+def test_every_tower_family_trains_under_every_precision(model_name):
+    from deepspeed.accelerator import get_accelerator
+
+    from vlcontrast.config import ConfigError
+    from vlcontrast.train.engine import check_precision
+
+    precisions = list(TOWER_PRECISIONS)
+    if not get_accelerator().is_fp16_supported():
+        # This CPU has no fp16 kernels: the run is refused at start, naming the setting.
+        with pytest.raises(ConfigError, match="train.precision='fp16'.*not support fp16"):
+            check_precision("fp16", torch.device("cpu"))
+        precisions.remove("fp16")
+    # ZeRO 1 is what the shipped CC3M configs use; ZeRO 0 bf16 is DeepSpeed's separate bf16 path.
+    cases = [(model_name, precision, 1) for precision in precisions] + [(model_name, "bf16", 0)]
+    outcome = run_distributed(_train_towers, 1, cases, timeout=600)[0]
+    for case in cases:
+        result = outcome[case]
+        precision = case[1]
+        assert all(math.isfinite(v) for v in result["losses"]), (case, result)
+        assert all(result["applied"]), (case, result)
+        assert result["moved"] > 0, case
+        expected_params = "torch.float32" if precision in ("fp32", "amp_bf16") else \
+            {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[precision]
+        assert result["param_dtypes"] == [expected_params], (case, result)
+        # amp_bf16 computes the forward in bf16 under autocast, with fp32 weights.
+        if precision == "amp_bf16":
+            assert result["feature_dtype"] == "torch.bfloat16", case
+        if model_name == "vlc-rn-micro":
+            assert result["bn"] > 0 and result["bn_stats_fp32"] and result["bn_stats_moved"], case
