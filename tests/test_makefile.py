@@ -1,0 +1,54 @@
+"""The Makefile on GPU and CPU hosts: no DeepSpeed accelerator forced (the package chooses it with the
+device), ``make demo`` starts one process per GPU, or 2 CPU processes without one."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+
+
+def _demo_commands(tmp_path: Path, gpus: int | None) -> str:
+    """``make -n demo`` (print, run nothing) with ``import torch`` answering ``gpus`` devices."""
+    env = {k: v for k, v in os.environ.items() if k != "NPROC"}
+    args = ["make", "-n", "demo"]
+    if gpus is not None:
+        stub = tmp_path / "stub" / "torch"
+        stub.mkdir(parents=True)
+        (stub / "__init__.py").write_text(
+            f"class cuda:\n    @staticmethod\n    def device_count():\n        return {gpus}\n")
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir()
+        (bin_dir / "python").symlink_to(sys.executable)
+        env["PYTHONPATH"] = str(tmp_path / "stub")
+        args.append(f"BIN={bin_dir}")
+    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.parametrize("gpus, nproc", [(0, 2), (1, 1), (8, 8)])
+def test_demo_starts_one_process_per_gpu_else_two(tmp_path, gpus, nproc):
+    commands = _demo_commands(tmp_path, gpus)
+    assert re.search(rf"train --config configs/demo.yaml --nproc {nproc}\b", commands), commands
+
+
+def test_makefile_forces_no_accelerator():
+    code = [line.split("#", 1)[0] for line in (REPO / "Makefile").read_text().splitlines()]
+    assert not any("DS_ACCELERATOR" in line for line in code)
+
+
+def test_gpu_check_target_runs_the_check_module():
+    proc = subprocess.run(["make", "-n", "gpu-check"], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "-m vlcontrast.gpu_check --out runs/gpu_check" in proc.stdout
