@@ -31,3 +31,23 @@ def test_model_config_is_open_clip_shaped(path):
 def test_unknown_model_name_is_a_clear_error():
     with pytest.raises(ValueError, match="model.name='no-such-model'"):
         resolve_model_config("no-such-model")
+
+
+def test_shipped_gpu_configs_use_amp_bf16():
+    for path in sorted((ROOT / "configs" / "cc3m").glob("*.yaml")):
+        assert load_config(path).train.precision == "amp_bf16", path.name
+
+
+def _tower_family(model_cfg: dict) -> str:
+    vision = model_cfg["vision_cfg"]
+    if vision.get("timm_model_name"):
+        return "timm"
+    return "resnet" if isinstance(vision.get("layers"), (list, tuple)) else "vit"
+
+
+def test_every_shipped_tower_family_trains_in_the_precision_test():
+    """tests/train/test_precision.py trains a small ResNet and a small ViT under every precision;
+    a shipped config with another tower family needs a case there first."""
+    families = {_tower_family(resolve_model_config(load_config(path).model.name)[1])
+                for path in RUN_CONFIGS}
+    assert "resnet" in families and families <= {"resnet", "vit"}, families
