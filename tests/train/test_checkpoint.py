@@ -1,0 +1,123 @@
+"""Checkpoints: the one resolver, files that load without running code (a pickled object is
+refused on resume, before DeepSpeed reads anything), random state as tensors and lists; and the
+plain progress lines of a run whose output is not a terminal."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from tests.train.helpers import REPO, cli, process_env, tiny_overrides
+
+
+def _fake_checkpoint(folder, *, weights=True, state=True):
+    folder.mkdir(parents=True)
+    if weights:
+        (folder / "model.pt").write_bytes(b"")
+    if state:
+        (folder / "trainer_state.pt").write_bytes(b"")
+    return folder
+
+
+def test_one_resolver_for_run_dirs_checkpoint_dirs_and_latest(tmp_path):
+    from vlcontrast.models import resolve_checkpoint as resolve_weights
+    from vlcontrast.train.checkpoint import find_resume, latest_checkpoint, resolve_checkpoint
+
+    run = tmp_path / "run"
+    root = run / "checkpoints"
+    old = _fake_checkpoint(root / "step_00000002")
+    new = _fake_checkpoint(root / "step_00000004")
+    (root / "latest").write_text("step_00000004\n")
+    for named in (run, root, new):
+        assert resolve_checkpoint(named) == new
+        assert resolve_weights(named) == new
+    assert resolve_checkpoint(old) == old
+    assert latest_checkpoint(root) == new
+    assert find_resume("latest", run) == new
+    assert find_resume(str(run), tmp_path / "elsewhere") == new
+    assert find_resume("", run) is None
+    # An incomplete newest checkpoint is not resumed from; weights-only use still finds model.pt.
+    (new / "trainer_state.pt").unlink()
+    assert resolve_checkpoint(run) is None and resolve_weights(run) == new
+    assert find_resume("latest", run) is None
+    with pytest.raises(FileNotFoundError, match="is not a complete checkpoint"):
+        find_resume(str(run), run)
+    with pytest.raises(FileNotFoundError, match="no model.pt there"):
+        resolve_weights(tmp_path / "nothing")
+
+
+def test_random_state_is_stored_as_tensors_and_lists(tmp_path):
+    from vlcontrast.train.checkpoint import RNGState
+
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    path = tmp_path / "rng.pt"
+    torch.save(RNGState().state_dict(), path)
+    expected = (random.random(), np.random.rand(), torch.rand(1))
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    RNGState().load_state_dict(torch.load(path, weights_only=True))
+    assert (random.random(), np.random.rand(), torch.rand(1)) == expected
+
+
+def test_a_pickled_object_is_refused_with_a_clear_error(tmp_path):
+    from vlcontrast.train.checkpoint import CheckpointError, load_file
+
+    path = tmp_path / "trainer_state.pt"
+    torch.save({"train": argparse.Namespace(step=3)}, path)
+    with pytest.raises(CheckpointError, match="refused to load: it holds a pickled Python object"):
+        load_file(path)
+
+
+@pytest.fixture(scope="module")
+def cli_run(synthetic_data, tmp_path_factory):
+    """One 3-step run through the CLI with its output on a pipe (not a terminal)."""
+    run = tmp_path_factory.mktemp("cli") / "run"
+    overrides = tiny_overrides(synthetic_data, run, train__steps=3, checkpoint__every=2,
+                               logging__progress=True)
+    done = subprocess.run(cli("train", *overrides), env=process_env(), cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return run, done.stdout + done.stderr, synthetic_data
+
+
+def test_a_non_terminal_run_logs_plain_progress_lines(cli_run):
+    _, output, _ = cli_run
+    assert "\r" not in output
+    lines = [line for line in output.splitlines() if line.startswith("train ")]
+    assert [line.split()[1] for line in lines] == ["1/3", "2/3", "3/3"], output[-2000:]
+    assert all("loss" in line and "ETA" in line for line in lines), lines
+
+
+def test_checkpoint_files_load_without_running_code(cli_run):
+    run, _, _ = cli_run
+    folder = run / "checkpoints" / "step_00000003"
+    state = torch.load(folder / "trainer_state.pt", weights_only=True)
+    assert state["train"] == {"step": 3, "samples_seen": 24, "epoch": 0}
+    assert set(state) == {"train", "guard", "loss"}
+    rank = torch.load(folder / "rank_00000.pt", weights_only=True)
+    assert set(rank) == {"rng", "data"} and rank["data"]["steps_done"] == 3
+    weights = torch.load(folder / "model.pt", weights_only=True)
+    assert all(w.dtype == torch.float32 for w in weights.values() if w.is_floating_point())
+
+
+@pytest.mark.parametrize("tampered", ["trainer_state.pt", "rank_00000.pt"])
+def test_resuming_from_a_checkpoint_with_a_pickled_object_is_refused(cli_run, tampered):
+    run, _, data = cli_run
+    folder = run / "checkpoints" / "step_00000003"
+    original = (folder / tampered).read_bytes()
+    saved = torch.load(folder / tampered, weights_only=True)
+    saved["injected"] = argparse.Namespace(command="echo pwned")
+    torch.save(saved, folder / tampered)
+    try:
+        overrides = tiny_overrides(data, run, train__steps=4, train__resume="latest")
+        done = subprocess.run(cli("train", *overrides), env=process_env(), cwd=REPO,
+                              capture_output=True, text=True, timeout=300)
+    finally:
+        (folder / tampered).write_bytes(original)
+    assert done.returncode != 0
+    assert f"{tampered}: refused to load: it holds a pickled Python object" in done.stderr, \
+        done.stderr[-3000:]
