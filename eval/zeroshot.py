@@ -1,3 +1,4 @@
+#!/usr/bin/env python
 """Zero-shot classification of a checkpoint; writes a JSON record.
 
     python eval/zeroshot.py --checkpoint runs/my_run --data /data/ILSVRC2012/val --out zs.json
@@ -5,28 +6,25 @@
         --templates templates.txt --out zs.json
 
 ``--data``: ImageNet val dir (1000 WNID folders), any ImageFolder, or a CLIP_benchmark webdataset
-directory. Same as ``vlcontrast eval zeroshot``; see docs/evaluation.md.
+directory. A shim over ``vlcontrast eval zeroshot`` (same options, same defaults); see
+docs/evaluation.md.
 """
 
-import argparse
+from __future__ import annotations
 
-from vlcontrast.evaluation import run_zeroshot_cli
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+from vlcontrast.cli import main as cli_main  # noqa: E402
+
+COMMAND = ["eval", "zeroshot"]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", required=True, help="run dir (its latest) or checkpoint dir")
-    parser.add_argument("--data", required=True)
-    parser.add_argument("--out", default="", help="JSON file to write")
-    parser.add_argument("--classnames", default=None, help="one class name per line")
-    parser.add_argument("--templates", default=None, help="one prompt per line with {c}")
-    parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--device", default="auto")
-    args = parser.parse_args()
-    run_zeroshot_cli(args.checkpoint, args.data, args.out, args.classnames, args.templates,
-                     args.batch_size, args.workers, args.device)
+def main(argv: list[str] | None = None) -> int:
+    return cli_main([*COMMAND, *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

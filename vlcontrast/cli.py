@@ -66,36 +66,54 @@ def _cmd_prep(args) -> int:
     if args.what == "synthetic":
         from vlcontrast.data.synthetic import write_synthetic
 
-        stats = write_synthetic(args.out, train=args.train, val=args.val, seed=args.seed,
+        stats = write_synthetic(args.out, train=args.train, val=args.val,
+                                zeroshot_per_class=args.zeroshot_per_class, seed=args.seed,
                                 image_size=args.image_size, shard_size=args.shard_size,
-                                workers=args.workers)
+                                workers=args.workers, progress=not args.no_progress)
         print(json.dumps(stats, indent=2))
         return 0
     if args.what == "cc3m":
         from vlcontrast.data.prep_cc3m import prepare_cc3m
 
         stats = prepare_cc3m(args.tsv, args.out, processes=args.processes, threads=args.threads,
-                             image_size=args.image_size, resize_mode=args.resize_mode)
+                             image_size=args.image_size, resize_mode=args.resize_mode,
+                             number_sample_per_shard=args.number_sample_per_shard,
+                             timeout=args.timeout, retries=args.retries,
+                             encode_quality=args.encode_quality,
+                             user_agent_token=args.user_agent_token,
+                             incremental=not args.overwrite)
         print(json.dumps(stats, indent=2))
         return 0
     from vlcontrast.data.check import check_shards
 
-    report = check_shards(args.dir, report_path=args.report)
+    report = check_shards(args.dir, report_path=args.report, progress=not args.no_progress,
+                          workers=args.workers, decode_images=not args.no_decode)
+    if args.no_progress:  # with progress on, check_shards prints the summary itself
+        print(report["summary"], file=sys.stderr)
     return 1 if report.get("unreadable_shards") else 0
 
 
 def _cmd_eval(args) -> int:
     _prepare_environment()
+    from vlcontrast.config import ConfigError
     from vlcontrast.evaluation import runner
 
     if args.what == "retrieval":
         runner.run_retrieval_cli(args.checkpoint, args.data, args.out, batch_size=args.batch_size,
                                  workers=args.workers, max_samples=args.max_samples,
                                  device=args.device)
-    else:
+    elif args.what == "zeroshot":
         runner.run_zeroshot_cli(args.checkpoint, args.data, args.out, classnames=args.classnames,
                                 templates=args.templates, batch_size=args.batch_size,
                                 workers=args.workers, device=args.device)
+    else:
+        if not args.retrieval and not args.zeroshot:
+            raise ConfigError("eval compare: give --retrieval and/or --zeroshot")
+        runner.compare_checkpoints(args.checkpoints, args.out, retrieval=args.retrieval,
+                                   zeroshot=args.zeroshot, classnames=args.classnames,
+                                   templates=args.templates, max_samples=args.max_samples,
+                                   batch_size=args.batch_size, workers=args.workers,
+                                   device=args.device)
     return 0
 
 
@@ -140,43 +158,81 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("overrides", nargs="*")
     config.set_defaults(func=_cmd_config)
 
+    # prep and eval are the one definition of these commands: the scripts in data_prep/ and
+    # eval/ call main() with their subcommand, so their options and defaults cannot drift.
+    from vlcontrast.data.prep_cc3m import CC3M_SETTINGS, RESIZE_MODES
+
     prep = sub.add_parser("prep", help="prepare datasets")
     prep_sub = prep.add_subparsers(dest="what", required=True)
     synthetic = prep_sub.add_parser("synthetic", help="render the embedded procedural dataset")
-    synthetic.add_argument("--out", required=True)
-    synthetic.add_argument("--train", type=int, default=20_000)
-    synthetic.add_argument("--val", type=int, default=1_000)
+    synthetic.add_argument("--out", required=True, help="output directory (train/, val/, zeroshot/)")
+    synthetic.add_argument("--train", type=int, default=20_000, help="training samples")
+    synthetic.add_argument("--val", type=int, default=1_000, help="held-out retrieval samples")
+    synthetic.add_argument("--zeroshot-per-class", type=int, default=50,
+                           help="zero-shot images per shape")
     synthetic.add_argument("--seed", type=int, default=0)
     synthetic.add_argument("--image-size", type=int, default=64)
-    synthetic.add_argument("--shard-size", type=int, default=1_000)
-    synthetic.add_argument("--workers", type=int, default=None)
-    cc3m = prep_sub.add_parser("cc3m", help="CC3M TSV -> webdataset shards via img2dataset")
-    cc3m.add_argument("--tsv", required=True)
-    cc3m.add_argument("--out", required=True)
+    synthetic.add_argument("--shard-size", type=int, default=1_000,
+                           help="samples per shard (<= 10000)")
+    synthetic.add_argument("--workers", type=int, default=None,
+                           help="processes (default: all CPUs)")
+    synthetic.add_argument("--no-progress", action="store_true")
+    cc3m = prep_sub.add_parser("cc3m", help="CC3M TSV -> webdataset shards via img2dataset "
+                               "(re-running the same command resumes)")
+    cc3m.add_argument("--tsv", required=True, help="Google's header-less caption<TAB>url file")
+    cc3m.add_argument("--out", required=True, help="output directory for the shards")
     cc3m.add_argument("--processes", type=int, default=os.cpu_count() or 1)
-    cc3m.add_argument("--threads", type=int, default=64)
-    cc3m.add_argument("--image-size", type=int, default=256)
-    cc3m.add_argument("--resize-mode", default="keep_ratio")
-    check = prep_sub.add_parser("check", help="read every shard and report problems")
-    check.add_argument("dir")
+    cc3m.add_argument("--threads", type=int, default=64, help="download threads per process")
+    cc3m.add_argument("--image-size", type=int, default=CC3M_SETTINGS["image_size"])
+    cc3m.add_argument("--resize-mode", default=CC3M_SETTINGS["resize_mode"], choices=RESIZE_MODES)
+    cc3m.add_argument("--number-sample-per-shard", type=int,
+                      default=CC3M_SETTINGS["number_sample_per_shard"])
+    cc3m.add_argument("--timeout", type=int, default=CC3M_SETTINGS["timeout"])
+    cc3m.add_argument("--retries", type=int, default=CC3M_SETTINGS["retries"])
+    cc3m.add_argument("--encode-quality", type=int, default=CC3M_SETTINGS["encode_quality"])
+    cc3m.add_argument("--user-agent-token", default=CC3M_SETTINGS["user_agent_token"])
+    cc3m.add_argument("--overwrite", action="store_true",
+                      help="delete earlier shards instead of resuming")
+    check = prep_sub.add_parser("check", help="read every shard and report problems (exit 1 when "
+                                "a shard is unreadable or missing)")
+    check.add_argument("dir", help="shard directory or spec")
     check.add_argument("--report", default=None, help="JSON report path (default DIR/check_report.json)")
+    check.add_argument("--workers", type=int, default=1, help="processes reading shards in parallel")
+    check.add_argument("--no-decode", action="store_true", help="skip decoding images (much faster)")
+    check.add_argument("--no-progress", action="store_true")
     prep.set_defaults(func=_cmd_prep)
 
     ev = sub.add_parser("eval", help="evaluate a checkpoint")
     ev_sub = ev.add_subparsers(dest="what", required=True)
-    for name in ("retrieval", "zeroshot"):
-        p = ev_sub.add_parser(name)
-        p.add_argument("--checkpoint", required=True, help="run directory (its latest) or checkpoint dir")
-        p.add_argument("--data", required=True)
-        p.add_argument("--out", default=None)
+
+    def add_run_options(p):
         p.add_argument("--batch-size", type=int, default=256)
-        p.add_argument("--workers", type=int, default=2)
-        p.add_argument("--device", default="auto")
+        p.add_argument("--workers", type=int, default=4, help="data loader processes")
+        p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+
+    for name in ("retrieval", "zeroshot"):
+        p = ev_sub.add_parser(name, help=f"{name} of one checkpoint; writes a JSON record")
+        p.add_argument("--checkpoint", required=True, help="run directory (its latest) or checkpoint dir")
+        p.add_argument("--data", required=True, help="retrieval shards (dir, spec, comma list)"
+                       if name == "retrieval" else "ImageNet val dir, ImageFolder or "
+                       "CLIP_benchmark webdataset dir")
+        p.add_argument("--out", default=None, help="JSON file to write")
+        add_run_options(p)
         if name == "retrieval":
-            p.add_argument("--max-samples", type=int, default=0)
+            p.add_argument("--max-samples", type=int, default=0, help="0: all")
         else:
-            p.add_argument("--classnames", default=None)
-            p.add_argument("--templates", default=None)
+            p.add_argument("--classnames", default=None, help="one class name per line")
+            p.add_argument("--templates", default=None, help="one prompt per line with {c}")
+    compare = ev_sub.add_parser("compare", help="evaluate several checkpoints on the same data; "
+                                "writes OUT/comparison.{json,md}")
+    compare.add_argument("checkpoints", nargs="+")
+    compare.add_argument("--retrieval", default="", help="retrieval shards")
+    compare.add_argument("--zeroshot", default="", help="zero-shot data dir")
+    compare.add_argument("--classnames", default=None, help="one class name per line")
+    compare.add_argument("--templates", default=None, help="one prompt per line with {c}")
+    compare.add_argument("--max-samples", type=int, default=0, help="0: all")
+    compare.add_argument("--out", required=True, help="output directory")
+    add_run_options(compare)
     ev.set_defaults(func=_cmd_eval)
 
     export = sub.add_parser("export", help="export a checkpoint for other tools")

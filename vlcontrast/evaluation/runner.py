@@ -3,8 +3,9 @@
 :func:`evaluate_retrieval` and :func:`evaluate_zeroshot` are what the trainer calls (every rank of the
 process group calls them; every rank gets the same dict back, computed once on rank 0). Keys carry no
 prefix (``image_to_text_R@1``, ``top1``, ...); the caller adds one (``retrieval/``, ``zeroshot/``).
-:func:`run_retrieval_cli` and :func:`run_zeroshot_cli` back ``vlcontrast eval ...`` and ``eval/*.py``:
-they load a checkpoint, evaluate, print a small table and write the JSON record.
+:func:`run_retrieval_cli`, :func:`run_zeroshot_cli` and :func:`compare_checkpoints` back
+``vlcontrast eval ...`` (and the ``eval/*.py`` shims over it): they load a checkpoint, evaluate, print
+a small table and write the JSON record.
 """
 
 from __future__ import annotations
@@ -224,3 +225,57 @@ def run_zeroshot_cli(checkpoint, data, out=None, classnames=None, templates=None
                          {"classnames": str(classnames) if classnames else None,
                           "templates": str(templates) if templates else None,
                           "batch_size": batch_size})
+
+
+COMPARISON_COLUMNS = {
+    "retrieval": ["image_to_text_R@1", "image_to_text_R@5", "text_to_image_R@1",
+                  "text_to_image_R@5", "val_loss"],
+    "zeroshot": ["top1", "top5", "mean_per_class_recall"],
+}
+
+
+def markdown_table(rows: list[dict], columns: list[str]) -> str:
+    """One row per checkpoint, floats to 4 decimals, missing cells empty."""
+    lines = ["| checkpoint | " + " | ".join(columns) + " |",
+             "|---|" + "---:|" * len(columns)]
+    for row in rows:
+        cells = [f"{row[c]:.4f}" if isinstance(row.get(c), float) else str(row.get(c, ""))
+                 for c in columns]
+        lines.append(f"| {row['checkpoint']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def compare_checkpoints(checkpoints: Sequence[str], out, *, retrieval: str = "",
+                        zeroshot: str = "", classnames=None, templates=None,
+                        max_samples: int = 0, batch_size: int = 256, workers: int = 4,
+                        device: str | None = None) -> str:
+    """``vlcontrast eval compare``: evaluate every checkpoint on the same data.
+
+    Writes ``OUT/<n>_<task>.json`` per checkpoint and task, ``OUT/comparison.json`` and
+    ``OUT/comparison.md`` (a markdown table, also returned and printed on rank 0).
+    """
+    if not retrieval and not zeroshot:
+        raise ValueError("compare_checkpoints: give retrieval and/or zeroshot data")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    columns = [f"{task}/{column}" for task, data in (("retrieval", retrieval),
+                                                     ("zeroshot", zeroshot)) if data
+               for column in COMPARISON_COLUMNS[task]]
+    rows = []
+    for index, checkpoint in enumerate(checkpoints):
+        row = {"checkpoint": str(checkpoint)}
+        if retrieval:
+            record = run_retrieval_cli(checkpoint, retrieval, out / f"{index}_retrieval.json",
+                                       batch_size, workers, max_samples, device)
+            row.update({f"retrieval/{k}": v for k, v in record["metrics"].items()})
+        if zeroshot:
+            record = run_zeroshot_cli(checkpoint, zeroshot, out / f"{index}_zeroshot.json",
+                                      classnames, templates, batch_size, workers, device)
+            row.update({f"zeroshot/{k}": v for k, v in record["metrics"].items()})
+        rows.append(row)
+    table = markdown_table(rows, columns)
+    if get_rank() == 0:
+        (out / "comparison.json").write_text(json.dumps(rows, indent=2) + "\n")
+        (out / "comparison.md").write_text(table)
+        print(table, flush=True)
+    return table
