@@ -16,7 +16,8 @@ from vlcontrast.data import check_shards, check_spec
 from vlcontrast.data.errors import LoaderError, ShardsNotFoundError
 from vlcontrast.data.loader import build_train_loader
 from vlcontrast.data.spec import parse_spec, split_members
-from vlcontrast.evaluation.datasets import ROW_BITS, build_retrieval_loader, resolve_shards
+from vlcontrast.evaluation.datasets import (ROW_BITS, Skipped, build_retrieval_loader,
+                                            resolve_shards)
 
 
 def test_members_split_on_top_level_commas_only():
@@ -159,3 +160,7 @@ def test_evaluation_and_training_skip_and_count_the_same_samples(tmp_path):
         "caption_not_utf8": 1, "decompression_bomb": 1}
     assert sorted(kept) == sorted(trained) == sorted(good)
     assert isinstance(skipped, int)  # embed.py adds them up as ints
+    import pickle
+
+    batch_skipped = pickle.loads(pickle.dumps(Skipped({"empty_caption": 2, "truncated_tar": 1})))
+    assert batch_skipped == 2 and batch_skipped.reasons["truncated_tar"] == 1  # from workers

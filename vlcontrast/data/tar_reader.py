@@ -140,7 +140,9 @@ def read_shard(url: str, *, skip: int = 0, take: int | None = None,
                                        stdout=subprocess.PIPE, bufsize=1 << 20)
             source = process.stdout
         else:
-            source = open(url, "rb", buffering=1 << 16)
+            # Unbuffered: skipping a member is a seek plus a 513-byte read, and a buffer would be
+            # refilled (read in full) after every seek. Member data is read in one call anyway.
+            source = open(url, "rb", buffering=0)
     except OSError as err:
         errors.append(f"cannot open: {type(err).__name__}: {err}")
         _count(counts, "unreadable_shard")

@@ -223,6 +223,9 @@ class Skipped(int):
         value.reasons = dict(reasons)
         return value
 
+    def __getnewargs__(self):  # loader workers pickle it: rebuild from the reasons, not the int
+        return (self.reasons,)
+
 
 def _collate(samples, stack_second: bool):
     kept = [(key, item) for key, item in samples if not isinstance(item, str)]
