@@ -62,3 +62,26 @@ def test_metrics_validate_inputs():
         zeroshot_metrics(torch.zeros(2, 3), torch.tensor([0, 3]))
     with pytest.raises(ValueError, match="no samples"):
         zeroshot_metrics(torch.zeros(0, 3), torch.zeros(0, dtype=torch.long))
+
+
+def test_torchmetrics_is_neither_declared_nor_used():
+    """The decision on torchmetrics: not used, so not a dependency.
+
+    Zero-shot metrics are computed once, on rank 0, from features gathered from every rank, so
+    they are exact under data parallelism without a metric-sync library. torchmetrics'
+    conventions also differ from the ones this project reports (and open_clip / CLIP_benchmark
+    use): ``MulticlassRecall(average="macro")`` counts a class absent from the labels as recall 0
+    instead of leaving it out (sklearn's ``balanced_accuracy_score``), and its top-k counts a class
+    tied with the true one as a hit. The metrics above are checked against sklearn and open_clip.
+    """
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    declared = project["dependencies"] + [d for extra in project.get("optional-dependencies",
+                                                                   {}).values() for d in extra]
+    assert not [d for d in declared if d.lower().startswith("torchmetrics")]
+    users = [str(path) for path in (root / "vlcontrast").rglob("*.py")
+             if "torchmetrics" in path.read_text()]
+    assert users == []
