@@ -32,25 +32,30 @@ PRECISIONS = ("fp32", "amp_bf16", "bf16", "fp16")
 @dataclass
 class DataConfig:
     train: str = ""
-    """Training shards: brace patterns (``/data/cc3m/{00000..00331}.tar``), several sources joined
-    with ``::``; an optional weight per source as ``pattern@weight``. Local paths or ``pipe:`` URLs."""
+    """Training shards in the one shard-spec grammar (``vlcontrast.data.spec``, docs/loader.md):
+    brace patterns (``/data/cc3m/{00000..00331}.tar``), globs, directories, comma lists,
+    CLIP_benchmark folders, ``pipe:`` URLs; several sources joined with ``::``, an optional weight
+    per source as ``source@weight`` (resampled mode)."""
     val: str = ""
-    """Held-out shards for retrieval evaluation and validation loss (optional)."""
+    """Held-out shards for retrieval evaluation and validation loss (optional; same grammar)."""
     num_samples: int = 0
     """Samples per epoch; 0 reads it from ``sizes.json``/``manifest.json`` beside the shards."""
     batch_size: int = 64
     """Micro-batch size per rank. Global batch = batch_size x world_size x train.accum_steps."""
     workers: int = 2
-    """DataLoader worker processes per rank (decode, transform and tokenise run there)."""
+    """DataLoader worker processes per rank (decode, transform and tokenise run there); they persist
+    across epochs. Any number of ranks x workers can share any number of shards."""
     mode: str = "epoch"
-    """``epoch``: each shard once per epoch, deterministic shuffle; ``resampled``: shards drawn with
-    replacement, nominal epochs of ``num_samples``."""
+    """``epoch``: each sample once per epoch, deterministic shuffle, ranges cut in rows (slots may
+    share a shard); ``resampled``: shards drawn with replacement, nominal epochs of
+    ``num_samples``."""
     shuffle_buffer: int = 1000
     """Sample shuffle buffer per worker (0 disables)."""
     id_space: int = 0
     """Number of distinct sample ids (DeCL buffer size); 0 reads ``manifest.json``."""
     max_bad_fraction: float = 0.05
-    """Stop with an error when more than this fraction of samples is undecodable or caption-less."""
+    """Stop with an error when more than this fraction of samples is skipped (undecodable image,
+    empty caption, ...: the reasons of ``vlcontrast.data.samples``)."""
     max_image_pixels: int = 89_478_485
     """Images with more pixels are skipped as decompression bombs (PIL's own limit)."""
 
