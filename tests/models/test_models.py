@@ -54,3 +54,231 @@ def test_resolve_checkpoint_errors_name_the_path(tmp_path):
     (step / "model.pt").write_bytes(b"")
     (tmp_path / "checkpoints" / "latest").write_text("step_00000003\n")
     assert resolve_checkpoint(tmp_path) == step
+
+
+# --------------------------------------------------------------------------------------------
+# model configs ship in the package; registering them leaves no folder per call
+
+
+def test_shipped_configs_are_found_from_any_directory(tmp_path, monkeypatch):
+    from vlcontrast.models import PACKAGE_CONFIG_DIR, resolve_model_config
+
+    monkeypatch.chdir(tmp_path)
+    name, cfg = resolve_model_config("vlc-tiny")
+    assert name == "vlc-tiny" and cfg == json.loads((PACKAGE_CONFIG_DIR / "vlc-tiny.json").read_text())
+    # configs/models/ under the current directory is the user's folder, and it comes first.
+    (tmp_path / "configs" / "models").mkdir(parents=True)
+    mine = dict(cfg, embed_dim=16)
+    (tmp_path / "configs" / "models" / "vlc-tiny.json").write_text(json.dumps(mine))
+    assert resolve_model_config("vlc-tiny")[1]["embed_dim"] == 16
+
+
+def test_build_model_leaves_one_registry_folder_per_process(tmp_path, monkeypatch):
+    import tempfile
+
+    from vlcontrast import models
+
+    models.remove_registry()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    for embed_dim in (32, 32, 16):  # same config twice, then a changed one under the same name
+        cfg_path = tmp_path / "custom-micro.json"
+        cfg = json.loads((models.PACKAGE_CONFIG_DIR / "vlc-micro.json").read_text())
+        cfg_path.write_text(json.dumps(dict(cfg, embed_dim=embed_dim)))
+        bundle = build_model(ModelConfig(name=str(cfg_path)))
+        assert bundle.model.text_projection.shape[-1] == embed_dim
+    assert len(list(tmp_path.glob("vlcontrast-model-*"))) == 1
+    models.remove_registry()
+    assert list(tmp_path.glob("vlcontrast-model-*")) == []
+
+
+@pytest.mark.slow
+def test_built_wheel_finds_vlc_tiny_from_another_directory(tmp_path):
+    """pip wheel + pip install --target: the installed package, run outside the repository, finds
+    its shipped model configs (no source tree needed)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import shutil
+
+    root = Path(__file__).resolve().parents[2]
+    # Build from a copy of the package sources: setuptools writes build/ and *.egg-info there.
+    source = tmp_path / "source"
+    shutil.copytree(root / "vlcontrast", source / "vlcontrast",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, source / name)
+    wheels, target, elsewhere = tmp_path / "wheels", tmp_path / "site", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(wheels), str(source)], check=True, cwd=tmp_path)
+    wheel = next(wheels.glob("vlcontrast-*.whl"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
+                    str(target), str(wheel)], check=True, cwd=tmp_path)
+    code = ("import vlcontrast, vlcontrast.models as m; print(vlcontrast.__file__); "
+            "name, cfg = m.resolve_model_config('vlc-tiny'); print(name, cfg['embed_dim'])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, check=True, text=True,
+                         capture_output=True, env={**__import__("os").environ,
+                                                   "PYTHONPATH": str(target)}).stdout.split()
+    assert out[0].startswith(str(target)), out  # the installed copy, not the source tree
+    assert out[1:] == ["vlc-tiny", "64"]
+
+
+# --------------------------------------------------------------------------------------------
+# model.pretrained from a vlcontrast checkpoint; locked towers (LiT)
+
+
+def _write_checkpoint(folder, model):
+    from vlcontrast.train.engine import open_clip_state_dict
+
+    step = folder / "checkpoints" / "step_00000007"
+    step.mkdir(parents=True)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    torch.save(open_clip_state_dict(model, state), step / "model.pt")
+    (folder / "checkpoints" / "latest").write_text("step_00000007\n")
+    return step
+
+
+def test_pretrained_from_a_vlcontrast_run_directory(tmp_path):
+    torch.manual_seed(1)
+    source = build_model(ModelConfig(name="vlc-rn-micro")).model
+    with torch.no_grad():
+        source.logit_scale.fill_(3.0)
+    _write_checkpoint(tmp_path, source)
+    torch.manual_seed(2)
+    loaded = build_model(ModelConfig(name="vlc-rn-micro", pretrained=str(tmp_path))).model
+    for (name, a), b in zip(source.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="model.pretrained=.*does not fit this model"):
+        build_model(ModelConfig(name="vlc-micro", pretrained=str(tmp_path)))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="model.pretrained=.*not a vlcontrast run"):
+        build_model(ModelConfig(name="vlc-micro", pretrained=str(empty)))
+
+
+def test_frozen_batch_norm_checkpoint_loads_into_a_plain_model(tmp_path):
+    from vlcontrast.models import load_model_from_checkpoint
+
+    locked = build_model(ModelConfig(name="vlc-rn-micro", lock_image=True,
+                                     lock_image_freeze_bn_stats=True))
+    step = _write_checkpoint(tmp_path, locked.model)
+    (step / "model_config.json").write_text(json.dumps(locked.model_config))
+    assert not any(k.endswith("num_batches_tracked") for k in torch.load(step / "model.pt"))
+    restored = load_model_from_checkpoint(tmp_path)
+    assert torch.equal(restored.model.visual.bn1.running_var, locked.model.visual.bn1.running_var)
+
+
+def _trainable(model):
+    return {name for name, p in model.named_parameters() if p.requires_grad}
+
+
+def test_lock_image_tower_as_open_clip_does():
+    model = build_model(ModelConfig(name="vlc-micro", lock_image=True)).model
+    assert not any(n.startswith("visual.") for n in _trainable(model))
+    assert "logit_scale" in _trainable(model) and "text_projection" in _trainable(model)
+    # ViT: the last group is (last block, ln_post), then proj: 2 groups unlock both.
+    partial = build_model(ModelConfig(name="vlc-micro", lock_image=True,
+                                      lock_image_unlocked_groups=2)).model
+    visual = {n for n in _trainable(partial) if n.startswith("visual.")}
+    assert "visual.proj" in visual and "visual.ln_post.weight" in visual
+    assert "visual.conv1.weight" not in visual
+
+
+def test_lock_image_freezes_batch_norm_statistics():
+    from torchvision.ops.misc import FrozenBatchNorm2d
+
+    model = build_model(ModelConfig(name="vlc-rn-micro", lock_image=True,
+                                    lock_image_freeze_bn_stats=True)).model
+    norms = [m for m in model.visual.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    frozen = [m for m in model.visual.modules() if isinstance(m, FrozenBatchNorm2d)]
+    assert norms == [] and frozen
+    before = [m.running_mean.clone() for m in frozen]
+    model.train()(torch.rand(4, 3, 32, 32) * 5, torch.zeros(4, 16, dtype=torch.long))
+    assert all(torch.equal(a, m.running_mean) for a, m in zip(before, frozen))
+    with pytest.raises(ValueError, match="model.lock_image_unlocked_groups=1"):
+        build_model(ModelConfig(name="vlc-rn-micro", lock_image=True, lock_image_unlocked_groups=1))
+
+
+def test_lock_text_tower_as_open_clip_does():
+    model = build_model(ModelConfig(name="vlc-tiny", lock_text=True,
+                                    lock_text_unlocked_layers=1)).model
+    text = {n for n in _trainable(model) if not n.startswith("visual.") and n != "logit_scale"}
+    # open_clip unlocks the last block with the final norm and the projection.
+    assert text and all(n.startswith(("transformer.resblocks.3.", "ln_final.", "text_projection"))
+                        for n in text), text
+    assert "token_embedding.weight" not in text
+    with pytest.raises(ValueError, match="model.lock_text_freeze_layer_norm=false"):
+        build_model(ModelConfig(name="vlc-micro", lock_text=True, lock_text_freeze_layer_norm=False))
+
+
+def test_lock_options_without_the_lock_are_config_errors():
+    from vlcontrast.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="model.lock_image_unlocked_groups=2.*model.lock_image=true"):
+        load_config(None, ["data.train=x", "train.steps=1", "model.lock_image_unlocked_groups=2"])
+    with pytest.raises(ConfigError, match="model.lock_text_unlocked_layers=-1"):
+        load_config(None, ["data.train=x", "train.steps=1", "model.lock_text=true",
+                           "model.lock_text_unlocked_layers=-1"])
+
+
+# --------------------------------------------------------------------------------------------
+# channels-last ResNet towers on CUDA; batch norms under bf16 weights
+
+
+def test_channels_last_for_resnet_towers_only():
+    from vlcontrast.models import use_channels_last
+
+    resnet = build_model(ModelConfig(name="vlc-rn-micro")).model
+    assert use_channels_last(resnet)
+    convs = [m.weight for m in resnet.visual.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert convs and all(w.is_contiguous(memory_format=torch.channels_last) for w in convs)
+    seen = []
+    resnet.visual.conv1.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    resnet.visual(torch.rand(2, 3, 32, 32))
+    assert seen[0].is_contiguous(memory_format=torch.channels_last)
+    assert not use_channels_last(build_model(ModelConfig(name="vlc-micro")).model)
+
+
+def test_build_model_on_cuda_uses_channels_last(monkeypatch):
+    """build_model converts ResNet towers when the device is CUDA (creation mocked onto the CPU)."""
+    import open_clip
+
+    from vlcontrast import models
+
+    create = open_clip.create_model_and_transforms
+    monkeypatch.setattr(open_clip, "create_model_and_transforms",
+                        lambda *a, **kw: create(*a, **{**kw, "device": "cpu"}))
+    calls = []
+    monkeypatch.setattr(models, "use_channels_last", lambda model: calls.append(model) or True)
+    build_model(ModelConfig(name="vlc-rn-micro"), device="cpu")
+    assert calls == []
+    bundle = build_model(ModelConfig(name="vlc-rn-micro"), device="cuda")
+    assert calls == [bundle.model]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_batch_norm_with_low_precision_weights_and_fp32_statistics(dtype):
+    import copy
+
+    from torchvision.ops.misc import FrozenBatchNorm2d
+
+    from vlcontrast.models.norms import keep_batch_norm_statistics_fp32
+
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.BatchNorm2d(4), FrozenBatchNorm2d(4))
+    with torch.no_grad():
+        reference[0].weight.uniform_(0.5, 1.5)
+        reference[1].running_var.uniform_(0.5, 1.5)
+    model = copy.deepcopy(reference)
+    assert keep_batch_norm_statistics_fp32(model) == 2
+    for p in model.parameters():  # what DeepSpeed's bf16/fp16 modes do: parameters only
+        p.data = p.data.to(dtype)
+    x = torch.randn(8, 4, 5, 5)
+    out = model(x.to(dtype))
+    assert out.dtype == dtype and model[0].running_mean.dtype == torch.float32
+    expected = reference(x.to(dtype).float())
+    assert torch.allclose(out.float(), expected, atol=0.05, rtol=0.02)
+    assert torch.allclose(model[0].running_mean, reference[0].running_mean, atol=1e-2)
+    out.float().sum().backward()
+    assert model[0].weight.grad.dtype == dtype

@@ -182,7 +182,11 @@ def load_weights(model: torch.nn.Module, path: Path, what: str,
     checkpoint and a model that differ only there still load.
     """
     state = torch.load(path, map_location=device, weights_only=True)
-    result = model.load_state_dict(state, strict=False)
+    try:
+        result = model.load_state_dict(state, strict=False)
+    except RuntimeError as err:  # shape mismatches raise even when not strict
+        raise ValueError(f"{what}: {path} does not fit this model; model.name must be the "
+                         f"checkpoint's model ({str(err).splitlines()[-1].strip()})") from err
     missing = [k for k in result.missing_keys if not k.endswith("num_batches_tracked")]
     unexpected = [k for k in result.unexpected_keys if not k.endswith("num_batches_tracked")]
     if missing or unexpected:
