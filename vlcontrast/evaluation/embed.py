@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from vlcontrast.distributed import all_gather_variable, get_rank, get_world_size
+from vlcontrast.progress import Progress
 
 _END = object()
 
@@ -43,14 +44,11 @@ def encode_in_lockstep(batches: Iterable, device, *, progress: bool = False, tot
                        description: str = "", synchronize: bool = True) -> Iterator:
     """Yield local batches; once they run out, yield ``None`` while any other rank still has one.
 
-    With ``synchronize=False`` (or one process) this is a plain loop with a progress bar.
+    With ``synchronize=False`` (or one process) this is a plain loop. ``progress`` reports rank 0's
+    batches (:class:`~vlcontrast.progress.Progress`: a bar on a terminal, plain lines in a log).
     """
     world = get_world_size() if synchronize else 1
-    bar = None
-    if progress and get_rank() == 0:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, desc=description, unit="batch", dynamic_ncols=True)
+    bar = Progress(total, description, unit="batch", disable=not (progress and get_rank() == 0))
     iterator = iter(batches)
     try:
         while True:
@@ -66,11 +64,9 @@ def encode_in_lockstep(batches: Iterable, device, *, progress: bool = False, tot
                 yield None
                 continue
             yield item
-            if bar is not None:
-                bar.update(1)
+            bar.update(1)
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
 
 
 def text_dummy(tokenizer, device) -> torch.Tensor:
