@@ -151,3 +151,19 @@ def test_the_check_counts_what_the_loader_skips(tmp_path):
     assert checked == loader.bad_samples == {
         "undecodable_image": 1, "missing_image": 1, "missing_caption": 1, "empty_caption": 1,
         "caption_not_utf8": 1, "decompression_bomb": 1}
+
+
+def test_prep_check_command_names_all_three_problems(shards, capsys):
+    from vlcontrast.cli import main
+
+    samples = _read(shards / "00001.tar")
+    samples[0]["jpg"] = samples[0]["jpg"][:200]  # a JPEG cut after its headers
+    samples[1]["txt"] = b" \n"
+    samples[2]["txt"] = "légende".encode("latin-1")
+    _write(shards / "00001.tar", samples)
+    assert main(["prep", "check", str(shards), "--no-progress"]) == 0  # readable: exit 0
+    summary = capsys.readouterr().err
+    for problem in ("1 undecodable_image", "1 empty_caption", "1 caption_not_utf8"):
+        assert problem in summary, summary
+    assert main(["prep", "check", str(shards / "{00000..00009}.tar"), "--no-progress"]) == 2
+    assert "7 of 10 shards do not exist" in capsys.readouterr().err
