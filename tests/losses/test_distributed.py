@@ -162,3 +162,53 @@ def test_data_parallel_equals_single_process(world_size, backend):
                 torch.testing.assert_close(result[label][1], expected_buffer, msg=label)
             assert torch.isfinite(expected_buffer).any() and torch.isinf(expected_buffer).any()
     assert checked == sum(case[4] for case in CASES) + 1
+
+
+REDUCE_SCATTER_CASES = ("infonce", "dclw-chunked", "siglip-chunked", "decl-sharded-chunked")
+
+
+def reduce_scatter_worker(rank, world_size, batches):
+    """Every case of REDUCE_SCATTER_CASES with the gather's backward on NCCL's branch.
+
+    ``torch.distributed.nn.functional``'s all_gather picks its backward by backend: a
+    reduce_scatter under NCCL, an all_to_all elsewhere. gloo implements reduce_scatter too, so
+    answering "nccl" to the backward's backend query runs the NCCL branch here, on CPU.
+    """
+    import torch.distributed as dist
+    import torch.distributed.nn.functional as dist_fn
+
+    calls = []
+    real_get_backend, real_reduce_scatter = dist.get_backend, dist_fn._Reduce_Scatter.apply
+
+    def get_backend(group=None):
+        return dist.Backend.NCCL if group is not None else real_get_backend()
+
+    dist.get_backend = get_backend
+    dist_fn._Reduce_Scatter.apply = lambda *args: calls.append(1) or real_reduce_scatter(*args)
+    try:
+        results = {label: run_case(name, options, chunk, steps, batches)
+                   for label, name, options, chunk, steps in CASES
+                   if label in REDUCE_SCATTER_CASES}
+    finally:
+        dist.get_backend, dist_fn._Reduce_Scatter.apply = real_get_backend, real_reduce_scatter
+    return to_numpy(results), len(calls)
+
+
+@pytest.mark.slow
+def test_nccl_gather_backward_branch_is_exact():
+    batches = make_batches()
+    expected = {label: run_case(name, options, chunk, steps, batches)
+                for label, name, options, chunk, steps in CASES if label in REDUCE_SCATTER_CASES}
+    per_rank = run_distributed(reduce_scatter_worker, 2, to_numpy(batches), backend="gloo")
+    assert all(calls > 0 for _, calls in per_rank)  # the reduce_scatter branch ran
+    for label, (records, buffer) in expected.items():
+        for step, record in enumerate(records):
+            steps = [to_torch(result[label][0][step]) for result, _ in per_rank]
+            where = f"{label} step {step + 1}"
+            assert sum(r[0] for r in steps) / 2 == pytest.approx(record[0], rel=1e-9), where
+            torch.testing.assert_close(torch.cat([r[1] for r in steps]) / 2, record[1], msg=where)
+            torch.testing.assert_close(torch.cat([r[2] for r in steps]) / 2, record[2], msg=where)
+            torch.testing.assert_close(sum(r[3] for r in steps) / 2, record[3], msg=where)
+        if buffer is not None:
+            for result, _ in per_rank:
+                torch.testing.assert_close(to_torch(result[label][1]), buffer, msg=label)
