@@ -196,18 +196,25 @@ def check_free_space(path: Path, needed: int, what: str) -> None:
 
 
 def _fp16_optimizer_masters(engine) -> dict[int, torch.Tensor]:
-    """DeepSpeed's ZeRO-0 fp16 optimizer keeps its fp32 master as flat buffers, one per group."""
+    """The fp32 masters of DeepSpeed's ZeRO-0 16-bit optimizers, by working parameter: the fused
+    one keeps them as one flat buffer per group, the unfused one (client optimizers such as
+    torch's AdamW; bf16 at ZeRO 0 too) as one fp32 tensor per parameter."""
     optimizer = getattr(engine, "optimizer", None)
-    flats, groups = (getattr(optimizer, "fp32_groups_flat", None),
-                     getattr(optimizer, "fp16_groups", None))
-    if not flats or not groups:
+    groups = getattr(optimizer, "fp16_groups", None)
+    if not groups:
         return {}
-    from torch._utils import _unflatten_dense_tensors
+    flats, masters_by_group = (getattr(optimizer, "fp32_groups_flat", None),
+                               getattr(optimizer, "fp32_groups", None))
+    if flats:
+        from torch._utils import _unflatten_dense_tensors
 
+        masters_by_group = [_unflatten_dense_tensors(flat, params)
+                            for flat, params in zip(flats, groups)]
     masters = {}
-    for flat, params in zip(flats, groups):
-        for param, master in zip(params, _unflatten_dense_tensors(flat, params)):
-            masters[id(param)] = master
+    for params, group_masters in zip(groups, masters_by_group or []):
+        for param, master in zip(params, group_masters):
+            if master.shape == param.shape:
+                masters[id(param)] = master
     return masters
 
 
