@@ -64,6 +64,7 @@ MICRO_CONFIGS = {
                         "layers": 1}},
 }
 MAX_LOGIT_SCALE = math.log(100.0)
+INIT_LOGIT_SCALE = 4.7  # above MAX_LOGIT_SCALE (4.605): the matrix checks the clamp reaches model.pt
 
 
 @dataclass
@@ -84,6 +85,12 @@ class Settings:
     workers: int
     loss_batch: int
     models: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def train_samples(self) -> int:
+        """Training shards' size: 20% more than one throughput run reads (open_clip's workers
+        each stop at the end of their own shards)."""
+        return max(int(1.2 * self.throughput_batch * self.throughput_steps), 256)
 
 
 @dataclass
@@ -234,6 +241,7 @@ def _run_config(out: Path, name: str, data: str, val: str, settings: Settings, *
     overrides = {
         "output_dir": str(out / "runs" / name), "seed": 0, "data.train": data,
         "data.val": val, "data.batch_size": settings.matrix_batch, "data.workers": 1,
+        "data.id_space": settings.train_samples,  # ids 0..N-1 (write_shards); DeCL's buffer size
         "data.shuffle_buffer": 64, "optim.warmup_steps": 1, "train.steps": settings.matrix_steps,
         "train.log_every": 1, "train.device": settings.device, "eval.retrieval": "",
         "eval.batch_size": 64, "eval.max_samples": settings.val_samples,
@@ -303,9 +311,12 @@ def check_matrix(report: Report, out: Path, settings: Settings, data: str, val: 
 
             from vlcontrast.config import ConfigError
 
+            # Initialised above ln 100: the clamp must bring the fp32 master (what model.pt
+            # holds) down to ln 100, whatever the precision and ZeRO stage keep as working copy.
             config = _run_config(out, case.replace(" ", "_"), data, val, settings,
                                  **{"model.name": model, "train.precision": precision,
-                                    "deepspeed.zero_stage": stage})
+                                    "deepspeed.zero_stage": stage,
+                                    "model.init_logit_scale": INIT_LOGIT_SCALE})
             try:
                 results = _train(config)
             except ConfigError as err:
@@ -315,7 +326,10 @@ def check_matrix(report: Report, out: Path, settings: Settings, data: str, val: 
             run_dir = Path(config.output_dir)
             losses = [r["loss"] for r in _train_records(run_dir)]
             problems = []
-            if len(losses) != settings.matrix_steps or not all(math.isfinite(x) for x in losses):
+            # fp16 may skip a step on a loss-scale overflow; the run must still reach the end.
+            if results.get("step", settings.matrix_steps) != settings.matrix_steps:
+                problems.append(f"ended at step {results.get('step')} of {settings.matrix_steps}")
+            if not losses or not all(math.isfinite(x) for x in losses):
                 problems.append(f"losses {losses}")
             evaluated = {k: v for k, v in results.items() if k.startswith("retrieval/")}
             if not evaluated:
@@ -325,14 +339,16 @@ def check_matrix(report: Report, out: Path, settings: Settings, data: str, val: 
                                if t.is_floating_point() and t.dtype != torch.float32})
             if not_fp32:
                 problems.append(f"model.pt holds {not_fp32} tensors (expected fp32)")
-            scale = float(weights["logit_scale"].float()) if "logit_scale" in weights else 0.0
-            if scale > MAX_LOGIT_SCALE + 1e-4:
-                problems.append(f"logit_scale {scale:.4f} > ln 100")
+            if "logit_scale" not in weights:
+                problems.append("model.pt has no logit_scale")
+            elif float(weights["logit_scale"]) > MAX_LOGIT_SCALE + 1e-4:
+                problems.append(f"logit_scale {float(weights['logit_scale']):.4f} > ln 100 "
+                                f"(initialised at {INIT_LOGIT_SCALE}): the clamp missed the master")
             if problems:
                 return "fail", "; ".join(problems)
             r1 = evaluated.get("retrieval/image_to_text_R@1", next(iter(evaluated.values())))
             return "pass", (f"{len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
-                            f"eval R@1 {r1:.3f}, checkpoint fp32")
+                            f"eval R@1 {r1:.3f}, checkpoint fp32, logit_scale clamped")
 
         _timed(report, "matrix", case, cell)
 
@@ -562,7 +578,8 @@ def throughput_vlcontrast(out: Path, settings: Settings, model: str, data: str, 
     shutil.rmtree(run_dir, ignore_errors=True)
     steps, every = settings.throughput_steps, settings.throughput_log_every
     cmd = [sys.executable, "-m", "vlcontrast.cli", "train", f"output_dir={run_dir}",
-           f"data.train={data}", "data.val=", f"model.name={model}",
+           f"data.train={data}", "data.val=", f"data.id_space={settings.train_samples}",
+           f"model.name={model}",
            f"data.batch_size={settings.throughput_batch}", f"data.workers={settings.workers}",
            f"train.steps={steps}", f"train.precision={settings.throughput_precision}",
            f"train.log_every={every}", f"train.device={settings.device}", "optim.lr=5e-4",
@@ -721,8 +738,7 @@ def run(reduced: bool, out: Path, only: tuple[str, ...] = SECTIONS) -> Report:
         else:
             check_pytest(report, out)
     shards_start = time.perf_counter()
-    # 20% more than one comparison run reads: open_clip's workers each stop at their own shards' end.
-    train_samples = max(int(1.2 * settings.throughput_batch * settings.throughput_steps), 256)
+    train_samples = settings.train_samples
     data = write_shards(out / "data" / "train", train_samples, settings.image_size,
                         shard_size=256 if not reduced else 64)
     val = write_shards(out / "data" / "val", settings.val_samples, settings.image_size,
