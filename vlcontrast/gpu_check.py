@@ -744,22 +744,26 @@ def run(reduced: bool, out: Path, only: tuple[str, ...] = SECTIONS) -> Report:
     val = write_shards(out / "data" / "val", settings.val_samples, settings.image_size,
                        shard_size=settings.val_samples, seed=1, first_id=10_000_000)
     report.info["data_s"] = round(time.perf_counter() - shards_start, 1)
-    if "matrix" in only:
-        check_matrix(report, out, settings, data, val)
-    if "chunked" in only:
-        check_chunked(report, settings)
-    if "momentum" in only:
-        check_momentum(report, out, settings, data)
-    if "resume" in only:
-        check_resume(report, out, settings, data)
-    if "syncs" in only:
-        if torch.cuda.is_available() and not reduced:
-            check_syncs(report, out, settings, data)
-        else:
+    sections: dict[str, Callable[[], None]] = {
+        "matrix": lambda: check_matrix(report, out, settings, data, val),
+        "chunked": lambda: check_chunked(report, settings),
+        "momentum": lambda: check_momentum(report, out, settings, data),
+        "resume": lambda: check_resume(report, out, settings, data),
+        "syncs": lambda: check_syncs(report, out, settings, data),
+        "throughput": lambda: check_throughput(report, out, settings, data, train_samples),
+    }
+    for name, section in sections.items():
+        if name not in only:
+            continue
+        if name == "syncs" and (reduced or not torch.cuda.is_available()):
             report.add("syncs", "per step", "skip", needs_cuda + ": torch.cuda.set_sync_debug_mode")
-    if "throughput" in only:
-        check_throughput(report, out, settings, data, train_samples)
-        if reduced:
+            continue
+        try:
+            section()
+        except Exception as err:  # noqa: BLE001 - a section that cannot start is one failed row
+            report.add(name, "(section)", "fail", f"{type(err).__name__}: {err}"[:600])
+            report.tracebacks.append(f"{name}\n{traceback.format_exc()}")
+        if name == "throughput" and reduced:
             report.add("throughput", "RN50 / ViT-B-32 amp_bf16 224 px", "skip",
                        needs_cuda + ": the micro ViT above, fp32, checks the comparison runs")
     report.info["total_s"] = round(time.perf_counter() - start, 1)
