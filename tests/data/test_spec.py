@@ -3,11 +3,9 @@ same specs and reads the same shards; training and evaluation skip and count the
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.data.conftest import KEY_STRIDE, make_shards, sample_row, write_shard
 from tests.data.test_loader import PREPROCESS, CountingTokenizer, config, flat, run_epoch

@@ -174,9 +174,10 @@ def check_shards(dir_or_pattern: str | os.PathLike, report_path: str | os.PathLi
     report["max_id"] = max(all_ids) if all_ids else None
     report["unreadable_shards"] = [{"shard": r["shard"], "error": r["error"],
                                     "samples_read": r["samples"]} for r in results if r["error"]]
+    listed = {r["path"]: sizes.get(os.path.abspath(r["path"])) for r in results}
     report["size_mismatches"] = [
-        {"shard": r["shard"], "sizes_json": sizes[os.path.abspath(r["path"])], "found": r["samples"]}
-        for r in results if sizes.get(os.path.abspath(r["path"]), r["samples"]) != r["samples"]]
+        {"shard": r["shard"], "sizes_json": listed[r["path"]], "found": r["samples"]}
+        for r in results if listed[r["path"]] not in (None, r["samples"])]
     report["examples"] = examples
     report["shards"] = {r["shard"]: {"samples": r["samples"], "error": r["error"],
                                      "bad_samples": {k: v for k, v in r["bad_samples"].items()

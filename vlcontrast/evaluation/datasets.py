@@ -18,9 +18,10 @@ image checks plus ``missing_label``).
 
 Every sample gets a global ``key``: ``shard_index * 2**32 + row`` for shards (row = the sample's
 position in its shard), the file's position for folders. Keys give the dataset order back after a
-distributed gather. Splitting: with at least as many shards as reader slots (ranks x workers) each
-slot reads whole shards; otherwise every slot of a rank reads the rank's shards (all shards when there
-are fewer shards than ranks) and keeps every ``stride``-th sample, so small sets still use every rank.
+distributed gather. Splitting: with at least as many shards as reader slots (ranks x workers)
+each slot reads whole shards; otherwise every slot of a rank reads the rank's shards (all shards
+when there are fewer shards than ranks) and keeps every ``stride``-th sample, so small sets still
+use every rank.
 
 Skipped samples reach the caller as the ``skipped`` element of every batch: an ``int`` (the number
 of samples skipped) whose ``reasons`` attribute counts them, and any shard events, per reason.
@@ -39,8 +40,9 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-from vlcontrast.data.samples import (DEFAULT_MAX_IMAGE_PIXELS, IMAGE_EXTENSIONS, find_image,
-                                     inspect_sample, open_image, read_json, read_label)
+from vlcontrast.data.samples import (DEFAULT_MAX_IMAGE_PIXELS, IMAGE_EXTENSIONS,  # noqa: F401
+                                     find_image, inspect_sample, open_image, read_json,
+                                     read_label)
 from vlcontrast.data.shards import read_sizes
 from vlcontrast.data.spec import DEFAULT_SPLIT, expand_spec
 from vlcontrast.data.tar_reader import SHARD_EVENTS, read_shard
