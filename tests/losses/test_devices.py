@@ -6,10 +6,13 @@ lands on the CPU, which on a GPU is a crash (``cpu += cuda``) or a hidden copy. 
 no data, so the same run also proves that the host never reads a value. DeCL's step is checked
 again on the CPU by counting the calls that make the host wait for the device.
 
-BCL is left out of the meta run: its tie handling sizes tensors by the data (``nonzero``).
+On the meta device BCL takes its accelerator path (ranks by ``searchsorted``, no tie search by
+``nonzero``), which is checked against the CPU path below.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -54,7 +57,7 @@ def loss_options(name):
     return {"id_space": 64} if name == "decl" else {}
 
 
-META_CASES = [(name, chunk) for name in sorted(LOSSES) if name != "bcl" for chunk in (0, 3)]
+META_CASES = [(name, chunk) for name in sorted(LOSSES) for chunk in (0, 3)]
 # (DeCL's u_mode=sample draws from a generator on the features' device; meta has none, so that
 # variant is checked on the CPU below.)
 META_CASES += [("decl-momentum", 3), ("decl-batch", 0)]
@@ -195,3 +198,39 @@ def test_the_counter_sees_the_old_host_reads():
     assert {"unique", "__int__"} <= set(counter.calls)
     assert "aten._local_scalar_dense.default" in audit.host_reads
     assert any("boolean mask" in read for read in audit.host_reads) and unique.numel() == 2
+
+
+@pytest.mark.parametrize("options", [{}, {"alpha": 0.7, "beta": 0.6, "tau_plus": 0.2}])
+def test_bcl_accelerator_path_equals_the_cpu_path_with_ties(options):
+    loss = build_loss("bcl", **options)
+    torch.manual_seed(0)
+    values = torch.randn(7, 40).round(decimals=1)  # many ties
+    values[2, :] = 0.5  # a row that is one tie run
+    positives = torch.arange(7) * 3
+    values[torch.arange(7), positives] = -math.inf
+    expected = torch.zeros_like(values)
+    loss.add_log_weights_(expected, values, 39)
+    table = loss._table(39, values)
+    device_path = torch.zeros_like(values)
+    loss._add_log_weights_on_device_(device_path, values, table)
+    negatives = torch.ones_like(values, dtype=torch.bool)
+    negatives[torch.arange(7), positives] = False
+    torch.testing.assert_close(device_path[negatives], expected[negatives], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("chunk", [0, 3])
+def test_bcl_loss_on_the_accelerator_path_equals_the_cpu_path(chunk, monkeypatch):
+    from vlcontrast.losses import bcl as bcl_module
+
+    image, text = references.random_pairs(10, 6, seed=12)
+
+    def run():
+        i, t = image.clone().requires_grad_(), text.clone().requires_grad_()
+        s = torch.tensor(14.29, dtype=torch.float64, requires_grad=True)
+        loss = build_loss("bcl", chunk_size=chunk, alpha=0.7)(i, t, s)["loss"]
+        return (loss.detach(), *torch.autograd.grad(loss, (i, t, s)))
+
+    expected = run()
+    monkeypatch.setattr(bcl_module, "_sync_free_ranks", lambda values: True)
+    for got, want in zip(run(), expected):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

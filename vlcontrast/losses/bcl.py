@@ -74,6 +74,11 @@ def _sort_rows_(values: Tensor) -> Tensor:
     return values
 
 
+def _sync_free_ranks(values: Tensor) -> bool:
+    """Whether to rank without a host sync (on an accelerator; the CPU path is faster on CPU)."""
+    return values.device.type != "cpu"
+
+
 def _tie_run_ends(ties: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Sorted positions that share their value with the next one, and where each such run ends.
 
@@ -150,6 +155,9 @@ class BCLLoss(ContrastiveLoss):
         backward gets them from :meth:`sort_and_add_log_weights_` in forward).
         """
         table = self._table(num_negatives, values)
+        if _sync_free_ranks(values):
+            self._add_log_weights_on_device_(target, values, table)
+            return []
         found = []
         for index, block in enumerate(self._sub_blocks(values)):
             # The positive is -inf: sorted first, at position 0, below every negative; the
@@ -169,6 +177,19 @@ class BCLLoss(ContrastiveLoss):
             part.scatter_add_(1, order, table.expand(part.shape[0], -1))
             part[rows, tied] = before + table[ends]
         return found
+
+    def _add_log_weights_on_device_(self, target: Tensor, values: Tensor, table: Tensor) -> None:
+        """The accelerator path of :meth:`add_log_weights_`, with no host sync.
+
+        Finding tie runs needs ``nonzero`` (a data-dependent size: the host waits for the device
+        every block). Instead each entry's count ``#{k': x_k' <= x_k}`` is read off the sorted row
+        with a right-sided ``searchsorted``, which counts a whole tie run at once; minus one for
+        the positive (``-inf``, first in every sorted row).
+        """
+        for block in self._sub_blocks(values):
+            part = values[block]
+            counts = torch.searchsorted(part.sort(dim=1).values, part, right=True).sub_(1)
+            target[block] += table[counts]
 
     @torch.no_grad()
     def sort_and_add_log_weights_(self, values: Tensor, num_negatives: int) -> list:
@@ -235,6 +256,9 @@ class WeightedNegativeLogSumExp(RowStatistic):
         return self.negatives.dense(self._weighted(logits, positives), positives)
 
     def forward(self, logits, positives):
+        if _sync_free_ranks(logits):
+            # Keyed caches need the block's first column on the host (a sync): recompute instead.
+            return self.negatives.forward(self._weighted(logits, positives), positives)
         logits = fill_positives_(logits, positives)
         self.ties[int(positives[0])] = self.loss.sort_and_add_log_weights_(logits,
                                                                            logits.shape[1] - 1)
@@ -242,5 +266,6 @@ class WeightedNegativeLogSumExp(RowStatistic):
         return self.negatives.forward(logits, torch.zeros_like(positives))
 
     def backward(self, logits, positives, value, aux, grad):
-        weighted = self._weighted(logits, positives, self.ties.pop(int(positives[0]), None))
+        ties = None if _sync_free_ranks(logits) else self.ties.pop(int(positives[0]), None)
+        weighted = self._weighted(logits, positives, ties)
         return self.negatives.backward(weighted, positives, value, aux, grad)
