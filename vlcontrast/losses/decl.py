@@ -1,4 +1,4 @@
-"""DeCL, decomposable contrastive learning (docs/losses.md, section "DeCL"; seed 000, Algorithm 1).
+"""DeCL, decomposable contrastive learning (docs/losses.md, section "DeCL"; the paper's Algorithm 1).
 
 Per direction (image→text shown), with the mean over the ``K = N_global - 1`` negatives
 ``m_i = (1/K) sum_{j != i} e^{L_ij}``::
