@@ -25,7 +25,9 @@ every rank all-gathers ``(ids, new log u)`` and applies the same writes, so repl
 ``shard_buffer=True`` keeps only ``[rank * S, (rank + 1) * S)`` of the id space per rank and
 resolves look-ups with one all-reduce. ``state_dict()`` always holds the full buffer (gathered on
 save, re-sliced on load), so a checkpoint can be resumed with another world size; with
-``shard_buffer`` saving is a collective: call ``state_dict()`` on every rank.
+``shard_buffer`` saving is a collective: call ``state_dict()`` on every rank. A step never makes
+the host wait for the device (no ``unique``, boolean indexing or ``int()``; diagnostics stay
+tensors), and ``rollback()`` puts back exactly the rows the last step wrote (a skipped step).
 
 In eval mode (``loss_fn.eval()``) the estimator is ``batch``, the buffer is neither read nor
 written, and without a ``step`` the loss is ``loss_2``.
