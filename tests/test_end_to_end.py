@@ -123,3 +123,26 @@ def test_a_broken_loss_fails_verification(dataset, tmp_path):
                             cwd=ROOT, capture_output=True, text=True)
     assert verify.returncode == 1, verify.stdout
     assert "FAIL" in verify.stdout
+
+
+def test_verifier_takes_a_threshold_per_metric_and_fails_a_missing_one(tmp_path):
+    from vlcontrast.verify import verify_run
+
+    run = {"retrieval/text_to_image_R@1": 0.2, "retrieval/image_to_text_R@1": 0.2,
+           "retrieval/num_images": 1000, "retrieval/num_texts": 1000,
+           "zeroshot/top1": 0.45, "zeroshot/num_classes": 10}
+    keys = ("retrieval/text_to_image_R@1:50", "zeroshot/top1:5")
+    ok, rows = verify_results(run, 3.0, keys)
+    assert not ok and [r["passed"] for r in rows] == [True, False]  # 4.5x < 5x chance
+    assert [r["required"] for r in rows] == [50.0, 5.0]
+    assert verify_results(dict(run, **{"zeroshot/top1": 0.5}), 3.0, keys)[0]
+    # The demo gates on zero-shot: a run that did not evaluate it must not pass; a plain key
+    # (no threshold of its own) that was not evaluated is skipped, as before.
+    without = {k: v for k, v in run.items() if not k.startswith("zeroshot")}
+    assert not verify_results(without, 3.0, keys)[0]
+    assert verify_results(without, 3.0, ("retrieval/text_to_image_R@1", "zeroshot/top1"))[0]
+    (tmp_path / "results.json").write_text(json.dumps({"metrics": without}))
+    ok, table = verify_run(tmp_path, 3.0, keys)
+    assert not ok and "| zeroshot/top1 | missing |" in table and "FAIL" in table
+    with pytest.raises(ValueError, match="KEY:RATIO"):
+        verify_results(run, 3.0, ("zeroshot/top1:many",))

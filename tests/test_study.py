@@ -1,19 +1,25 @@
-"""The loss study (``vlcontrast.study``): grid arithmetic and config errors without training, and
-one tiny real grid (2 losses x 2 batch sizes x 1 seed, a few steps) in which one cell is made to
-crash: the study records it and goes on, writes the CSV, table and plots, and a rerun runs only the
-cell that did not finish.
+"""The loss study (``vlcontrast.study``): grid arithmetic, the learning-rate rule and config errors
+without training; the statistics against ``scipy.stats``; resume (finished cells skipped, changed
+cells rerun) with a stand-in for the training subprocess; and one tiny real grid (2 losses x 2
+batch sizes x 1 seed, a few steps) in which one cell is made to crash: the study records it and
+goes on, writes the result files, CSV, tables and plots, and a rerun runs only the cell that did
+not finish, even after the run directories are gone (a new session).
 """
 
 import csv
 import json
+import math
+import shutil
 from pathlib import Path
 
 import pytest
 import yaml
 
 from vlcontrast.config import ConfigError, load_config
-from vlcontrast.study import (cell_overrides, grid_cells, load_study_config, markdown_tables,
-                              run_study)
+from vlcontrast.study import (cell_fingerprint, cell_learning_rate, cell_overrides, grid_cells,
+                              load_study_config, markdown_tables, mean_interval,
+                              minimum_detectable_difference, paired_comparison, result_path,
+                              run_study, t_quantile)
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -27,6 +33,8 @@ def _write(path: Path, values: dict) -> Path:
 def _tiny_study(tmp_path: Path, **extra) -> dict:
     values = {
         "output_dir": str(tmp_path / "study"),
+        "results_dir": str(tmp_path / "committed" / "cells"),
+        "report_dir": str(tmp_path / "committed"),
         "base": str(ROOT / "configs" / "demo.yaml"),
         "nproc": 1,
         "threads": 1,
@@ -93,16 +101,153 @@ def test_overrides_on_the_command_line_apply_to_the_study(tmp_path):
     assert {c.steps for c in grid_cells(config)} == {16, 8}
 
 
-def test_markdown_table_reports_mean_and_spread_over_seeds(tmp_path):
+def test_learning_rate_rule_is_one_formula_for_every_batch_size(tmp_path):
     config = load_study_config(_write(tmp_path / "s.yaml", _tiny_study(
-        tmp_path, grid={"losses": ["infonce"], "global_batch_sizes": [8], "seeds": [0, 1]})))
-    rows = [{"cell": "infonce-b8-s0", "loss": "infonce", "global_batch": 8, "status": "ok",
-             "zeroshot_top1": 0.2, "mean_R@1": 0.1, "t2i_R@1": 0.1, "i2t_R@1": 0.1},
-            {"cell": "infonce-b8-s1", "loss": "infonce", "global_batch": 8, "status": "ok",
-             "zeroshot_top1": 0.4, "mean_R@1": 0.1, "t2i_R@1": 0.1, "i2t_R@1": 0.1}]
+        tmp_path, lr=2e-3, lr_reference_batch=64, lr_scaling="sqrt",
+        grid={"losses": ["infonce"], "global_batch_sizes": [16, 64, 1024], "seeds": [0]})))
+    assert [cell_learning_rate(config, b) for b in (16, 64, 1024)] == pytest.approx([1e-3, 2e-3, 8e-3])
+    cell = next(c for c in grid_cells(config) if c.global_batch == 1024)
+    assert load_config(config.base, cell_overrides(config, cell)).optim.lr == pytest.approx(8e-3)
+    config.lr_scaling = "linear"
+    assert cell_learning_rate(config, 16) == pytest.approx(0.5e-3)
+    config.lr_scaling = "none"
+    assert cell_learning_rate(config, 1024) == pytest.approx(2e-3)
+
+
+def test_evaluation_points_spread_over_the_cell(tmp_path):
+    config = load_study_config(_write(tmp_path / "s.yaml", _tiny_study(
+        tmp_path, eval_points=4, samples_per_cell=640)))
+    by_batch = {c.global_batch: c for c in grid_cells(config)}
+    assert "eval.every=20" in cell_overrides(config, by_batch[8])  # 80 steps / 4
+    assert "eval.every=10" in cell_overrides(config, by_batch[16])
+
+
+# ------------------------------------------------------------------------------------------------
+# statistics, against scipy.stats
+
+
+@pytest.mark.parametrize("df", [1, 2, 4, 9, 30])
+@pytest.mark.parametrize("p", [0.8, 0.9, 0.975, 0.995, 0.1])
+def test_t_quantile_matches_scipy(df, p):
+    stats = pytest.importorskip("scipy.stats")
+    assert t_quantile(p, df) == pytest.approx(stats.t.ppf(p, df), rel=1e-9, abs=1e-9)
+
+
+def test_mean_interval_matches_scipy():
+    stats = pytest.importorskip("scipy.stats")
+    values = [0.31, 0.28, 0.35, 0.30, 0.33]
+    interval = mean_interval(values, 0.95)
+    low, high = stats.t.interval(0.95, len(values) - 1, loc=sum(values) / 5, scale=stats.sem(values))
+    assert (interval.low, interval.high) == pytest.approx((low, high), rel=1e-9)
+    assert interval.n == 5 and interval.half_width == pytest.approx((high - low) / 2)
+    single = mean_interval([0.4])
+    assert (single.low, single.high, single.sd) == (0.4, 0.4, 0.0)
+
+
+def test_paired_comparison_matches_scipy_ttest_rel():
+    stats = pytest.importorskip("scipy.stats")
+    candidate = [0.30, 0.32, 0.29, 0.35, 0.31, 0.36]
+    baseline = [0.28, 0.30, 0.30, 0.31, 0.29, 0.31]
+    result = paired_comparison(candidate, baseline, confidence=0.95)
+    reference = stats.ttest_rel(candidate, baseline)
+    assert result.p_value == pytest.approx(reference.pvalue, rel=1e-9)
+    differences = [c - b for c, b in zip(candidate, baseline)]
+    low, high = stats.t.interval(0.95, 5, loc=sum(differences) / 6, scale=stats.sem(differences))
+    assert (result.difference.low, result.difference.high) == pytest.approx((low, high), rel=1e-9)
+    # Pairing matters: the unpaired spread is larger than the paired one for correlated seeds.
+    assert result.difference.sd < stats.tstd(candidate) + stats.tstd(baseline)
+    with pytest.raises(ValueError, match="same non-zero number"):
+        paired_comparison([0.1, 0.2], [0.1])
+
+
+@pytest.mark.parametrize("n", [3, 5, 10, 20])
+def test_detectable_difference_has_the_stated_power(n):
+    # The exact power of a two-sided paired t test at the stated difference (noncentral t) is
+    # close to the requested 80%: the formula is the usual t-quantile approximation.
+    stats = pytest.importorskip("scipy.stats")
+    sd = 0.02
+    delta = minimum_detectable_difference(sd, n, confidence=0.95, power=0.8)
+    noncentrality = delta / (sd / math.sqrt(n))
+    critical = stats.t.ppf(0.975, n - 1)
+    power = (1 - stats.nct.cdf(critical, n - 1, noncentrality)
+             + stats.nct.cdf(-critical, n - 1, noncentrality))
+    assert 0.76 <= power <= 0.81, power
+    assert math.isnan(minimum_detectable_difference(sd, 1))
+    # More seeds detect smaller differences.
+    assert minimum_detectable_difference(sd, n + 5) < delta
+
+
+def _row(loss, seed, batch=8, recall=0.1, zeroshot=0.2):
+    return {"cell": f"{loss}-b{batch}-s{seed}", "loss": loss, "global_batch": batch, "seed": seed,
+            "status": "ok", "last_mean_R@1": recall, "best_mean_R@1": recall,
+            "last_zeroshot/top1": zeroshot, "best_zeroshot/top1": zeroshot}
+
+
+def test_markdown_tables_report_intervals_and_paired_differences(tmp_path):
+    stats = pytest.importorskip("scipy.stats")
+    config = load_study_config(_write(tmp_path / "s.yaml", _tiny_study(
+        tmp_path, grid={"losses": ["infonce", "dcl"], "global_batch_sizes": [8], "seeds": [0, 1, 2]})))
+    base_zs, dcl_zs = [0.20, 0.40, 0.30], [0.25, 0.47, 0.33]
+    rows = ([_row("infonce", s, zeroshot=z) for s, z in enumerate(base_zs)]
+            + [_row("dcl", s, zeroshot=z) for s, z in enumerate(dcl_zs)])
     table = markdown_tables(config, rows)
-    assert "| infonce | 30.0 ± 14.1 |" in table
-    assert "Cells finished: 2 of 2" in table
+    half = stats.t.ppf(0.975, 2) * stats.sem(base_zs)
+    assert f"| infonce | 30.0 ± {100 * half:.1f} |" in table
+    differences = [d - b for d, b in zip(dcl_zs, base_zs)]
+    low, high = stats.t.interval(0.95, 2, loc=sum(differences) / 3, scale=stats.sem(differences))
+    assert f"+5.0 [{100 * low:+.1f}, {100 * high:+.1f}] ▲" in table  # CI excludes 0
+    assert "Cells finished: 6 of 6" in table
+    assert "| 8 | 3 | 10.0 | 30.0 | yes |" in table  # infonce learns at B=8
+
+
+# ------------------------------------------------------------------------------------------------
+# resume
+
+
+def _fake_run_cell(calls):
+    """Stands in for the training subprocess: writes a result file as run_cell does."""
+    def fake(config, cell, fingerprint=None):
+        calls.append(cell.name)
+        path = result_path(config, cell)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        metrics = {"mean_R@1": 0.1 + 0.01 * cell.seed, "zeroshot/top1": 0.3}
+        path.write_text(json.dumps({
+            "cell": cell.name, "loss": cell.loss, "global_batch": cell.global_batch,
+            "seed": cell.seed, "steps": cell.steps,
+            "fingerprint": fingerprint or cell_fingerprint(config, cell),
+            "last": metrics, "best": metrics, "curve": [{"samples_seen": 64, **metrics}],
+            "loss_curve": [[32, 2.0], [64, 1.5]], "chance": {"zeroshot/top1": 0.1}}))
+        return {"cell": cell.name, "status": "ok", "returncode": 0, "wall_s": 0.0}
+
+    return fake
+
+
+def test_resume_skips_finished_cells_and_reruns_changed_ones(tmp_path, monkeypatch):
+    import vlcontrast.study.runner as runner
+
+    calls: list[str] = []
+    monkeypatch.setattr(runner, "run_cell", _fake_run_cell(calls))
+    monkeypatch.setattr(runner, "prepare_data", lambda config: None)
+    path = _write(tmp_path / "s.yaml", _tiny_study(tmp_path))
+    first = run_study(path, ["grid.seeds=[0]"])
+    assert sorted(first.ran) == sorted(calls) == ["dcl-b16-s0", "dcl-b8-s0", "infonce-b16-s0",
+                                                  "infonce-b8-s0"]
+    # A new session: no run directories, only the committed result files.
+    shutil.rmtree(tmp_path / "study")
+    calls.clear()
+    second = run_study(path, ["grid.seeds=[0, 1]"])
+    assert sorted(second.ran) == ["dcl-b16-s1", "dcl-b8-s1", "infonce-b16-s1", "infonce-b8-s1"]
+    rows = list(csv.DictReader(open(tmp_path / "committed" / "study.csv")))
+    assert len(rows) == 8 and {r["status"] for r in rows} == {"ok"}
+    # A change that alters one loss's run config reruns exactly that loss's cells.
+    calls.clear()
+    third = run_study(path, ["grid.seeds=[0, 1]", "cell_overrides={dcl: [optim.weight_decay=0.05]}"])
+    assert sorted(third.ran) == ["dcl-b16-s0", "dcl-b16-s1", "dcl-b8-s0", "dcl-b8-s1"]
+    # --report-only trains nothing.
+    calls.clear()
+    run_study(path, ["grid.seeds=[0, 1, 2]"], report_only=True)
+    assert calls == []
+    assert "Cells not run yet: 4" in (tmp_path / "committed" / "study.md").read_text()
 
 
 @pytest.mark.slow
@@ -121,28 +266,34 @@ def test_tiny_study_records_a_crash_continues_and_resumes(tmp_path, monkeypatch)
     assert sorted(first.ran) == ["dcl-b16-s0", "dcl-b8-s0", "infonce-b16-s0", "infonce-b8-s0"]
     assert (tmp_path / "data" / "train" / "manifest.json").is_file()  # generated on first use
 
-    rows = {r["cell"]: r for r in csv.DictReader(open(out / "study.csv"))}
+    committed = tmp_path / "committed"
+    rows = {r["cell"]: r for r in csv.DictReader(open(committed / "study.csv"))}
     assert set(rows) == {"infonce-b8-s0", "infonce-b16-s0", "dcl-b8-s0", "dcl-b16-s0"}
     crashed = rows.pop("dcl-b16-s0")
-    assert crashed["status"] == "failed" and crashed["returncode"] not in ("", "0")
-    assert "no_such_option" in crashed["error"]
+    assert crashed["status"] == "failed" and "no_such_option" in crashed["error"]
+    assert not (committed / "cells" / "dcl-b16-s0.json").exists()
     for name, row in rows.items():
         assert row["status"] == "ok", (name, row["error"])
-        assert 0.0 <= float(row["zeroshot_top1"]) <= 1.0 and 0.0 <= float(row["mean_R@1"]) <= 1.0
+        assert 0.0 <= float(row["last_zeroshot/top1"]) <= float(row["best_zeroshot/top1"]) <= 1.0
+        assert 0.0 <= float(row["last_mean_R@1"]) <= float(row["best_mean_R@1"]) <= 1.0
         assert float(row["final_loss"]) > 0
     assert rows["infonce-b8-s0"]["steps"] == "8" and rows["infonce-b16-s0"]["steps"] == "4"
-    assert json.loads((out / "cells" / "dcl-b8-s0" / "results.json").read_text())["loss"] == "dcl"
+    result = json.loads((committed / "cells" / "dcl-b8-s0.json").read_text())
+    assert result["loss"] == "dcl" and result["samples_seen"] == 64
+    assert result["curve"][-1]["samples_seen"] == 64 and len(result["loss_curve"]) >= 2
 
-    table = (out / "study.md").read_text()
+    table = (committed / "study.md").read_text()
     assert "| infonce |" in table and "| dcl-b16-s0 | failed |" in table
-    for name in ("zeroshot_top1.png", "retrieval_R1.png", "loss_curves.png"):
-        data = (out / name).read_bytes()
+    for name in ("zeroshot_top1.png", "retrieval_R1.png", "curves.png"):
+        data = (committed / name).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 5000, name
 
-    # Rerun: finished cells are skipped (their results untouched), the crashed one runs again.
-    finished = {name: (out / "cells" / name / "results.json").stat().st_mtime_ns for name in rows}
+    # Rerun in a "new session" (run directories gone): finished cells are skipped, their result
+    # files untouched; the crashed one runs again.
+    finished = {name: (committed / "cells" / f"{name}.json").stat().st_mtime_ns for name in rows}
+    shutil.rmtree(out / "cells")
     second = run_study(config_path)
     assert second.ran == ["dcl-b16-s0"]
     for name, mtime in finished.items():
-        assert (out / "cells" / name / "results.json").stat().st_mtime_ns == mtime, name
+        assert (committed / "cells" / f"{name}.json").stat().st_mtime_ns == mtime, name
     assert [r["status"] for r in second.rows if r["cell"] == "dcl-b16-s0"] == ["failed"]

@@ -137,7 +137,7 @@ def _cmd_study(args) -> int:
     _prepare_environment()
     from vlcontrast.study import run_study
 
-    run_study(args.config, args.overrides)
+    run_study(args.config, args.overrides, report_only=args.report_only)
     return 0
 
 
@@ -252,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     study = sub.add_parser("study", help="grid of short runs: loss x batch size x seed")
     study.add_argument("--config", required=True)
+    study.add_argument("--report-only", action="store_true",
+                       help="rebuild the CSV, tables and plots from the stored cell results")
     study.add_argument("overrides", nargs="*")
     study.set_defaults(func=_cmd_study)
     return parser

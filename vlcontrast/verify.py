@@ -2,7 +2,8 @@
 compares every recall/accuracy with its chance level (R@K: K/N; zero-shot top-k: k/classes).
 
 The demo ends with this check, so a run whose loss is broken fails visibly instead of printing
-plausible-looking numbers.
+plausible-looking numbers. A checked metric may carry its own threshold as ``KEY:RATIO``
+(``zeroshot/top1:5`` = at least 5x chance); others use the common ``min_ratio``.
 """
 
 from __future__ import annotations
@@ -33,23 +34,48 @@ def chance_level(key: str, metrics: dict[str, Any]) -> float | None:
     return None
 
 
+def parse_key(text: str, min_ratio: float) -> tuple[str, float]:
+    """``KEY`` or ``KEY:RATIO`` -> (key, its threshold over chance)."""
+    key, sep, ratio = text.rpartition(":")
+    if not sep:
+        return text, min_ratio
+    try:
+        value = float(ratio)
+    except ValueError:
+        raise ValueError(f"verify metric {text!r}: expected KEY or KEY:RATIO with a number") from None
+    if not key or value <= 0:
+        raise ValueError(f"verify metric {text!r}: expected KEY:RATIO with a positive RATIO")
+    return key, value
+
+
 def verify_results(metrics: dict[str, Any], min_ratio: float = 3.0,
                    keys: tuple[str, ...] = ("retrieval/text_to_image_R@1",
                                             "retrieval/image_to_text_R@1",
                                             "zeroshot/top1")) -> tuple[bool, list[dict[str, Any]]]:
-    """(all metrics >= min_ratio x chance, rows of metric/value/chance/ratio)."""
+    """(all metrics >= their threshold x chance, rows of metric/value/chance/ratio/required).
+
+    ``keys`` entries are ``KEY`` (threshold ``min_ratio``; skipped when the run did not evaluate
+    it) or ``KEY:RATIO`` (required: missing fails, so a gate on zero-shot cannot pass because
+    zero-shot was not evaluated). No metric checked at all fails too.
+    """
     rows = []
     ok = True
-    for key in keys:
+    for text in keys:
+        key, required = parse_key(text, min_ratio)
         if key not in metrics:
+            if ":" not in text:
+                continue
+            ok = False
+            rows.append({"metric": key, "value": float("nan"), "chance": None,
+                         "ratio": float("nan"), "required": required, "passed": False})
             continue
         chance = chance_level(key, metrics)
         value = float(metrics[key])
         ratio = value / chance if chance else float("nan")
-        passed = bool(chance) and ratio >= min_ratio
+        passed = bool(chance) and ratio >= required
         ok = ok and passed
         rows.append({"metric": key, "value": value, "chance": chance, "ratio": ratio,
-                     "passed": passed})
+                     "required": required, "passed": passed})
     if not rows:
         ok = False
     return ok, rows
@@ -66,14 +92,18 @@ def verify_run(run_dir: str | Path, min_ratio: float = 3.0,
         return False, f"{path}: no results.json (did the run finish?)"
     metrics = json.loads(path.read_text())["metrics"]
     ok, rows = verify_results(metrics, min_ratio, keys)
-    shown = [key for key in DEFAULT_KEYS if key not in keys and key in metrics]
+    checked = {parse_key(key, min_ratio)[0] for key in keys}
+    shown = [key for key in DEFAULT_KEYS if key not in checked and key in metrics]
     rows += [dict(row, passed=None) for row in verify_results(metrics, min_ratio, tuple(shown))[1]]
-    lines = ["| metric | value | chance | x chance | verdict |", "|---|---|---|---|---|"]
+    lines = ["| metric | value | chance | x chance | required | verdict |",
+             "|---|---|---|---|---|---|"]
     for row in rows:
         chance = f"{row['chance']:.4f}" if row["chance"] else "n/a"
         verdict = {True: "ok", False: "FAIL", None: "(not checked)"}[row["passed"]]
-        lines.append(f"| {row['metric']} | {row['value']:.4f} | {chance} | {row['ratio']:.1f} | "
+        required = f"{row['required']:g}x" if row["passed"] is not None else ""
+        value = "missing" if row["value"] != row["value"] else f"{row['value']:.4f}"
+        lines.append(f"| {row['metric']} | {value} | {chance} | {row['ratio']:.1f} | {required} | "
                      f"{verdict} |")
-    verdict = (f"PASS: every checked metric is at least {min_ratio:g}x chance" if ok else
-               f"FAIL: a checked metric is below {min_ratio:g}x chance (or none was evaluated)")
+    verdict = ("PASS: every checked metric is at least its required multiple of chance" if ok else
+               "FAIL: a checked metric is below its required multiple of chance, or missing")
     return ok, "\n".join(lines + ["", verdict])

@@ -1,0 +1,196 @@
+"""The study's typed configuration (:class:`StudyConfig`), read with the run config's own parser.
+
+A study YAML names a base run config, study-wide ``key=value`` run overrides, the grid (losses x
+global batch sizes x seeds), the fixed training budget in samples, the learning-rate rule, and
+where the per-cell results and the report are written. Unknown keys and wrong types are
+:class:`vlcontrast.config.ConfigError` naming the key, exactly as for run configs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# The run config's parser: same coercion rules, same error messages (see vlcontrast/config.py).
+from vlcontrast.config import ConfigError, _from_dict, merge_overrides
+
+LR_SCALINGS = ("none", "sqrt", "linear")
+
+
+@dataclass
+class StudyData:
+    dir: str = ""
+    """Dataset root with ``train/``, ``val/`` and ``zeroshot/`` (as ``vlcontrast prep synthetic``
+    writes it). The study points ``data.train``, ``data.val``, ``eval.zeroshot`` and
+    ``eval.templates`` at it; empty: the base config and ``overrides`` name the data."""
+    generate: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of :func:`vlcontrast.data.synthetic.write_synthetic` (``train``, ``val``,
+    ``seed``, ``image_size``, ``shard_size``, ``zeroshot_per_class``); used when ``dir/train``
+    lacks ``manifest.json``. The synthetic world is a pure function of its seed, so a later session
+    regenerates byte-identical data. Empty: a missing dataset is an error."""
+
+
+@dataclass
+class StudyGrid:
+    losses: list[str] = field(default_factory=lambda: ["infonce", "dcl"])
+    """Loss names (``vlcontrast.losses.LOSSES``). ``infonce`` is the baseline of the paired
+    comparisons when it is in the list."""
+    global_batch_sizes: list[int] = field(default_factory=lambda: [32, 64])
+    """Global batch sizes; each must be divisible by ``nproc x accum_steps``."""
+    seeds: list[int] = field(default_factory=lambda: [0])
+    """Run seeds (``seed=`` of each cell). A seed fixes the initial weights and the data order, so
+    two losses with the same seed and batch size form a pair."""
+
+
+@dataclass
+class StudyPretrain:
+    overrides: list[str] = field(default_factory=list)
+    """Run-config overrides (on top of ``base`` and the data paths) of one training run made
+    before the cells; every cell then starts from its final checkpoint (``model.pretrained``),
+    typically with ``model.lock_image=true`` (LiT). Empty: cells start from random weights.
+    The run is deterministic for its seed and thread count, so a later session remakes it."""
+
+
+@dataclass
+class StudyConfig:
+    output_dir: str = "runs/study"
+    """Working directory: ``cells/<cell>/`` run directories (not needed once a cell's result is
+    written to ``results_dir``)."""
+    results_dir: str = ""
+    """One small JSON per finished cell (last and best evaluation, evaluation curve, loss curve).
+    A cell with a result here whose fingerprint matches is skipped, so a study spans sessions when
+    this folder is committed. Empty: ``<output_dir>/results``."""
+    report_dir: str = ""
+    """``study.csv``, ``study.md`` and the plots, rebuilt from ``results_dir`` after every cell.
+    Empty: ``output_dir``."""
+    base: str = "configs/demo.yaml"
+    """Run config every cell starts from."""
+    overrides: list[str] = field(default_factory=list)
+    """``key=value`` run-config overrides applied to every cell (after the data paths)."""
+    cell_overrides: dict[str, list[str]] = field(default_factory=dict)
+    """Extra overrides for some cells, keyed by loss name (``dcl``) or cell name (``dcl-b32-s0``);
+    the cell name's entry comes last."""
+    grid: StudyGrid = field(default_factory=StudyGrid)
+    data: StudyData = field(default_factory=StudyData)
+    pretrain: StudyPretrain = field(default_factory=StudyPretrain)
+    nproc: int = 1
+    """Processes per cell (``vlcontrast train --nproc``). On a small CPU machine 1 is cheaper."""
+    parallel: int = 1
+    """Cells run at the same time. On a CPU machine, ``parallel: 2`` with ``threads: 1`` and
+    ``data.workers=0`` keeps two cores busy with two small cells, which is faster than one cell
+    on two threads (tiny models do not split well over threads)."""
+    accum_steps: int = 1
+    """``train.accum_steps`` of every cell."""
+    threads: int = 0
+    """>0: ``OMP_NUM_THREADS`` of each cell's processes (0: the trainer's default, cores per
+    process). On a shared machine 1 thread avoids OpenMP spin-waiting against other jobs."""
+    samples_per_cell: int = 15_360
+    """Training samples every cell sees: steps = ceil(samples_per_cell / global batch)."""
+    steps_per_cell: int = 0
+    """>0: the same number of optimizer steps for every cell instead (larger batches then see
+    more samples)."""
+    warmup_fraction: float = 0.1
+    """Warmup steps as a fraction of the cell's steps."""
+    lr: float = 0.0
+    """Peak learning rate at ``lr_reference_batch``; 0 leaves ``optim.lr`` to the base config and
+    overrides (the same for every batch size)."""
+    lr_scaling: str = "sqrt"
+    """How the peak learning rate follows the global batch B when ``lr`` is set:
+    ``sqrt``: lr x sqrt(B / lr_reference_batch) (the usual rule for Adam-type optimizers),
+    ``linear``: lr x B / lr_reference_batch, ``none``: lr for every B."""
+    lr_reference_batch: int = 256
+    """The global batch at which the peak learning rate is exactly ``lr``."""
+    eval_points: int = 1
+    """Evaluations per cell, evenly spaced; the last is at the end of training. The report gives
+    the last evaluation and the best one (highest value of each metric over these points)."""
+    log_points: int = 24
+    """Training-log lines per cell (``train.log_every = steps // log_points``)."""
+    confidence: float = 0.95
+    """Confidence level of the intervals and of the paired t tests."""
+    power: float = 0.8
+    """Power at which the report states the smallest detectable paired difference."""
+    keep_checkpoints: bool = False
+    """False: delete a finished cell's ``checkpoints/`` (the study only needs its metrics)."""
+    cell_timeout_s: int = 1800
+    """A cell still running after this many seconds is killed and recorded as ``timeout``."""
+    stderr_tail: int = 1500
+    """Characters of a failed cell's stderr kept in ``study.csv``."""
+
+    @property
+    def results_path(self) -> Path:
+        return Path(self.results_dir or Path(self.output_dir) / "results")
+
+    @property
+    def report_path(self) -> Path:
+        return Path(self.report_dir or self.output_dir)
+
+    def check(self) -> None:
+        from vlcontrast.losses import LOSSES
+
+        def require(ok: bool, key: str, value: Any, why: str) -> None:
+            if not ok:
+                raise ConfigError(f"study {key}={value!r}: {why}")
+
+        require(isinstance(self.grid.losses, list) and bool(self.grid.losses), "grid.losses",
+                self.grid.losses, "must be a non-empty list")
+        for name in self.grid.losses:
+            require(name in LOSSES, "grid.losses", name, f"must be one of {sorted(LOSSES)}")
+        require(isinstance(self.grid.global_batch_sizes, list) and bool(self.grid.global_batch_sizes),
+                "grid.global_batch_sizes", self.grid.global_batch_sizes, "must be a non-empty list")
+        require(isinstance(self.grid.seeds, list) and bool(self.grid.seeds)
+                and all(isinstance(s, int) and not isinstance(s, bool) for s in self.grid.seeds),
+                "grid.seeds", self.grid.seeds, "must be a non-empty list of integers")
+        require(self.nproc >= 1, "nproc", self.nproc, "must be >= 1")
+        require(self.parallel >= 1, "parallel", self.parallel, "must be >= 1")
+        require(self.accum_steps >= 1, "accum_steps", self.accum_steps, "must be >= 1")
+        require(self.threads >= 0, "threads", self.threads, "must be >= 0")
+        per_step = self.nproc * self.accum_steps
+        for size in self.grid.global_batch_sizes:
+            require(isinstance(size, int) and size >= per_step and size % per_step == 0,
+                    "grid.global_batch_sizes", size,
+                    f"must be a positive multiple of nproc x accum_steps = {per_step}")
+        require(self.samples_per_cell >= 1 or self.steps_per_cell >= 1, "samples_per_cell",
+                self.samples_per_cell, "set samples_per_cell or steps_per_cell")
+        require(0.0 <= self.warmup_fraction < 1.0, "warmup_fraction", self.warmup_fraction,
+                "must be in [0, 1)")
+        require(self.lr >= 0.0, "lr", self.lr, "must be >= 0")
+        require(self.lr_scaling in LR_SCALINGS, "lr_scaling", self.lr_scaling,
+                f"must be one of {LR_SCALINGS}")
+        require(self.lr_reference_batch >= 1, "lr_reference_batch", self.lr_reference_batch,
+                "must be >= 1")
+        require(self.eval_points >= 1, "eval_points", self.eval_points, "must be >= 1")
+        require(self.log_points >= 1, "log_points", self.log_points, "must be >= 1")
+        require(0.5 <= self.confidence < 1.0, "confidence", self.confidence, "must be in [0.5, 1)")
+        require(0.5 <= self.power < 1.0, "power", self.power, "must be in [0.5, 1)")
+        require(self.cell_timeout_s >= 1, "cell_timeout_s", self.cell_timeout_s, "must be >= 1")
+        require(Path(self.base).is_file(), "base", self.base, "file does not exist")
+        require(isinstance(self.overrides, list), "overrides", self.overrides, "must be a list")
+        for key, texts in self.cell_overrides.items():
+            require(isinstance(texts, list), f"cell_overrides.{key}", texts, "must be a list")
+        require(isinstance(self.pretrain.overrides, list), "pretrain.overrides",
+                self.pretrain.overrides, "must be a list")
+        for text in (self.overrides + self.pretrain.overrides
+                     + [t for ts in self.cell_overrides.values() for t in ts]):
+            require(isinstance(text, str) and "=" in text, "overrides", text,
+                    "expected key=value strings")
+
+
+def load_study_config(path: str | os.PathLike, overrides: list[str] | None = None) -> StudyConfig:
+    """Read a study YAML, apply ``key=value`` overrides (``grid.seeds=[0]``), validate."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"study config {str(path)!r} does not exist")
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"study config {str(path)!r} is not valid YAML: {err}") from err
+    try:
+        config = _from_dict(StudyConfig, merge_overrides(values, list(overrides or [])), "")
+    except ConfigError as err:
+        raise ConfigError(f"study {err}") from None
+    config.check()
+    return config

@@ -1,0 +1,309 @@
+"""The study's report, rebuilt from the per-cell result files: ``study.csv`` (one row per cell),
+``study.md`` (mean ± confidence interval per loss and batch size, paired comparisons with InfoNCE,
+the smallest detectable difference, whether the cells learn) and PNG plots.
+
+Every number comes from ``results_dir``, so the report of a study spread over several sessions is
+the same as that of one uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+from .cells import read_result
+from .config import StudyConfig
+from .grid import Cell
+from .stats import mean_interval, paired_comparison
+
+BASELINE = "infonce"
+REPORTED = (("mean_R@1", "Retrieval R@1, mean of both directions"),
+            ("zeroshot/top1", "Zero-shot top-1"))
+"""(metric, title) of the tables; each is reported for the last and for the best evaluation."""
+CSV_METRICS = ("zeroshot/top1", "zeroshot/top5", "mean_R@1", "retrieval/text_to_image_R@1",
+               "retrieval/image_to_text_R@1", "mean_R@5")
+CSV_FIELDS = (["cell", "loss", "global_batch", "seed", "status", "steps", "samples_seen", "lr",
+               "wall_s", "samples_per_s", "final_loss"]
+              + [f"{which}_{metric}" for which in ("last", "best") for metric in CSV_METRICS]
+              + ["error"])
+MIN_MEAN_R1 = 0.10
+"""The study's learning requirement: InfoNCE's mean R@1 at every batch size ..."""
+MIN_ZEROSHOT_OVER_CHANCE = 2.0
+"""... and its zero-shot top-1 at least this many times chance."""
+
+
+def collect_rows(config: StudyConfig, cells: list[Cell],
+                 failures: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """One row per cell: its stored result flattened, or its failure, or ``not run``."""
+    rows = []
+    for cell in cells:
+        row: dict[str, Any] = {"cell": cell.name, "loss": cell.loss, "global_batch": cell.global_batch,
+                               "seed": cell.seed, "steps": cell.steps}
+        result = read_result(config, cell)
+        failure = (failures or {}).get(cell.name)
+        if result is not None and failure is None:
+            row["status"] = "ok"
+            for key in ("samples_seen", "lr", "wall_s", "samples_per_s", "final_loss"):
+                row[key] = result.get(key)
+            for which in ("last", "best"):
+                for metric in CSV_METRICS:
+                    row[f"{which}_{metric}"] = result[which].get(metric)
+            row["_result"] = result
+        elif failure is not None:
+            row["status"] = failure["status"]
+            lines = failure.get("error", "").strip().splitlines()[-6:]
+            row["error"] = " | ".join(line.strip() for line in lines)
+        else:
+            row["status"] = "not run"
+        rows.append(row)
+    return rows
+
+
+def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: "" if row.get(k) is None else row.get(k, "") for k in CSV_FIELDS})
+
+
+def values_by_seed(rows: list[dict[str, Any]], column: str) -> dict[tuple[str, int], dict[int, float]]:
+    """{(loss, batch): {seed: value}} over finished cells."""
+    out: dict[tuple[str, int], dict[int, float]] = {}
+    for row in rows:
+        if row.get("status") == "ok" and row.get(column) is not None:
+            out.setdefault((row["loss"], row["global_batch"]), {})[row["seed"]] = float(row[column])
+    return out
+
+
+def _percent_interval(values: list[float], confidence: float) -> str:
+    if not values:
+        return "-"
+    interval = mean_interval(values, confidence)
+    if interval.n == 1:
+        return f"{100 * interval.mean:.1f} (n=1)"
+    return f"{100 * interval.mean:.1f} ± {100 * interval.half_width:.1f}"
+
+
+def _chance(rows: list[dict[str, Any]]) -> dict[str, float | None]:
+    for row in rows:
+        if "_result" in row:
+            return row["_result"].get("chance", {})
+    return {}
+
+
+def learning_table(config: StudyConfig, rows: list[dict[str, Any]]) -> list[str]:
+    """Does InfoNCE learn at every batch size (the requirement that makes the comparison worth
+    reading)?"""
+    if BASELINE not in config.grid.losses:
+        return []
+    chance = _chance(rows).get("zeroshot/top1")
+    recall = values_by_seed(rows, "last_mean_R@1")
+    zeroshot = values_by_seed(rows, "last_zeroshot/top1")
+    out = [f"### Do the cells learn? ({BASELINE}, last evaluation, mean over seeds)\n",
+           f"Requirement: mean R@1 ≥ {100 * MIN_MEAN_R1:.0f}% and zero-shot top-1 ≥ "
+           f"{MIN_ZEROSHOT_OVER_CHANCE:g}× chance at every batch size.\n",
+           "| batch | seeds | mean R@1 (%) | zero-shot top-1 (%) | meets it |", "|---:|---:|---:|---:|---|"]
+    for size in config.grid.global_batch_sizes:
+        r = list(recall.get((BASELINE, size), {}).values())
+        z = list(zeroshot.get((BASELINE, size), {}).values())
+        if not r:
+            out.append(f"| {size} | 0 | - | - | not run |")
+            continue
+        mean_r, mean_z = sum(r) / len(r), (sum(z) / len(z) if z else None)
+        ok = mean_r >= MIN_MEAN_R1 and (mean_z is None or chance is None
+                                        or mean_z >= MIN_ZEROSHOT_OVER_CHANCE * chance)
+        shown_z = f"{100 * mean_z:.1f}" if mean_z is not None else "-"
+        out.append(f"| {size} | {len(r)} | {100 * mean_r:.1f} | {shown_z} | {'yes' if ok else 'NO'} |")
+    out.append("")
+    return out
+
+
+def markdown_tables(config: StudyConfig, rows: list[dict[str, Any]]) -> str:
+    """Mean ± CI tables, paired differences to InfoNCE, detectable differences, unfinished cells."""
+    losses, sizes = config.grid.losses, config.grid.global_batch_sizes
+    level = f"{100 * config.confidence:g}%"
+    out = learning_table(config, rows)
+    for metric, title in REPORTED:
+        for which in ("last", "best"):
+            values = values_by_seed(rows, f"{which}_{metric}")
+            out.append(f"### {title}, {which} evaluation (%, mean ± {level} CI half-width over seeds)\n")
+            out.append("| loss | " + " | ".join(f"B={s}" for s in sizes) + " |")
+            out.append("|---|" + "---:|" * len(sizes))
+            for loss in losses:
+                cells = [_percent_interval(list(values.get((loss, s), {}).values()), config.confidence)
+                         for s in sizes]
+                out.append(f"| {loss} | " + " | ".join(cells) + " |")
+            out.append("")
+    if BASELINE in losses and len(losses) > 1:
+        out.append(f"### Paired comparison with {BASELINE} (points; same seed = same initial weights "
+                   "and data order)\n")
+        out.append(f"Each entry: mean difference (loss − {BASELINE}) [{level} paired-t CI], and the "
+                   f"smallest difference this many seeds detect with {100 * config.power:g}% power "
+                   f"(two-sided paired t at α = {1 - config.confidence:.2g}, from the observed SD of "
+                   "the differences). ▲/▼: the CI excludes 0.\n")
+        for metric, title in REPORTED:
+            for which in ("last", "best"):
+                values = values_by_seed(rows, f"{which}_{metric}")
+                out.append(f"#### {title}, {which} evaluation\n")
+                out.append("| loss | " + " | ".join(f"B={s}" for s in sizes) + " |")
+                out.append("|---|" + "---:|" * len(sizes))
+                detectable: dict[int, list[float]] = {}
+                for loss in losses:
+                    if loss == BASELINE:
+                        continue
+                    entries = []
+                    for size in sizes:
+                        ours, base = values.get((loss, size), {}), values.get((BASELINE, size), {})
+                        seeds = sorted(set(ours) & set(base))
+                        if len(seeds) < 2:
+                            entries.append("-")
+                            continue
+                        cmp = paired_comparison([ours[s] for s in seeds], [base[s] for s in seeds],
+                                                config.confidence, config.power)
+                        d = cmp.difference
+                        mark = " ▲" if d.low > 0 else " ▼" if d.high < 0 else ""
+                        entries.append(f"{100 * d.mean:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}]"
+                                       f"{mark} · {100 * cmp.detectable:.1f}")
+                        detectable.setdefault(size, []).append(cmp.detectable)
+                    out.append(f"| {loss} | " + " | ".join(entries) + " |")
+                if detectable:
+                    out.append("| *largest detectable* | " + " | ".join(
+                        f"{100 * max(detectable[s]):.1f}" if s in detectable else "-" for s in sizes) + " |")
+                out.append("")
+    done = sum(r.get("status") == "ok" for r in rows)
+    out.append(f"Cells finished: {done} of {len(rows)}; {len(config.grid.seeds)} seed(s) per "
+               "(loss, batch); values in percent; '-': fewer finished cells than the entry needs.\n")
+    not_run = sum(r.get("status") == "not run" for r in rows)
+    if not_run:
+        out.append(f"Cells not run yet: {not_run} (rerun the study to resume).\n")
+    failed = [r for r in rows if r.get("status") not in ("ok", "not run")]
+    if failed:
+        out.append("### Cells not finished\n")
+        out.append("| cell | status | last stderr lines |")
+        out.append("|---|---|---|")
+        for row in failed:
+            error = str(row.get("error", "")).replace("|", "/")[-300:]
+            out.append(f"| {row['cell']} | {row['status']} | {error} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def plot_metric(config: StudyConfig, rows: list[dict[str, Any]], column: str, ylabel: str,
+                out_png: Path, chance: float | None = None) -> None:
+    """Metric against batch size, one line per loss, error bars = confidence interval."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    values = values_by_seed(rows, column)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for index, loss in enumerate(config.grid.losses):
+        points = [(s, list(values[(loss, s)].values())) for s in config.grid.global_batch_sizes
+                  if (loss, s) in values]
+        if not points:
+            continue
+        # Small horizontal offsets keep the error bars of different losses apart.
+        offset = 1.0 + 0.03 * (index - (len(config.grid.losses) - 1) / 2)
+        intervals = [mean_interval(p[1], config.confidence) for p in points]
+        ax.errorbar([p[0] * offset for p in points], [100 * i.mean for i in intervals],
+                    yerr=[100 * i.half_width for i in intervals], marker="o", ms=4, capsize=3,
+                    lw=1.3, label=loss)
+    if chance is not None:
+        ax.axhline(100 * chance, color="gray", ls=":", lw=1, label="chance")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(config.grid.global_batch_sizes)
+    ax.set_xticklabels([str(s) for s in config.grid.global_batch_sizes])
+    ax.set_xlabel("global batch size")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+
+
+def plot_curves(config: StudyConfig, rows: list[dict[str, Any]], out_png: Path) -> None:
+    """Per batch size: training loss (top) and evaluated mean R@1 (bottom) against samples seen,
+    averaged over seeds, one line per loss."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = config.grid.global_batch_sizes
+    fig, axes = plt.subplots(2, len(sizes), figsize=(3.4 * len(sizes), 5.6), squeeze=False)
+    colors = {loss: f"C{i % 10}" for i, loss in enumerate(config.grid.losses)}
+    for column, size in enumerate(sizes):
+        for loss in config.grid.losses:
+            results = [r["_result"] for r in rows if r.get("loss") == loss
+                       and r.get("global_batch") == size and "_result" in r]
+            if not results:
+                continue
+            for panel, series in ((0, [r["loss_curve"] for r in results]),
+                                  (1, [[[p["samples_seen"], p.get("mean_R@1")] for p in r["curve"]]
+                                       for r in results])):
+                by_x: dict[int, list[float]] = {}
+                for points in series:
+                    for x, y in points:
+                        if y is not None:
+                            by_x.setdefault(int(x), []).append(float(y))
+                xs = sorted(by_x)
+                ys = [sum(by_x[x]) / len(by_x[x]) * (100 if panel else 1) for x in xs]
+                axes[panel][column].plot([x / 1000 for x in xs], ys, color=colors[loss], lw=1.2,
+                                         marker="o" if panel else None, ms=3, label=loss)
+        axes[0][column].set_title(f"global batch {size}", fontsize=9)
+        axes[1][column].set_xlabel("thousand samples seen")
+        for panel in (0, 1):
+            axes[panel][column].grid(alpha=0.3)
+    axes[0][0].set_ylabel("training loss (own scale)")
+    axes[1][0].set_ylabel("mean R@1 (%)")
+    handles, labels = [], []
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            if label not in labels:
+                handles.append(handle)
+                labels.append(label)
+    if handles:
+        fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 9), fontsize=7)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+
+
+def write_report(config: StudyConfig, cells: list[Cell], command: str = "",
+                 failures: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """``study.csv``, ``study.md`` and the plots from the stored results; returns the rows."""
+    out = config.report_path
+    out.mkdir(parents=True, exist_ok=True)
+    rows = collect_rows(config, cells, failures)
+    write_csv(rows, out / "study.csv")
+    chance = _chance(rows)
+    plot_metric(config, rows, "last_zeroshot/top1", "zero-shot top-1 (%), last evaluation",
+                out / "zeroshot_top1.png", chance.get("zeroshot/top1"))
+    plot_metric(config, rows, "last_mean_R@1", "retrieval R@1, mean of t2i and i2t (%)",
+                out / "retrieval_R1.png", chance.get("retrieval_R@1"))
+    plot_curves(config, rows, out / "curves.png")
+    budget = (f"{config.steps_per_cell} steps per cell" if config.steps_per_cell
+              else f"{config.samples_per_cell:,} training samples per cell (steps = samples / batch)")
+    lr_rule = (f"peak lr {config.lr:g} × (B / {config.lr_reference_batch})"
+               + {"sqrt": "^0.5", "linear": "", "none": "^0"}[config.lr_scaling]
+               if config.lr else "the base config's learning rate for every batch size")
+    chance_text = ", ".join(part for part in (
+        f"zero-shot top-1 {100 * chance['zeroshot/top1']:.1f}%" if chance.get("zeroshot/top1") else "",
+        f"R@1 {100 * chance['retrieval_R@1']:.2f}%" if chance.get("retrieval_R@1") else "") if part)
+    header = [f"# Loss study: {config.output_dir}\n"]
+    if command:
+        header.append(f"Made by `{command}`.\n")
+    header.append(f"Base config `{config.base}`, {config.nproc} process(es) per cell, {budget}, "
+                  f"warmup {config.warmup_fraction:.0%} of the steps, {lr_rule}, "
+                  f"{config.eval_points} evaluation(s) per cell. Overrides: "
+                  f"`{' '.join(config.overrides)}`.\n")
+    if chance_text:
+        header.append(f"Chance level: {chance_text}.\n")
+    header.append("![zero-shot](zeroshot_top1.png) ![R@1](retrieval_R1.png)\n\n![curves](curves.png)\n")
+    (out / "study.md").write_text("\n".join(header) + "\n" + markdown_tables(config, rows))
+    return rows

@@ -1,0 +1,138 @@
+"""The study's statistics: mean with a t confidence interval, paired comparisons, and the smallest
+difference a paired design of n seeds can detect.
+
+Everything here is plain arithmetic on lists of floats (no numpy, no scipy at run time): the
+t and normal quantiles come from :mod:`statistics` and a short Student-t inverse, checked against
+``scipy.stats`` in ``tests/test_study.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+
+def _t_cdf(t: float, df: int) -> float:
+    """Student-t CDF through the regularised incomplete beta function (Lentz continued fraction)."""
+    x = df / (df + t * t)
+    tail = 0.5 * _betainc(df / 2.0, 0.5, x)
+    return 1.0 - tail if t > 0 else tail
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """Regularised incomplete beta I_x(a, b) (Numerical Recipes' betacf, 1e-14 tolerance)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    log_front = (math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
+                 + a * math.log(x) + b * math.log1p(-x))
+    if x > (a + 1.0) / (a + b + 2.0):  # the continued fraction converges fast on this side only
+        return 1.0 - _betainc(b, a, 1.0 - x)
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    result = d
+    for m in range(1, 500):
+        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            result *= c * d
+        if abs(c * d - 1.0) < 1e-14:
+            break
+    return math.exp(log_front) * result / a
+
+
+def t_quantile(p: float, df: int) -> float:
+    """Inverse Student-t CDF (bisection on the CDF; df >= 1)."""
+    if not 0.0 < p < 1.0 or df < 1:
+        raise ValueError(f"t_quantile(p={p}, df={df}): need 0 < p < 1 and df >= 1")
+    if p < 0.5:
+        return -t_quantile(1.0 - p, df)
+    low, high = 0.0, 1.0
+    while _t_cdf(high, df) < p:
+        high *= 2.0
+    for _ in range(200):
+        middle = 0.5 * (low + high)
+        if _t_cdf(middle, df) < p:
+            low = middle
+        else:
+            high = middle
+        if high - low < 1e-12:
+            break
+    return 0.5 * (low + high)
+
+
+@dataclass
+class Interval:
+    mean: float
+    low: float
+    high: float
+    n: int
+    sd: float
+    """Sample standard deviation (0 for a single value)."""
+
+    @property
+    def half_width(self) -> float:
+        return 0.5 * (self.high - self.low)
+
+
+def mean_interval(values: list[float], confidence: float = 0.95) -> Interval:
+    """Mean and its two-sided t confidence interval (``scipy.stats.t.interval`` with the standard
+    error ``sd / sqrt(n)``); a single value gives a zero-width interval and sd 0."""
+    if not values:
+        raise ValueError("mean_interval: no values")
+    n = len(values)
+    mean = statistics.fmean(values)
+    if n == 1:
+        return Interval(mean, mean, mean, 1, 0.0)
+    sd = statistics.stdev(values)
+    half = t_quantile(0.5 + confidence / 2.0, n - 1) * sd / math.sqrt(n)
+    return Interval(mean, mean - half, mean + half, n, sd)
+
+
+@dataclass
+class PairedComparison:
+    difference: Interval
+    """Mean of (candidate - baseline) over the paired seeds, with its t interval."""
+    p_value: float
+    """Two-sided paired t test (``scipy.stats.ttest_rel``); nan with fewer than 2 pairs or no
+    spread."""
+    detectable: float
+    """Smallest true difference the paired t test at this n detects with the requested power
+    (two-sided, alpha = 1 - confidence), from the observed SD of the differences."""
+
+
+def minimum_detectable_difference(sd: float, n: int, confidence: float = 0.95,
+                                  power: float = 0.8) -> float:
+    """Smallest mean paired difference detectable with ``power`` by a two-sided paired t test of
+    ``n`` pairs whose differences have standard deviation ``sd``.
+
+    The usual approximation (t quantiles at df = n - 1): ``(t_{1-alpha/2} + t_{power}) sd / sqrt(n)``.
+    """
+    if n < 2:
+        return float("nan")
+    alpha = 1.0 - confidence
+    return (t_quantile(1.0 - alpha / 2.0, n - 1) + t_quantile(power, n - 1)) * sd / math.sqrt(n)
+
+
+def paired_comparison(candidate: list[float], baseline: list[float], confidence: float = 0.95,
+                      power: float = 0.8) -> PairedComparison:
+    """Paired t comparison of two equally long lists (element i of each comes from the same seed)."""
+    if len(candidate) != len(baseline) or not candidate:
+        raise ValueError(f"paired_comparison: {len(candidate)} vs {len(baseline)} values; "
+                         "need the same non-zero number of pairs")
+    differences = [c - b for c, b in zip(candidate, baseline)]
+    interval = mean_interval(differences, confidence)
+    n = len(differences)
+    if n < 2 or interval.sd == 0.0:
+        p_value = float("nan")
+    else:
+        t = interval.mean / (interval.sd / math.sqrt(n))
+        p_value = 2.0 * (1.0 - _t_cdf(abs(t), n - 1))
+    return PairedComparison(interval, p_value,
+                            minimum_detectable_difference(interval.sd, n, confidence, power))
