@@ -555,3 +555,33 @@ def test_persistent_workers_follow_the_epoch_and_its_transform(uneven_shards):
         pids.append({int(p) for b in batches for p in b.images[:, 1]})
     assert epochs == [{0}, {1}]  # the workers' own copy of the transform saw each epoch
     assert pids[0] == pids[1] and len(pids[0]) == 2 and os.getpid() not in pids[0]
+
+
+class RandomShift:
+    """A random augmentation that shows on flat-colour images (a crop would not)."""
+
+    def __call__(self, image):
+        return T.functional.to_tensor(image) + torch.rand(())
+
+
+def test_epoch_seeded_augmentation_is_the_same_with_persistent_workers(uneven_shards):
+    from vlcontrast.train.batches import SeededTransform
+
+    pattern, _ = uneven_shards
+    shift = RandomShift()
+
+    def second_epoch(workers):
+        augment = SeededTransform(shift, seed=7)
+        loader = build_train_loader(config(pattern, workers=workers), augment,
+                                    CountingTokenizer(), seed=0, rank=0, world_size=1)
+        images = {}
+        for epoch in (0, 1):
+            loader.set_epoch(epoch)
+            augment.epoch = epoch  # what the trainer does in the main process
+            for batch in loader:
+                images.update(zip(batch.sample_ids.tolist(), batch.images))
+        return images
+
+    inline, persistent = second_epoch(0), second_epoch(2)
+    assert inline.keys() == persistent.keys()
+    assert all(torch.equal(inline[i], persistent[i]) for i in inline)
