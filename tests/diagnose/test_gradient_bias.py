@@ -1,0 +1,197 @@
+"""The gradient-bias diagnostic on cases whose answer is known.
+
+Features are random unit vectors (positives correlated with their anchors) so every case runs in
+a second or two; the parameter-gradient and end-to-end tests use a tiny open_clip model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from vlcontrast.diagnose.estimators import (DeCLBufferEstimator, Features, expand_losses,
+                                            full_log_means)
+from vlcontrast.diagnose.montecarlo import (DETECTION_FACTOR, compare, estimate_cell,
+                                            replicate_count)
+
+ALL_LOSSES = ("infonce", "dcl", "dclw", "decl", "debiased", "siglip")
+
+
+def random_features(size: int, dim: int = 8, scale: float = 5.0, noise: float = 0.8,
+                    seed: int = 0) -> Features:
+    generator = torch.Generator().manual_seed(seed)
+    image = F.normalize(torch.randn(size, dim, generator=generator, dtype=torch.float64), dim=1)
+    text = F.normalize(image + noise * torch.randn(size, dim, generator=generator,
+                                                   dtype=torch.float64), dim=1)
+    return Features(image, text, torch.tensor(scale, dtype=torch.float64),
+                    torch.tensor(-3.0, dtype=torch.float64))
+
+
+def measure(estimator, features, batch_size, replicates, seed=0):
+    target = estimator.full_gradient(features)
+    cell = estimate_cell(estimator, features, batch_size, replicates=replicates, seed=seed)
+    return compare(cell.mean, target, cell.mc_variance, cell.batch_variance), cell
+
+
+def test_full_batch_has_no_bias_for_every_loss():
+    """At B = N the batch is the data: every estimator, DeCL's buffers included, gives g_N."""
+    features = random_features(40)
+    estimators = expand_losses(ALL_LOSSES, 40, chunk_size=16)  # g_N through the chunked losses
+    assert [e.name for e in estimators] == ["infonce", "dcl", "dclw", "decl_loss1",
+                                            "decl_loss1_fixed", "decl_loss2", "debiased",
+                                            "siglip", "siglip_rescaled"]
+    for estimator in estimators:
+        statistics, cell = measure(estimator, features, 40, replicates=2)
+        # float64 features; DeCL keeps log u in float32, hence the looser bound.
+        assert statistics.relative_bias < 1e-6, estimator.name
+        assert statistics.cosine == pytest.approx(1.0, abs=1e-9), estimator.name
+        assert not statistics.detected, estimator.name
+        assert statistics.relative_mc_error < 1e-6, estimator.name
+
+
+def test_infonce_bias_shrinks_as_the_batch_grows():
+    features = random_features(96)
+    infonce = expand_losses(["infonce"], 96, chunk_size=0)[0]
+    biases = []
+    for batch_size in (4, 12, 48):
+        statistics, _ = measure(infonce, features, batch_size,
+                                replicates=replicate_count(96, batch_size, 64, 8, 1))
+        assert statistics.detected or batch_size == 48, batch_size
+        biases.append(statistics.relative_bias)
+    assert biases[0] > biases[1] > biases[2] > 0
+    # The bias is the dominant error at small B: the direction itself is off.
+    assert biases[0] > 0.2
+
+
+def test_decl_with_converged_buffer_is_unbiased():
+    """Given U = 1/m (the buffer's fixed point), DeCL's loss_1 is decomposable: its batch
+    gradient is unbiased, while InfoNCE's is clearly biased at the same small B."""
+    features = random_features(32, scale=4.0)
+    estimators = {e.name: e for e in expand_losses(["infonce", "decl"], 32, chunk_size=0)}
+    infonce, _ = measure(estimators["infonce"], features, 8, replicates=16)
+    decl, _ = measure(estimators["decl_loss1_fixed"], features, 8, replicates=48)
+    assert infonce.detected
+    assert not decl.detected
+    assert decl.relative_bias <= DETECTION_FACTOR * decl.relative_mc_error
+    assert decl.relative_bias_corrected < infonce.relative_bias / 4
+    assert decl.relative_mc_error < infonce.relative_bias / 2  # the check could have seen it
+
+
+def test_decl_buffer_reaches_its_fixed_point():
+    features = random_features(32)
+    live = expand_losses(["decl"], 32, chunk_size=0)[0]
+    assert isinstance(live, DeCLBufferEstimator) and not live.fixed
+    assert live.warmup_epochs(0.9) == 6 and live.warmup_epochs(1.0) == 1
+    assert 0.5 ** live.warmup_epochs(0.5) < 1e-6 <= 0.5 ** (live.warmup_epochs(0.5) - 1)
+    assert live.decorrelation_epochs(0.9) == 0 and live.decorrelation_epochs(0.5) == 3
+    info = live.begin(features, 32, torch.Generator().manual_seed(0))  # B = N: deterministic
+    assert info["buffer_log_error"] < 1e-6
+    reference = full_log_means(features, chunk_size=7)
+    assert torch.allclose(live.loss.log_u.double(), reference, atol=1e-6)
+    # At a small batch the steady state is noisy, and centred on the fixed point.
+    info = live.begin(features, 4, torch.Generator().manual_seed(0))
+    assert info["buffer_log_error"] > 1e-3
+
+
+def test_statistics_and_detection_rule():
+    target = torch.tensor([3.0, 4.0])
+    exact = compare(target.clone(), target, mc_variance=0.0, batch_variance=2.5)
+    assert exact.relative_bias == 0 and not exact.detected and exact.cosine == pytest.approx(1)
+    assert exact.relative_variance == pytest.approx(0.1)
+    biased = compare(target + torch.tensor([0.0, 1.0]), target, mc_variance=0.04,
+                     batch_variance=0.0)
+    assert biased.relative_bias == pytest.approx(0.2) and biased.detected
+    assert biased.relative_mc_error == pytest.approx(0.04)
+    assert biased.relative_bias_corrected == pytest.approx(math.sqrt(1 - 0.04) / 5)
+    noisy = compare(target + torch.tensor([0.0, 1.0]), target, mc_variance=0.5,
+                    batch_variance=0.0)
+    assert not noisy.detected  # 0.2 < 2 * sqrt(0.5) / 5
+
+
+def test_batch_sizes_outside_the_data_are_rejected():
+    features = random_features(8)
+    infonce = expand_losses(["infonce"], 8, chunk_size=0)[0]
+    with pytest.raises(ValueError, match="batch size 9"):
+        estimate_cell(infonce, features, 9, replicates=2)
+    with pytest.raises(ValueError, match="unknown loss 'nope'"):
+        expand_losses(["nope"], 8, chunk_size=0)
+    with pytest.raises(ValueError, match="not in --losses"):
+        expand_losses(["infonce"], 8, chunk_size=0, options={"decl": {"gamma": 0.5}})
+
+
+# ------------------------------------------------------------------- through the towers (tiny model)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tests.evaluation.helpers import tiny_model
+
+    return tiny_model(tmp_path_factory.mktemp("configs"), seed=0)
+
+
+def test_parameter_gradient_equals_autograd_through_the_model(tiny):
+    """Pushing g_N back through the towers in chunks == autograd of the loss on the model."""
+    from vlcontrast.diagnose.gradient_bias import compute_features
+    from vlcontrast.diagnose.pushback import TowerPushback, encode_pairs, tower_parameters
+    from vlcontrast.losses import build_loss
+
+    model, _, tokenizer = tiny
+    generator = torch.Generator().manual_seed(1)
+    images = torch.randn(20, 3, 32, 32, generator=generator)
+    tokens = tokenizer([f"a photo of thing {i} number {i * 7 % 5}" for i in range(20)])
+    features = compute_features(model, images, tokens, chunk_size=8, dtype=torch.float32)
+    estimator = expand_losses(["dcl"], 20, chunk_size=6)[0]
+    target = estimator.full_gradient(features)
+    pushback = TowerPushback(model, images, tokens, chunk_size=7)
+    pushed = pushback.push_full([target])[0]
+
+    names = [name for name, _ in tower_parameters(model)]
+    assert "logit_scale" not in names
+    parameters = [p for _, p in tower_parameters(model)]
+    image, text = encode_pairs(model, images, tokens)
+    loss = build_loss("dcl")(image, text, model.logit_scale.exp().detach())["loss"]
+    reference = torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, parameters)])
+    assert torch.allclose(pushed.float(), reference, rtol=1e-4, atol=1e-6)
+
+    # A batch's gradient lives on its rows only: pushing those rows alone gives the same.
+    rows = torch.tensor([3, 11, 17])
+    full = torch.zeros_like(target)
+    full[rows] = target[rows]
+    assert torch.allclose(pushback.push(rows, [target[rows]])[0], pushback.push_full([full])[0],
+                          rtol=1e-5, atol=1e-8)
+
+
+def test_cli_writes_the_report(tiny, tmp_path, capsys):
+    from tests.evaluation.helpers import write_clip_benchmark_wds, write_fake_checkpoint
+    from vlcontrast.cli import main
+
+    run = tmp_path / "run"
+    write_fake_checkpoint(run, tiny[0])
+    write_clip_benchmark_wds(tmp_path / "data", num_samples=20, per_shard=8, task="retrieval")
+    out = tmp_path / "out"
+    args = ["diagnose", "gradient-bias", "--checkpoint", str(run), "--data",
+            str(tmp_path / "data"), "--losses", "infonce,decl", "--batch-sizes", "4,16",
+            "--num-samples", "16", "--batches-per-size", "4", "--min-replicates", "2",
+            "--parameter-groups", "2", "--parameter-batches", "2", "--chunk-size", "10",
+            "--option", "decl.gamma=0.5", "--out", str(out)]
+    assert main(args) == 0
+    report = json.loads((out / "gradient_bias.json").read_text())
+    assert report["num_samples"] == 16 and report["decl_gamma"] == 0.5
+    rows = report["rows"]
+    assert [(r["estimator"], r["batch_size"]) for r in rows] == [
+        (name, size) for name in ("infonce", "decl_loss1", "decl_loss1_fixed", "decl_loss2")
+        for size in (4, 16)]
+    for row in rows:
+        if row["batch_size"] == 16:
+            assert row["feature_relative_bias"] < 1e-6 and row["parameter_relative_bias"] < 1e-5
+        assert row["replicates"] % 2 == 0
+    assert (out / "gradient_bias.png").stat().st_size > 1000
+    assert "| infonce | 4 |" in (out / "gradient_bias.md").read_text()
+    assert (out / "gradient_bias.csv").read_text().count("\n") == len(rows) + 1
+
+    assert main(args[:-2] + ["--batch-sizes", "4,17", "--out", str(out)]) == 2
+    assert "17 is outside [2, --num-samples=16]" in capsys.readouterr().err
