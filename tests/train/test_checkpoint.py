@@ -104,12 +104,18 @@ def test_checkpoint_files_load_without_running_code(cli_run):
     assert all(w.dtype == torch.float32 for w in weights.values() if w.is_floating_point())
 
 
-@pytest.mark.parametrize("tampered", ["trainer_state.pt", "rank_00000.pt"])
-def test_resuming_from_a_checkpoint_with_a_pickled_object_is_refused(cli_run, tampered):
+@pytest.mark.parametrize("tampered, message", [
+    ("trainer_state.pt", "refused to load: it holds a pickled Python object"),
+    ("rank_00000.pt", "refused to load: it holds a pickled Python object"),
+    # DeepSpeed's own file (it loads it with weights_only=False): scanned and refused first.
+    ("engine/mp_rank_00_model_states.pt",
+     "refused to load: DeepSpeed would unpickle it with weights_only=False and it names "
+     "['argparse.Namespace']")])
+def test_resuming_from_a_checkpoint_with_a_pickled_object_is_refused(cli_run, tampered, message):
     run, _, data = cli_run
     folder = run / "checkpoints" / "step_00000003"
     original = (folder / tampered).read_bytes()
-    saved = torch.load(folder / tampered, weights_only=True)
+    saved = torch.load(folder / tampered, weights_only=False)
     saved["injected"] = argparse.Namespace(command="echo pwned")
     torch.save(saved, folder / tampered)
     try:
@@ -119,5 +125,4 @@ def test_resuming_from_a_checkpoint_with_a_pickled_object_is_refused(cli_run, ta
     finally:
         (folder / tampered).write_bytes(original)
     assert done.returncode != 0
-    assert f"{tampered}: refused to load: it holds a pickled Python object" in done.stderr, \
-        done.stderr[-3000:]
+    assert f"{tampered}: {message}" in done.stderr, done.stderr[-3000:]

@@ -18,7 +18,10 @@ State goes in through one dict of stateful objects per kind (run-wide, per rank)
 module writes holds tensors and plain containers only and is read back with
 ``torch.load(weights_only=True)``: a file carrying a pickled object is refused
 (:class:`CheckpointError`) instead of run. DeepSpeed reads ``engine/`` itself, with its own
-``torch.load``; see docs/training.md for what that means for trusting a checkpoint directory.
+``torch.load(weights_only=False)``; its files are scanned first and refused when their pickles name
+anything but tensors, plain containers and DeepSpeed's few known classes
+(:func:`check_engine_files`). See docs/training.md for what that means for trusting a checkpoint
+directory.
 
 Everything is written into ``step_XXXXXXXX.tmp/`` and renamed when complete, so a crash mid-write
 leaves the previous checkpoint usable; ``latest`` is replaced atomically after the rename.
@@ -124,6 +127,38 @@ def load_file(path: Path) -> Any:
             "when loaded. vlcontrast writes only tensors and plain containers here; a file "
             f"written by another program (or an older vlcontrast) is not trusted. ({err})"
         ) from None
+
+
+DEEPSPEED_GLOBALS = frozenset({
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+})
+"""The classes DeepSpeed's own checkpoint files name besides tensors and plain containers (ZeRO
+0-3, fp32/bf16/fp16; measured with ``torch.serialization.get_unsafe_globals_in_checkpoint``)."""
+
+
+def check_engine_files(folder: Path) -> None:
+    """Refuse DeepSpeed's files in ``folder`` when their pickles name anything else.
+
+    DeepSpeed loads its files itself with ``torch.load(weights_only=False)``, which would call
+    whatever a pickle names. Scanning the pickles first (no object is built) and accepting only
+    ``torch.load(weights_only=True)``'s own types plus :data:`DEEPSPEED_GLOBALS` means that what
+    DeepSpeed then unpickles can construct those classes and nothing else.
+    """
+    for path in sorted(Path(folder).glob("*.pt")):
+        try:
+            named = set(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+        except Exception as err:  # noqa: BLE001 - any unreadable file is refused the same way
+            raise CheckpointError(f"{path}: refused to load: not a readable torch checkpoint "
+                                  f"({type(err).__name__}: {err})") from None
+        unexpected = sorted(named - DEEPSPEED_GLOBALS)
+        if unexpected:
+            raise CheckpointError(
+                f"{path}: refused to load: DeepSpeed would unpickle it with weights_only=False "
+                f"and it names {unexpected}, which DeepSpeed's checkpoints do not contain; "
+                "loading it could run code. Was this directory written by vlcontrast?")
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -297,6 +332,7 @@ class Checkpointer:
         same_world = (rank_file.is_file()
                       and len(list(path.glob("rank_*.pt"))) == dist_utils.get_world_size())
         rank_state = load_file(rank_file) if same_world else None
+        check_engine_files(path / "engine")
         self.engine.load_checkpoint(str(path), tag="engine", load_module_strict=True)
         _load_states(self.run_states, run_state, path / "trainer_state.pt")
         if rank_state is not None:
