@@ -10,6 +10,9 @@ STAMP  := $(VENV)/.installed
 export PYTHONUNBUFFERED := 1
 
 DATA   ?= data/synthetic
+# One process per visible GPU, else 2 CPU processes. Recursive (=): evaluated when a recipe uses
+# it, after `setup` has installed torch.
+NPROC  ?= $(shell $(BIN)/python -c 'import torch; print(torch.cuda.device_count() or 2)' 2>/dev/null || echo 2)
 GPU_CHECK_OUT ?= runs/gpu_check
 PYTEST_ARGS ?=
 
