@@ -27,16 +27,29 @@ import random
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import yaml
 
 from vlcontrast import distributed as dist_utils
 from vlcontrast.config import ConfigError, RunConfig, to_dict
+from vlcontrast.data.loader import build_train_loader
+from vlcontrast.losses import LOSSES, build_loss
+from vlcontrast.models import build_model
+from vlcontrast.train import checkpoint as ckpt
 from vlcontrast.train.batches import SeededTransform, TrainBatches
+from vlcontrast.train.checkpoint import Checkpointer, RNGState
+from vlcontrast.train.engine import (build_engine, check_precision, clamp_logit_scale, input_dtype,
+                                     num_parameters)
+from vlcontrast.train.evaluate import evaluate
 from vlcontrast.train.guard import DivergenceGuard, TrainingDiverged
+from vlcontrast.train.metrics import MetricsLogger
+from vlcontrast.train.momentum import MomentumTowers
 from vlcontrast.train.preflight import preflight
+from vlcontrast.train.report import finish_run
 from vlcontrast.train.state import TrainState
 from vlcontrast.train.step import StepOutcome, train_step
+from vlcontrast.train.steplog import StepLogger
 from vlcontrast.train.stop import StopRequested, StopSignal
 
 __all__ = ["train", "train_step", "preflight", "SeededTransform", "StepOutcome", "StopRequested",
@@ -45,15 +58,6 @@ __all__ = ["train", "train_step", "preflight", "SeededTransform", "StepOutcome",
 
 def train(config: RunConfig) -> dict[str, Any]:
     """Run a training job as configured; returns the final results (rank 0: also written)."""
-    from vlcontrast.data.loader import build_train_loader
-    from vlcontrast.losses import LOSSES, build_loss
-    from vlcontrast.models import build_model
-    from vlcontrast.train.checkpoint import Checkpointer, RNGState
-    from vlcontrast.train.engine import clamp_logit_scale, input_dtype
-    from vlcontrast.train.evaluate import evaluate
-    from vlcontrast.train.momentum import MomentumTowers
-    from vlcontrast.train.report import finish_run
-
     config.check()
     stop = StopSignal()  # first: a preemption notice during start-up is kept
     env = dist_utils.init_distributed(timeout_s=config.train.dist_timeout_s,
@@ -65,20 +69,13 @@ def train(config: RunConfig) -> dict[str, Any]:
 
     bundle = build_model(config.model, siglip=LOSSES[config.loss.name].uses_logit_bias,
                          device=device)
-    augment = SeededTransform(bundle.preprocess_train, config.seed)
-    data = TrainBatches(functools.partial(build_train_loader, config.data, augment, bundle.tokenizer,
-                                          seed=config.seed, rank=env.rank,
-                                          world_size=env.world_size),
-                        augment, config.train.accum_steps)
+    data = _train_batches(config, env, bundle)
     loss_fn = build_loss(config.loss.name, chunk_size=config.loss.chunk_size,
                          id_space=data.id_space, **config.loss.options).to(device)
     global_batch = config.data.batch_size * env.world_size * config.train.accum_steps
     total_steps = config.train.steps or max(1, math.ceil(config.train.epochs * data.steps_per_epoch))
     engine, checkpoint_bytes = _build_engine(bundle.model, config, total_steps, env)
-    momentum = (MomentumTowers(engine.module, loss_fn.ema_decay, zero_stage=config.deepspeed.zero_stage,
-                               compute_dtype=torch.bfloat16 if "bf16" in config.train.precision
-                               else dtype)
-                if getattr(loss_fn, "needs_momentum_features", False) else None)
+    momentum = _momentum_towers(engine, loss_fn, config, dtype)
 
     state = TrainState()
     guard = DivergenceGuard(config.train.max_bad_steps, precision=config.train.precision,
@@ -119,9 +116,7 @@ def train(config: RunConfig) -> dict[str, Any]:
                             result=outcome.result, data=data, counts=guard.counts())
                 if _evaluation_due(config, state.step, total_steps):
                     log.eval(state.step, evaluate(engine.module, bundle, config, device))
-            at_stop_step = 0 < config.train.stop_at_step <= state.step
-            reason = stop.reason(outcome.stop_signalled) or ("train.stop_at_step" if at_stop_step
-                                                              else None)
+            reason = _stop_reason(stop, outcome, config, state.step)
             checkpointer.maybe_save(state.step, force=reason is not None)
             if reason is not None:
                 log.event(state.step, {"stopped": reason, "checkpoint": str(checkpointer.last_good)})
@@ -147,6 +142,31 @@ def train(config: RunConfig) -> dict[str, Any]:
 # set-up helpers
 
 
+def _train_batches(config: RunConfig, env, bundle) -> TrainBatches:
+    """This rank's batch stream, augmented by (seed, epoch, image)."""
+    augment = SeededTransform(bundle.preprocess_train, config.seed)
+    build = functools.partial(build_train_loader, config.data, augment, bundle.tokenizer,
+                              seed=config.seed, rank=env.rank, world_size=env.world_size)
+    return TrainBatches(build, augment, config.train.accum_steps)
+
+
+def _stop_reason(stop: StopSignal, outcome: StepOutcome, config: RunConfig, step: int) -> str | None:
+    """Why to stop after this step (the same answer on every rank), or None."""
+    signalled = stop.reason(outcome.stop_signalled)
+    if signalled is None and 0 < config.train.stop_at_step <= step:
+        return "train.stop_at_step"
+    return signalled
+
+
+def _momentum_towers(engine, loss_fn, config: RunConfig, dtype) -> MomentumTowers | None:
+    """DeCL's EMA towers when the loss asks for them (forward under the training precision)."""
+    if not getattr(loss_fn, "needs_momentum_features", False):
+        return None
+    compute = torch.bfloat16 if "bf16" in config.train.precision else dtype
+    return MomentumTowers(engine.module, loss_fn.ema_decay, zero_stage=config.deepspeed.zero_stage,
+                          compute_dtype=compute)
+
+
 def _evaluation_due(config: RunConfig, step: int, total_steps: int) -> bool:
     """Periodic evaluation (the final one runs after the loop)."""
     return bool(config.eval.every) and step % config.eval.every == 0 and step < total_steps
@@ -154,16 +174,12 @@ def _evaluation_due(config: RunConfig, step: int, total_steps: int) -> bool:
 
 def _configure_process(config: RunConfig, env, config_yaml: str) -> None:
     """Threads, precision support and seeds of this process; rank 0 writes config.yaml."""
-    from vlcontrast.train.engine import check_precision
-
     if env.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Launchers other than torchrun leave every process one thread per core: N processes on
         # N cores then spin against each other for minutes inside every collective.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist_utils.local_world_size()))
     check_precision(config.train.precision, env.device)
     seed = config.seed + env.rank
-    import numpy as np
-
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -173,9 +189,6 @@ def _configure_process(config: RunConfig, env, config_yaml: str) -> None:
 
 def _build_engine(model, config: RunConfig, total_steps: int, env):
     """(engine, estimated checkpoint bytes); rank 0 writes deepspeed.json and checks the disk."""
-    from vlcontrast.train import checkpoint as ckpt
-    from vlcontrast.train.engine import build_engine, num_parameters
-
     engine, ds_config = build_engine(model, config, total_steps, env.world_size)
     checkpoint_bytes = ckpt.checkpoint_bytes(num_parameters(engine.module))
     error = None
@@ -191,9 +204,6 @@ def _build_engine(model, config: RunConfig, total_steps: int, env):
 
 
 def _step_logger(config: RunConfig, env, total_steps: int, resumed_at: int):
-    from vlcontrast.train.metrics import MetricsLogger
-    from vlcontrast.train.steplog import StepLogger
-
     metrics = MetricsLogger(Path(config.output_dir), enabled=env.rank == 0,
                             tensorboard=config.logging.tensorboard, wandb=config.logging.wandb,
                             wandb_project=config.logging.wandb_project, config=to_dict(config))
