@@ -297,3 +297,44 @@ def test_tiny_study_records_a_crash_continues_and_resumes(tmp_path, monkeypatch)
     for name, mtime in finished.items():
         assert (committed / "cells" / f"{name}.json").stat().st_mtime_ns == mtime, name
     assert [r["status"] for r in second.rows if r["cell"] == "dcl-b16-s0"] == ["failed"]
+
+
+def test_the_shared_checkpoint_is_trained_once_and_its_digest_kept(tmp_path, monkeypatch):
+    import vlcontrast.study.cells as cells_module
+    from vlcontrast.study import ensure_pretrained, pretrain_dir
+
+    weights = {"bytes": b"weights-1"}
+    runs: list[list[str]] = []
+
+    def fake_training(config, run_dir, command):
+        runs.append(command)
+        checkpoint = run_dir / "checkpoints" / "step_00000010"
+        checkpoint.mkdir(parents=True)
+        (checkpoint / "model.pt").write_bytes(weights["bytes"])
+        (run_dir / "checkpoints" / "latest").write_text("step_00000010\n")
+        (run_dir / "results.json").write_text(json.dumps({"metrics": {"zeroshot/top1": 0.3}}))
+        return {"status": "ok", "returncode": 0, "wall_s": 1.0, "command": command}
+
+    monkeypatch.setattr(cells_module, "_run_training", fake_training)
+    values = _tiny_study(tmp_path, pretrain={"overrides": ["train.steps=10", "model.lock_text=true"]},
+                         overrides=["model.lock_image=true"])
+    config = load_study_config(_write(tmp_path / "s.yaml", values))
+    cell = grid_cells(config)[0]
+    assert cell_overrides(config, cell)[-1] == f"model.pretrained={pretrain_dir(config)}"
+    assert "train.steps=10" in cells_module.pretrain_command(config)
+
+    first = ensure_pretrained(config)
+    stored = json.loads((tmp_path / "committed" / "cells" / "pretrain.json").read_text())
+    assert len(runs) == 1 and stored["digest"] == first["digest"] and "digest_changed" not in stored
+    assert ensure_pretrained(config)["digest"] == first["digest"] and len(runs) == 1  # kept
+    # A new session retrains it; the same weights keep the record, other weights are flagged.
+    shutil.rmtree(pretrain_dir(config))
+    assert "digest_changed" not in ensure_pretrained(config) and len(runs) == 2
+    shutil.rmtree(pretrain_dir(config))
+    weights["bytes"] = b"weights-2"
+    changed = ensure_pretrained(config)
+    assert len(runs) == 3 and changed["digest_changed"]["earlier"] == first["digest"]
+    # The pretraining recipe is part of every cell's fingerprint.
+    other = load_study_config(_write(tmp_path / "t.yaml", dict(
+        values, pretrain={"overrides": ["train.steps=20", "model.lock_text=true"]})))
+    assert cell_fingerprint(other, grid_cells(other)[0]) != cell_fingerprint(config, cell)
