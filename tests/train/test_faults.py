@@ -46,6 +46,7 @@ def _inject(plan):
     """Make ``build_loss`` return losses that fail as ``plan(attempt)`` says on this rank:
     ``"loss"`` (NaN loss), ``"gradients"`` (finite loss, NaN gradients) or None."""
     import vlcontrast.losses as losses
+    import vlcontrast.train.loop as loop
 
     real_build = getattr(losses, "_uninjected_build_loss", losses.build_loss)
     losses._uninjected_build_loss = real_build
@@ -67,7 +68,7 @@ def _inject(plan):
         loss_fn.forward = injected
         return loss_fn
 
-    losses.build_loss = build
+    losses.build_loss = loop.build_loss = build  # the loop's own reference too
 
 
 def _skip_then_diverge(rank, world_size, data_dir, out_root, cases):
