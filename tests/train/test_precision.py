@@ -216,6 +216,8 @@ def _train_towers(rank, world_size, cases):
             "losses": losses, "applied": applied,
             "feature_dtype": str(out["image_features"].dtype),
             "param_dtypes": sorted({str(p.dtype) for p in engine.module.parameters()}),
+            # ZeRO 1/2 keep one gradient-reduction bucket per communication dtype.
+            "reduce_dtypes": sorted(str(d) for d in getattr(engine.optimizer, "ipg_buckets", {})),
             "moved": sum(not torch.equal(a, p.detach().float())
                          for a, p in zip(weights_before, engine.module.parameters())),
             "bn": len(norms),
@@ -258,5 +260,8 @@ def test_every_tower_family_trains_under_every_precision(model_name):
         # amp_bf16 computes the forward in bf16 under autocast, with fp32 weights.
         if precision == "amp_bf16":
             assert result["feature_dtype"] == "torch.bfloat16", case
+            # ... and reduces every gradient in fp32 (DeepSpeed's default module list would add a
+            # bf16 bucket for the Linear and Conv weights).
+            assert result["reduce_dtypes"] == ["torch.float32"], (case, result["reduce_dtypes"])
         if model_name == "vlc-rn-micro":
             assert result["bn"] > 0 and result["bn_stats_fp32"] and result["bn_stats_moved"], case
