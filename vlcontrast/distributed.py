@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from vlcontrast.config import ConfigError
+
 
 @dataclass(frozen=True)
 class LaunchEnv:
@@ -119,8 +121,9 @@ def is_main_process() -> bool:
     return get_rank() == 0
 
 
-class DeviceError(RuntimeError):
-    """The requested device cannot be used by this process (named with its rank)."""
+class DeviceError(ConfigError):
+    """The requested device cannot be used by this process (named with its rank); a configuration
+    error, so the CLI reports it as one (exit code 2)."""
 
 
 def usable_cuda_devices() -> int:
