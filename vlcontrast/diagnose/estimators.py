@@ -36,8 +36,6 @@ from vlcontrast.losses import LOSSES, build_loss
 
 # The losses `--losses` accepts by default and the report rows each one expands to.
 DEFAULT_LOSSES = ("infonce", "dcl", "dclw", "decl", "debiased", "siglip")
-DECL_ROWS = ("decl_loss1", "decl_loss1_fixed", "decl_loss2")
-SIGLIP_ROWS = ("siglip", "siglip_rescaled")
 
 # The buffer counts as warmed up once the initial state's weight in every entry is below this.
 WARMUP_TOLERANCE = 1e-6

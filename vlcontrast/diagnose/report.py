@@ -40,7 +40,7 @@ def _number(value: float) -> str:
         return "0"
     if abs(value) >= 100 or abs(value) < 1e-3:
         return f"{value:.2e}"
-    return f"{value:.3g}" if abs(value) < 1 else f"{value:.3g}"
+    return f"{value:.3g}"
 
 
 def markdown_table(rows: list[dict]) -> str:
