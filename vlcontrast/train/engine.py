@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 
-from vlcontrast import distributed as dist_utils
 from vlcontrast.config import PRECISIONS, ConfigError, RunConfig
 
 
@@ -35,7 +34,9 @@ class FiniteCheckedAdamW(torch.optim.AdamW):
 
     DeepSpeed reads ``optimizer.overflow`` after ``step()``: when it is True the step counts as
     skipped (``engine.skipped_steps``) and the lr scheduler is not stepped, exactly as for its own
-    mixed-precision optimizers. The flag is all-reduced, so one rank's NaN skips every rank.
+    mixed-precision optimizers. This optimizer serves only ZeRO 0, where DeepSpeed has already
+    all-reduced the gradients before ``step()``: every rank holds the same sum, a NaN on one rank is
+    a NaN on all, so the local check agrees everywhere and needs no collective of its own.
     """
 
     def __init__(self, params, **kwargs):
@@ -44,8 +45,7 @@ class FiniteCheckedAdamW(torch.optim.AdamW):
 
     def step(self, closure=None):
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        local_bad = bool(grads) and not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all())
-        self.overflow = dist_utils.any_rank(local_bad)
+        self.overflow = bool(grads) and not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all())
         if self.overflow:
             return None
         return super().step(closure)
