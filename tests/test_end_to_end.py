@@ -34,7 +34,8 @@ def _train(dataset, run_dir, *extra, nproc=2, timeout=600):
            f"output_dir={run_dir}", f"data.train={dataset}/train", f"data.val={dataset}/val",
            f"eval.zeroshot={dataset}/zeroshot", "model.name=vlc-micro", "data.batch_size=32",
            "data.workers=1", "train.steps=240", "train.log_every=20", "optim.lr=5e-3",
-           "optim.warmup_steps=20", "checkpoint.every=120", "eval.batch_size=100", *extra]
+           "optim.warmup_steps=20", "checkpoint.every=120", "checkpoint.keep=2",
+           "eval.batch_size=100", *extra]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc

@@ -209,10 +209,13 @@ def model_family(name: str) -> str:
 
 
 def shipped_families(root: Path = REPO) -> dict[str, list[str]]:
-    """Family -> the model names the shipped configs (``configs/**/*.yaml``) use."""
+    """Family -> the model names the shipped configs use: the run configs (``configs/**/*.yaml``)
+    and the model configs that ship inside the package (``vlcontrast/models/configs``)."""
     import yaml
 
-    names: set[str] = set()
+    from vlcontrast.models import PACKAGE_CONFIG_DIR
+
+    names: set[str] = {path.stem for path in Path(PACKAGE_CONFIG_DIR).glob("*.json")}
     for path in sorted((root / "configs").rglob("*.yaml")):
         model = (yaml.safe_load(path.read_text()) or {}).get("model") or {}
         if isinstance(model, dict) and model.get("name"):
