@@ -1,9 +1,12 @@
 """vlcontrast: CLIP-style vision-language pretraining with contrastive losses beyond InfoNCE.
 
-Subpackages, one concern each: ``losses`` (the loss zoo), ``data`` (synthetic world, CC3M
-preparation, webdataset loader), ``models`` (open_clip towers), ``train`` (DeepSpeed loop,
-checkpoints, metrics), ``evaluation`` (retrieval and zero-shot). ``config`` holds the typed run
-config, ``distributed`` the process-group helpers, ``cli`` the ``vlcontrast`` command.
+Subpackages, one concern each: ``losses`` (the loss zoo and its registry), ``data`` (the one shard
+layer: spec grammar, tar reader, sample taxonomy, loader; synthetic world and CC3M preparation),
+``models`` (open_clip towers, shipped model configs, locking), ``train`` (the DeepSpeed loop and its
+components), ``evaluation`` (retrieval and zero-shot), ``study`` (the loss x batch-size study) and
+``diagnose`` (gradient-bias measurement). ``config`` holds the typed run config, ``distributed`` the
+device choice and process-group helpers, ``progress`` the progress lines, ``gpu_check`` the GPU
+check, ``requeue`` the scheduler marker, ``cli`` the ``vlcontrast`` command.
 """
 
 __version__ = "0.1.0"

@@ -1,4 +1,5 @@
-"""The ``vlcontrast`` command: ``train``, ``prep``, ``eval``, ``export``, ``verify``, ``study``, ``config``.
+"""The ``vlcontrast`` command: ``train``, ``prep``, ``eval``, ``export``, ``verify``, ``study``,
+``diagnose``, ``config``.
 
 Subcommands parse arguments and call the library; no logic lives here. ``train --nproc N``
 re-launches itself under ``torchrun`` for N local processes; under torchrun, ``deepspeed`` or
