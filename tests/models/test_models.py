@@ -238,6 +238,9 @@ def test_channels_last_for_resnet_towers_only():
     resnet.visual(torch.rand(2, 3, 32, 32))
     assert seen[0].is_contiguous(memory_format=torch.channels_last)
     assert not use_channels_last(build_model(ModelConfig(name="vlc-micro")).model)
+    on_cpu = build_model(ModelConfig(name="vlc-rn-micro"), device="cpu").model
+    assert all(m.weight.is_contiguous(memory_format=torch.channels_last)
+               for m in on_cpu.visual.modules() if isinstance(m, torch.nn.Conv2d))
 
 
 def test_build_model_on_cuda_uses_channels_last(monkeypatch):
