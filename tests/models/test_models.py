@@ -231,20 +231,27 @@ def test_channels_last_for_resnet_towers_only():
 
     resnet = build_model(ModelConfig(name="vlc-rn-micro")).model
     assert use_channels_last(resnet)
-    convs = [m.weight for m in resnet.visual.modules() if isinstance(m, torch.nn.Conv2d)]
-    assert convs and all(w.is_contiguous(memory_format=torch.channels_last) for w in convs)
     seen = []
     resnet.visual.conv1.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
     resnet.visual(torch.rand(2, 3, 32, 32))
     assert seen[0].is_contiguous(memory_format=torch.channels_last)
     assert not use_channels_last(build_model(ModelConfig(name="vlc-micro")).model)
-    on_cpu = build_model(ModelConfig(name="vlc-rn-micro"), device="cpu").model
-    assert all(m.weight.is_contiguous(memory_format=torch.channels_last)
-               for m in on_cpu.visual.modules() if isinstance(m, torch.nn.Conv2d))
 
 
-def test_build_model_on_cuda_uses_channels_last(monkeypatch):
-    """build_model converts ResNet towers when the device is CUDA (creation mocked onto the CPU)."""
+def test_channels_last_towers_keep_weights_deepspeed_can_view_as_bytes():
+    """DeepSpeed's initial broadcast views every parameter as uint8: a channels-last weight fails."""
+    resnet = build_model(ModelConfig(name="vlc-rn-micro"), device="cpu").model
+    for param in resnet.parameters():
+        if param.ndim:  # 0-dim logit_scale: the engine gives it shape [1] first
+            param.data.view(torch.uint8)  # raises for a channels-last 4-d weight
+    seen = []
+    resnet.visual.conv1.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    resnet.visual(torch.rand(2, 3, 32, 32))
+    assert seen[0].is_contiguous(memory_format=torch.channels_last)
+
+
+def test_build_model_uses_channels_last_on_every_device(monkeypatch):
+    """build_model converts ResNet towers on CPU and CUDA (CUDA creation mocked onto the CPU)."""
     import open_clip
 
     from vlcontrast import models
@@ -254,10 +261,10 @@ def test_build_model_on_cuda_uses_channels_last(monkeypatch):
                         lambda *a, **kw: create(*a, **{**kw, "device": "cpu"}))
     calls = []
     monkeypatch.setattr(models, "use_channels_last", lambda model: calls.append(model) or True)
-    build_model(ModelConfig(name="vlc-rn-micro"), device="cpu")
-    assert calls == []
-    bundle = build_model(ModelConfig(name="vlc-rn-micro"), device="cuda")
-    assert calls == [bundle.model]
+    on_cpu = build_model(ModelConfig(name="vlc-rn-micro"), device="cpu")
+    assert calls == [on_cpu.model]
+    on_cuda = build_model(ModelConfig(name="vlc-rn-micro"), device="cuda")
+    assert calls == [on_cpu.model, on_cuda.model]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -227,18 +227,18 @@ def is_convolutional(tower: torch.nn.Module) -> bool:
 
 
 def use_channels_last(model: torch.nn.Module) -> bool:
-    """Channels-last memory format for a ResNet image tower: cuDNN's fast layout on tensor cores,
-    and oneDNN's on the CPU (1.04-1.05x faster forward+backward for vlc-rn-tiny at batch 128 on the 2-core
-    CPU: ``python bench/bench_channels_last.py``).
+    """Channels-last activations for a ResNet image tower: cuDNN's fast layout on tensor cores,
+    and oneDNN's on the CPU (1.04-1.05x faster forward+backward for vlc-rn-tiny at batch 128 on the
+    2-core CPU: ``python bench/bench_channels_last.py``).
 
-    The weights are converted, and a pre-hook hands the tower its images in channels-last: the
-    input decides the convolutions' layout even where DeepSpeed later re-views the weights as
-    slices of its flat buffers (ZeRO, bf16). Returns whether the tower was converted.
+    A pre-hook hands the tower its images in channels-last, and the convolutions follow the input's
+    layout. The weights stay contiguous on purpose: DeepSpeed views every parameter as bytes for its
+    initial broadcast (and as slices of flat buffers under ZeRO and bf16), which a channels-last
+    weight refuses ("stride(-1) must be 1"). Returns whether the tower was converted.
     """
     visual = model.visual
     if not is_convolutional(visual):
         return False
-    visual.to(memory_format=torch.channels_last)
 
     def to_channels_last(_module, args):
         images, *rest = args
