@@ -104,8 +104,8 @@ class StepLogger:
             values = self._record(state, engine, result, data, counts)
             self.metrics.log(step, values)
             if self.progress is not None:
-                self.progress.set_postfix(loss=f"{values['loss']:.3f}",
-                                          samples_per_s=f"{values['samples_per_s']:.0f}")
+                self.progress.set_postfix(**{"loss": f"{values['loss']:.3f}",
+                                             "samples/s": f"{values['samples_per_s']:.0f}"})
         if self.progress is not None:
             self.progress.update(1)
 
