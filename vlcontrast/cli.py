@@ -65,12 +65,26 @@ def _cmd_config(args) -> int:
 
 def _cmd_prep(args) -> int:
     if args.what == "synthetic":
-        from vlcontrast.data.synthetic import write_synthetic
+        from vlcontrast.data.synthetic import TrainMix, is_current, write_synthetic
 
+        defaults = TrainMix()
+        try:
+            mix = TrainMix(single_object=defaults.single_object if args.single_object is None
+                           else args.single_object,
+                           colorless=defaults.colorless if args.colorless is None else args.colorless,
+                           bare=defaults.bare if args.bare is None else args.bare)
+        except ValueError as err:
+            raise SystemExit(f"vlcontrast prep synthetic: {err}") from None
+        if args.skip_if_current and is_current(
+                args.out, train=args.train, val=args.val, zeroshot_per_class=args.zeroshot_per_class,
+                seed=args.seed, image_size=args.image_size, train_mix=mix):
+            print(f"{args.out}: already holds this synthetic world (synthetic.json); not rewritten")
+            return 0
         stats = write_synthetic(args.out, train=args.train, val=args.val,
                                 zeroshot_per_class=args.zeroshot_per_class, seed=args.seed,
                                 image_size=args.image_size, shard_size=args.shard_size,
-                                workers=args.workers, progress=not args.no_progress)
+                                workers=args.workers, progress=not args.no_progress,
+                                train_mix=mix)
         print(json.dumps(stats, indent=2))
         return 0
     if args.what == "cc3m":
@@ -210,6 +224,18 @@ def build_parser() -> argparse.ArgumentParser:
                            help="samples per shard (<= 10000)")
     synthetic.add_argument("--workers", type=int, default=None,
                            help="processes (default: all CPUs)")
+    synthetic.add_argument("--single-object", type=float, default=None, metavar="P",
+                           help="training split: share of one-object scenes (default 0.55)")
+    synthetic.add_argument("--colorless", type=float, default=None, metavar="P",
+                           help="training split: share of object phrases without the colour "
+                                "(default 0.25)")
+    synthetic.add_argument("--bare", type=float, default=None, metavar="P",
+                           help="training split: share of one-object captions that are the object "
+                                "phrase alone (default 0.1); validation and zero-shot keep the "
+                                "defaults")
+    synthetic.add_argument("--skip-if-current", action="store_true",
+                           help="do nothing when OUT already holds this world (same generator "
+                                "version, sizes, seed and mix)")
     synthetic.add_argument("--no-progress", action="store_true")
     cc3m = prep_sub.add_parser("cc3m", help="CC3M TSV -> webdataset shards via img2dataset "
                                "(re-running the same command resumes)")

@@ -16,8 +16,8 @@ from PIL import Image
 
 from vlcontrast.data.shards import read_manifest, read_sizes
 from vlcontrast.data.synthetic import (COLORLESS_PHRASE_WEIGHT, COLORS, SHAPES, TEMPLATES,
-                                       WORLD_VERSION, _TarStream, _object_phrase, make_sample,
-                                       sample_scene, write_caption, write_synthetic)
+                                       WORLD_VERSION, TrainMix, _TarStream, _object_phrase,
+                                       make_sample, sample_scene, write_caption, write_synthetic)
 
 TRAIN, VAL, SHARD, PER_CLASS = 600, 100, 250, 3
 
@@ -259,3 +259,90 @@ def test_the_world_version_is_recorded(world):
     out, stats = world
     assert stats["world_version"] == WORLD_VERSION
     assert json.loads((out / "synthetic.json").read_text())["world_version"] == WORLD_VERSION
+
+
+def test_the_default_train_mix_is_the_world_itself():
+    for index in range(40):
+        assert make_sample(0, "train", index, 32) == make_sample(0, "train", index, 32, mix=TrainMix())
+
+
+def test_a_train_mix_changes_only_the_training_split(tmp_path):
+    mix = TrainMix(single_object=1.0, colorless=0.72)
+    plain = write_synthetic(tmp_path / "plain", train=40, val=30, zeroshot_per_class=2,
+                            shard_size=20, workers=1, progress=False)
+    mixed = write_synthetic(tmp_path / "mixed", train=40, val=30, zeroshot_per_class=2,
+                            shard_size=20, workers=1, progress=False, train_mix=mix)
+    assert "train_mix" not in plain
+    assert mixed["train_mix"] == {"single_object": 1.0, "colorless": 0.72, "bare": 0.1}
+    assert json.loads((tmp_path / "mixed" / "synthetic.json").read_text())["train_mix"] == mixed["train_mix"]
+    # Held-out splits: the same bytes whatever the training mix.
+    for rel in ["val/00000.tar", "val/00001.tar", "zeroshot/star/star_00001.jpg"]:
+        assert (tmp_path / "plain" / rel).read_bytes() == (tmp_path / "mixed" / rel).read_bytes(), rel
+    train = [s for p in sorted((tmp_path / "mixed" / "train").glob("*.tar")) for s in _samples(p)]
+    objects = [json.loads(s["json"])["objects"] for s in train]
+    assert all(len(o) == 1 for o in objects)
+    plain_train = [s for p in sorted((tmp_path / "plain" / "train").glob("*.tar")) for s in _samples(p)]
+    assert any(len(json.loads(s["json"])["objects"]) > 1 for s in plain_train)
+    # colorless = 0.72: every phrase of a one-object scene leaves the colour out or uses the
+    # three rarer forms (28%), so most captions name no colour.
+    said = sum(any(c in s["txt"].decode() for c in COLORS) for s in train)
+    assert said / len(train) < 0.5
+
+
+def test_a_train_mix_draws_its_shares():
+    mix = TrainMix(single_object=0.9, colorless=0.5)
+    assert sum(mix.object_weights()) == pytest.approx(1.0)
+    rng = random.Random(0)
+    counts = [len(sample_scene(rng, object_weights=mix.object_weights()).objects) for _ in range(3000)]
+    assert abs(counts.count(1) / len(counts) - 0.9) < 0.025
+    obj = sample_scene(random.Random(2), num_objects=1).objects[0]
+    color_words = {"purple": ("purple", "violet")}.get(obj.color, (obj.color,))
+    phrases = [_object_phrase(obj, random.Random(i), colorless=0.5) for i in range(4000)]
+    assert abs(sum(not any(w in p for w in color_words) for p in phrases) / 4000 - 0.5) < 0.03
+
+
+@pytest.mark.parametrize("kwargs, match", [({"single_object": 1.2}, "single_object=1.2"),
+                                           ({"colorless": 0.8}, "colorless=0.8"),
+                                           ({"colorless": -0.1}, "colorless=-0.1")])
+def test_a_bad_train_mix_is_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TrainMix(**kwargs)
+
+
+def test_is_current_knows_the_world_on_disk(tmp_path, capsys):
+    from vlcontrast.cli import main
+    from vlcontrast.data.synthetic import is_current
+
+    mix = TrainMix(single_object=0.8)
+    assert not is_current(tmp_path, train=20, val=10, zeroshot_per_class=1)
+    write_synthetic(tmp_path, train=20, val=10, zeroshot_per_class=1, shard_size=10, workers=1,
+                    progress=False, train_mix=mix)
+    assert is_current(tmp_path, train=20, val=10, zeroshot_per_class=1, train_mix=mix)
+    assert not is_current(tmp_path, train=20, val=10, zeroshot_per_class=1)  # another mix
+    assert not is_current(tmp_path, train=30, val=10, zeroshot_per_class=1, train_mix=mix)
+    assert not is_current(tmp_path, train=20, val=10, zeroshot_per_class=1, image_size=32, train_mix=mix)
+    args = ["prep", "synthetic", "--out", str(tmp_path), "--train", "20", "--val", "10",
+            "--zeroshot-per-class", "1", "--single-object", "0.8", "--shard-size", "10",
+            "--workers", "1", "--no-progress", "--skip-if-current"]
+    stamp = (tmp_path / "synthetic.json").stat().st_mtime_ns
+    assert main(args) == 0
+    assert "not rewritten" in capsys.readouterr().out
+    assert (tmp_path / "synthetic.json").stat().st_mtime_ns == stamp
+    args[args.index("0.8")] = "0.9"
+    assert main(args) == 0
+    assert json.loads((tmp_path / "synthetic.json").read_text())["train_mix"]["single_object"] == 0.9
+    with pytest.raises(SystemExit, match="single_object=1.5"):
+        main(args[:args.index("0.9")] + ["1.5"] + args[args.index("0.9") + 1:])
+
+
+def test_bare_captions_are_the_object_phrase_alone():
+    mix = TrainMix(bare=1.0)
+    weights = mix.single_frame_weights()
+    assert weights[3] == 1.0 and sum(weights) == pytest.approx(1.0)
+    assert sum(TrainMix(bare=0.4).single_frame_weights()) == pytest.approx(1.0)
+    extra = ("left", "right", "top", "bottom", "center", "centre", "middle", "background",
+             "backdrop", "there", "photo", "image", "picture", "drawing", "rendering")
+    for index in range(200):
+        _, caption, scene = make_sample(0, "train", index, 32, mix=TrainMix(single_object=1.0, bare=1.0))
+        assert len(scene["objects"]) == 1
+        assert caption.startswith(("a ", "an ")) and not any(w in caption for w in extra), caption

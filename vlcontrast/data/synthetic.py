@@ -22,6 +22,8 @@ seed whatever the number of worker processes. See ``docs/data.md``.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import io
 import json
 import math
@@ -86,6 +88,55 @@ position and background already tell most scenes in a batch apart, so a model tr
 fully-detailed captions learns shapes last; captions without the colour make the shape the only
 match, which is what zero-shot shape classification (prompts without colours) needs."""
 
+OBJECT_COUNT_WEIGHTS = (0.55, 0.33, 0.12)
+"""How often a scene holds 1, 2 or 3 objects (the world's default)."""
+SINGLE_FRAME_WEIGHTS = (0.22, 0.12, 0.14, 0.1, 0.1, 0.12, 0.1, 0.1)
+"""Caption frames of one-object scenes; frame 3 is the bare object phrase (``a large star``)."""
+BARE_FRAME = 3
+
+
+@dataclass(frozen=True)
+class TrainMix:
+    """What the *training* split emphasises; validation and zero-shot always use the defaults.
+
+    ``single_object``: share of scenes with one object (the rest keep the default 2:3-object
+    ratio). ``colorless``: share of object phrases without the colour (see
+    ``COLORLESS_PHRASE_WEIGHT``). ``bare``: share of one-object captions that are the object
+    phrase alone, without position, background or framing words (the other frames keep their
+    ratios). The defaults reproduce the world exactly, sample by sample.
+    """
+
+    single_object: float = OBJECT_COUNT_WEIGHTS[0]
+    colorless: float = COLORLESS_PHRASE_WEIGHT
+    bare: float = SINGLE_FRAME_WEIGHTS[BARE_FRAME]
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.single_object <= 1.0:
+            raise ValueError(f"single_object={self.single_object}: must be in [0, 1]")
+        if not 0.0 <= self.colorless <= 0.72:
+            raise ValueError(f"colorless={self.colorless}: must be in [0, 0.72] (the share of "
+                             "phrases in the plain 'size colour shape' form it replaces)")
+        if not 0.0 <= self.bare <= 1.0:
+            raise ValueError(f"bare={self.bare}: must be in [0, 1]")
+
+    @property
+    def is_default(self) -> bool:
+        return self == TrainMix()
+
+    def object_weights(self) -> tuple[float, float, float]:
+        if self.single_object == OBJECT_COUNT_WEIGHTS[0]:
+            return OBJECT_COUNT_WEIGHTS  # the default draws, bit for bit
+        rest = sum(OBJECT_COUNT_WEIGHTS[1:])
+        return (self.single_object, *(w / rest * (1.0 - self.single_object) for w in OBJECT_COUNT_WEIGHTS[1:]))
+
+    def single_frame_weights(self) -> tuple[float, ...]:
+        if self.bare == SINGLE_FRAME_WEIGHTS[BARE_FRAME]:
+            return SINGLE_FRAME_WEIGHTS
+        rest = 1.0 - SINGLE_FRAME_WEIGHTS[BARE_FRAME]
+        return tuple(self.bare if i == BARE_FRAME else w / rest * (1.0 - self.bare)
+                     for i, w in enumerate(SINGLE_FRAME_WEIGHTS))
+
+
 SPLIT_CODES = {"train": 1, "val": 2, "zeroshot": 3}
 """Each split draws from its own random streams, so validation scenes are not training scenes."""
 
@@ -135,12 +186,14 @@ def _color_distance(a: tuple[int, int, int], b: tuple[int, int, int]) -> float:
 
 
 def sample_scene(rng: random.Random, *, num_objects: int | None = None,
-                 shape: str | None = None) -> Scene:
-    """Draw a scene. ``num_objects``/``shape`` pin the count and the first object's shape."""
+                 shape: str | None = None,
+                 object_weights: tuple[float, float, float] = OBJECT_COUNT_WEIGHTS) -> Scene:
+    """Draw a scene. ``num_objects``/``shape`` pin the count and the first object's shape;
+    otherwise the count is drawn with ``object_weights`` (1, 2, 3 objects)."""
     background = rng.choice(list(BACKGROUNDS))
     background_rgb = _jitter_rgb(BACKGROUNDS[background], rng, 12)
     if num_objects is None:
-        num_objects = rng.choices((1, 2, 3), weights=(0.55, 0.33, 0.12))[0]
+        num_objects = rng.choices((1, 2, 3), weights=object_weights)[0]
     gradient = rng.uniform(-0.3, 0.3) if rng.random() < 0.4 else 0.0
     noise = rng.choice((0.0, rng.uniform(2.0, 8.0), rng.uniform(8.0, 20.0)))
     objects: list[SceneObject] = []
@@ -332,7 +385,8 @@ def _plural(word: str) -> str:
     return _PLURALS.get(word, word + "s")
 
 
-def _object_phrase(obj: SceneObject, rng: random.Random, *, allow_no_color: bool = True) -> str:
+def _object_phrase(obj: SceneObject, rng: random.Random, *, allow_no_color: bool = True,
+                   colorless: float = COLORLESS_PHRASE_WEIGHT) -> str:
     """``a small red circle``, ``a circle that is red``, ``a red-colored square`` ..."""
     shape = rng.choice(_SHAPE_WORDS[obj.shape])
     color = rng.choice(_COLOR_WORDS[obj.color])
@@ -340,8 +394,8 @@ def _object_phrase(obj: SceneObject, rng: random.Random, *, allow_no_color: bool
     # Medium is the unremarkable size: usually unsaid.
     say_size = rng.random() < (0.35 if obj.size == "medium" else 0.75)
     form = rng.choices(("adjectives", "no_color", "that_is", "colored", "in_color"),
-                       weights=(0.72 - COLORLESS_PHRASE_WEIGHT,
-                                COLORLESS_PHRASE_WEIGHT if allow_no_color else 0.0, 0.10, 0.08, 0.10))[0]
+                       weights=(0.72 - colorless, colorless if allow_no_color else 0.0,
+                                0.10, 0.08, 0.10))[0]
     if form == "no_color":
         return _article(f"{size} {shape}")
     if form == "that_is":
@@ -371,14 +425,17 @@ def _prefix(scene: Scene, rng: random.Random) -> str:
     return rng.choice(_NOISY_PREFIXES if scene.noise >= 8.0 and rng.random() < 0.5 else _PREFIXES)
 
 
-def write_caption(scene: Scene, rng: random.Random) -> str:
+def write_caption(scene: Scene, rng: random.Random, *,
+                  colorless: float = COLORLESS_PHRASE_WEIGHT,
+                  single_frames: tuple[float, ...] = SINGLE_FRAME_WEIGHTS) -> str:
     """One caption for a scene, drawn from the paraphrase grammar."""
     objects = scene.objects
+    phrase_of = functools.partial(_object_phrase, colorless=colorless)
     if len(objects) == 1:
         obj = objects[0]
-        phrase = _object_phrase(obj, rng)
+        phrase = phrase_of(obj, rng)
         position = rng.choice(_POSITION_WORDS[(obj.column, obj.row)])
-        frame = rng.choices(range(8), weights=(0.22, 0.12, 0.14, 0.1, 0.1, 0.12, 0.1, 0.1))[0]
+        frame = rng.choices(range(8), weights=single_frames)[0]
         text = (
             f"{phrase} {position}",
             f"{position}, {phrase}" if rng.random() < 0.5 else f"{position} there is {phrase}",
@@ -398,16 +455,16 @@ def write_caption(scene: Scene, rng: random.Random) -> str:
             shape = rng.choice(_SHAPE_WORDS[first.shape])
             text = f"two {rng.choice(_COLOR_WORDS[first.color])} {_plural(shape)}"
         elif frame == 0:
-            text = f"{_object_phrase(first, rng)} {relation} {_object_phrase(second, rng)}"
+            text = f"{phrase_of(first, rng)} {relation} {phrase_of(second, rng)}"
         elif frame == 1:
-            text = f"{_prefix(scene, rng)} {_object_phrase(first, rng)} {relation} {_object_phrase(second, rng)}"
+            text = f"{_prefix(scene, rng)} {phrase_of(first, rng)} {relation} {phrase_of(second, rng)}"
         elif frame == 2:
-            text = f"{_object_phrase(first, rng)} and {_object_phrase(second, rng)}"
+            text = f"{phrase_of(first, rng)} and {phrase_of(second, rng)}"
         elif frame == 3:
-            text = (f"{_object_phrase(first, rng)} {relation} {_object_phrase(second, rng)} "
+            text = (f"{phrase_of(first, rng)} {relation} {phrase_of(second, rng)} "
                     f"{_background_phrase(scene, rng)}")
         else:
-            text = f"two shapes: {_object_phrase(first, rng)} and {_object_phrase(second, rng)}"
+            text = f"two shapes: {phrase_of(first, rng)} and {phrase_of(second, rng)}"
     else:
         ordered = list(objects)
         distinct_columns = len({o.column for o in objects}) == len(objects)
@@ -417,7 +474,7 @@ def write_caption(scene: Scene, rng: random.Random) -> str:
         else:
             rng.shuffle(ordered)
             lead = rng.choice(("", "", "three shapes: ", f"{_prefix(scene, rng)} "))
-        phrases = [_object_phrase(o, rng, allow_no_color=False) for o in ordered]
+        phrases = [phrase_of(o, rng, allow_no_color=False) for o in ordered]
         text = lead + f"{phrases[0]}, {phrases[1]} and {phrases[2]}"
     if rng.random() < 0.3:
         text += "."
@@ -444,17 +501,19 @@ def _scene_meta(scene: Scene) -> dict[str, Any]:
 
 
 def make_sample(seed: int, split: str, index: int, image_size: int = 64,
-                shape: str | None = None) -> tuple[bytes, str, dict[str, Any]]:
+                shape: str | None = None, mix: TrainMix | None = None) -> tuple[bytes, str, dict[str, Any]]:
     """(JPEG bytes, caption, scene attributes) of sample ``index`` of ``split``; pure function.
 
-    ``shape`` gives a single-object scene of that shape (the zero-shot set).
+    ``shape`` gives a single-object scene of that shape (the zero-shot set). ``mix`` changes
+    the scene and caption mix (``TrainMix``; the writer passes it for the training split only).
     """
+    mix = mix or TrainMix()
     rng = _sample_rng(seed, split, index)
     if shape is None:
-        scene = sample_scene(rng)
+        scene = sample_scene(rng, object_weights=mix.object_weights())
     else:
         scene = sample_scene(rng, num_objects=1, shape=shape)
-    caption = write_caption(scene, rng)
+    caption = write_caption(scene, rng, colorless=mix.colorless, single_frames=mix.single_frame_weights())
     buffer = io.BytesIO()
     render_scene(scene, image_size).save(buffer, format="JPEG", quality=90)
     return buffer.getvalue(), caption, _scene_meta(scene)
@@ -503,7 +562,7 @@ class _TarStream:
 
 def _write_shard(job: tuple) -> dict[str, Any]:
     """Worker: render and write one shard like img2dataset's webdataset writer."""
-    split, directory, shard, first_index, count, seed, image_size = job
+    split, directory, shard, first_index, count, seed, image_size, mix = job
     start = time.time()
     stride = 10_000
     captions = []
@@ -512,7 +571,7 @@ def _write_shard(job: tuple) -> dict[str, Any]:
         tar = _TarStream(stream)
         for row in range(count):
             index = first_index + row
-            jpeg, caption, scene = make_sample(seed, split, index, image_size)
+            jpeg, caption, scene = make_sample(seed, split, index, image_size, mix=mix)
             key = make_key(shard, row, stride)
             meta = {"url": f"synthetic://{split}/{index}", "caption": caption, "key": key,
                     "status": "success", "error_message": None, "width": image_size,
@@ -559,16 +618,40 @@ def _clear_stale(directory: Path, keep: int) -> None:
                 path.unlink()
 
 
+def is_current(out_dir: str | os.PathLike, *, train: int = 20_000, val: int = 1_000,
+               zeroshot_per_class: int = 50, seed: int = 0, image_size: int = 64,
+               train_mix: TrainMix | None = None) -> bool:
+    """Whether ``out_dir`` already holds exactly this world (``synthetic.json`` written last, so a
+    crashed write is never taken for a finished one)."""
+    try:
+        made = json.loads((Path(out_dir) / "synthetic.json").read_text())
+    except (OSError, ValueError):
+        return False
+    mix = train_mix or TrainMix()
+    wanted = {"world_version": WORLD_VERSION, "seed": seed, "image_size": image_size,
+              "train": train, "val": val, "zeroshot": zeroshot_per_class * len(SHAPES),
+              "train_mix": None if mix.is_default else dataclasses.asdict(mix)}
+    found = {"world_version": made.get("world_version"), "seed": made.get("seed"),
+             "image_size": made.get("image_size"),
+             "train": made.get("train", {}).get("num_samples"),
+             "val": made.get("val", {}).get("num_samples", 0),
+             "zeroshot": made.get("zeroshot", {}).get("num_images", 0),
+             "train_mix": made.get("train_mix")}
+    return found == wanted
+
+
 def write_synthetic(out_dir: str | os.PathLike, *, train: int = 20_000, val: int = 1_000,
                     zeroshot_per_class: int = 50, seed: int = 0, image_size: int = 64,
                     shard_size: int = 1_000, workers: int | None = None,
-                    progress: bool = True) -> dict[str, Any]:
+                    progress: bool = True, train_mix: TrainMix | None = None) -> dict[str, Any]:
     """Write the synthetic world to ``out_dir`` (``train/``, ``val/``, ``zeroshot/``).
 
     Returns statistics: samples per split, shards, id spaces, distinct captions, wall seconds and
     ``samples_per_second`` (all images, zero-shot included). ``workers`` defaults to the CPU count;
-    the output does not depend on it.
+    the output does not depend on it. ``train_mix`` changes the training split's scene and caption
+    mix (``TrainMix``); validation and zero-shot samples do not depend on it.
     """
+    train_mix = train_mix or TrainMix()
     if train < 1:
         raise ValueError(f"train={train}: must be >= 1")
     if val < 0 or zeroshot_per_class < 0:
@@ -592,7 +675,8 @@ def write_synthetic(out_dir: str | os.PathLike, *, train: int = 20_000, val: int
         split_shards[split] = {}
         for shard in range(num_shards):
             count = min(shard_size, total - shard * shard_size)
-            jobs.append((split, str(directory), shard, shard * shard_size, count, seed, image_size))
+            jobs.append((split, str(directory), shard, shard * shard_size, count, seed, image_size,
+                         train_mix if split == "train" else TrainMix()))
             split_shards[split][shard_name(shard)] = count
     if zeroshot_per_class:
         zeroshot_dir = out / "zeroshot"
@@ -635,6 +719,8 @@ def write_synthetic(out_dir: str | os.PathLike, *, train: int = 20_000, val: int
 
     stats: dict[str, Any] = {"out_dir": str(out), "seed": seed, "image_size": image_size,
                              "workers": workers, "world_version": WORLD_VERSION}
+    if not train_mix.is_default:
+        stats["train_mix"] = dataclasses.asdict(train_mix)
     for split, sizes in split_shards.items():
         directory = out / split
         write_sizes(directory, sizes)
