@@ -102,8 +102,24 @@ class ModelConfig:
     lock_text_freeze_layer_norm: bool = True
     """With ``lock_text``: freeze the layer norms of the locked blocks too (open_clip's built-in
     text tower supports only True; False applies to Hugging Face text towers)."""
+    augment: dict[str, Any] = field(default_factory=dict)
+    """Training image augmentation: open_clip's ``AugmentationCfg`` fields (``scale``, ``ratio``,
+    ``color_jitter``, ``color_jitter_prob``, ``gray_scale_prob``, ``re_prob``, ``re_count``,
+    ``use_timm``), e.g. ``{gray_scale_prob: 0.2}``. Empty: open_clip's default (random resized
+    crop of 90-100 % of the image)."""
 
     def check(self) -> None:
+        if self.augment:
+            import open_clip
+
+            known = sorted(f.name for f in dataclasses.fields(open_clip.AugmentationCfg))
+        for key in self.augment:
+            _require(key in known, f"model.augment.{key}", self.augment[key],
+                     f"unknown augmentation option (open_clip's AugmentationCfg has {known})")
+            # open_clip's own pipeline (use_timm off) applies only these; it would drop the rest.
+            _require(bool(self.augment.get("use_timm")) or key in
+                     ("scale", "color_jitter", "color_jitter_prob", "gray_scale_prob", "use_timm"),
+                     f"model.augment.{key}", self.augment[key], "applies only with use_timm: true")
         _require(self.lock_image_unlocked_groups >= 0, "model.lock_image_unlocked_groups",
                  self.lock_image_unlocked_groups, "must be >= 0")
         _require(self.lock_text_unlocked_layers >= 0, "model.lock_text_unlocked_layers",

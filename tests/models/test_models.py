@@ -292,3 +292,30 @@ def test_batch_norm_with_low_precision_weights_and_fp32_statistics(dtype):
     assert torch.allclose(model[0].running_mean, reference[0].running_mean, atol=1e-2)
     out.float().sum().backward()
     assert model[0].weight.grad.dtype == dtype
+
+
+def test_augmentation_options_reach_open_clips_train_transform():
+    from PIL import Image
+
+    from vlcontrast.config import ConfigError, load_config
+
+    config = load_config(None, ["model.name=vlc-micro", "train.steps=1",
+                                "model.augment={gray_scale_prob: 1.0, scale: [0.5, 1.0]}"])
+    bundle = build_model(config.model)
+    names = [type(t).__name__ for t in bundle.preprocess_train.transforms]
+    assert "gray_scale" in names
+    crop = bundle.preprocess_train.transforms[0]
+    assert tuple(crop.scale) == (0.5, 1.0)
+    red = Image.new("RGB", (32, 32), (220, 20, 20))
+    out = bundle.preprocess_train(red)
+    # Every channel equal before normalisation: undo open_clip's per-channel normalisation.
+    mean = torch.tensor((0.48145466, 0.4578275, 0.40821073)).view(3, 1, 1)
+    std = torch.tensor((0.26862954, 0.26130258, 0.27577711)).view(3, 1, 1)
+    raw = out * std + mean
+    assert torch.allclose(raw[0], raw[1], atol=1e-4) and torch.allclose(raw[1], raw[2], atol=1e-4)
+    # The evaluation transform is never augmented.
+    assert "gray_scale" not in [type(t).__name__ for t in bundle.preprocess_val.transforms]
+    with pytest.raises(ConfigError, match="model.augment.grey"):
+        load_config(None, ["train.steps=1", "model.augment={grey: 0.5}"])
+    with pytest.raises(ConfigError, match="re_prob.*use_timm"):
+        load_config(None, ["train.steps=1", "model.augment={re_prob: 0.5}"])

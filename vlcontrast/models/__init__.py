@@ -18,6 +18,7 @@ import json
 import math
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -146,9 +147,14 @@ def build_model(model_cfg, *, siglip: bool = False, device: str | torch.device =
         kwargs["init_logit_bias"] = bias
     checkpoint = _vlcontrast_checkpoint(model_cfg.pretrained)
     open_clip_weights = None if checkpoint is not None else (model_cfg.pretrained or None)
-    model, preprocess_train, preprocess_val = open_clip.create_model_and_transforms(
-        registered, pretrained=open_clip_weights, device=device, output_dict=True,
-        pretrained_text=bool(model_cfg.hf_model_dir), **kwargs)
+    with warnings.catch_warnings():
+        # open_clip lists colour jitter and grayscale as "unused" although it applies them;
+        # ModelConfig.check refuses the options it would really drop.
+        warnings.filterwarnings("ignore", message="Unused augmentation cfg items")
+        model, preprocess_train, preprocess_val = open_clip.create_model_and_transforms(
+            registered, pretrained=open_clip_weights, device=device, output_dict=True,
+            pretrained_text=bool(model_cfg.hf_model_dir), aug_cfg=dict(model_cfg.augment) or None,
+            **kwargs)
     if checkpoint is not None:
         load_weights(model, checkpoint / "model.pt", f"model.pretrained={model_cfg.pretrained!r}",
                      device)
