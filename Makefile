@@ -23,19 +23,21 @@ $(STAMP): pyproject.toml requirements.lock
 	$(BIN)/python -m pip install --quiet -c requirements.lock -e ".[dev]"
 	touch $(STAMP)
 
-# The synthetic world is written again when it is missing or was made by another version of the
-# generator (WORLD_VERSION in vlcontrast/data/synthetic.py).
+# The synthetic world is written again when it is missing or differs from what is asked for
+# (generator version, sizes, seed, training mix: `prep synthetic --skip-if-current`). The demo's
+# training split is shape-heavy (80% one-object scenes, 30% of their captions the bare object
+# phrase); validation and zero-shot sets do not depend on the mix (docs/data.md).
+DEMO_MIX ?= --single-object 0.8 --bare 0.3
 data: setup
-	$(BIN)/python -c "import json, sys; from vlcontrast.data.synthetic import WORLD_VERSION; made = json.load(open('$(DATA)/synthetic.json')); sys.exit(made.get('world_version') != WORLD_VERSION or made['train']['num_samples'] != 20000)" 2>/dev/null \
-		|| $(BIN)/vlcontrast prep synthetic --out $(DATA) --train 20000 --val 1000 --seed 0
+	$(BIN)/vlcontrast prep synthetic --out $(DATA) --train 20000 --val 1000 --seed 0 $(DEMO_MIX) --skip-if-current
 
 # The demo trains with one process on a CPU machine (a 2-core CPU runs one process of two threads
 # faster than two processes) and one per GPU otherwise; verify gates on retrieval (R@1 >= 100x
-# chance in both directions) and on zero-shot shape classification (top-1 >= 5x chance).
+# chance in both directions) and on zero-shot shape classification (top-1 >= 3x chance).
 DEMO_NPROC ?= $(shell $(BIN)/python -c 'import torch; print(torch.cuda.device_count() or 1)' 2>/dev/null || echo 1)
 demo: setup data
 	$(BIN)/vlcontrast train --config configs/demo.yaml --nproc $(DEMO_NPROC)
-	$(BIN)/vlcontrast verify runs/demo --metrics retrieval/text_to_image_R@1:100,retrieval/image_to_text_R@1:100,zeroshot/top1:1.5
+	$(BIN)/vlcontrast verify runs/demo --metrics retrieval/text_to_image_R@1:100,retrieval/image_to_text_R@1:100,zeroshot/top1:3
 
 test: setup
 	$(BIN)/python -m pytest -q -n 2 --durations=15 $(PYTEST_ARGS) tests
