@@ -338,3 +338,19 @@ def test_the_shared_checkpoint_is_trained_once_and_its_digest_kept(tmp_path, mon
     other = load_study_config(_write(tmp_path / "t.yaml", dict(
         values, pretrain={"overrides": ["train.steps=20", "model.lock_text=true"]})))
     assert cell_fingerprint(other, grid_cells(other)[0]) != cell_fingerprint(config, cell)
+
+
+def test_study_data_is_reused_only_while_it_is_the_asked_for_world(tmp_path):
+    from vlcontrast.study import runner
+
+    config = load_study_config(_write(tmp_path / "study.yaml", _tiny_study(tmp_path)))
+    runner.prepare_data(config)
+    made = tmp_path / "data" / "synthetic.json"
+    stamp = made.stat().st_mtime_ns
+    runner.prepare_data(config)
+    assert made.stat().st_mtime_ns == stamp  # the same world: not rewritten
+    stale = json.loads(made.read_text())
+    stale["world_version"] = -1
+    made.write_text(json.dumps(stale))
+    runner.prepare_data(config)
+    assert json.loads(made.read_text())["world_version"] != -1  # another world: remade

@@ -67,12 +67,9 @@ def _cmd_prep(args) -> int:
     if args.what == "synthetic":
         from vlcontrast.data.synthetic import TrainMix, is_current, write_synthetic
 
-        defaults = TrainMix()
+        given = {"single_object": args.single_object, "colorless": args.colorless, "bare": args.bare}
         try:
-            mix = TrainMix(single_object=defaults.single_object if args.single_object is None
-                           else args.single_object,
-                           colorless=defaults.colorless if args.colorless is None else args.colorless,
-                           bare=defaults.bare if args.bare is None else args.bare)
+            mix = TrainMix(**{key: value for key, value in given.items() if value is not None})
         except ValueError as err:
             raise SystemExit(f"vlcontrast prep synthetic: {err}") from None
         if args.skip_if_current and is_current(

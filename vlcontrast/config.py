@@ -113,13 +113,13 @@ class ModelConfig:
             import open_clip
 
             known = sorted(f.name for f in dataclasses.fields(open_clip.AugmentationCfg))
-        for key in self.augment:
-            _require(key in known, f"model.augment.{key}", self.augment[key],
-                     f"unknown augmentation option (open_clip's AugmentationCfg has {known})")
             # open_clip's own pipeline (use_timm off) applies only these; it would drop the rest.
-            _require(bool(self.augment.get("use_timm")) or key in
-                     ("scale", "color_jitter", "color_jitter_prob", "gray_scale_prob", "use_timm"),
-                     f"model.augment.{key}", self.augment[key], "applies only with use_timm: true")
+            plain = ("scale", "color_jitter", "color_jitter_prob", "gray_scale_prob", "use_timm")
+            for key, value in self.augment.items():
+                _require(key in known, f"model.augment.{key}", value,
+                         f"unknown augmentation option (open_clip's AugmentationCfg has {known})")
+                _require(key in plain or bool(self.augment.get("use_timm")), f"model.augment.{key}",
+                         value, "applies only with use_timm: true")
         _require(self.lock_image_unlocked_groups >= 0, "model.lock_image_unlocked_groups",
                  self.lock_image_unlocked_groups, "must be >= 0")
         _require(self.lock_text_unlocked_layers >= 0, "model.lock_text_unlocked_layers",

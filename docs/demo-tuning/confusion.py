@@ -10,7 +10,7 @@ from vlcontrast.models import load_model_from_checkpoint
 from vlcontrast.evaluation.zeroshot import build_zeroshot_classifier
 from vlcontrast.data.synthetic import SHAPES, TEMPLATES, make_sample
 b = load_model_from_checkpoint(sys.argv[1])
-m = b.model.eval(); tf = b.preprocess_val if hasattr(b,'preprocess_val') else b.val_transform
+m = b.model.eval(); tf = b.preprocess_val
 clf = build_zeroshot_classifier(m, b.tokenizer, SHAPES, TEMPLATES)
 imgs, labels, sizes = [], [], []
 for c, shape in enumerate(SHAPES):

@@ -41,7 +41,7 @@ def prepare_data(config: StudyConfig) -> None:
     """Write the study's synthetic dataset when it is missing (deterministic for its seed)."""
     if not config.data.dir:
         return
-    from vlcontrast.data.synthetic import WORLD_VERSION, write_synthetic
+    from vlcontrast.data.synthetic import is_current, write_synthetic
 
     root = Path(config.data.dir)
     if (root / "train" / "manifest.json").is_file():
@@ -49,16 +49,10 @@ def prepare_data(config: StudyConfig) -> None:
             return
         # Data written by another version of the synthetic world (or another recipe) is remade:
         # the cells' fingerprints assume the current one.
-        try:
-            made = json.loads((root / "synthetic.json").read_text())
-        except (OSError, json.JSONDecodeError):
-            made = {}
-        wanted = {key: config.data.generate[key] for key in ("seed", "image_size")
+        recipe = {key: config.data.generate[key] for key in
+                  ("train", "val", "zeroshot_per_class", "seed", "image_size")
                   if key in config.data.generate}
-        if made.get("world_version") == WORLD_VERSION and all(
-                made.get(key) == value for key, value in wanted.items()) and all(
-                made.get(split, {}).get("num_samples") == config.data.generate[split]
-                for split in ("train", "val") if config.data.generate.get(split)):
+        if is_current(root, **recipe):
             return
     if not config.data.generate:
         raise ConfigError(f"study data.dir={config.data.dir!r}: no train/manifest.json and no "
