@@ -85,6 +85,8 @@ def test_cell_overrides_by_loss_and_by_cell_name_come_last(tmp_path):
     ({"nproc": 2, "grid": {"global_batch_sizes": [8, 9]}}, "multiple of nproc"),
     ({"samples_per_cel": 10}, "unknown key"),
     ({"grid": {"seeds": "0"}}, "grid.seeds"),
+    ({"comparisons": [["dcl", "siglip"]]}, "comparisons"),  # siglip is not in the grid
+    ({"comparisons": [["dcl"]]}, "comparisons"),
 ])
 def test_bad_study_configs_are_errors_naming_the_key(tmp_path, change, message):
     values = _tiny_study(tmp_path)
@@ -198,6 +200,29 @@ def test_markdown_tables_report_intervals_and_paired_differences(tmp_path):
     assert f"+5.0 [{100 * low:+.1f}, {100 * high:+.1f}] ▲" in table  # CI excludes 0
     assert "Cells finished: 6 of 6" in table
     assert "| 8 | 3 | 10.0 | 30.0 | yes |" in table  # infonce learns at B=8
+
+
+def test_further_comparisons_pair_two_losses_neither_of_them_infonce(tmp_path):
+    stats = pytest.importorskip("scipy.stats")
+    config = load_study_config(_write(tmp_path / "s.yaml", _tiny_study(
+        tmp_path, grid={"losses": ["infonce", "dcl", "decl"], "global_batch_sizes": [8],
+                        "seeds": [0, 1, 2]}, comparisons=[["decl", "dcl"]])))
+    dcl_zs, decl_zs = [0.25, 0.47, 0.33], [0.23, 0.445, 0.31]
+    rows = ([_row("infonce", s, zeroshot=0.3) for s in range(3)]
+            + [_row("dcl", s, zeroshot=z) for s, z in enumerate(dcl_zs)]
+            + [_row("decl", s, zeroshot=z) for s, z in enumerate(decl_zs)])
+    table = markdown_tables(config, rows)
+    section = table[table.index("### Paired comparison with dcl"):]
+    differences = [a - b for a, b in zip(decl_zs, dcl_zs)]
+    low, high = stats.t.interval(0.95, 2, loc=sum(differences) / 3, scale=stats.sem(differences))
+    mean = 100 * sum(differences) / 3
+    assert f"| decl | {mean:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}] ▼" in section
+    assert "| dcl |" not in section  # the baseline is not compared with itself
+    # without the option, only the comparisons with infonce are made
+    plain = load_study_config(_write(tmp_path / "p.yaml", _tiny_study(
+        tmp_path, grid={"losses": ["infonce", "dcl", "decl"], "global_batch_sizes": [8],
+                        "seeds": [0, 1, 2]})))
+    assert "Paired comparison with dcl" not in markdown_tables(plain, rows)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -113,6 +113,10 @@ class StudyConfig:
     """Confidence level of the intervals and of the paired t tests."""
     power: float = 0.8
     """Power at which the report states the smallest detectable paired difference."""
+    comparisons: list[list[str]] = field(default_factory=list)
+    """Further paired comparisons ``[candidate, baseline]`` for the report, beyond every loss
+    against ``infonce`` (e.g. ``[[decl, dcl]]``: does DeCL's buffer beat DCL's mini-batch
+    estimate?). Both must be in ``grid.losses``; they change the report only, not the cells."""
     keep_checkpoints: bool = False
     """False: delete a finished cell's ``checkpoints/`` (the study only needs its metrics)."""
     cell_timeout_s: int = 1800
@@ -166,6 +170,11 @@ class StudyConfig:
         require(self.log_points >= 1, "log_points", self.log_points, "must be >= 1")
         require(0.5 <= self.confidence < 1.0, "confidence", self.confidence, "must be in [0.5, 1)")
         require(0.5 <= self.power < 1.0, "power", self.power, "must be in [0.5, 1)")
+        for pair in self.comparisons:
+            require(isinstance(pair, list) and len(pair) == 2 and pair[0] != pair[1]
+                    and all(name in self.grid.losses for name in pair), "comparisons", pair,
+                    f"each must be [candidate, baseline], two different losses of grid.losses "
+                    f"{self.grid.losses}")
         require(self.cell_timeout_s >= 1, "cell_timeout_s", self.cell_timeout_s, "must be >= 1")
         require(Path(self.base).is_file(), "base", self.base, "file does not exist")
         require(isinstance(self.overrides, list), "overrides", self.overrides, "must be a list")

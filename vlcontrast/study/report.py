@@ -1,5 +1,6 @@
 """The study's report, rebuilt from the per-cell result files: ``study.csv`` (one row per cell),
-``study.md`` (mean ± confidence interval per loss and batch size, paired comparisons with InfoNCE,
+``study.md`` (mean ± confidence interval per loss and batch size, paired comparisons with InfoNCE
+and any further ``comparisons``,
 the smallest detectable difference, whether the cells learn) and PNG plots.
 
 Every number comes from ``results_dir``, so the report of a study spread over several sessions is
@@ -137,41 +138,9 @@ def markdown_tables(config: StudyConfig, rows: list[dict[str, Any]]) -> str:
                 out.append(f"| {loss} | " + " | ".join(cells) + " |")
             out.append("")
     if BASELINE in losses and len(losses) > 1:
-        out.append(f"### Paired comparison with {BASELINE} (points; same seed = same initial weights "
-                   "and data order)\n")
-        out.append(f"Each entry: mean difference (loss − {BASELINE}) [{level} paired-t CI], and the "
-                   f"smallest difference this many seeds detect with {100 * config.power:g}% power "
-                   f"(two-sided paired t at α = {1 - config.confidence:.2g}, from the observed SD of "
-                   "the differences). ▲/▼: the CI excludes 0.\n")
-        for metric, title in REPORTED:
-            for which in ("last", "best"):
-                values = values_by_seed(rows, f"{which}_{metric}")
-                out.append(f"#### {title}, {which} evaluation\n")
-                out.append("| loss | " + " | ".join(f"B={s}" for s in sizes) + " |")
-                out.append("|---|" + "---:|" * len(sizes))
-                detectable: dict[int, list[float]] = {}
-                for loss in losses:
-                    if loss == BASELINE:
-                        continue
-                    entries = []
-                    for size in sizes:
-                        ours, base = values.get((loss, size), {}), values.get((BASELINE, size), {})
-                        seeds = sorted(set(ours) & set(base))
-                        if len(seeds) < 2:
-                            entries.append("-")
-                            continue
-                        cmp = paired_comparison([ours[s] for s in seeds], [base[s] for s in seeds],
-                                                config.confidence, config.power)
-                        d = cmp.difference
-                        mark = " ▲" if d.low > 0 else " ▼" if d.high < 0 else ""
-                        entries.append(f"{100 * d.mean:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}]"
-                                       f"{mark} · {100 * cmp.detectable:.1f}")
-                        detectable.setdefault(size, []).append(cmp.detectable)
-                    out.append(f"| {loss} | " + " | ".join(entries) + " |")
-                if detectable:
-                    out.append("| *largest detectable* | " + " | ".join(
-                        f"{100 * max(detectable[s]):.1f}" if s in detectable else "-" for s in sizes) + " |")
-                out.append("")
+        out += paired_tables(config, rows, [loss for loss in losses if loss != BASELINE], BASELINE)
+    for candidate, baseline in config.comparisons:
+        out += paired_tables(config, rows, [candidate], baseline)
     done = sum(r.get("status") == "ok" for r in rows)
     out.append(f"Cells finished: {done} of {len(rows)}; {len(config.grid.seeds)} seed(s) per "
                "(loss, batch); values in percent; '-': fewer finished cells than the entry needs.\n")
@@ -188,6 +157,48 @@ def markdown_tables(config: StudyConfig, rows: list[dict[str, Any]]) -> str:
             out.append(f"| {row['cell']} | {row['status']} | {error} |")
         out.append("")
     return "\n".join(out)
+
+
+def paired_tables(config: StudyConfig, rows: list[dict[str, Any]], candidates: list[str],
+                  baseline: str) -> list[str]:
+    """Paired differences (candidate − baseline, same seeds) per batch size, with their confidence
+    interval and the smallest difference the seeds detect, for every reported metric."""
+    sizes = config.grid.global_batch_sizes
+    level = f"{100 * config.confidence:g}%"
+    out = [f"### Paired comparison with {baseline} (points; same seed = same initial weights "
+           "and data order)\n",
+           f"Each entry: mean difference (loss − {baseline}) [{level} paired-t CI], and the "
+           f"smallest difference this many seeds detect with {100 * config.power:g}% power "
+           f"(two-sided paired t at α = {1 - config.confidence:.2g}, from the observed SD of "
+           "the differences). ▲/▼: the CI excludes 0.\n"]
+    for metric, title in REPORTED:
+        for which in ("last", "best"):
+            values = values_by_seed(rows, f"{which}_{metric}")
+            out.append(f"#### {title}, {which} evaluation\n")
+            out.append("| loss | " + " | ".join(f"B={s}" for s in sizes) + " |")
+            out.append("|---|" + "---:|" * len(sizes))
+            detectable: dict[int, list[float]] = {}
+            for loss in candidates:
+                entries = []
+                for size in sizes:
+                    ours, base = values.get((loss, size), {}), values.get((baseline, size), {})
+                    seeds = sorted(set(ours) & set(base))
+                    if len(seeds) < 2:
+                        entries.append("-")
+                        continue
+                    cmp = paired_comparison([ours[s] for s in seeds], [base[s] for s in seeds],
+                                            config.confidence, config.power)
+                    d = cmp.difference
+                    mark = " ▲" if d.low > 0 else " ▼" if d.high < 0 else ""
+                    entries.append(f"{100 * d.mean:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}]"
+                                   f"{mark} · {100 * cmp.detectable:.1f}")
+                    detectable.setdefault(size, []).append(cmp.detectable)
+                out.append(f"| {loss} | " + " | ".join(entries) + " |")
+            if detectable and len(candidates) > 1:
+                out.append("| *largest detectable* | " + " | ".join(
+                    f"{100 * max(detectable[s]):.1f}" if s in detectable else "-" for s in sizes) + " |")
+            out.append("")
+    return out
 
 
 def plot_metric(config: StudyConfig, rows: list[dict[str, Any]], column: str, ylabel: str,
