@@ -35,7 +35,7 @@ def _train(dataset, run_dir, *extra, nproc=2, timeout=600):
            f"eval.zeroshot={dataset}/zeroshot", "model.name=vlc-micro", "data.batch_size=32",
            "data.workers=1", "train.steps=240", "train.log_every=20", "optim.lr=5e-3",
            "optim.warmup_steps=20", "checkpoint.every=120", "checkpoint.keep=2",
-           "eval.batch_size=100", *extra]
+           "eval.batch_size=100", "loss.name=infonce", *extra]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
@@ -117,7 +117,7 @@ def test_a_broken_loss_fails_verification(dataset, tmp_path):
            f"output_dir={run_dir}", f"data.train={dataset}/train", f"data.val={dataset}/val",
            "eval.zeroshot=", "model.name=vlc-micro", "data.batch_size=64", "data.workers=1",
            "train.steps=120", "optim.lr=5e-3", "optim.warmup_steps=20", "checkpoint.every=0",
-           "eval.batch_size=100", "logging.progress=false"]
+           "eval.batch_size=100", "logging.progress=false", "loss.name=infonce"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     verify = subprocess.run([sys.executable, "-m", "vlcontrast.cli", "verify", str(run_dir)],
