@@ -126,17 +126,14 @@ def markdown_tables(config: StudyConfig, rows: list[dict[str, Any]]) -> str:
     losses, sizes = config.grid.losses, config.grid.global_batch_sizes
     level = f"{100 * config.confidence:g}%"
     out = learning_table(config, rows)
-    for metric, title in REPORTED:
-        for which in ("last", "best"):
-            values = values_by_seed(rows, f"{which}_{metric}")
-            out.append(f"### {title}, {which} evaluation (%, mean ± {level} CI half-width over seeds)\n")
-            out.append("| loss | " + " | ".join(f"B={s}" for s in sizes) + " |")
-            out.append("|---|" + "---:|" * len(sizes))
-            for loss in losses:
-                cells = [_percent_interval(list(values.get((loss, s), {}).values()), config.confidence)
-                         for s in sizes]
-                out.append(f"| {loss} | " + " | ".join(cells) + " |")
-            out.append("")
+    for title, which, values in _each_metric(rows):
+        out.append(f"### {title}, {which} evaluation (%, mean ± {level} CI half-width over seeds)\n")
+        out += _table_header(sizes)
+        for loss in losses:
+            cells = [_percent_interval(list(values.get((loss, s), {}).values()), config.confidence)
+                     for s in sizes]
+            out.append(f"| {loss} | " + " | ".join(cells) + " |")
+        out.append("")
     if BASELINE in losses and len(losses) > 1:
         out += paired_tables(config, rows, [loss for loss in losses if loss != BASELINE], BASELINE)
     for candidate, baseline in config.comparisons:
@@ -171,34 +168,42 @@ def paired_tables(config: StudyConfig, rows: list[dict[str, Any]], candidates: l
            f"smallest difference this many seeds detect with {100 * config.power:g}% power "
            f"(two-sided paired t at α = {1 - config.confidence:.2g}, from the observed SD of "
            "the differences). ▲/▼: the CI excludes 0.\n"]
+    for title, which, values in _each_metric(rows):
+        out.append(f"#### {title}, {which} evaluation\n")
+        out += _table_header(sizes)
+        detectable: dict[int, list[float]] = {}
+        for loss in candidates:
+            entries = []
+            for size in sizes:
+                ours, base = values.get((loss, size), {}), values.get((baseline, size), {})
+                seeds = sorted(set(ours) & set(base))
+                if len(seeds) < 2:
+                    entries.append("-")
+                    continue
+                cmp = paired_comparison([ours[s] for s in seeds], [base[s] for s in seeds],
+                                        config.confidence, config.power)
+                d = cmp.difference
+                mark = " ▲" if d.low > 0 else " ▼" if d.high < 0 else ""
+                entries.append(f"{100 * d.mean:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}]"
+                               f"{mark} · {100 * cmp.detectable:.1f}")
+                detectable.setdefault(size, []).append(cmp.detectable)
+            out.append(f"| {loss} | " + " | ".join(entries) + " |")
+        if detectable and len(candidates) > 1:
+            out.append("| *largest detectable* | " + " | ".join(
+                f"{100 * max(detectable[s]):.1f}" if s in detectable else "-" for s in sizes) + " |")
+        out.append("")
+    return out
+
+
+def _each_metric(rows: list[dict[str, Any]]):
+    """(title, "last"/"best", values by (loss, batch) and seed) for every reported table."""
     for metric, title in REPORTED:
         for which in ("last", "best"):
-            values = values_by_seed(rows, f"{which}_{metric}")
-            out.append(f"#### {title}, {which} evaluation\n")
-            out.append("| loss | " + " | ".join(f"B={s}" for s in sizes) + " |")
-            out.append("|---|" + "---:|" * len(sizes))
-            detectable: dict[int, list[float]] = {}
-            for loss in candidates:
-                entries = []
-                for size in sizes:
-                    ours, base = values.get((loss, size), {}), values.get((baseline, size), {})
-                    seeds = sorted(set(ours) & set(base))
-                    if len(seeds) < 2:
-                        entries.append("-")
-                        continue
-                    cmp = paired_comparison([ours[s] for s in seeds], [base[s] for s in seeds],
-                                            config.confidence, config.power)
-                    d = cmp.difference
-                    mark = " ▲" if d.low > 0 else " ▼" if d.high < 0 else ""
-                    entries.append(f"{100 * d.mean:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}]"
-                                   f"{mark} · {100 * cmp.detectable:.1f}")
-                    detectable.setdefault(size, []).append(cmp.detectable)
-                out.append(f"| {loss} | " + " | ".join(entries) + " |")
-            if detectable and len(candidates) > 1:
-                out.append("| *largest detectable* | " + " | ".join(
-                    f"{100 * max(detectable[s]):.1f}" if s in detectable else "-" for s in sizes) + " |")
-            out.append("")
-    return out
+            yield title, which, values_by_seed(rows, f"{which}_{metric}")
+
+
+def _table_header(sizes: list[int]) -> list[str]:
+    return ["| loss | " + " | ".join(f"B={s}" for s in sizes) + " |", "|---|" + "---:|" * len(sizes)]
 
 
 def plot_metric(config: StudyConfig, rows: list[dict[str, Any]], column: str, ylabel: str,
