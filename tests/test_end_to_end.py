@@ -147,3 +147,19 @@ def test_verifier_takes_a_threshold_per_metric_and_fails_a_missing_one(tmp_path)
     assert not ok and "| zeroshot/top1 | missing |" in table and "FAIL" in table
     with pytest.raises(ValueError, match="KEY:RATIO"):
         verify_results(run, 3.0, ("zeroshot/top1:many",))
+
+
+@pytest.mark.slow
+def test_normalizing_on_the_device_trains_exactly_like_the_per_image_transform(dataset, tmp_path):
+    # data.normalize_on_device moves ToTensor + Normalize from the loader to the batch; the
+    # values are bit-identical, so the whole run is too.
+    losses = {}
+    for flag in ("false", "true"):
+        run_dir = tmp_path / f"run-{flag}"
+        _train(dataset, run_dir, "train.steps=12", "train.log_every=4", "eval.every=0",
+               "checkpoint.every=0", "eval.zeroshot=", f"data.normalize_on_device={flag}",
+               nproc=1)
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        losses[flag] = [r["loss"] for r in records if r["kind"] == "train"]
+    assert len(losses["true"]) == 3
+    assert losses["true"] == losses["false"]

@@ -34,6 +34,7 @@ import yaml
 from vlcontrast import distributed as dist_utils
 from vlcontrast.config import ConfigError, RunConfig, to_dict
 from vlcontrast.data.loader import build_train_loader
+from vlcontrast.data.transforms import split_normalization
 from vlcontrast.losses import LOSSES, build_loss
 from vlcontrast.models import build_model
 from vlcontrast.train import checkpoint as ckpt
@@ -69,7 +70,10 @@ def train(config: RunConfig) -> dict[str, Any]:
 
     bundle = build_model(config.model, siglip=LOSSES[config.loss.name].uses_logit_bias,
                          device=device)
-    data = _train_batches(config, env, bundle)
+    transform, normalizer = bundle.preprocess_train, None
+    if config.data.normalize_on_device:
+        transform, normalizer = split_normalization(transform)
+    data = _train_batches(config, env, bundle, transform)
     loss_fn = build_loss(config.loss.name, chunk_size=config.loss.chunk_size,
                          id_space=data.id_space, **config.loss.options).to(device)
     global_batch = config.data.batch_size * env.world_size * config.train.accum_steps
@@ -100,7 +104,7 @@ def train(config: RunConfig) -> dict[str, Any]:
             micro_batches = data.next_step()
             log.timer.mark("data")
             outcome = train_step(engine, loss_fn, micro_batches, state.step + 1, device, dtype,
-                                 log.timer, momentum, stop)
+                                 log.timer, momentum, stop, normalizer)
             if outcome.skipped:
                 loss_fn.rollback()  # a skipped step leaves the loss's state as it was
                 guard.skipped_step(state.step + 1, outcome.skipped)
@@ -142,9 +146,9 @@ def train(config: RunConfig) -> dict[str, Any]:
 # set-up helpers
 
 
-def _train_batches(config: RunConfig, env, bundle) -> TrainBatches:
-    """This rank's batch stream, augmented by (seed, epoch, image)."""
-    augment = SeededTransform(bundle.preprocess_train, config.seed)
+def _train_batches(config: RunConfig, env, bundle, transform) -> TrainBatches:
+    """This rank's batch stream, augmented with ``transform`` by (seed, epoch, image)."""
+    augment = SeededTransform(transform, config.seed)
     build = functools.partial(build_train_loader, config.data, augment, bundle.tokenizer,
                               seed=config.seed, rank=env.rank, world_size=env.world_size)
     return TrainBatches(build, augment, config.train.accum_steps)

@@ -38,10 +38,11 @@ class StepOutcome:
     """Some rank received a stop signal during this step."""
 
 
-def _to_device(batch, device, dtype):
+def _to_device(batch, device, dtype, normalizer=None):
     images, texts, sample_ids = batch
-    return (images.to(device=device, dtype=dtype, non_blocking=True),
-            texts.to(device, non_blocking=True), sample_ids.to(device, non_blocking=True))
+    images = (normalizer(images, device, dtype) if normalizer is not None
+              else images.to(device=device, dtype=dtype, non_blocking=True))
+    return images, texts.to(device, non_blocking=True), sample_ids.to(device, non_blocking=True)
 
 
 def _rng_snapshot(device):
@@ -81,16 +82,18 @@ def _poisoned(loss: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
 
 
 def train_step(engine, loss_fn, micro_batches, step: int, device, dtype, timer,
-               momentum=None, stop=None) -> StepOutcome:
+               momentum=None, stop=None, normalizer=None) -> StepOutcome:
     """Forward, loss, backward and optimizer step over ``micro_batches``.
 
     ``timer`` is a :class:`~vlcontrast.train.steplog.StepTimer` (its ``mark`` ends a phase);
     ``momentum`` the :class:`~vlcontrast.train.momentum.MomentumTowers` a loss may need;
     ``stop`` the :class:`~vlcontrast.train.stop.StopSignal` whose ``pending`` flag is agreed with
-    the other ranks at the end of the step (a signal that arrived during the step counts).
+    the other ranks at the end of the step (a signal that arrived during the step counts);
+    ``normalizer`` the :class:`~vlcontrast.data.transforms.BatchNormalizer` of uint8 batches
+    (``data.normalize_on_device``).
     """
     k = len(micro_batches)
-    batches = [_to_device(b, device, dtype) for b in micro_batches]
+    batches = [_to_device(b, device, dtype, normalizer) for b in micro_batches]
     sample_ids = torch.cat([b[2] for b in batches])
     momentum_features = momentum.features(batches) if momentum is not None else None
 

@@ -1,0 +1,73 @@
+"""Training images as uint8, normalised per batch on the training device (``data.normalize_on_device``).
+
+open_clip's training transform ends in ``ToTensor`` (uint8 → float / 255) and ``Normalize``; both
+run once per image in the loader, and the float32 result is four times the bytes of the image.
+:func:`split_normalization` cuts those two steps off: the loader then ships the augmented image as
+a uint8 ``C x H x W`` tensor, and :class:`BatchNormalizer` applies the same two operations, in the
+same order and in float32, to the whole batch on the device. The values are the ones the full
+transform gives, bit for bit (the tests check this), for a fraction of the loader's work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torchvision import transforms as T
+
+from vlcontrast.config import ConfigError
+
+
+class ToUInt8Tensor:
+    """A PIL image (or H x W x C array) as a contiguous uint8 ``C x H x W`` tensor."""
+
+    def __call__(self, image) -> torch.Tensor:
+        array = np.asarray(image, dtype=np.uint8)
+        if array.ndim == 2:
+            array = array[:, :, None]
+        return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+@dataclass(frozen=True)
+class BatchNormalizer:
+    """``(images / 255 - mean) / std`` per channel, in float32, on the batch's device."""
+
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    def __call__(self, images: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
+        """uint8 ``B x C x H x W`` (host) → normalised ``dtype`` images on ``device``.
+
+        The copy moves uint8 (a quarter of float32's bytes); the arithmetic is float32 whatever
+        ``dtype`` is, and the cast to ``dtype`` comes last, as with the per-image transform.
+        """
+        if images.dtype != torch.uint8:
+            raise TypeError(f"data.normalize_on_device: expected uint8 images from the loader, "
+                            f"got {images.dtype}")
+        shape = (1, -1, 1, 1)
+        mean = torch.tensor(self.mean, dtype=torch.float32, device=device).view(shape)
+        std = torch.tensor(self.std, dtype=torch.float32, device=device).view(shape)
+        x = images.to(device=device, non_blocking=True).to(torch.float32).div_(255)
+        return x.sub_(mean).div_(std).to(dtype)
+
+
+def split_normalization(transform) -> tuple[T.Compose, BatchNormalizer]:
+    """(the transform up to uint8, the normaliser of its last two steps) of an open_clip transform.
+
+    The transform must be a ``Compose`` ending in ``ToTensor`` (open_clip's ``MaybeToTensor`` is
+    one) and ``Normalize``, which is what open_clip builds unless timm's pipeline is used.
+    """
+    steps = list(getattr(transform, "transforms", []))
+    if (len(steps) < 2 or not isinstance(steps[-2], T.ToTensor)
+            or not isinstance(steps[-1], T.Normalize)):
+        raise ConfigError("data.normalize_on_device=true needs a training transform that ends in "
+                         f"ToTensor and Normalize; this model's is {transform!r} (timm's pipeline, "
+                         "model.augment.use_timm, is not supported: set data.normalize_on_device=false)")
+    normalize = steps[-1]
+    normalizer = BatchNormalizer(tuple(float(m) for m in normalize.mean),
+                                 tuple(float(s) for s in normalize.std))
+    return T.Compose(steps[:-2] + [ToUInt8Tensor()]), normalizer
