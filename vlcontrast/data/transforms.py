@@ -10,8 +10,6 @@ transform gives, bit for bit (the tests check this), for a fraction of the loade
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 from torchvision import transforms as T
@@ -32,12 +30,24 @@ class ToUInt8Tensor:
         return f"{type(self).__name__}()"
 
 
-@dataclass(frozen=True)
 class BatchNormalizer:
     """``(images / 255 - mean) / std`` per channel, in float32, on the batch's device."""
 
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
+    def __init__(self, mean: tuple[float, ...], std: tuple[float, ...]):
+        self.mean, self.std = tuple(mean), tuple(std)
+        self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def constants(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and std as float32 ``1 x C x 1 x 1`` tensors on ``device``, made once: building
+        them from Python lists on a GPU every step would be a pageable copy, which waits for the
+        stream (a host sync in the hot loop)."""
+        device = torch.device(device)
+        if device not in self._constants:
+            shape = (1, -1, 1, 1)
+            self._constants[device] = (
+                torch.tensor(self.mean, dtype=torch.float32, device=device).view(shape),
+                torch.tensor(self.std, dtype=torch.float32, device=device).view(shape))
+        return self._constants[device]
 
     def __call__(self, images: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
         """uint8 ``B x C x H x W`` (host) → normalised ``dtype`` images on ``device``.
@@ -48,11 +58,12 @@ class BatchNormalizer:
         if images.dtype != torch.uint8:
             raise TypeError(f"data.normalize_on_device: expected uint8 images from the loader, "
                             f"got {images.dtype}")
-        shape = (1, -1, 1, 1)
-        mean = torch.tensor(self.mean, dtype=torch.float32, device=device).view(shape)
-        std = torch.tensor(self.std, dtype=torch.float32, device=device).view(shape)
+        mean, std = self.constants(device)
         x = images.to(device=device, non_blocking=True).to(torch.float32).div_(255)
         return x.sub_(mean).div_(std).to(dtype)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(mean={self.mean}, std={self.std})"
 
 
 def split_normalization(transform) -> tuple[T.Compose, BatchNormalizer]:
