@@ -118,6 +118,7 @@ def test_reduced_check_runs_end_to_end_on_cpu(tmp_path):
     assert {c[0] for c in matrix} == {"RN", "ViT"}
     assert {c[2] for c in matrix} == set(gpu_check.precisions())
     assert {c[3] for c in matrix} == {"zero0", "zero1", "zero2", "zero3"}
+    assert {c[4] if len(c) > 4 else "" for c in matrix} == {"", "uint8"}  # both image paths
     ran = [r for r in rows if r["section"] == "matrix" and r["status"] == "pass"]
     assert len(ran) >= 6  # only fp16 may be skipped on a CPU
     from vlcontrast.losses import LOSSES
