@@ -3,8 +3,8 @@
 For each image size, times open_clip's training transform (random resized crop, ToTensor,
 Normalize) on one JPEG-decoded image of 1.25x the side, next to the same transform cut after the
 crop by :func:`vlcontrast.data.transforms.split_normalization` (uint8 out), whose normalisation then
-runs once per batch on the device. Also times that per-batch normalisation here on the CPU (a GPU
-does it in microseconds) and gives the bytes each image adds to the host-to-device copy.
+runs once per batch on the device. Also times that per-batch normalisation here on the CPU (its
+GPU cost is not measured here) and gives the bytes each image adds to the host-to-device copy.
 Milliseconds per image, best of ``--rounds``; results go to ``bench/results/normalize.md``.
 
     python bench/bench_normalize_on_device.py

@@ -24,7 +24,8 @@ class ToUInt8Tensor:
         array = np.asarray(image, dtype=np.uint8)
         if array.ndim == 2:
             array = array[:, :, None]
-        return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
+        # One copy, HWC -> contiguous CHW; always a copy, because the array PIL exposes is read-only.
+        return torch.from_numpy(np.array(array.transpose(2, 0, 1), order="C"))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
