@@ -400,6 +400,51 @@ def test_default_synthetic_shards_with_open_clip_tokenizer_and_transform(tmp_pat
     assert torch.equal(first.texts, expected)
 
 
+def test_cached_tokenizer_gives_the_same_ids_and_tokenizes_each_caption_once():
+    import open_clip
+
+    from vlcontrast.data.stream import CachedTokenizer
+
+    calls = []
+
+    def tokenizer(texts):
+        calls.append(list(texts))
+        return open_clip.tokenize(texts, context_length=12)
+
+    cached = CachedTokenizer(tokenizer, max_entries=3)
+    first = ["a red star", "a blue ring", "a red star", "a small heart"]
+    assert torch.equal(cached(first), open_clip.tokenize(first, context_length=12))
+    assert calls == [["a red star", "a blue ring", "a small heart"]] and len(cached) == 3
+    # Seen captions come from memory; a new one is tokenized but not kept once the cache is full.
+    second = ["a small heart", "a green cross", "a red star"]
+    assert torch.equal(cached(second), open_clip.tokenize(second, context_length=12))
+    assert calls[1:] == [["a green cross"]] and len(cached) == 3
+    cached(["a green cross"])
+    assert calls[2:] == [["a green cross"]]
+
+
+def test_second_epoch_tokenizes_nothing_again(uneven_shards):
+    calls = []
+
+    class Counting(CountingTokenizer):
+        def __call__(self, texts):
+            calls.append(len(texts))
+            return super().__call__(texts)
+
+    loader = build_train_loader(config(uneven_shards[0]), PREPROCESS, Counting(), seed=0, rank=0,
+                                world_size=1)
+    def pairs():
+        return [(i, t[0]) for b in loader for i, t in zip(b.sample_ids.tolist(), b.texts.tolist())]
+
+    first = pairs()
+    tokenized = sum(calls)
+    loader.set_epoch(1)
+    second = pairs()
+    assert tokenized == len(first) > 0
+    assert sum(calls) == tokenized  # the same captions again: all from the cache
+    assert second != first and all(i == t for i, t in first + second)  # ids still match captions
+
+
 # ---------------------------------------------------------------------------------------------
 # resume
 

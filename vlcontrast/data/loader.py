@@ -37,7 +37,7 @@ from .samples import (DEFAULT_MAX_IMAGE_PIXELS, IMAGE_EXTENSIONS, SAMPLE_REASONS
                       bad_rate_error, decode_sample)
 from .sources import ShardSet, resolve_shard_set
 from .spec import Source, expand_source, parse_spec
-from .stream import MIN_EXAMINED_FOR_RATE, SlotStream
+from .stream import MIN_EXAMINED_FOR_RATE, CachedTokenizer, SlotStream
 from .tar_reader import group_members, read_shard, split_name
 
 logger = logging.getLogger(__name__)
@@ -300,7 +300,7 @@ def build_train_loader(data_cfg: Any, preprocess: Callable, tokenizer: Callable,
     stream = SlotStream(
         shard_set, mode=data_cfg.mode, seed=seed, rank=rank, world_size=world_size,
         num_workers=slots_per_rank, batch_size=data_cfg.batch_size, steps_per_epoch=steps,
-        shuffle_buffer=int(data_cfg.shuffle_buffer), preprocess=preprocess, tokenizer=tokenizer,
+        shuffle_buffer=int(data_cfg.shuffle_buffer), preprocess=preprocess, tokenizer=CachedTokenizer(tokenizer),
         max_bad_fraction=float(data_cfg.max_bad_fraction),
         max_image_pixels=int(getattr(data_cfg, "max_image_pixels", 0) or DEFAULT_MAX_IMAGE_PIXELS))
     return TrainLoader(stream, workers=workers, shard_set=shard_set, epoch=epoch,

@@ -101,6 +101,39 @@ def batched(samples: Iterable[Decoded], batch_size: int) -> Iterator[list[Decode
         yield batch
 
 
+class CachedTokenizer:
+    """A tokenizer that remembers the token ids of the captions it has seen.
+
+    A loader worker tokenizes every caption again in every epoch; on a small dataset read for
+    many epochs (the demo's 20,000 captions, read six times) that is about a tenth of the loader's
+    work (0.17 of 1.4 ms a sample on one core).
+    Each caption is tokenized on its own row, exactly as in a batch (open_clip's tokenizers pad
+    and truncate per text), so the ids are the same either way. At most ``max_entries`` captions
+    are kept: on a web-scale dataset, where captions rarely repeat, the cache fills once and then
+    only costs a dictionary lookup per caption.
+    """
+
+    def __init__(self, tokenizer: Callable, max_entries: int = 1 << 17):
+        self.tokenizer = tokenizer
+        self.max_entries = max_entries
+        self._rows: dict[str, torch.Tensor] = {}
+
+    def __call__(self, texts: list[str]) -> torch.Tensor:
+        rows = self._rows
+        missing = [t for t in dict.fromkeys(texts) if t not in rows]
+        fresh: dict[str, torch.Tensor] = {}
+        if missing:
+            ids = torch.as_tensor(self.tokenizer(missing)).long()
+            fresh = dict(zip(missing, ids.unbind(0)))
+            room = self.max_entries - len(rows)
+            for text in missing[:max(0, room)]:
+                rows[text] = fresh[text].clone()  # not a view: the batch's storage may go
+        return torch.stack([rows[t] if t in rows else fresh[t] for t in texts])
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
 def collate(batch: list[Decoded], tokenizer: Callable, *, worker: int, batches_done: int,
             tally: Tally) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
     """Stage: (images, token ids, sample ids, meta) with the worker's position after the batch."""
