@@ -24,10 +24,11 @@ from vlcontrast.train.batches import SeededTransform
 
 torch.set_num_threads(1)
 train, uint8 = sys.argv[1], len(sys.argv) > 2 and sys.argv[2] == "uint8"
-STAGES = {"augmentation (seeded open_clip transform)": "batches.py:34(__call__)",
-          "tar reading": "tar_reader.py:123(read_shard)",
-          "JPEG decoding (PIL open + convert)": "samples.py:121(open_image)",
-          "tokenizing": "tokenizer.py:226(__call__)"}
+STAGES = {"augmentation (seeded open_clip transform)": ("vlcontrast/train/batches.py", "__call__"),
+          "tar reading": ("vlcontrast/data/tar_reader.py", "read_shard"),
+          "JPEG decoding (PIL open + convert)": ("vlcontrast/data/samples.py", "open_image"),
+          "tokenizing": ("open_clip/tokenizer.py", "__call__")}
+"""(file, function) whose cumulative time is the stage's."""
 
 
 def loader():
@@ -61,6 +62,8 @@ for _ in range(10):
 profile.disable()
 stats = pstats.Stats(profile).stats
 total = sum(row[2] for row in stats.values())  # own time of every function
-for stage, suffix in STAGES.items():
-    cumulative = sum(row[3] for key, row in stats.items() if f"{key[0]}:{key[1]}({key[2]})".endswith(suffix))
-    print(f"{stage}: {cumulative / total:.0%}")
+for stage, (path, function) in STAGES.items():
+    found = [row[3] for (file, _, name), row in stats.items() if file.endswith(path) and name == function]
+    if not found:
+        raise SystemExit(f"{stage}: no call of {function} in {path} was profiled")
+    print(f"{stage}: {sum(found) / total:.0%}")

@@ -300,7 +300,8 @@ def build_train_loader(data_cfg: Any, preprocess: Callable, tokenizer: Callable,
     stream = SlotStream(
         shard_set, mode=data_cfg.mode, seed=seed, rank=rank, world_size=world_size,
         num_workers=slots_per_rank, batch_size=data_cfg.batch_size, steps_per_epoch=steps,
-        shuffle_buffer=int(data_cfg.shuffle_buffer), preprocess=preprocess, tokenizer=CachedTokenizer(tokenizer),
+        shuffle_buffer=int(data_cfg.shuffle_buffer), preprocess=preprocess,
+        tokenizer=CachedTokenizer(tokenizer),
         max_bad_fraction=float(data_cfg.max_bad_fraction),
         max_image_pixels=int(getattr(data_cfg, "max_image_pixels", 0) or DEFAULT_MAX_IMAGE_PIXELS))
     return TrainLoader(stream, workers=workers, shard_set=shard_set, epoch=epoch,

@@ -105,15 +105,15 @@ class CachedTokenizer:
     """A tokenizer that remembers the token ids of the captions it has seen.
 
     A loader worker tokenizes every caption again in every epoch; on a small dataset read for
-    many epochs (the demo's 20,000 captions, read six times) that is about a tenth of the loader's
-    work (0.17 of 1.4 ms a sample on one core).
-    Each caption is tokenized on its own row, exactly as in a batch (open_clip's tokenizers pad
-    and truncate per text), so the ids are the same either way. At most ``max_entries`` captions
-    are kept: on a web-scale dataset, where captions rarely repeat, the cache fills once and then
-    only costs a dictionary lookup per caption.
+    many epochs (the demo's 20,000 captions, read six times) that is 9-12% of the loader's time
+    (``docs/demo-tuning/loader_profile.py``). open_clip's tokenizers pad and truncate each text
+    on its own, so a cached row equals the row a fresh call gives. The first ``max_entries``
+    distinct captions are kept, as int32 rows (about 32 MB per worker at context 77, measured):
+    on a web-scale dataset, where captions rarely repeat, the cache fills once and then costs a
+    dictionary lookup per caption.
     """
 
-    def __init__(self, tokenizer: Callable, max_entries: int = 1 << 17):
+    def __init__(self, tokenizer: Callable, max_entries: int = 1 << 15):
         self.tokenizer = tokenizer
         self.max_entries = max_entries
         self._rows: dict[str, torch.Tensor] = {}
@@ -123,12 +123,11 @@ class CachedTokenizer:
         missing = [t for t in dict.fromkeys(texts) if t not in rows]
         fresh: dict[str, torch.Tensor] = {}
         if missing:
-            ids = torch.as_tensor(self.tokenizer(missing)).long()
+            ids = torch.as_tensor(self.tokenizer(missing)).to(torch.int32)
             fresh = dict(zip(missing, ids.unbind(0)))
-            room = self.max_entries - len(rows)
-            for text in missing[:max(0, room)]:
+            for text in missing[:max(0, self.max_entries - len(rows))]:
                 rows[text] = fresh[text].clone()  # not a view: the batch's storage may go
-        return torch.stack([rows[t] if t in rows else fresh[t] for t in texts])
+        return torch.stack([rows[t] if t in rows else fresh[t] for t in texts]).long()
 
     def __len__(self) -> int:
         return len(self._rows)
