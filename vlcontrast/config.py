@@ -58,6 +58,19 @@ class DataConfig:
     empty caption, ...: the reasons of ``vlcontrast.data.samples``)."""
     max_image_pixels: int = 89_478_485
     """Images with more pixels are skipped as decompression bombs (PIL's own limit)."""
+    augment: bool = True
+    """Random training augmentation (open_clip's training transform, tuned by ``model.augment``).
+    false: training images get the evaluation transform instead (resize and centre crop, no
+    randomness), which also costs the loader less. For data whose test images are drawn like its
+    training images (the synthetic world), where a crop or an aspect-ratio change only moves the
+    training images away from the test images."""
+    cache_mb: int = 0
+    """Keep each loader worker's decoded training samples in memory, up to this many MB per
+    worker (0: off), so later epochs of a small dataset skip reading and decoding the shards.
+    With a deterministic transform (``data.augment=false``) the transformed tensor is kept;
+    with random augmentation the decoded image is kept and augmented anew each epoch. Batches,
+    their order and resume are the same as without the cache. Each worker keeps the rows it
+    reads, so the cache pays most with one worker per rank (docs/loader.md)."""
     normalize_on_device: bool = False
     """Ship training images from the loader as uint8 and scale and normalise them per batch on the
     training device (the same values as open_clip's per-image ``ToTensor`` + ``Normalize``). The
@@ -72,6 +85,7 @@ class DataConfig:
         _require(0.0 <= self.max_bad_fraction <= 1.0, "data.max_bad_fraction",
                  self.max_bad_fraction, "must be in [0, 1]")
         _require(self.num_samples >= 0, "data.num_samples", self.num_samples, "must be >= 0")
+        _require(self.cache_mb >= 0, "data.cache_mb", self.cache_mb, "must be >= 0 (0: off)")
 
 
 @dataclass
@@ -296,6 +310,8 @@ class RunConfig:
                  f"must be one of {sorted(LOSSES)}")
         _require(self.loss.chunk_size >= 0, "loss.chunk_size", self.loss.chunk_size, "must be >= 0")
         defaults = loss_option_defaults(self.loss.name)
+        _require(self.data.augment or not self.model.augment, "model.augment", self.model.augment,
+                 "is set, but data.augment=false turns training augmentation off")
         for key in self.loss.options:
             _require(key in defaults, f"loss.{key}", self.loss.options[key],
                      f"is not an option of loss '{self.loss.name}' (options: {sorted(defaults)})")

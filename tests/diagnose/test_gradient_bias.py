@@ -157,12 +157,14 @@ def test_parameter_gradient_equals_autograd_through_the_model(tiny):
     reference = torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, parameters)])
     assert torch.allclose(pushed.float(), reference, rtol=1e-4, atol=1e-6)
 
-    # A batch's gradient lives on its rows only: pushing those rows alone gives the same.
+    # A batch's gradient lives on its rows only: pushing those rows alone gives the same. The
+    # towers run in float32 on chunks of other sizes (3 rows against 7), so the sums differ in
+    # their last bits (seen: 3e-5 relative on an entry of 3e-4); a wrong row would differ by O(1).
     rows = torch.tensor([3, 11, 17])
     full = torch.zeros_like(target)
     full[rows] = target[rows]
     assert torch.allclose(pushback.push(rows, [target[rows]])[0], pushback.push_full([full])[0],
-                          rtol=1e-5, atol=1e-8)
+                          rtol=1e-4, atol=1e-6)
 
 
 def test_cli_writes_the_report(tiny, tmp_path, capsys):

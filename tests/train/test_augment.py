@@ -43,3 +43,20 @@ def test_only_the_cpu_generator_is_seeded(augment, monkeypatch):
     # torch.manual_seed would queue a lazy CUDA seed (formatting the Python stack) per image.
     monkeypatch.setattr(torch, "manual_seed", lambda seed: pytest.fail("torch.manual_seed called"))
     augment(image(3))
+
+
+def test_an_unseeded_transform_is_called_as_is_and_leaves_the_generators_alone(monkeypatch):
+    # data.augment=false: the evaluation transform has no randomness to seed, so nothing is
+    # hashed or seeded per image.
+    calls = []
+    plain = SeededTransform(lambda im: calls.append(im) or "out", seed=7, random=False)
+    class Untouchable:
+        def __getattr__(self, name):
+            pytest.fail(f"{name} used per image")
+
+    import vlcontrast.train.batches as batches
+
+    monkeypatch.setattr(torch, "default_generator", Untouchable())
+    monkeypatch.setattr(batches, "zlib", Untouchable())
+    im = image(4)
+    assert plain(im) == "out" and calls == [im]

@@ -303,6 +303,7 @@ def build_train_loader(data_cfg: Any, preprocess: Callable, tokenizer: Callable,
         shuffle_buffer=int(data_cfg.shuffle_buffer), preprocess=preprocess,
         tokenizer=CachedTokenizer(tokenizer),
         max_bad_fraction=float(data_cfg.max_bad_fraction),
-        max_image_pixels=int(getattr(data_cfg, "max_image_pixels", 0) or DEFAULT_MAX_IMAGE_PIXELS))
+        max_image_pixels=int(getattr(data_cfg, "max_image_pixels", 0) or DEFAULT_MAX_IMAGE_PIXELS),
+        cache_bytes=int(getattr(data_cfg, "cache_mb", 0)) << 20)
     return TrainLoader(stream, workers=workers, shard_set=shard_set, epoch=epoch,
                        resume_state=resume_state, device=device)

@@ -168,6 +168,11 @@ def decode_sample(key: str, members: dict[str, bytes], *, preprocess: Callable, 
                             max_image_pixels=max_image_pixels)
     if isinstance(sample, str):
         return sample
+    return transform_sample(sample, preprocess)
+
+
+def transform_sample(sample: Inspected, preprocess: Callable) -> tuple[Any, str, int] | str:
+    """(image tensor, caption, sample id) of an inspected sample, or ``transform_error``."""
     try:
         tensor = preprocess(sample.image)
     except Exception:  # noqa: BLE001 - counted; the rate limit stops systematic failures

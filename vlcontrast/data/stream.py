@@ -3,10 +3,12 @@
     plan segments -> read rows -> shuffle -> number -> skip replayed -> decode -> batch -> collate
 
 * **rows** (:meth:`SlotStream.rows`): the slot's segments of the epoch plan (:mod:`.plan`), read by
-  the one tar reader, through a seeded shuffle buffer;
+  the one tar reader, through a seeded shuffle buffer; with ``data.cache_mb`` a segment whose
+  rows a :class:`SampleCache` holds is served from memory instead, as already decoded rows;
 * **number**: each row gets its stream position (rows taken out of the shuffle buffer so far);
 * **skip replayed**: on resume, rows up to the saved position are passed over without decoding;
-* **decode**: :func:`~vlcontrast.data.samples.decode_sample`; bad rows are counted by reason in a
+* **decode**: :func:`~vlcontrast.data.samples.inspect_sample`, then the image transform
+  (:func:`~vlcontrast.data.samples.transform_sample`); bad rows are counted by reason in a
   :class:`Tally`, which also enforces ``data.max_bad_fraction`` inside the worker;
 * **batch** and **collate**: ``batch_size`` samples -> (images, token ids, sample ids, meta), where
   meta carries the worker's position and counts for :class:`~vlcontrast.data.loader.TrainLoader`.
@@ -20,23 +22,91 @@ with an ``epoch`` attribute (epoch-seeded augmentation) gets the epoch in the wo
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from . import plan
 from .errors import LoaderError
-from .samples import bad_items, bad_rate_error, count, decode_sample
+from .samples import (IdRule, Inspected, bad_items, bad_rate_error, count, inspect_sample,
+                      transform_sample)
 from .sources import ShardSet
 from .tar_reader import read_shard
+
+logger = logging.getLogger(__name__)
 
 MIN_EXAMINED_FOR_RATE = 64
 """The bad-sample rate is enforced once this many samples were examined (and at epoch end)."""
 
-Row = tuple[int, str, dict[str, bytes]]
-"""(shard index, key, {extension: bytes})."""
+
+class Kept(NamedTuple):
+    """A row served by a :class:`SampleCache`: what decoding it gave the first time."""
+    value: Any
+    """A reason (str), an :class:`~.samples.Inspected` sample (to be transformed) or the
+    transformed ``(image tensor, caption, sample id)``."""
+
+
+Row = tuple[int, int, str, "dict[str, bytes] | Kept"]
+"""(shard index, row in the shard, key, {extension: bytes} or the kept decoding)."""
+
+ENTRY_OVERHEAD = 256
+"""Bytes counted per kept row on top of its image and caption (dict slot, tuple, tensor header)."""
+
+
+class SampleCache:
+    """Decoded rows of one loader worker, kept across epochs up to ``max_bytes``.
+
+    A row is kept as its decoding gave it: the reason it is bad, the decoded RGB image (a random
+    transform runs again on it every epoch) or, when the transform is deterministic
+    (``after_transform``), the transformed tensor. :meth:`holds` says whether a plan segment can
+    be served from memory; a segment with any row missing (never read, not kept once the budget
+    was spent, or lost to a truncated shard) is read from its shard as before, so shard events
+    and missing rows are counted as without the cache. The first rows read are the ones kept.
+    """
+
+    def __init__(self, max_bytes: int, *, after_transform: bool):
+        self.max_bytes = max_bytes
+        self.after_transform = after_transform
+        self.bytes = 0
+        self.full = False
+        self._rows: dict[tuple[int, int], tuple[str, Any]] = {}
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def holds(self, shard: int, skip: int, take: int) -> bool:
+        rows = self._rows
+        return all((shard, row) in rows for row in range(skip, skip + take))
+
+    def get(self, shard: int, row: int) -> tuple[str, Any]:
+        """(key, kept value) of a held row."""
+        return self._rows[(shard, row)]
+
+    def keep(self, shard: int, row: int, key: str, value: Any) -> None:
+        if self.full or (shard, row) in self._rows:
+            return
+        size = ENTRY_OVERHEAD + len(key) + _value_bytes(value)
+        if self.bytes + size > self.max_bytes:
+            self.full = True
+            logger.info("data.cache_mb: this worker's cache is full at %d rows (%.0f MB); later "
+                        "rows are read from their shards every epoch", len(self._rows),
+                        self.bytes / 2**20)
+            return
+        self._rows[(shard, row)] = (key, value)
+        self.bytes += size
+
+
+def _value_bytes(value: Any) -> int:
+    if isinstance(value, Inspected):
+        image = value.image
+        return image.width * image.height * len(image.getbands()) + len(value.caption)
+    if isinstance(value, tuple):
+        tensor, caption = value[0], value[1]
+        return tensor.numel() * tensor.element_size() + len(caption)
+    return 0
 
 
 @dataclass
@@ -80,12 +150,23 @@ def skip_replayed(numbered: Iterable[tuple[int, Row]], position: int
 
 
 def decode(numbered: Iterable[tuple[int, Row]], shard_set: ShardSet, tally: Tally, *,
-           preprocess: Callable, max_image_pixels: int) -> Iterator[Decoded]:
-    """Stage: decode each row; bad rows are counted in ``tally`` and dropped."""
-    for position, (shard, key, members) in numbered:
-        result = decode_sample(key, members, preprocess=preprocess,
-                               id_offset=shard_set.id_offsets[shard],
-                               id_space=shard_set.id_space, max_image_pixels=max_image_pixels)
+           preprocess: Callable, max_image_pixels: int, cache: SampleCache | None = None
+           ) -> Iterator[Decoded]:
+    """Stage: decode each row; bad rows are counted in ``tally`` and dropped. Fresh rows are
+    offered to ``cache``; rows it served (:class:`Kept`) skip what was done to them already."""
+    for position, (shard, row, key, members) in numbered:
+        if isinstance(members, Kept):
+            result = members.value
+        else:
+            result = inspect_sample(key, members,
+                                    ids=IdRule(shard_set.id_offsets[shard], shard_set.id_space),
+                                    max_image_pixels=max_image_pixels)
+            if isinstance(result, Inspected) and (cache is None or cache.after_transform):
+                result = transform_sample(result, preprocess)
+            if cache is not None:
+                cache.keep(shard, row, key, result)
+        if isinstance(result, Inspected):
+            result = transform_sample(result, preprocess)
         if isinstance(result, str):
             tally.bad(result)
             continue
@@ -149,7 +230,7 @@ class SlotStream(IterableDataset):
     def __init__(self, shard_set: ShardSet, *, mode: str, seed: int, rank: int, world_size: int,
                  num_workers: int, batch_size: int, steps_per_epoch: int, shuffle_buffer: int,
                  preprocess: Callable, tokenizer: Callable, max_bad_fraction: float,
-                 max_image_pixels: int):
+                 max_image_pixels: int, cache_bytes: int = 0):
         super().__init__()
         self.shard_set = shard_set
         self.mode = mode
@@ -164,6 +245,11 @@ class SlotStream(IterableDataset):
         self.tokenizer = tokenizer
         self.max_bad_fraction = max_bad_fraction
         self.max_image_pixels = max_image_pixels
+        # Each worker process fills its own copy (persistent workers keep it across epochs). A
+        # transform that says it is not random (SeededTransform(random=False)) is cached after.
+        self.cache = (SampleCache(cache_bytes,
+                                  after_transform=getattr(preprocess, "random", True) is False)
+                      if cache_bytes > 0 else None)
         # [epoch, start position per worker..., batches already handed out per worker...], set by
         # TrainLoader before each epoch's iterator; shared memory reaches persistent workers.
         self._shared = torch.zeros(1 + 2 * num_workers, dtype=torch.long).share_memory_()
@@ -185,10 +271,16 @@ class SlotStream(IterableDataset):
     # -- stages ----------------------------------------------------------------------------
 
     def _read(self, segments: Iterable[plan.Segment], counts: dict[str, int]) -> Iterator[Row]:
+        cache = self.cache
         for shard, skip, take in segments:
-            for _, key, members in read_shard(self.shard_set.urls[shard], skip=skip, take=take,
-                                              counts=counts, exact=self.shard_set.exact[shard]):
-                yield shard, key, members
+            if cache is not None and take is not None and cache.holds(shard, skip, take):
+                for row in range(skip, skip + take):
+                    key, value = cache.get(shard, row)
+                    yield shard, row, key, Kept(value)
+                continue
+            for row, key, members in read_shard(self.shard_set.urls[shard], skip=skip, take=take,
+                                                counts=counts, exact=self.shard_set.exact[shard]):
+                yield shard, row, key, members
 
     def rows(self, worker: int, counts: dict[str, int]) -> Iterator[Row]:
         """This slot's rows for the epoch, in shuffled order (deterministic)."""
@@ -224,7 +316,7 @@ class SlotStream(IterableDataset):
                       self.max_bad_fraction)
         fresh = skip_replayed(number(self.rows(worker, tally.counts)), position)
         samples = decode(fresh, self.shard_set, tally, preprocess=self.preprocess,
-                         max_image_pixels=self.max_image_pixels)
+                         max_image_pixels=self.max_image_pixels, cache=self.cache)
         for batch in itertools.islice(batched(samples, self.batch_size), quota - done):
             done += 1
             yield collate(batch, self.tokenizer, worker=worker, batches_done=done, tally=tally)

@@ -26,12 +26,15 @@ class SeededTransform:
     uninterrupted one, with any number of workers, and leaves the training stream (dropout) alone.
     """
 
-    def __init__(self, transform, seed: int):
+    def __init__(self, transform, seed: int, *, random: bool = True):
         self.transform = transform
         self.seed = seed
+        self.random = random  # False: a deterministic transform (data.augment=false), not seeded
         self.epoch = 0
 
     def __call__(self, image):
+        if not self.random:
+            return self.transform(image)
         key = zlib.crc32(image.tobytes(), zlib.crc32(f"{self.seed}/{self.epoch}".encode()))
         generator = torch.default_generator
         state = generator.get_state()

@@ -70,9 +70,7 @@ def train(config: RunConfig) -> dict[str, Any]:
 
     bundle = build_model(config.model, siglip=LOSSES[config.loss.name].uses_logit_bias,
                          device=device)
-    transform, normalizer = bundle.preprocess_train, None
-    if config.data.normalize_on_device:
-        transform, normalizer = split_normalization(transform)
+    transform, normalizer = train_transform(config, bundle)
     data = _train_batches(config, env, bundle, transform)
     loss_fn = build_loss(config.loss.name, chunk_size=config.loss.chunk_size,
                          id_space=data.id_space, **config.loss.options).to(device)
@@ -146,9 +144,20 @@ def train(config: RunConfig) -> dict[str, Any]:
 # set-up helpers
 
 
+def train_transform(config: RunConfig, bundle):
+    """(the loader's per-image training transform, the per-batch normaliser or None).
+
+    open_clip's training transform (random crop) unless ``data.augment`` is off, then its
+    evaluation transform; cut after the crop when ``data.normalize_on_device`` is on."""
+    transform = bundle.preprocess_train if config.data.augment else bundle.preprocess_val
+    if config.data.normalize_on_device:
+        return split_normalization(transform)
+    return transform, None
+
+
 def _train_batches(config: RunConfig, env, bundle, transform) -> TrainBatches:
     """This rank's batch stream, augmented with ``transform`` by (seed, epoch, image)."""
-    augment = SeededTransform(transform, config.seed)
+    augment = SeededTransform(transform, config.seed, random=config.data.augment)
     build = functools.partial(build_train_loader, config.data, augment, bundle.tokenizer,
                               seed=config.seed, rank=env.rank, world_size=env.world_size)
     return TrainBatches(build, augment, config.train.accum_steps)

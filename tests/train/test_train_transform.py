@@ -1,0 +1,72 @@
+"""data.augment: the loader's training transform is open_clip's training or evaluation transform."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vlcontrast.config import ConfigError, load_config
+from vlcontrast.models import build_model
+from vlcontrast.train.batches import SeededTransform
+from vlcontrast.train.loop import train_transform
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    from vlcontrast.config import ModelConfig
+
+    return build_model(ModelConfig(name="vlc-micro"))
+
+
+def _images(n=4):
+    rng = np.random.default_rng(0)
+    return [Image.fromarray(rng.integers(0, 256, (40, 40 + 7 * i, 3), dtype=np.uint8))
+            for i in range(n)]
+
+
+def _config(*overrides):
+    return load_config(None, ["data.train=x", "model.name=vlc-micro", "train.steps=1", *overrides])
+
+
+def test_augment_off_trains_on_the_evaluation_transform(bundle):
+    transform, normalizer = train_transform(_config("data.augment=false"), bundle)
+    assert normalizer is None
+    for im in _images():
+        assert torch.equal(transform(im), bundle.preprocess_val(im))
+    # the default is open_clip's random training transform
+    assert train_transform(_config(), bundle)[0] is bundle.preprocess_train
+
+
+def test_augment_off_with_normalize_on_device_gives_the_same_values(bundle):
+    head, normalizer = train_transform(_config("data.augment=false", "data.normalize_on_device=true"), bundle)
+    shipped = torch.stack([SeededTransform(head, 0, random=False)(im) for im in _images()])
+    assert shipped.dtype == torch.uint8
+    expected = torch.stack([bundle.preprocess_val(im) for im in _images()])
+    assert torch.equal(normalizer(shipped, torch.device("cpu"), torch.float32), expected)
+
+
+def test_model_augment_with_augment_off_is_refused_by_name():
+    with pytest.raises(ConfigError, match=r"model\.augment.*data\.augment=false"):
+        _config("data.augment=false", "model.augment={gray_scale_prob: 0.2}")
+
+
+@pytest.mark.parametrize("augment", [False, True])
+def test_the_training_loader_caches_after_a_deterministic_transform_only(bundle, tmp_path, augment):
+    # data.cache_mb reaches the rank's loader; with data.augment=false the transformed tensor is
+    # kept, with augmentation the decoded image (the transform runs again each epoch).
+    from types import SimpleNamespace
+
+    from tests.data.conftest import make_shards
+    from vlcontrast.train.loop import _train_batches
+
+    make_shards(tmp_path, [8, 8])
+    config = _config(f"data.train={tmp_path}", f"data.augment={str(augment).lower()}",
+                     "data.cache_mb=16", "data.batch_size=4", "data.workers=0")
+    transform, _ = train_transform(config, bundle)
+    batches = _train_batches(config, SimpleNamespace(rank=0, world_size=1), bundle, transform)
+    cache = batches.loader._stream.cache
+    assert cache.max_bytes == 16 << 20 and cache.after_transform is (not augment)
+    first = batches.next_step()[0]
+    assert len(cache) >= 4 and first.images.shape == (4, 3, 32, 32)
