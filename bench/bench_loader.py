@@ -7,6 +7,11 @@ main process. Writes a markdown table to ``bench/results/loader.md``.
 
     python bench/bench_loader.py --shards data/bench_loader            # builds shards if missing
     python bench/bench_loader.py --shards DIR --workers 1 2 --repeats 3 --batches 40
+
+``--cache-mb N`` adds a third loader: vlcontrast with ``data.cache_mb=N``, timed in its second
+epoch (the first fills the cache; its time is not counted). ``--transform eval`` gives every
+loader open_clip's evaluation transform instead of its training transform (``data.augment=false``:
+the cache then keeps transformed tensors, not decoded images).
 """
 
 from __future__ import annotations
@@ -46,13 +51,23 @@ def ensure_shards(root: Path, samples: int, shard_size: int, image_size: int) ->
     return root / "train"
 
 
-def ours(pattern: str, preprocess, tokenizer, batch_size: int, workers: int):
+def ours(pattern: str, preprocess, tokenizer, batch_size: int, workers: int, cache_mb: int = 0):
     from vlcontrast.config import DataConfig
     from vlcontrast.data.loader import build_train_loader
 
     cfg = DataConfig(train=pattern, batch_size=batch_size, workers=workers, mode="epoch",
-                     shuffle_buffer=1000)
+                     shuffle_buffer=1000, cache_mb=cache_mb)
     return build_train_loader(cfg, preprocess, tokenizer, seed=0, rank=0, world_size=1)
+
+
+def ours_second_epoch(pattern: str, preprocess, tokenizer, batch_size: int, workers: int,
+                      cache_mb: int):
+    """vlcontrast with ``data.cache_mb``, after one untimed epoch that fills the cache."""
+    loader = ours(pattern, preprocess, tokenizer, batch_size, workers, cache_mb)
+    for _ in loader:
+        pass
+    loader.set_epoch(1)
+    return loader
 
 
 def open_clip_loader(pattern: str, preprocess, tokenizer, batch_size: int, workers: int):
@@ -91,6 +106,10 @@ def main(argv=None) -> None:
     parser.add_argument("--batches", type=int, default=40)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cache-mb", type=int, default=0,
+                        help="also time vlcontrast with data.cache_mb=N in its second epoch")
+    parser.add_argument("--transform", choices=("train", "eval"), default="train",
+                        help="open_clip's training (random) or evaluation transform")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "loader.md"))
     args = parser.parse_args(argv)
 
@@ -101,9 +120,18 @@ def main(argv=None) -> None:
     directory = ensure_shards(Path(args.shards), args.samples, args.shard_size,
                               args.source_image_size)
     pattern = shard_pattern(directory)
-    preprocess = open_clip.image_transform(args.image_size, is_train=True)
+    preprocess = open_clip.image_transform(args.image_size, is_train=args.transform == "train")
     tokenizer = open_clip.get_tokenizer(args.model)
-    builders = {"vlcontrast": ours, "open_clip": open_clip_loader}
+    ours_transform = preprocess
+    if args.transform == "eval":
+        from vlcontrast.train.batches import SeededTransform
+
+        ours_transform = SeededTransform(preprocess, 0, random=False)  # what data.augment=false gives
+    builders = {"vlcontrast": lambda *a: ours(*a[:1], ours_transform, *a[2:]),
+                "open_clip": open_clip_loader}
+    if args.cache_mb:
+        builders["vlcontrast cache"] = lambda *a: ours_second_epoch(*a[:1], ours_transform, *a[2:],
+                                                                    cache_mb=args.cache_mb)
     rows = []
     for workers in args.workers:
         seconds: dict[str, list[float]] = {name: [] for name in builders}
@@ -117,12 +145,15 @@ def main(argv=None) -> None:
                       flush=True)
         rate = {name: args.batches * args.batch_size / statistics.median(s)
                 for name, s in seconds.items()}
-        rows.append((workers, rate["vlcontrast"], rate["open_clip"],
-                     rate["vlcontrast"] / rate["open_clip"]))
+        rows.append((workers, rate))
 
-    table = ["| workers | vlcontrast samples/s | open_clip samples/s | ratio |",
-             "|---:|---:|---:|---:|"]
-    table += [f"| {w} | {a:.0f} | {b:.0f} | {r:.2f}x |" for w, a, b, r in rows]
+    names = list(builders)
+    table = ["| workers | " + " | ".join(f"{n} samples/s" for n in names) + " | " +
+             " | ".join(f"{n} / open_clip" for n in names if n != "open_clip") + " |",
+             "|---:" * (2 * len(names)) + "|"]
+    table += [f"| {w} | " + " | ".join(f"{rate[n]:.0f}" for n in names) + " | " +
+              " | ".join(f"{rate[n] / rate['open_clip']:.2f}x" for n in names if n != "open_clip")
+              + " |" for w, rate in rows]
     command = "python bench/bench_loader.py " + " ".join(argv if argv is not None else sys.argv[1:])
     report = "\n".join([
         "# Loader throughput: vlcontrast vs open_clip get_wds_dataset",
@@ -135,7 +166,9 @@ def main(argv=None) -> None:
         f"- command: `{command.strip()}`",
         f"- shards: {pattern} ({args.samples} synthetic samples, "
         f"{args.source_image_size}px JPEG) -- open_clip `image_transform({args.image_size}, "
-        f"is_train=True)`, `get_tokenizer({args.model!r})`, batch {args.batch_size}",
+        f"is_train={args.transform == 'train'})`, `get_tokenizer({args.model!r})`, batch "
+        f"{args.batch_size}" + (f"; `vlcontrast cache`: data.cache_mb={args.cache_mb}, timed in "
+                                "its second epoch" if args.cache_mb else ""),
         f"- timing: {args.batches} batches after the first (worker start and shuffle-buffer fill "
         f"excluded), median of {args.repeats} alternating repetitions",
         "",
