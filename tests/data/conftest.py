@@ -84,6 +84,22 @@ def sample_row(shard: int, row: int, *, kind: str = "good", json_key: bool = Tru
     return out
 
 
+def add_cut_shard(directory, shard: int, rows: int) -> None:
+    """Shard ``shard`` of ``rows`` good rows, cut in the middle of a member (a truncated tar),
+    listed in ``sizes.json`` at its full size; ``manifest.json`` is removed (its ids would not
+    cover the shard)."""
+    directory = Path(directory)
+    whole = directory / "whole.tar"
+    write_shard(whole, [sample_row(shard, r) for r in range(rows)])
+    data = whole.read_bytes()
+    (directory / f"{shard:05d}.tar").write_bytes(data[: len(data) // 2 + 100])
+    whole.unlink()
+    sizes = json.loads((directory / "sizes.json").read_text())
+    sizes[f"{shard:05d}.tar"] = rows
+    (directory / "sizes.json").write_text(json.dumps(sizes))
+    (directory / "manifest.json").unlink()
+
+
 def make_shards(directory, sizes: list[int], *, first_shard: int = 0,
                 defects: dict[tuple[int, int], str] | None = None, metadata: bool = True,
                 json_key: bool = True) -> list[int]:

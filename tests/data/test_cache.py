@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import torchvision.transforms as T
 
-from tests.data.conftest import make_shards, sample_row, write_shard
+from tests.data.conftest import add_cut_shard, make_shards
 from tests.data.test_loader import PREPROCESS, CountingTokenizer, config
 from vlcontrast.config import ConfigError, load_config
 from vlcontrast.data import samples as samples_module
@@ -110,15 +108,7 @@ def test_a_random_transform_runs_on_kept_images_every_epoch(uneven_shards, monke
 def test_bad_rows_and_a_truncated_shard_count_the_same_every_epoch(tmp_path):
     defects = {(0, 1): "undecodable", (1, 3): "empty_caption", (2, 5): "missing_image"}
     make_shards(tmp_path, [10, 10, 10, 10], defects=defects)
-    whole = tmp_path / "whole.tar"
-    write_shard(whole, [sample_row(4, r) for r in range(10)])
-    data = whole.read_bytes()
-    (tmp_path / "00004.tar").write_bytes(data[: len(data) // 2 + 100])
-    whole.unlink()
-    sizes = json.loads((tmp_path / "sizes.json").read_text())
-    sizes["00004.tar"] = 10
-    (tmp_path / "sizes.json").write_text(json.dumps(sizes))
-    (tmp_path / "manifest.json").unlink()
+    add_cut_shard(tmp_path, 4, 10)
 
     def run(cache_mb):
         cfg = config(str(tmp_path / "{00000..00004}.tar"), batch_size=2, workers=0,

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torchvision.transforms as T
 
-from tests.data.conftest import (IMAGE_SIZE, KEY_STRIDE, add_member, caption_of,
+from tests.data.conftest import (IMAGE_SIZE, KEY_STRIDE, add_cut_shard, add_member, caption_of,
                                  color_of, jpeg_bytes, make_shards, sample_row, write_shard)
 from tests.distributed import run_distributed
 from vlcontrast.config import DataConfig
@@ -242,16 +242,7 @@ def test_bad_samples_are_skipped_and_counted_per_reason(tmp_path):
     defects = {(0, 1): "undecodable", (0, 2): "missing_image", (1, 0): "missing_caption",
                (1, 3): "empty_caption", (2, 5): "not_utf8", (3, 7): "bomb"}
     good = make_shards(tmp_path, [10, 10, 10, 10], defects=defects)
-    # a fifth shard cut in the middle of a member: truncated tar
-    whole = tmp_path / "whole.tar"
-    write_shard(whole, [sample_row(4, r) for r in range(10)])
-    data = whole.read_bytes()
-    (tmp_path / "00004.tar").write_bytes(data[: len(data) // 2 + 100])
-    whole.unlink()
-    sizes = json.loads((tmp_path / "sizes.json").read_text())
-    sizes["00004.tar"] = 10
-    (tmp_path / "sizes.json").write_text(json.dumps(sizes))
-    (tmp_path / "manifest.json").unlink()
+    add_cut_shard(tmp_path, 4, 10)  # a fifth shard cut in the middle of a member: truncated tar
 
     cfg = config(str(tmp_path / "{00000..00004}.tar"), batch_size=2, workers=2, num_samples=40,
                  id_space=50000)
