@@ -161,9 +161,9 @@ def decode(numbered: Iterable[tuple[int, Row]], shard_set: ShardSet, tally: Tall
             result = inspect_sample(key, members,
                                     ids=IdRule(shard_set.id_offsets[shard], shard_set.id_space),
                                     max_image_pixels=max_image_pixels)
-            if isinstance(result, Inspected) and (cache is None or cache.after_transform):
-                result = transform_sample(result, preprocess)
             if cache is not None:
+                if cache.after_transform and isinstance(result, Inspected):
+                    result = transform_sample(result, preprocess)
                 cache.keep(shard, row, key, result)
         if isinstance(result, Inspected):
             result = transform_sample(result, preprocess)
