@@ -43,7 +43,7 @@ def ensure_shards(root: Path, samples: int, shard_size: int, image_size: int) ->
     for candidate in (root, root / "train"):
         if candidate.is_dir() and any(candidate.glob("*.tar")):
             return candidate
-    from vlcontrast.data.synthetic import write_synthetic
+    from vlcontrast.data.prep.synthetic import write_synthetic
 
     print(f"writing {samples} synthetic samples to {root} ...", flush=True)
     write_synthetic(root, train=samples, val=0, zeroshot_per_class=0, seed=0,

@@ -241,7 +241,7 @@ def _shard_pattern(directory: Path) -> str:
 def ensure_data(args) -> None:
     if (Path(args.data) / "train" / "manifest.json").is_file():
         return
-    from vlcontrast.data.synthetic import write_synthetic
+    from vlcontrast.data.prep.synthetic import write_synthetic
 
     needed = args.steps * args.batch_size * max(args.nprocs)
     print(f"writing {needed} synthetic samples to {args.data}", flush=True)

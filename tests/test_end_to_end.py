@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vlcontrast.data.synthetic import write_synthetic
+from vlcontrast.data.prep.synthetic import write_synthetic
 from vlcontrast.verify import verify_results
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -219,7 +219,7 @@ def test_a_bad_config_fails_before_srun(fake_slurm, tmp_path):
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    from vlcontrast.data.synthetic import write_synthetic
+    from vlcontrast.data.prep.synthetic import write_synthetic
 
     root = tmp_path_factory.mktemp("slurm-data")
     write_synthetic(root, train=128, val=0, zeroshot_per_class=0, seed=0, image_size=32,

@@ -65,7 +65,7 @@ def _cmd_config(args) -> int:
 
 def _cmd_prep(args) -> int:
     if args.what == "synthetic":
-        from vlcontrast.data.synthetic import TrainMix, is_current, write_synthetic
+        from vlcontrast.data.prep.synthetic import TrainMix, is_current, write_synthetic
 
         given = {"single_object": args.single_object, "colorless": args.colorless, "bare": args.bare}
         try:
@@ -85,7 +85,7 @@ def _cmd_prep(args) -> int:
         print(json.dumps(stats, indent=2))
         return 0
     if args.what == "cc3m":
-        from vlcontrast.data.prep_cc3m import prepare_cc3m
+        from vlcontrast.data.prep.cc3m import prepare_cc3m
 
         stats = prepare_cc3m(args.tsv, args.out, processes=args.processes, threads=args.threads,
                              image_size=args.image_size, resize_mode=args.resize_mode,
@@ -205,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # prep and eval are the one definition of these commands: the scripts in data_prep/ and
     # eval/ call main() with their subcommand, so their options and defaults cannot drift.
-    from vlcontrast.data.prep_cc3m import CC3M_SETTINGS, RESIZE_MODES
+    from vlcontrast.data.prep.cc3m import CC3M_SETTINGS, RESIZE_MODES
 
     prep = sub.add_parser("prep", help="prepare datasets")
     prep_sub = prep.add_subparsers(dest="what", required=True)

@@ -12,7 +12,7 @@ import pytest
 import webdataset as wds
 
 from vlcontrast.data.check import check_shards
-from vlcontrast.data.synthetic import write_synthetic
+from vlcontrast.data.prep.synthetic import write_synthetic
 
 ROOT = Path(__file__).resolve().parents[2]
 

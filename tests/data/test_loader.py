@@ -366,7 +366,7 @@ def test_shards_written_by_img2dataset_writer(tmp_path):
 
 
 def test_default_synthetic_shards_with_open_clip_tokenizer_and_transform(tmp_path):
-    synthetic = pytest.importorskip("vlcontrast.data.synthetic")
+    synthetic = pytest.importorskip("vlcontrast.data.prep.synthetic")
     import open_clip
 
     synthetic.write_synthetic(tmp_path, train=40, val=8, zeroshot_per_class=1, seed=0,

@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from PIL import Image
 
-from vlcontrast.data.prep_cc3m import check_tsv, prepare_cc3m
+from vlcontrast.data.prep.cc3m import check_tsv, prepare_cc3m
 from vlcontrast.data.shards import DataPrepError, read_manifest, read_sizes
 
 TIMEOUT_S = 1

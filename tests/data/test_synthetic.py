@@ -15,7 +15,7 @@ import webdataset as wds
 from PIL import Image
 
 from vlcontrast.data.shards import read_manifest, read_sizes
-from vlcontrast.data.synthetic import (COLORLESS_PHRASE_WEIGHT, COLORS, SHAPES, TEMPLATES,
+from vlcontrast.data.prep.synthetic import (COLORLESS_PHRASE_WEIGHT, COLORS, SHAPES, TEMPLATES,
                                        WORLD_VERSION, TrainMix, _TarStream, _object_phrase,
                                        make_sample, sample_scene, write_caption, write_synthetic)
 
@@ -311,7 +311,7 @@ def test_a_bad_train_mix_is_refused(kwargs, match):
 
 def test_is_current_knows_the_world_on_disk(tmp_path, capsys):
     from vlcontrast.cli import main
-    from vlcontrast.data.synthetic import is_current
+    from vlcontrast.data.prep.synthetic import is_current
 
     mix = TrainMix(single_object=0.8)
     assert not is_current(tmp_path, train=20, val=10, zeroshot_per_class=1)

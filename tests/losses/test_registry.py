@@ -91,7 +91,11 @@ def test_register_loss_adds_a_buildable_loss(monkeypatch):
     from vlcontrast.losses import ContrastiveLoss, register_loss
     from vlcontrast.losses.base import LogSumExp
 
-    monkeypatch.setattr(losses, "LOSSES", dict(LOSSES))
+    from vlcontrast.losses import registry
+
+    copy = dict(LOSSES)  # the registry's dict, seen from the package and from the registry
+    monkeypatch.setattr(registry, "LOSSES", copy)
+    monkeypatch.setattr(losses, "LOSSES", copy)
 
     class Doubled(ContrastiveLoss):
         name = "doubled-infonce"

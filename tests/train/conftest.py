@@ -18,7 +18,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def synthetic_data(tmp_path_factory):
-    from vlcontrast.data.synthetic import write_synthetic
+    from vlcontrast.data.prep.synthetic import write_synthetic
 
     root = tmp_path_factory.mktemp("synthetic")
     write_synthetic(root, train=256, val=32, zeroshot_per_class=2, seed=0, image_size=32,

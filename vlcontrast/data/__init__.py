@@ -12,8 +12,7 @@ metadata, preparation, the check, and the training loader.
 ``stream``         the DataLoader worker stream, a chain of small stages
 ``loader``         the main-process training loader (``build_train_loader``, ``TrainLoader``)
 ``check``          ``vlcontrast prep check``: read every sample, report what the loader would skip
-``synthetic``      the default synthetic image-caption world
-``prep_cc3m``      CC3M's TSV -> webdataset shards via img2dataset
+``prep/``          converters that write shards (the synthetic world, URL lists via img2dataset)
 ``errors``         ``LoaderError``, ``ShardSpecError``, ``ShardsNotFoundError``
 =================  ================================================================================
 
@@ -22,11 +21,9 @@ User documentation: ``docs/data.md`` (formats, preparation, the check) and ``doc
 
 from .check import check_shards
 from .errors import LoaderError, ShardsNotFoundError, ShardSpecError
-from .prep_cc3m import prepare_cc3m
 from .shards import (expand_pattern, list_shards, read_manifest, read_sizes, sample_id,
                      write_manifest, write_sizes)
 from .spec import check_spec, expand_spec, parse_spec
-from .synthetic import write_synthetic
 
 from .loader import Batch, TrainLoader, build_train_loader
 
@@ -43,11 +40,9 @@ __all__ = [
     "expand_spec",
     "list_shards",
     "parse_spec",
-    "prepare_cc3m",
     "read_manifest",
     "read_sizes",
     "sample_id",
     "write_manifest",
     "write_sizes",
-    "write_synthetic",
 ]

@@ -187,7 +187,7 @@ class CachedTokenizer:
 
     A loader worker tokenizes every caption again in every epoch; on a small dataset read for
     many epochs (the demo's 20,000 captions, read six times) that is 9-12% of the loader's time
-    (``docs/demo-tuning/loader_profile.py``). open_clip's tokenizers pad and truncate each text
+    (``results/demo-tuning/loader_profile.py``). open_clip's tokenizers pad and truncate each text
     on its own, so a cached row equals the row a fresh call gives. The first ``max_entries``
     distinct captions are kept, as int32 rows (about 32 MB per worker at context 77, measured):
     on a web-scale dataset, where captions rarely repeat, the cache fills once and then costs a

@@ -13,8 +13,10 @@ from __future__ import annotations
 from torch import Tensor
 
 from vlcontrast.losses.base import ContrastiveLoss, LogSumExp, PairBatch, RowContext
+from vlcontrast.losses.registry import register_loss
 
 
+@register_loss
 class BalancedLoss(ContrastiveLoss):
     """Alignment term plus a ``lam``-weighted uniformity term at its own temperature ``1/alpha``.
 

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from vlcontrast.losses.base import (ContrastiveLoss, LogSumExp, RowContext, RowStatistic,
                                     fill_positives_)
+from vlcontrast.losses.registry import register_loss
 
 # The eCDF needs a sort of each row; sorting in sub-blocks of this many entries bounds the
 # memory of the sort order and sorted values even in dense mode.
@@ -97,6 +98,7 @@ def _tie_run_ends(ties: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         ends = ends + extend.long()
 
 
+@register_loss
 class BCLLoss(ContrastiveLoss):
     """InfoNCE with rank-based importance weights on the negatives (hard/false-negative aware).
 

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from vlcontrast.losses.base import ContrastiveLoss, LogSumExp, PairBatch, RowContext, row_dtype
+from vlcontrast.losses.registry import register_loss
 
 
 @dataclass(kw_only=True)
@@ -26,6 +27,7 @@ class WeightedRows(RowContext):
     weights: Tensor
 
 
+@register_loss
 class DCLWLoss(ContrastiveLoss):
     """DCL with the positive term reweighted by how easy the pair is within the global batch.
 

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from vlcontrast.losses.base import ContrastiveLoss, LogSumExp, RowContext
+from vlcontrast.losses.registry import register_loss
 
 
 def debiased_row_loss(positive: Tensor, log_negative_mass: Tensor, num_negatives: int,
@@ -45,6 +46,7 @@ class ScaledRows(RowContext):
     scale: Tensor
 
 
+@register_loss
 class DebiasedLoss(ContrastiveLoss):
     """Debiased InfoNCE: the negative term corrected for same-class samples among the negatives.
 

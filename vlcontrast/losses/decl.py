@@ -44,6 +44,7 @@ from torch import Tensor
 from vlcontrast.distributed import all_reduce_sum, gather_no_grad, get_rank, get_world_size
 from vlcontrast.losses.base import (IMAGE_TO_TEXT, ContrastiveLoss, LogSumExp, PairBatch,
                                     RowContext, negatives_logsumexp, row_dtype)
+from vlcontrast.losses.registry import register_loss
 
 ESTIMATORS = ("buffer", "momentum", "batch")
 U_MODES = ("mean", "sample")
@@ -64,6 +65,7 @@ class DeCLRows(RowContext):
     noise: Tensor | None = None
 
 
+@register_loss
 class DeCLLoss(ContrastiveLoss):
     """Decomposable contrastive loss with a per-sample estimate of the negatives' mean.
 

@@ -26,6 +26,7 @@ from torch import Tensor
 from vlcontrast.losses.base import (ContrastiveLoss, LogSumExp, RowContext, RowStatistic,
                                     fill_positives_)
 from vlcontrast.losses.debiased import ScaledRows, debiased_row_loss
+from vlcontrast.losses.registry import register_loss
 
 
 def _tilted_sums(logits: Tensor, positives: Tensor, beta: float):
@@ -94,6 +95,7 @@ class HardNegativeMass(RowStatistic):
         return _tilted_grad(exps, tilted, s0, s1, grad, self.beta)
 
 
+@register_loss
 class HCLLoss(ContrastiveLoss):
     """Debiased loss whose negatives are importance-weighted towards the hard ones.
 

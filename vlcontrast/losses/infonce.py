@@ -13,8 +13,10 @@ from __future__ import annotations
 from torch import Tensor
 
 from vlcontrast.losses.base import ContrastiveLoss, LogSumExp, RowContext
+from vlcontrast.losses.registry import register_loss
 
 
+@register_loss
 class InfoNCELoss(ContrastiveLoss):
     """Symmetric InfoNCE (CLIP); no options."""
 

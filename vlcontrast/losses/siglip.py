@@ -16,6 +16,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from vlcontrast.losses.base import IMAGE_TO_TEXT, ContrastiveLoss, PairBatch, RowContext, RowStatistic
+from vlcontrast.losses.registry import register_loss
 
 
 class SoftplusSum(RowStatistic):
@@ -31,6 +32,7 @@ class SoftplusSum(RowStatistic):
         return logits.sigmoid_().mul_(grad[:, None])
 
 
+@register_loss
 class SigLIPLoss(ContrastiveLoss):
     """Sigmoid loss with a learnable bias (pass ``logit_bias``; ``None`` means no bias)."""
 

@@ -28,7 +28,7 @@ class StudyData:
     writes it). The study points ``data.train``, ``data.val``, ``eval.zeroshot`` and
     ``eval.templates`` at it; empty: the base config and ``overrides`` name the data."""
     generate: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of :func:`vlcontrast.data.synthetic.write_synthetic` (``train``, ``val``,
+    """Keyword arguments of :func:`vlcontrast.data.prep.synthetic.write_synthetic` (``train``, ``val``,
     ``seed``, ``image_size``, ``shard_size``, ``zeroshot_per_class``); used when ``dir/train``
     lacks ``manifest.json``. The synthetic world is a pure function of its seed, so a later session
     regenerates byte-identical data. Empty: a missing dataset is an error."""

@@ -125,7 +125,7 @@ def cell_fingerprint(config: StudyConfig, cell: Cell) -> str:
     made = {"base": Path(config.base).read_text(), "overrides": overrides,
             "pretrain": list(config.pretrain.overrides)}
     if config.data.generate:  # the data are the synthetic world: its recipe and its version
-        from vlcontrast.data.synthetic import WORLD_VERSION
+        from vlcontrast.data.prep.synthetic import WORLD_VERSION
 
         made["data"] = {"generate": config.data.generate, "world_version": WORLD_VERSION}
     text = json.dumps(made, sort_keys=True)

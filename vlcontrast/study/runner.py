@@ -41,7 +41,7 @@ def prepare_data(config: StudyConfig) -> None:
     """Write the study's synthetic dataset when it is missing (deterministic for its seed)."""
     if not config.data.dir:
         return
-    from vlcontrast.data.synthetic import is_current, write_synthetic
+    from vlcontrast.data.prep.synthetic import is_current, write_synthetic
 
     root = Path(config.data.dir)
     if (root / "train" / "manifest.json").is_file():

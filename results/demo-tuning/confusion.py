@@ -1,6 +1,6 @@
 """Zero-shot confusion matrix, accuracy per object size and a nearest-centroid check of a run.
 
-    .venv/bin/python docs/demo-tuning/confusion.py RUN_DIR
+    .venv/bin/python results/demo-tuning/confusion.py RUN_DIR
 """
 import sys, torch, torch.nn.functional as F, numpy as np
 from PIL import Image
@@ -8,7 +8,7 @@ import io
 torch.set_num_threads(1)
 from vlcontrast.models import load_model_from_checkpoint
 from vlcontrast.evaluation.zeroshot import build_zeroshot_classifier
-from vlcontrast.data.synthetic import SHAPES, TEMPLATES, make_sample
+from vlcontrast.data.prep.synthetic import SHAPES, TEMPLATES, make_sample
 b = load_model_from_checkpoint(sys.argv[1])
 m = b.model.eval(); tf = b.preprocess_val
 clf = build_zeroshot_classifier(m, b.tokenizer, SHAPES, TEMPLATES)

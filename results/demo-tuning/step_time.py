@@ -1,6 +1,6 @@
 """Seconds per training step of the demo's model, eager or under torch.compile (README "Demo results").
 
-    OMP_NUM_THREADS=1 .venv/bin/python docs/demo-tuning/step_time.py CONTEXT_LENGTH COMPILE
+    OMP_NUM_THREADS=1 .venv/bin/python results/demo-tuning/step_time.py CONTEXT_LENGTH COMPILE
     e.g. ... step_time.py 32 0   (eager)   ... step_time.py 32 1   (torch.compile)
          ... step_time.py 16 0   (text context of 16 tokens instead of 32)
 

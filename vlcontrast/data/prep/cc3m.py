@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .shards import (DataPrepError, MANIFEST_FILE, SIZES_FILE, build_manifest, key_stride,
+from ..shards import (DataPrepError, MANIFEST_FILE, SIZES_FILE, build_manifest, key_stride,
                      shard_name, write_manifest, write_sizes)
 
 CC3M_SETTINGS: dict[str, Any] = {

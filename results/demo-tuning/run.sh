@@ -1,8 +1,8 @@
 #!/bin/bash
-# One demo-tuning run (docs/demo-tuning/README.md): 1 process, 1 thread, the demo's config with
+# One demo-tuning run (results/demo-tuning/README.md): 1 process, 1 thread, the demo's config with
 # the given training data, model config and overrides; evaluation on the demo's validation and
 # zero-shot sets (data/synthetic, which do not depend on the training mix).
-#   docs/demo-tuning/run.sh NAME TRAIN_DATA_DIR MODEL [overrides ...]
+#   results/demo-tuning/run.sh NAME TRAIN_DATA_DIR MODEL [overrides ...]
 set -euo pipefail
 name=$1; data=$2; model=$3; shift 3
 OMP_NUM_THREADS=1 .venv/bin/vlcontrast train --config configs/demo.yaml --nproc 1 \

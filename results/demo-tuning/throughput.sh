@@ -1,9 +1,9 @@
 #!/bin/bash
-# Demo throughput (README "Demo results", docs/demo-tuning/README.md): one process with 2 threads
+# Demo throughput (README "Demo results", results/demo-tuning/README.md): one process with 2 threads
 # (loader worker in its own process, or data.workers=0: decoded in the training process) against
 # two single-thread processes at the same global batch. 40 steps each, no evaluation; compare
 # samples_per_s and time/* in the runs' metrics.jsonl. Extra overrides apply to all three runs
-# (e.g. docs/demo-tuning/throughput.sh data.normalize_on_device=true). Run it on a quiet machine (other training jobs can be paused with
+# (e.g. results/demo-tuning/throughput.sh data.normalize_on_device=true). Run it on a quiet machine (other training jobs can be paused with
 # kill -STOP / kill -CONT around it, as was done for the recorded numbers).
 set -euo pipefail
 common="data.train=data/synthetic/train data.val=data/synthetic/val eval.zeroshot= train.steps=40

@@ -1,6 +1,6 @@
 """Milliseconds per training sample spent in the demo's data path, stage by stage.
 
-    OMP_NUM_THREADS=1 .venv/bin/python docs/demo-tuning/data_time.py   (after make data)
+    OMP_NUM_THREADS=1 .venv/bin/python results/demo-tuning/data_time.py   (after make data)
 
 Reads the first 256 samples of the demo's first training shard and times JPEG decoding (PIL),
 open_clip's training transform for vlc-rn-tiny-32 and open_clip's tokenizer, each over the 256.

@@ -3,9 +3,9 @@
 # threads, 60 steps, no evaluation; prints the mean over steps 11-60 (README "Demo results").
 # STEPS=160 FROM=90 measures steps 91-160 instead: the second epoch (78 steps an epoch), where
 # data.cache_mb serves the samples from memory.
-#   docs/demo-tuning/samples_per_s.sh NAME [overrides ...]
-# e.g. docs/demo-tuning/samples_per_s.sh A data.train=data/synthetic/train
-#      docs/demo-tuning/samples_per_s.sh B data.train=data/syn32/train data.normalize_on_device=true
+#   results/demo-tuning/samples_per_s.sh NAME [overrides ...]
+# e.g. results/demo-tuning/samples_per_s.sh A data.train=data/synthetic/train
+#      results/demo-tuning/samples_per_s.sh B data.train=data/syn32/train data.normalize_on_device=true
 # Run the settings to compare one after another on a quiet machine: this machine's speed drifts
 # by up to 20% within an hour, so only numbers taken together compare.
 set -euo pipefail

@@ -1,6 +1,6 @@
-"""Where the demo's training loader spends its time (docs/demo-tuning/README.md, "Findings").
+"""Where the demo's training loader spends its time (results/demo-tuning/README.md, "Findings").
 
-    OMP_NUM_THREADS=1 .venv/bin/python docs/demo-tuning/loader_profile.py TRAIN_DIR [uint8]
+    OMP_NUM_THREADS=1 .venv/bin/python results/demo-tuning/loader_profile.py TRAIN_DIR [uint8]
     e.g. ... loader_profile.py data/synthetic/train        (the demo's loader, 64 px renders)
          ... loader_profile.py data/syn32/train uint8      (32 px renders, data.normalize_on_device)
 

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
-from .shards import build_manifest, make_key, shard_name, write_manifest, write_sizes
+from ..shards import build_manifest, make_key, shard_name, write_manifest, write_sizes
 
 SHAPES = ("circle", "crescent", "cross", "diamond", "heart", "hexagon", "ring", "square", "star",
           "triangle")
@@ -726,7 +726,7 @@ def write_synthetic(out_dir: str | os.PathLike, *, train: int = 20_000, val: int
         write_sizes(directory, sizes)
         manifest = build_manifest(sizes, stride=10_000, source="synthetic",
                                   split=split, seed=seed, image_size=image_size,
-                                  generator="vlcontrast.data.synthetic")
+                                  generator="vlcontrast.data.prep.synthetic")
         write_manifest(directory, manifest)
         stats[split] = {"dir": str(directory), "num_samples": manifest["num_samples"],
                         "num_shards": manifest["num_shards"], "id_space": manifest["id_space"],
