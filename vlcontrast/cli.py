@@ -107,7 +107,7 @@ def _cmd_prep(args) -> int:
 
 def _cmd_eval(args) -> int:
     _prepare_environment()
-    from vlcontrast.config import ConfigError
+    from vlcontrast.errors import ConfigError
     from vlcontrast.evaluation import runner
 
     if args.what == "retrieval":
@@ -346,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vlcontrast.config import ConfigError
+    from vlcontrast.errors import ConfigError
 
     args = build_parser().parse_args(argv)
     try:

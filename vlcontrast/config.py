@@ -20,9 +20,7 @@ from typing import Any
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A configuration value is unknown, of the wrong type, or impossible."""
+from vlcontrast.errors import ConfigError
 
 
 PRECISIONS = ("fp32", "amp_bf16", "bf16", "fp16")

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from vlcontrast.config import ConfigError
+from vlcontrast.errors import ConfigError, DeviceError
 
 
 @dataclass(frozen=True)
@@ -119,11 +119,6 @@ def get_world_size() -> int:
 
 def is_main_process() -> bool:
     return get_rank() == 0
-
-
-class DeviceError(ConfigError):
-    """The requested device cannot be used by this process (named with its rank); a configuration
-    error, so the CLI reports it as one (exit code 2)."""
 
 
 def usable_cuda_devices() -> int:

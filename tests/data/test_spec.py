@@ -11,7 +11,7 @@ from tests.data.conftest import KEY_STRIDE, make_shards, sample_row, write_shard
 from tests.data.test_loader import PREPROCESS, CountingTokenizer, config, flat, run_epoch
 from vlcontrast.config import ConfigError, RunConfig
 from vlcontrast.data import check_shards, check_spec
-from vlcontrast.data.errors import LoaderError, ShardsNotFoundError
+from vlcontrast.errors import LoaderError, ShardsNotFoundError
 from vlcontrast.data.loader import build_train_loader
 from vlcontrast.data.spec import parse_spec, split_members
 from vlcontrast.evaluation.datasets import (ROW_BITS, Skipped, build_retrieval_loader,

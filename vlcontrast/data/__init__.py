@@ -20,7 +20,7 @@ User documentation: ``docs/data.md`` (formats, preparation, the check) and ``doc
 """
 
 from .check import check_shards
-from .errors import LoaderError, ShardsNotFoundError, ShardSpecError
+from vlcontrast.errors import LoaderError, ShardsNotFoundError, ShardSpecError
 from .shards import (expand_pattern, list_shards, read_manifest, read_sizes, sample_id,
                      write_manifest, write_sizes)
 from .spec import check_spec, expand_spec, parse_spec

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 import torch
 from torch.utils.data import DataLoader
 
-from .errors import LoaderError, ShardsNotFoundError, ShardSpecError
+from vlcontrast.errors import LoaderError, ShardsNotFoundError, ShardSpecError
 from .plan import epoch_order, slot_range, virtual_segments, worker_batches
 from .samples import (DEFAULT_MAX_IMAGE_PIXELS, IMAGE_EXTENSIONS, SAMPLE_REASONS, SHARD_REASONS,
                       bad_rate_error, decode_sample)

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 from PIL import Image
 
-from .errors import LoaderError
+from vlcontrast.errors import LoaderError
 from .tar_reader import SHARD_EVENTS
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")

@@ -21,20 +21,13 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
-from vlcontrast.config import ConfigError
+from vlcontrast.errors import ConfigError, DataPrepError
 
 SIZES_FILE = "sizes.json"
 MANIFEST_FILE = "manifest.json"
 SHARD_DIGITS = 5
 """img2dataset's default ``oom_shard_count``: shard names are ``00000.tar`` ..."""
 
-
-
-class DataPrepError(ConfigError):
-    """An input of data preparation is missing or malformed (a bad TSV line, a bad argument).
-
-    A :class:`~vlcontrast.config.ConfigError`, so the command line prints it as one line.
-    """
 
 
 _SHARD_NAME = re.compile(r"^(\d+)\.tar$")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import shards as shard_meta
-from .errors import LoaderError
+from vlcontrast.errors import LoaderError
 from .spec import PIPE_PREFIX, expand_source, parse_spec
 
 logger = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import braceexpand
 
-from .errors import ShardsNotFoundError, ShardSpecError
+from vlcontrast.errors import ShardsNotFoundError, ShardSpecError
 from .shards import list_shards
 
 PIPE_PREFIX = "pipe:"

@@ -30,7 +30,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from . import plan
-from .errors import LoaderError
+from vlcontrast.errors import LoaderError
 from .samples import (IdRule, Inspected, bad_items, bad_rate_error, count, inspect_sample,
                       transform_sample)
 from .sources import ShardSet

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torchvision import transforms as T
 
-from vlcontrast.config import ConfigError
+from vlcontrast.errors import ConfigError
 
 
 class ToUInt8Tensor:

@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from vlcontrast.config import ConfigError
+from vlcontrast.errors import ConfigError
 
 from .cells import ensure_pretrained, is_finished, kill_running_cells, run_cell
 from .config import StudyConfig, load_study_config

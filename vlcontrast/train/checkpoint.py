@@ -49,16 +49,13 @@ import numpy as np
 import torch
 
 from vlcontrast import distributed as dist_utils
+from vlcontrast.errors import CheckpointError
 
 
 class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written, or a checkpoint file is not safe to load."""
 
 
 # --------------------------------------------------------------------------------------------

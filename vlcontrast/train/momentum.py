@@ -17,7 +17,7 @@ import copy
 
 import torch
 
-from vlcontrast.config import ConfigError
+from vlcontrast.errors import ConfigError
 
 
 class MomentumTowers:

@@ -24,8 +24,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..shards import (DataPrepError, MANIFEST_FILE, SIZES_FILE, build_manifest, key_stride,
-                     shard_name, write_manifest, write_sizes)
+from vlcontrast.errors import DataPrepError
+
+from ..shards import (MANIFEST_FILE, SIZES_FILE, build_manifest, key_stride, shard_name,
+                      write_manifest, write_sizes)
 
 CC3M_SETTINGS: dict[str, Any] = {
     "image_size": 256,

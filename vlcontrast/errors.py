@@ -1,0 +1,41 @@
+"""The one-line user errors: the ground floor, importing nothing of vlcontrast.
+
+Each names what is wrong (the key, the file, the value) and the fix; the command line prints it as
+one line and exits 2, before any heavy work starts. They live here, below every component, so that
+any floor can raise them without importing the floor that first needed them.
+"""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, of the wrong type, or impossible."""
+
+
+class DeviceError(ConfigError):
+    """The requested device cannot be used by this process (named with its rank); a configuration
+    error, so the CLI reports it as one (exit code 2)."""
+
+
+class DataPrepError(ConfigError):
+    """An input of data preparation is missing or malformed (a bad TSV line, a bad argument)."""
+
+
+class LoaderError(RuntimeError):
+    """The training data cannot be read as configured (names the pattern, the counts)."""
+
+
+class ShardSpecError(LoaderError, ConfigError):
+    """A shard spec that cannot be parsed (an empty source, a weight <= 0); names the option.
+
+    Also a :class:`ConfigError` (the command line prints it as one line, preflight reports it)."""
+
+
+class ShardsNotFoundError(ShardSpecError, FileNotFoundError):
+    """A shard spec that names files which do not exist; names the option, the pattern, counts.
+
+    Also a :class:`FileNotFoundError`, which evaluation's callers catch."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written, or a checkpoint file is not safe to load."""
