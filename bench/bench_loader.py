@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def shard_pattern(directory: Path) -> str:
-    from vlcontrast.data.shards import list_shards, shard_pattern as pattern_of
+    from vlcontrast.data.naming import list_shards, shard_pattern as pattern_of
 
     shards = list_shards(directory)
     return str(directory / pattern_of([os.path.basename(s) for s in shards]))

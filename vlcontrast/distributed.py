@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from vlcontrast.errors import ConfigError, DeviceError
+from vlcontrast.errors import DeviceError
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,10 @@ def export_open_clip(checkpoint, out_dir) -> dict:
     Returns ``{"checkpoint", "model_name", "model_config", "open_clip_config", "weights"}`` (paths as
     strings).
     """
-    from vlcontrast.models import load_model_from_checkpoint, resolve_checkpoint
+    from vlcontrast.checkpoints import resolve_weights
+    from vlcontrast.models import load_model_from_checkpoint
 
-    folder = resolve_checkpoint(checkpoint)
+    folder = resolve_weights(checkpoint)
     bundle = load_model_from_checkpoint(folder, device="cpu")
     meta = bundle.model_config
     model_cfg = dict(meta["model_cfg"])

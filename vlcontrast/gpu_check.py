@@ -292,9 +292,9 @@ def _train_records(run_dir: Path) -> list[dict]:
 def _checkpoint_weights(run_dir: Path) -> dict:
     import torch
 
-    from vlcontrast.models import resolve_checkpoint
+    from vlcontrast.checkpoints import resolve_weights
 
-    return torch.load(resolve_checkpoint(run_dir) / "model.pt", map_location="cpu",
+    return torch.load(resolve_weights(run_dir) / "model.pt", map_location="cpu",
                       weights_only=True)
 
 

@@ -16,7 +16,8 @@ import pytest
 from PIL import Image
 
 from vlcontrast.data.prep.cc3m import check_tsv, prepare_cc3m
-from vlcontrast.data.shards import DataPrepError, read_manifest, read_sizes
+from vlcontrast.data.shards import read_manifest, read_sizes
+from vlcontrast.errors import DataPrepError
 
 TIMEOUT_S = 1
 SLOW_S = 3.0

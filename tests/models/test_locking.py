@@ -28,9 +28,9 @@ def _train_locked(rank, world_size, checkpoint, cases):
     from vlcontrast.models import build_model
     from vlcontrast.train.engine import build_engine, input_dtype
 
-    from vlcontrast.models import resolve_checkpoint
+    from vlcontrast.checkpoints import resolve_weights
 
-    reference = torch.load(resolve_checkpoint(checkpoint) / "model.pt", weights_only=True)
+    reference = torch.load(resolve_weights(checkpoint) / "model.pt", weights_only=True)
     tolerance = {"fp32": 0.0, "amp_bf16": 0.0, "bf16": 1e-2}
     outcome = {}
     for stage, precision in cases:

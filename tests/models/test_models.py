@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from vlcontrast.config import ModelConfig
-from vlcontrast.models import build_model, resolve_checkpoint
+from vlcontrast.checkpoints import resolve_weights
+from vlcontrast.models import build_model
 
 
 def test_json_config_builds_with_open_clip_tokenizer_and_transforms():
@@ -48,12 +49,12 @@ def test_bad_hf_directory_is_named(tmp_path):
 
 def test_resolve_checkpoint_errors_name_the_path(tmp_path):
     with pytest.raises(FileNotFoundError, match=str(tmp_path)):
-        resolve_checkpoint(tmp_path)
+        resolve_weights(tmp_path)
     step = tmp_path / "checkpoints" / "step_00000003"
     step.mkdir(parents=True)
     (step / "model.pt").write_bytes(b"")
     (tmp_path / "checkpoints" / "latest").write_text("step_00000003\n")
-    assert resolve_checkpoint(tmp_path) == step
+    assert resolve_weights(tmp_path) == step
 
 
 # --------------------------------------------------------------------------------------------

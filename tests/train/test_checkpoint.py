@@ -25,8 +25,8 @@ def _fake_checkpoint(folder, *, weights=True, state=True):
 
 
 def test_one_resolver_for_run_dirs_checkpoint_dirs_and_latest(tmp_path):
-    from vlcontrast.models import resolve_checkpoint as resolve_weights
-    from vlcontrast.train.checkpoint import find_resume, latest_checkpoint, resolve_checkpoint
+    from vlcontrast.checkpoints import resolve_weights
+    from vlcontrast.checkpoints import find_resume, latest_checkpoint, resolve_checkpoint
 
     run = tmp_path / "run"
     root = run / "checkpoints"
@@ -64,7 +64,7 @@ def test_random_state_is_stored_as_tensors_and_lists(tmp_path):
 
 
 def test_a_pickled_object_is_refused_with_a_clear_error(tmp_path):
-    from vlcontrast.train.checkpoint import CheckpointError, load_file
+    from vlcontrast.checkpoints import CheckpointError, load_file
 
     path = tmp_path / "trainer_state.pt"
     torch.save({"train": argparse.Namespace(step=3)}, path)

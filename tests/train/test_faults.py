@@ -158,12 +158,12 @@ def test_sigterm_finishes_the_step_checkpoints_and_stops_every_rank(synthetic_da
 
 def _failing_checkpoints(rank, world_size, data_dir, out_root):
     from vlcontrast.config import ConfigError
-    from vlcontrast.train import checkpoint as ckpt
+    from vlcontrast import checkpoints as ckpt
     from vlcontrast.train import train
     from vlcontrast.train.checkpoint import CheckpointError
 
     outcome = {}
-    real_free_bytes, real_save = ckpt.free_bytes, ckpt._save_file
+    real_free_bytes, real_save = ckpt.free_bytes, ckpt.save_file
     # A disk that is already full: refused at start.
     ckpt.free_bytes = lambda path: 0
     try:
@@ -178,12 +178,12 @@ def _failing_checkpoints(rank, world_size, data_dir, out_root):
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         real_save(obj, path)
 
-    ckpt._save_file = save_file
+    ckpt.save_file = save_file
     try:
         train(tiny_config(data_dir, out_root / "fills_up", train__steps=6, checkpoint__every=2))
     except CheckpointError as err:
         outcome["midway"] = str(err)
-    ckpt._save_file = real_save
+    ckpt.save_file = real_save
     # The previous checkpoint is intact: resume from it.
     outcome["resumed"] = train(tiny_config(data_dir, out_root / "fills_up", train__steps=6,
                                            train__resume="latest"))["step"]

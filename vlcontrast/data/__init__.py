@@ -6,7 +6,8 @@ metadata, preparation, the check, and the training loader.
                    lists, ``::`` sources with ``@weight``, ``pipe:``, CLIP_benchmark folders)
 ``tar_reader``     the one tar reader: shard URL -> rows ``(row, key, {extension: bytes})``
 ``samples``        the bad-sample taxonomy and the checks behind it (training, evaluation, check)
-``shards``         shard metadata: ``sizes.json``, ``manifest.json``, img2dataset keys and ids
+``naming``         shard names, img2dataset keys and sample ids (the ground floor of data)
+``shards``         shard metadata: ``sizes.json``, ``manifest.json``
 ``sources``        ``data.train`` -> the training shard set (sizes, weights, id ranges)
 ``plan``           the pure epoch plan: which rows each rank and worker reads
 ``stream``         the DataLoader worker stream, a chain of small stages
@@ -21,9 +22,9 @@ User documentation: ``docs/data.md`` (formats, preparation, the check) and ``doc
 
 from .check import check_shards
 from vlcontrast.errors import LoaderError, ShardsNotFoundError, ShardSpecError
-from .shards import (expand_pattern, list_shards, read_manifest, read_sizes, sample_id,
-                     write_manifest, write_sizes)
-from .spec import check_spec, expand_spec, parse_spec
+from .naming import list_shards, sample_id
+from .shards import read_manifest, read_sizes, write_manifest, write_sizes
+from .spec import check_spec, expand_pattern, expand_spec, parse_spec
 
 from .loader import Batch, TrainLoader, build_train_loader
 

@@ -1,4 +1,4 @@
-"""Shard metadata: listing shards, ``sizes.json`` / ``manifest.json``, sample ids from keys.
+"""Shard metadata: ``sizes.json`` and ``manifest.json`` beside the shards.
 
 Every shard directory this package writes (synthetic world or CC3M via img2dataset) looks like::
 
@@ -6,101 +6,22 @@ Every shard directory this package writes (synthetic world or CC3M via img2datas
     DIR/sizes.json                   {"00000.tar": n, ...}            (open_clip reads this)
     DIR/manifest.json                {"num_samples", "num_shards", "id_space", "shards", ...}
 
-Keys follow img2dataset: ``f"{shard:05d}{row:0{oom}d}"`` with ``oom = ceil(log10(samples per
-shard))`` (4 for CC3M's 10,000 rows per shard, giving 9-digit keys). The sample id used by the
-losses is ``int(key)`` and the id space is ``(max shard index + 1) * key_stride``, known before
-training starts.
+Shard and key naming is :mod:`vlcontrast.data.naming`; the shard-spec grammar that finds the shards
+of a pattern is :mod:`vlcontrast.data.spec`.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
-import re
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
-from vlcontrast.errors import ConfigError, DataPrepError
+from .naming import id_space, shard_index, shard_pattern
+from .spec import expand_spec
 
 SIZES_FILE = "sizes.json"
 MANIFEST_FILE = "manifest.json"
-SHARD_DIGITS = 5
-"""img2dataset's default ``oom_shard_count``: shard names are ``00000.tar`` ..."""
-
-
-
-_SHARD_NAME = re.compile(r"^(\d+)\.tar$")
-
-
-def key_stride(samples_per_shard: int) -> int:
-    """Distance between the first keys of consecutive shards, as img2dataset computes it."""
-    if samples_per_shard < 1:
-        raise ValueError(f"samples_per_shard={samples_per_shard}: must be >= 1")
-    return 10 ** math.ceil(math.log10(samples_per_shard))
-
-
-def make_key(shard: int, row: int, stride: int = 10_000) -> str:
-    """img2dataset's key of row ``row`` of shard ``shard`` (``00012`` + ``0345`` for the default)."""
-    digits = len(str(stride)) - 1
-    if not 0 <= row < stride:
-        raise ValueError(f"row {row} does not fit a shard with key stride {stride}")
-    return f"{shard * stride + row:0{SHARD_DIGITS + digits}d}"
-
-
-def sample_id(key: str) -> int:
-    """Sample id of a key: ``int(key)``; raises ``ValueError`` naming the key if it is not numeric."""
-    if not key.isdigit():
-        raise ValueError(f"sample key {key!r} is not numeric (expected img2dataset-style keys)")
-    return int(key)
-
-
-def shard_index(name: str) -> int:
-    """``00012.tar`` (or a path ending in it) -> 12."""
-    match = _SHARD_NAME.match(os.path.basename(name))
-    if match is None:
-        raise ValueError(f"{name!r} is not a numbered shard name like 00000.tar")
-    return int(match.group(1))
-
-
-def shard_name(index: int) -> str:
-    return f"{index:0{SHARD_DIGITS}d}.tar"
-
-
-def id_space(shard_names: Iterable[str], stride: int = 10_000) -> int:
-    """Number of distinct ids keys of these shards can take: ``(max index + 1) * stride``."""
-    indices = [shard_index(name) for name in shard_names]
-    return (max(indices) + 1) * stride if indices else 0
-
-
-def shard_pattern(names: Iterable[str]) -> str:
-    """A brace pattern covering exactly these shard names (``{00000..00003}.tar``)."""
-    indices = sorted(shard_index(name) for name in names)
-    if not indices:
-        return ""
-    if len(indices) == 1:
-        return shard_name(indices[0])
-    if indices == list(range(indices[0], indices[-1] + 1)):
-        return f"{{{indices[0]:0{SHARD_DIGITS}d}..{indices[-1]:0{SHARD_DIGITS}d}}}.tar"
-    return "{" + ",".join(f"{i:0{SHARD_DIGITS}d}" for i in indices) + "}.tar"
-
-
-def expand_pattern(pattern: str) -> list[str]:
-    """Shard paths of a spec in the one grammar of :mod:`vlcontrast.data.spec` (brace patterns,
-    globs, directories, comma lists, ``::``-joined sources whose ``@weight`` is dropped).
-
-    ``/d/{00000..00002}.tar::/e/00007.tar`` -> four paths. Local shards must exist.
-    """
-    from .spec import expand_spec
-
-    return expand_spec(pattern, "shards")
-
-
-def list_shards(directory: str | os.PathLike) -> list[str]:
-    """Numbered ``*.tar`` shards directly inside ``directory``, sorted by index."""
-    directory = Path(directory)
-    names = [p.name for p in directory.iterdir() if _SHARD_NAME.match(p.name)]
-    return [str(directory / name) for name in sorted(names, key=shard_index)]
 
 
 def _shard_directory(path: str | os.PathLike) -> Path:
@@ -111,7 +32,7 @@ def _shard_directory(path: str | os.PathLike) -> Path:
     if os.path.basename(text) in (SIZES_FILE, MANIFEST_FILE):
         return Path(text).parent
     try:
-        paths = expand_pattern(text)
+        paths = expand_spec(text, "shards")
     except FileNotFoundError:  # shards not written yet: the directory is still the pattern's
         paths = [text]
     return Path(os.path.dirname(paths[0] if paths else text) or ".")

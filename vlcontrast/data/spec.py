@@ -33,7 +33,7 @@ from pathlib import Path
 import braceexpand
 
 from vlcontrast.errors import ShardsNotFoundError, ShardSpecError
-from .shards import list_shards
+from .naming import list_shards
 
 PIPE_PREFIX = "pipe:"
 CLIP_BENCHMARK_COUNT_FILE = "nshards.txt"
@@ -163,3 +163,12 @@ def check_spec(key: str, spec: str) -> list[str]:
     """Preflight: the shard URLs ``spec`` names, or a :class:`~vlcontrast.config.ConfigError`
     (a :class:`ShardSpecError`) naming ``key``. Reads no shard."""
     return expand_spec(spec, key)
+
+
+def expand_pattern(pattern: str) -> list[str]:
+    """Shard paths of a spec in the one grammar above (brace patterns,
+    globs, directories, comma lists, ``::``-joined sources whose ``@weight`` is dropped).
+
+    ``/d/{00000..00002}.tar::/e/00007.tar`` -> four paths. Local shards must exist.
+    """
+    return expand_spec(pattern, "shards")

@@ -181,14 +181,15 @@ def measure(estimators: list[Estimator], features: Features, settings: GradientB
 def run_gradient_bias(settings: GradientBiasSettings) -> dict:
     """Run the diagnostic and write its report under ``settings.out``; returns the report."""
     from vlcontrast.diagnose.report import write_report
-    from vlcontrast.models import load_model_from_checkpoint, resolve_checkpoint
+    from vlcontrast.checkpoints import resolve_weights
+    from vlcontrast.models import load_model_from_checkpoint
     from vlcontrast.progress import Progress
 
     settings.validate()
     device = settings.device
     if device in ("", "auto"):
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    folder = resolve_checkpoint(settings.checkpoint)
+    folder = resolve_weights(settings.checkpoint)
     # Option and name errors surface here, before the checkpoint and data are read.
     expand_losses(settings.losses, settings.num_samples, settings.chunk_size,
                   settings.loss_options)

@@ -25,6 +25,8 @@ from typing import Any, Callable
 
 import torch
 
+from vlcontrast.checkpoints import resolve_weights
+
 PACKAGE_CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 """Model configs shipped with the package (``pyproject.toml`` package-data)."""
 USER_CONFIG_DIR = Path("configs") / "models"
@@ -173,7 +175,7 @@ def _vlcontrast_checkpoint(pretrained: str) -> Path | None:
     if not pretrained or not Path(pretrained).is_dir():
         return None
     try:
-        return resolve_checkpoint(pretrained)
+        return resolve_weights(pretrained)
     except FileNotFoundError as err:
         raise ValueError(f"model.pretrained={pretrained!r}: a directory, but not a vlcontrast run "
                          "or checkpoint directory (no model.pt and no checkpoints/latest)") from err
@@ -254,24 +256,11 @@ def use_channels_last(model: torch.nn.Module) -> bool:
     return True
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory with weights (``model.pt``) from a run directory (its latest), a
-    checkpoints/ dir, or itself; the training package's one resolver decides."""
-    from vlcontrast.train.checkpoint import resolve_checkpoint as resolve
-
-    found = resolve(path, require="model.pt")
-    if found is None:
-        raise FileNotFoundError(f"--checkpoint {str(path)!r}: no model.pt there and no "
-                                "checkpoints/latest (expected a run directory or a checkpoint "
-                                "directory)")
-    return found
-
-
 def load_model_from_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> ModelBundle:
     """Rebuild the model of a vlcontrast checkpoint (run dir -> latest) with its weights."""
     import open_clip
 
-    folder = resolve_checkpoint(path)
+    folder = resolve_weights(path)
     meta = json.loads((folder / "model_config.json").read_text())
     registered = _register_config(meta["model_name"], meta["model_cfg"])
     kwargs: dict[str, Any] = {"init_logit_scale": meta.get("init_logit_scale", math.log(1 / 0.07))}

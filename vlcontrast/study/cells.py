@@ -218,9 +218,9 @@ def run_cell(config: StudyConfig, cell: Cell, fingerprint: str | None = None) ->
 
 def model_digest(run_dir: Path) -> str:
     """sha256 of a finished run's final ``model.pt``."""
-    from vlcontrast.models import resolve_checkpoint
+    from vlcontrast.checkpoints import resolve_weights
 
-    return hashlib.sha256((resolve_checkpoint(str(run_dir)) / "model.pt").read_bytes()).hexdigest()
+    return hashlib.sha256((resolve_weights(str(run_dir)) / "model.pt").read_bytes()).hexdigest()
 
 
 def ensure_pretrained(config: StudyConfig) -> dict[str, Any] | None:

@@ -1,6 +1,6 @@
 """Atomic checkpoints: DeepSpeed engine state plus everything else a resume needs.
 
-Layout of one checkpoint (see docs/architecture.md and docs/training.md, "Checkpoints")::
+Layout of one checkpoint (:mod:`vlcontrast.checkpoints`; docs/training.md, "Checkpoints")::
 
     checkpoints/step_00000100/
         engine/              DeepSpeed save_checkpoint (model, optimizer, scheduler, loss scaler)
@@ -36,10 +36,8 @@ process-group timeout, ``train.dist_timeout_s``; the previous checkpoint is inta
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import pickle
 import random
 import shutil
 from pathlib import Path
@@ -49,6 +47,8 @@ import numpy as np
 import torch
 
 from vlcontrast import distributed as dist_utils
+from vlcontrast import checkpoints
+from vlcontrast.checkpoints import LATEST, atomic_write_text, check_engine_files, find_resume, load_file
 from vlcontrast.errors import CheckpointError
 
 
@@ -56,112 +56,6 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-# --------------------------------------------------------------------------------------------
-# finding checkpoints: the one resolver
-
-
-LATEST = "latest"
-COMPLETE_MARKER = "trainer_state.pt"
-
-
-def resolve_checkpoint(path: str | Path, *, require: str = COMPLETE_MARKER) -> Path | None:
-    """The checkpoint directory ``path`` names, or None when it names none.
-
-    ``path`` may be a checkpoint directory itself, a ``checkpoints/`` directory (its ``latest``) or
-    a run directory (``checkpoints/latest``). A candidate counts only when it holds ``require``
-    (``trainer_state.pt`` for a resumable checkpoint, ``model.pt`` for weights to evaluate).
-    """
-    path = Path(path)
-    if (path / require).is_file():
-        return path
-    for folder in (path / "checkpoints", path):
-        latest = folder / LATEST
-        if latest.is_file():
-            target = folder / latest.read_text().strip()
-            if (target / require).is_file():
-                return target
-    return None
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    """The complete checkpoint ``root/latest`` names (``root`` is a ``checkpoints/`` directory)."""
-    if not (Path(root) / LATEST).is_file():
-        return None
-    return resolve_checkpoint(root)
-
-
-def find_resume(resume: str, output_dir: Path) -> Path | None:
-    """The checkpoint directory named by ``train.resume`` (``latest`` may find none: fresh start)."""
-    if not resume:
-        return None
-    if resume == "latest":
-        return latest_checkpoint(Path(output_dir) / "checkpoints")
-    found = resolve_checkpoint(resume)
-    if found is None:
-        raise FileNotFoundError(f"train.resume={resume!r}: {resume} is not a complete checkpoint "
-                                f"(no {COMPLETE_MARKER}) nor a run directory with one")
-    return found
-
-
-# --------------------------------------------------------------------------------------------
-# safe files
-
-
-def _save_file(obj: Any, path: Path) -> None:
-    """``torch.save`` (one place, so a test can simulate a full disk)."""
-    torch.save(obj, path)
-
-
-def load_file(path: Path) -> Any:
-    """``torch.load(weights_only=True)``: tensors and plain containers, never code."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        raise CheckpointError(
-            f"{path}: refused to load: it holds a pickled Python object, which could run code "
-            "when loaded. vlcontrast writes only tensors and plain containers here; a file "
-            f"written by another program (or an older vlcontrast) is not trusted. ({err})"
-        ) from None
-
-
-DEEPSPEED_GLOBALS = frozenset({
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-    "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-})
-"""The classes DeepSpeed's own checkpoint files name besides tensors and plain containers (ZeRO
-0-3, fp32/bf16/fp16; measured with ``torch.serialization.get_unsafe_globals_in_checkpoint``)."""
-
-
-def check_engine_files(folder: Path) -> None:
-    """Refuse DeepSpeed's files in ``folder`` when their pickles name anything else.
-
-    DeepSpeed loads its files itself with ``torch.load(weights_only=False)``, which would call
-    whatever a pickle names. Scanning the pickles first (no object is built) and accepting only
-    ``torch.load(weights_only=True)``'s own types plus :data:`DEEPSPEED_GLOBALS` means that what
-    DeepSpeed then unpickles can construct those classes and nothing else.
-    """
-    for path in sorted(Path(folder).glob("*.pt")):
-        try:
-            named = set(torch.serialization.get_unsafe_globals_in_checkpoint(path))
-        except Exception as err:  # noqa: BLE001 - any unreadable file is refused the same way
-            raise CheckpointError(f"{path}: refused to load: not a readable torch checkpoint "
-                                  f"({type(err).__name__}: {err})") from None
-        unexpected = sorted(named - DEEPSPEED_GLOBALS)
-        if unexpected:
-            raise CheckpointError(
-                f"{path}: refused to load: DeepSpeed would unpickle it with weights_only=False "
-                f"and it names {unexpected}, which DeepSpeed's checkpoints do not contain; "
-                "loading it could run code. Was this directory written by vlcontrast?")
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,35 +86,6 @@ class RNGState:
         torch.set_rng_state(state["torch"])
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda"])
-
-
-# --------------------------------------------------------------------------------------------
-# sizes
-
-
-BYTES_PER_PARAMETER = 20
-"""Rough checkpoint size per model parameter: weights (4, or 2 + 4 fp32 master copy), AdamW's two
-moments (8), the consolidated model.pt (4)."""
-
-
-def checkpoint_bytes(num_parameters: int) -> int:
-    """Estimated size of one checkpoint (all ranks' files together)."""
-    return num_parameters * BYTES_PER_PARAMETER
-
-
-def free_bytes(path: Path) -> int:
-    """Free bytes on the filesystem holding ``path`` (its nearest existing parent)."""
-    path = Path(path).absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return shutil.disk_usage(path).free
-
-
-def check_free_space(path: Path, needed: int, what: str) -> None:
-    free = free_bytes(path)
-    if free < needed:
-        raise OSError(errno.ENOSPC, f"{what}: {path} has {free / 1e9:.2f} GB free, one checkpoint "
-                      f"needs about {needed / 1e9:.2f} GB")
 
 
 # --------------------------------------------------------------------------------------------
@@ -360,7 +225,7 @@ class Checkpointer:
         rank = dist_utils.get_rank()
         name = f"step_{step:08d}"
         final, tmp = self.root / name, self.root / (name + ".tmp")
-        previous = latest_checkpoint(self.root)
+        previous = checkpoints.latest_checkpoint(self.root)
 
         def agree(error: BaseException | None) -> None:
             if error is not None:
@@ -377,7 +242,7 @@ class Checkpointer:
 
         error: BaseException | None = None
         try:
-            check_free_space(self.root, self.expected_bytes, "checkpoint")
+            checkpoints.check_free_space(self.root, self.expected_bytes, "checkpoint")
             if rank == 0:
                 self.root.mkdir(parents=True, exist_ok=True)
                 if tmp.exists():
@@ -392,10 +257,10 @@ class Checkpointer:
         run_state = {key: obj.state_dict() for key, obj in self.run_states.items()}
         rank_state = {key: obj.state_dict() for key, obj in self.rank_states.items()}
         try:
-            _save_file(rank_state, tmp / f"rank_{rank:05d}.pt")
+            checkpoints.save_file(rank_state, tmp / f"rank_{rank:05d}.pt")
             if rank == 0:
-                _save_file(weights, tmp / "model.pt")
-                _save_file(run_state, tmp / "trainer_state.pt")
+                checkpoints.save_file(weights, tmp / "model.pt")
+                checkpoints.save_file(run_state, tmp / "trainer_state.pt")
                 (tmp / "model_config.json").write_text(json.dumps(self.model_config, indent=2))
                 (tmp / "config.yaml").write_text(self.config_yaml)
         except (OSError, RuntimeError) as err:  # torch.save reports a failed write as RuntimeError
@@ -407,7 +272,7 @@ class Checkpointer:
                 if final.exists():
                     shutil.rmtree(final)
                 os.replace(tmp, final)
-                _atomic_write_text(self.root / LATEST, name + "\n")
+                atomic_write_text(self.root / LATEST, name + "\n")
             except OSError as err:
                 error = err
         agree(error)

@@ -37,7 +37,7 @@ from vlcontrast.data.loader import build_train_loader
 from vlcontrast.data.transforms import split_normalization
 from vlcontrast.losses import LOSSES, build_loss
 from vlcontrast.models import build_model
-from vlcontrast.train import checkpoint as ckpt
+from vlcontrast import checkpoints as ckpt
 from vlcontrast.train.batches import SeededTransform, TrainBatches
 from vlcontrast.train.checkpoint import Checkpointer, RNGState
 from vlcontrast.train.engine import (build_engine, check_precision, clamp_logit_scale, input_dtype,

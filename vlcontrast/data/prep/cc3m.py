@@ -26,8 +26,8 @@ from typing import Any
 
 from vlcontrast.errors import DataPrepError
 
-from ..shards import (MANIFEST_FILE, SIZES_FILE, build_manifest, key_stride, shard_name,
-                      write_manifest, write_sizes)
+from ..naming import key_stride, shard_name
+from ..shards import MANIFEST_FILE, SIZES_FILE, build_manifest, write_manifest, write_sizes
 
 CC3M_SETTINGS: dict[str, Any] = {
     "image_size": 256,

@@ -39,7 +39,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
-from ..shards import build_manifest, make_key, shard_name, write_manifest, write_sizes
+from ..naming import make_key, shard_name
+from ..shards import build_manifest, write_manifest, write_sizes
 
 SHAPES = ("circle", "crescent", "cross", "diamond", "heart", "hexagon", "ring", "square", "star",
           "triangle")

@@ -1,0 +1,179 @@
+"""Checkpoint layout, the one resolver and the safe loader: the ground floor every reader shares.
+
+Layout of one checkpoint directory (written by :class:`vlcontrast.train.checkpoint.Checkpointer`)::
+
+    RUN/checkpoints/step_00000100/
+        engine/              DeepSpeed save_checkpoint (model, optimizer, scheduler, loss scaler)
+        model.pt             consolidated true-fp32 weights, open_clip's names and shapes
+        model_config.json    open_clip model config and model name
+        trainer_state.pt     the run-wide stateful objects (train state, loss state, EMA towers)
+        rank_00000.pt ...    per-rank stateful objects: data-loader position and RNG states
+        config.yaml          resolved run config
+    RUN/checkpoints/latest   name of the newest complete checkpoint
+
+Training (resume), evaluation, export, the study, diagnostics and model loading all find
+checkpoints with :func:`resolve_checkpoint` and read vlcontrast's files with :func:`load_file`,
+which never unpickles code. It imports nothing of vlcontrast above :mod:`vlcontrast.errors`.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vlcontrast.errors import CheckpointError
+
+WEIGHTS_FILE = "model.pt"
+MODEL_CONFIG_FILE = "model_config.json"
+
+
+# --------------------------------------------------------------------------------------------
+# finding checkpoints: the one resolver
+
+
+LATEST = "latest"
+COMPLETE_MARKER = "trainer_state.pt"
+
+
+def resolve_checkpoint(path: str | Path, *, require: str = COMPLETE_MARKER) -> Path | None:
+    """The checkpoint directory ``path`` names, or None when it names none.
+
+    ``path`` may be a checkpoint directory itself, a ``checkpoints/`` directory (its ``latest``) or
+    a run directory (``checkpoints/latest``). A candidate counts only when it holds ``require``
+    (``trainer_state.pt`` for a resumable checkpoint, ``model.pt`` for weights to evaluate).
+    """
+    path = Path(path)
+    if (path / require).is_file():
+        return path
+    for folder in (path / "checkpoints", path):
+        latest = folder / LATEST
+        if latest.is_file():
+            target = folder / latest.read_text().strip()
+            if (target / require).is_file():
+                return target
+    return None
+
+
+def resolve_weights(path: str | Path, what: str = "--checkpoint") -> Path:
+    """A checkpoint directory with weights (``model.pt``) from a run directory (its latest), a
+    ``checkpoints/`` directory, or itself; raises ``FileNotFoundError`` naming ``what``."""
+    found = resolve_checkpoint(path, require=WEIGHTS_FILE)
+    if found is None:
+        raise FileNotFoundError(f"{what} {str(path)!r}: no {WEIGHTS_FILE} there and no "
+                                "checkpoints/latest (expected a run directory or a checkpoint "
+                                "directory)")
+    return found
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The complete checkpoint ``root/latest`` names (``root`` is a ``checkpoints/`` directory)."""
+    if not (Path(root) / LATEST).is_file():
+        return None
+    return resolve_checkpoint(root)
+
+
+def find_resume(resume: str, output_dir: Path) -> Path | None:
+    """The checkpoint directory named by ``train.resume`` (``latest`` may find none: fresh start)."""
+    if not resume:
+        return None
+    if resume == "latest":
+        return latest_checkpoint(Path(output_dir) / "checkpoints")
+    found = resolve_checkpoint(resume)
+    if found is None:
+        raise FileNotFoundError(f"train.resume={resume!r}: {resume} is not a complete checkpoint "
+                                f"(no {COMPLETE_MARKER}) nor a run directory with one")
+    return found
+
+
+# --------------------------------------------------------------------------------------------
+# safe files
+
+
+def save_file(obj: Any, path: Path) -> None:
+    """``torch.save`` (one place, so a test can simulate a full disk)."""
+    torch.save(obj, path)
+
+
+def load_file(path: Path) -> Any:
+    """``torch.load(weights_only=True)``: tensors and plain containers, never code."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(
+            f"{path}: refused to load: it holds a pickled Python object, which could run code "
+            "when loaded. vlcontrast writes only tensors and plain containers here; a file "
+            f"written by another program (or an older vlcontrast) is not trusted. ({err})"
+        ) from None
+
+
+DEEPSPEED_GLOBALS = frozenset({
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+})
+"""The classes DeepSpeed's own checkpoint files name besides tensors and plain containers (ZeRO
+0-3, fp32/bf16/fp16; measured with ``torch.serialization.get_unsafe_globals_in_checkpoint``)."""
+
+
+def check_engine_files(folder: Path) -> None:
+    """Refuse DeepSpeed's files in ``folder`` when their pickles name anything else.
+
+    DeepSpeed loads its files itself with ``torch.load(weights_only=False)``, which would call
+    whatever a pickle names. Scanning the pickles first (no object is built) and accepting only
+    ``torch.load(weights_only=True)``'s own types plus :data:`DEEPSPEED_GLOBALS` means that what
+    DeepSpeed then unpickles can construct those classes and nothing else.
+    """
+    for path in sorted(Path(folder).glob("*.pt")):
+        try:
+            named = set(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+        except Exception as err:  # noqa: BLE001 - any unreadable file is refused the same way
+            raise CheckpointError(f"{path}: refused to load: not a readable torch checkpoint "
+                                  f"({type(err).__name__}: {err})") from None
+        unexpected = sorted(named - DEEPSPEED_GLOBALS)
+        if unexpected:
+            raise CheckpointError(
+                f"{path}: refused to load: DeepSpeed would unpickle it with weights_only=False "
+                f"and it names {unexpected}, which DeepSpeed's checkpoints do not contain; "
+                "loading it could run code. Was this directory written by vlcontrast?")
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------------------------
+# sizes
+
+
+BYTES_PER_PARAMETER = 20
+"""Rough checkpoint size per model parameter: weights (4, or 2 + 4 fp32 master copy), AdamW's two
+moments (8), the consolidated model.pt (4)."""
+
+
+def checkpoint_bytes(num_parameters: int) -> int:
+    """Estimated size of one checkpoint (all ranks' files together)."""
+    return num_parameters * BYTES_PER_PARAMETER
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the filesystem holding ``path`` (its nearest existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def check_free_space(path: Path, needed: int, what: str) -> None:
+    free = free_bytes(path)
+    if free < needed:
+        raise OSError(errno.ENOSPC, f"{what}: {path} has {free / 1e9:.2f} GB free, one checkpoint "
+                      f"needs about {needed / 1e9:.2f} GB")
