@@ -52,7 +52,8 @@ def _engine(model_name: str, precision: str, batch_size: int):
     config = load_config(None, ["data.train=unused", "train.steps=1000",
                                 f"data.batch_size={batch_size}", f"train.precision={precision}",
                                 "optim.warmup_steps=0", "logging.progress=false"])
-    engine, _ = build_engine(bundle.model, config, total_steps=1000, world_size=1)
+    engine, _ = build_engine(bundle.model, optim=config.optim, train=config.train, deepspeed=config.deepspeed,
+                             micro_batch_size=config.data.batch_size, total_steps=1000, world_size=1)
     return bundle, engine
 
 
@@ -71,7 +72,7 @@ def measure(model_name: str, precisions: list[str], batch_size: int, warmup: int
     import torch
 
     from vlcontrast.losses import build_loss
-    from vlcontrast.train.engine import input_dtype
+    from vlcontrast.train.precision import Precision
 
     loss_fn = build_loss("infonce")
     engines = {}
@@ -79,7 +80,7 @@ def measure(model_name: str, precisions: list[str], batch_size: int, warmup: int
         bundle, engine = _engine(model_name, precision, batch_size)
         size = bundle.model_config["model_cfg"]["vision_cfg"]["image_size"]
         generator = torch.Generator().manual_seed(0)
-        images = torch.rand(batch_size, 3, size, size, generator=generator).to(input_dtype(precision))
+        images = torch.rand(batch_size, 3, size, size, generator=generator).to(Precision(precision).parameter_dtype)
         texts = bundle.tokenizer([f"a photo of thing {i}" for i in range(batch_size)])
         sample_ids = torch.arange(batch_size)
         for _ in range(warmup):

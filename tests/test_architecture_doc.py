@@ -91,7 +91,7 @@ def unresolved(dotted: str) -> str | None:
 
 
 def test_resolver_tells_real_names_from_invented_ones():
-    assert unresolved("vlcontrast.train.checkpoint.resolve_checkpoint") is None
+    assert unresolved("vlcontrast.checkpoints.resolve_checkpoint") is None
     assert unresolved("vlcontrast.data") is None
     assert unresolved("vlcontrast.train.checkpoint.no_such_function") is not None
     assert unresolved("vlcontrast.no_such_module") is not None

@@ -16,15 +16,20 @@ import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
 from vlcontrast.errors import ConfigError
 
 
-PRECISIONS = ("fp32", "amp_bf16", "bf16", "fp16")
+PrecisionName = Literal["fp32", "amp_bf16", "bf16", "fp16"]
 """Values of ``train.precision`` (see :class:`TrainConfig`)."""
+DeviceName = Literal["auto", "cpu", "cuda"]
+DataMode = Literal["epoch", "resampled"]
+ZeroStage = Literal[0, 1, 2, 3]
+
+PRECISIONS: tuple[str, ...] = typing.get_args(PrecisionName)
 
 
 @dataclass
@@ -43,7 +48,7 @@ class DataConfig:
     workers: int = 2
     """DataLoader worker processes per rank (decode, transform and tokenise run there); they persist
     across epochs. Any number of ranks x workers can share any number of shards."""
-    mode: str = "epoch"
+    mode: DataMode = "epoch"
     """``epoch``: each sample once per epoch, deterministic shuffle, ranges cut in rows (slots may
     share a shard); ``resampled``: shards drawn with replacement, nominal epochs of
     ``num_samples``."""
@@ -78,8 +83,6 @@ class DataConfig:
     def check(self) -> None:
         _require(self.batch_size >= 1, "data.batch_size", self.batch_size, "must be >= 1")
         _require(self.workers >= 0, "data.workers", self.workers, "must be >= 0")
-        _require(self.mode in ("epoch", "resampled"), "data.mode", self.mode,
-                 "must be 'epoch' or 'resampled'")
         _require(0.0 <= self.max_bad_fraction <= 1.0, "data.max_bad_fraction",
                  self.max_bad_fraction, "must be in [0, 1]")
         _require(self.num_samples >= 0, "data.num_samples", self.num_samples, "must be >= 0")
@@ -189,7 +192,7 @@ class TrainConfig:
     """Optimizer steps; 0 derives them from ``epochs``."""
     epochs: float = 0.0
     """Epochs over ``data.num_samples`` (used when ``steps`` is 0)."""
-    precision: str = "fp32"
+    precision: PrecisionName = "fp32"
     """``fp32``; ``amp_bf16`` (fp32 weights, gradients and reductions, bf16 autocast compute:
     open_clip's choice); ``bf16`` (everything in bf16 with an fp32 master copy in the optimizer);
     ``fp16`` (like bf16, with dynamic loss scaling). See docs/training.md, "Precision"."""
@@ -208,7 +211,7 @@ class TrainConfig:
     stop_at_step: int = 0
     """Checkpoint and stop (exit 0, as if preempted) once this optimizer step is done; 0: run to
     the end. The schedule still spans ``train.steps``: a job split into pieces ends as one run."""
-    device: str = "auto"
+    device: DeviceName = "auto"
     """``auto`` (cuda when available), ``cpu`` or ``cuda``."""
 
     def check(self) -> None:
@@ -216,28 +219,21 @@ class TrainConfig:
         _require(self.epochs >= 0, "train.epochs", self.epochs, "must be >= 0")
         _require(self.steps > 0 or self.epochs > 0, "train.steps", self.steps,
                  "set train.steps or train.epochs to a positive value")
-        _require(self.precision in PRECISIONS, "train.precision", self.precision,
-                 f"must be one of {', '.join(PRECISIONS)}")
         _require(self.accum_steps >= 1, "train.accum_steps", self.accum_steps, "must be >= 1")
         _require(self.log_every >= 1, "train.log_every", self.log_every, "must be >= 1")
         _require(self.max_bad_steps >= 1, "train.max_bad_steps", self.max_bad_steps, "must be >= 1")
         _require(self.dist_timeout_s >= 1, "train.dist_timeout_s", self.dist_timeout_s,
                  "must be >= 1")
         _require(self.stop_at_step >= 0, "train.stop_at_step", self.stop_at_step, "must be >= 0")
-        _require(self.device in ("auto", "cpu", "cuda"), "train.device", self.device,
-                 "must be auto, cpu or cuda")
 
 
 @dataclass
 class DeepSpeedConfig:
-    zero_stage: int = 0
+    zero_stage: ZeroStage = 0
     """ZeRO stage 0, 1, 2 or 3."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """Fields merged last into the generated DeepSpeed config (for example ``{"wall_clock_breakdown": true}``)."""
 
-    def check(self) -> None:
-        _require(self.zero_stage in (0, 1, 2, 3), "deepspeed.zero_stage", self.zero_stage,
-                 "must be 0, 1, 2 or 3")
 
 
 @dataclass
@@ -299,10 +295,12 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def check(self) -> None:
-        for section in (self.data, self.model, self.optim, self.train, self.deepspeed,
-                        self.checkpoint):
-            section.check()
-        from vlcontrast.losses import LOSSES, loss_option_defaults
+        for name in ("data", "model", "optim", "train", "deepspeed", "checkpoint"):
+            section = getattr(self, name)
+            check_choices(section, name)
+            if hasattr(section, "check"):
+                section.check()
+        from vlcontrast.losses import LOSSES, loss_option_defaults, loss_option_types
 
         _require(self.loss.name in LOSSES, "loss.name", self.loss.name,
                  f"must be one of {sorted(LOSSES)}")
@@ -310,9 +308,13 @@ class RunConfig:
         defaults = loss_option_defaults(self.loss.name)
         _require(self.data.augment or not self.model.augment, "model.augment", self.model.augment,
                  "is set, but data.augment=false turns training augmentation off")
-        for key in self.loss.options:
-            _require(key in defaults, f"loss.{key}", self.loss.options[key],
+        types = loss_option_types(self.loss.name)
+        for key, value in self.loss.options.items():
+            _require(key in defaults, f"loss.{key}", value,
                      f"is not an option of loss '{self.loss.name}' (options: {sorted(defaults)})")
+            if typing.get_origin(types.get(key)) is Literal:
+                self.loss.options[key] = _coerce_choice(value, typing.get_args(types[key]),
+                                                        f"loss.{key}")
 
 
 def _require(ok: bool, key: str, value: Any, why: str) -> None:
@@ -330,6 +332,8 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
     args = typing.get_args(annotation)
     if annotation is Any:
         return value
+    if origin is Literal:
+        return _coerce_choice(value, args, key)
     if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
         if value is None and type(None) in args:
             return None
@@ -369,6 +373,26 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
             raise ConfigError(f"{key}={value!r}: expected a mapping")
         return dict(value)
     return value
+
+
+def _coerce_choice(value: Any, choices: tuple, key: str) -> Any:
+    """A ``Literal`` field: the value must be one of its choices (``"2"`` reads as ``2``)."""
+    for choice in choices:
+        if value == choice and type(value) is type(choice):
+            return choice
+        if isinstance(choice, int) and isinstance(value, str) and value.strip() == str(choice):
+            return choice
+    raise ConfigError(f"{key}={value!r}: must be one of {', '.join(str(c) for c in choices)}")
+
+
+def check_choices(section: Any, prefix: str) -> None:
+    """Every ``Literal`` field of a config section holds one of its choices (checked from the type,
+    so a value set in code, not read from YAML, is checked too)."""
+    hints = typing.get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        if typing.get_origin(hints[f.name]) is Literal:
+            _coerce_choice(getattr(section, f.name), typing.get_args(hints[f.name]),
+                           f"{prefix}.{f.name}")
 
 
 def _from_dict(cls: type, values: dict[str, Any], prefix: str) -> Any:

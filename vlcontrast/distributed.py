@@ -175,6 +175,22 @@ _DEVICE: torch.device | None = None
 """This process's device once :func:`init_distributed` chose it (the flag tensors' home)."""
 
 
+def set_gpu_defaults() -> None:
+    """open_clip's CUDA settings: TF32 matmuls and convolutions, cuDNN autotuning.
+
+    TF32 keeps fp32 storage and range with a 10-bit mantissa in the tensor-core products (fp32
+    runs and amp_bf16's fp32 ops); cuDNN benchmarks its convolution algorithms once per input
+    shape, and the training shapes do not change. Set through ``set_float32_matmul_precision``
+    and ``cudnn.allow_tf32``, not the per-backend ``fp32_precision`` attributes: once those are set,
+    torch raises on ``get_float32_matmul_precision()`` and ``matmul.allow_tf32``, which
+    ``torch.compile`` and user code read. Training and offline evaluation both call this, so
+    their numbers agree.
+    """
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cudnn.benchmark = True
+
+
 def init_distributed(backend: str | None = None, timeout_s: int = 600,
                      device: str = "auto") -> LaunchEnv:
     """Choose and set the device, then initialise the default process group (also for a single

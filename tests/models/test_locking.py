@@ -26,7 +26,8 @@ def _train_locked(rank, world_size, checkpoint, cases):
     from vlcontrast.config import ModelConfig, load_config
     from vlcontrast.losses import build_loss
     from vlcontrast.models import build_model
-    from vlcontrast.train.engine import build_engine, input_dtype
+    from vlcontrast.train.engine import build_engine
+    from vlcontrast.train.precision import Precision
 
     from vlcontrast.checkpoints import resolve_weights
 
@@ -44,7 +45,8 @@ def _train_locked(rank, world_size, checkpoint, cases):
         config = load_config(None, ["data.train=x", "train.steps=10", "data.batch_size=4",
                                     f"deepspeed.zero_stage={stage}", f"train.precision={precision}",
                                     "optim.lr=1e-2", "optim.warmup_steps=0"])
-        engine, _ = build_engine(bundle.model, config, total_steps=10, world_size=world_size)
+        engine, _ = build_engine(bundle.model, optim=config.optim, train=config.train, deepspeed=config.deepspeed,
+                             micro_batch_size=config.data.batch_size, total_steps=10, world_size=world_size)
         params = dict(engine.module.named_parameters())
         start = {n: _full(p) for n, p in params.items()}
         frozen = [m for m in engine.module.modules() if isinstance(m, FrozenBatchNorm2d)]
@@ -53,7 +55,7 @@ def _train_locked(rank, world_size, checkpoint, cases):
         generator = torch.Generator().manual_seed(rank)
         texts = bundle.tokenizer([f"a caption {rank} {i}" for i in range(4)])
         for _ in range(2):
-            images = torch.rand(4, 3, 32, 32, generator=generator).to(input_dtype(precision))
+            images = torch.rand(4, 3, 32, 32, generator=generator).to(Precision(precision).parameter_dtype)
             out = engine(images, texts)
             result = loss_fn(out["image_features"], out["text_features"], out["logit_scale"],
                              sample_ids=torch.arange(4) + 4 * rank)

@@ -153,7 +153,7 @@ def test_train_initialises_the_device_before_preflight(monkeypatch, tmp_path):
         order.append(("init_distributed", kwargs.get("device")))
         return dist_utils.LaunchEnv(0, 1, 0, "127.0.0.1", "1", "single", torch.device("cpu"))
 
-    def preflight(config):
+    def preflight(config, evaluator=None):
         order.append(("preflight",))
         raise Stop
 

@@ -24,7 +24,8 @@ def test_deepspeed_config_follows_our_config_and_merges_overrides():
                      data__batch_size=16, optim__grad_clip=1.0,
                      **{"deepspeed.overrides.zero_optimization.reduce_bucket_size": 1000,
                         "deepspeed.overrides.wall_clock_breakdown": "true"})
-    ds = deepspeed_config(config, world_size=8)
+    ds = deepspeed_config(config.train, config.deepspeed, micro_batch_size=config.data.batch_size,
+                          grad_clip=config.optim.grad_clip, world_size=8)
     assert ds["train_batch_size"] == 16 * 4 * 8
     assert ds["gradient_accumulation_steps"] == 4
     assert ds["gradient_clipping"] == 1.0
@@ -38,12 +39,12 @@ def test_precision_check_names_the_setting(monkeypatch):
     from deepspeed.accelerator import get_accelerator
 
     from vlcontrast.config import ConfigError
-    from vlcontrast.train.engine import check_precision
+    from vlcontrast.train.precision import Precision
 
-    check_precision("fp32", torch.device("cpu"))
+    Precision("fp32").check_supported(torch.device("cpu"))
     monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: False)
     with pytest.raises(ConfigError, match="train.precision='fp16'.*use train.precision=bf16"):
-        check_precision("fp16", torch.device("cpu"))
+        Precision("fp16").check_supported(torch.device("cpu"))
 
 
 def _combinations():
@@ -67,7 +68,8 @@ def _nan_gradient_on_one_rank(rank, world_size, combinations):
         config = _config(deepspeed__zero_stage=stage, train__precision=precision,
                          data__batch_size=2, optim__warmup_steps=5,
                          **{"deepspeed.overrides.fp16.initial_scale_power": 4})
-        engine, _ = build_engine(model, config, total_steps=10, world_size=world_size)
+        engine, _ = build_engine(model, optim=config.optim, train=config.train, deepspeed=config.deepspeed,
+                             micro_batch_size=config.data.batch_size, total_steps=10, world_size=world_size)
         # Under ZeRO-3 a rank holds its shard of each parameter in ``ds_tensor``.
         def weights():
             return [getattr(p, "ds_tensor", p).detach().float().clone()

@@ -98,7 +98,7 @@ FAULT_CASES = {"zero0_gradcache": {"deepspeed__zero_stage": 0, "train__accum_ste
 @pytest.mark.slow
 def test_non_finite_steps_are_skipped_on_every_rank_then_stop_with_a_clear_error(
         synthetic_data, tmp_path):
-    from vlcontrast.train.engine import cosine_with_warmup
+    from vlcontrast.train.optimizer import cosine_with_warmup
 
     messages = run_distributed(_skip_then_diverge, 2, synthetic_data, tmp_path, FAULT_CASES,
                                timeout=400)

@@ -21,38 +21,41 @@ def _config(**overrides):
     return load_config(None, ["data.train=x", "train.steps=10"] + values)
 
 
+def _ds(config, accelerator):
+    from vlcontrast.train.engine import deepspeed_config
+
+    return deepspeed_config(config.train, config.deepspeed, micro_batch_size=config.data.batch_size,
+                            grad_clip=config.optim.grad_clip, world_size=8,
+                            accelerator=accelerator)
+
+
 def test_precisions_and_input_dtypes():
     from vlcontrast.config import PRECISIONS, ConfigError
-    from vlcontrast.train.engine import input_dtype
+    from vlcontrast.train.precision import Precision
 
     assert PRECISIONS == ("fp32", "amp_bf16", "bf16", "fp16")
-    assert [input_dtype(p) for p in PRECISIONS] == [torch.float32, torch.float32, torch.bfloat16,
-                                                    torch.float16]
+    assert [Precision(p).parameter_dtype for p in PRECISIONS] == [
+        torch.float32, torch.float32, torch.bfloat16, torch.float16]
     with pytest.raises(ConfigError, match="train.precision='fp8'"):
-        input_dtype("fp8")
+        Precision("fp8").parameter_dtype
     with pytest.raises(ConfigError, match="train.precision='bf32'.*amp_bf16"):
         _config(train__precision="bf32")
 
 
 def test_amp_bf16_config_is_torch_autocast_with_fp32_reductions():
-    from vlcontrast.train.engine import deepspeed_config
-
-    ds = deepspeed_config(_config(train__precision="amp_bf16", deepspeed__zero_stage=2),
-                          world_size=8, accelerator="cpu")
+    ds = _ds(_config(train__precision="amp_bf16", deepspeed__zero_stage=2), "cpu")
     assert not ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
     # No module is "lower-precision safe": DeepSpeed then reduces every gradient in fp32.
     assert ds["torch_autocast"] == {"enabled": True, "dtype": "bfloat16",
                                     "lower_precision_safe_modules": []}
     for precision in ("fp32", "bf16", "fp16"):
-        assert "torch_autocast" not in deepspeed_config(_config(train__precision=precision), 8, "cpu")
+        assert "torch_autocast" not in _ds(_config(train__precision=precision), "cpu")
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_gpu_defaults_in_the_deepspeed_config(stage):
-    from vlcontrast.train.engine import deepspeed_config
-
-    cuda = deepspeed_config(_config(deepspeed__zero_stage=stage), 8, "cuda")["zero_optimization"]
-    cpu = deepspeed_config(_config(deepspeed__zero_stage=stage), 8, "cpu")["zero_optimization"]
+    cuda = _ds(_config(deepspeed__zero_stage=stage), "cuda")["zero_optimization"]
+    cpu = _ds(_config(deepspeed__zero_stage=stage), "cpu")["zero_optimization"]
     assert "overlap_comm" not in cpu and "contiguous_gradients" not in cpu
     if stage == 0:
         assert "overlap_comm" not in cuda
@@ -61,22 +64,27 @@ def test_gpu_defaults_in_the_deepspeed_config(stage):
     # deepspeed.overrides still win over the defaults.
     config = _config(deepspeed__zero_stage=stage,
                      **{"deepspeed.overrides.zero_optimization.overlap_comm": "false"})
-    assert deepspeed_config(config, 8, "cuda")["zero_optimization"]["overlap_comm"] is False
+    assert _ds(config, "cuda")["zero_optimization"]["overlap_comm"] is False
 
 
 def test_gpu_defaults_set_tf32_and_cudnn_benchmark():
-    from vlcontrast.train.engine import set_gpu_defaults
+    """TF32 through the API torch.compile and user code read back: after set_gpu_defaults,
+    get_float32_matmul_precision() and matmul.allow_tf32 answer (the per-backend
+    fp32_precision attributes would make both raise)."""
+    from vlcontrast.distributed import set_gpu_defaults
 
-    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
-    saved = (matmul.fp32_precision, conv.fp32_precision, torch.backends.cudnn.benchmark)
+    saved = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32,
+             torch.backends.cudnn.benchmark)
     try:
-        matmul.fp32_precision, conv.fp32_precision = "ieee", "ieee"
-        torch.backends.cudnn.benchmark = False
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = False, False
         set_gpu_defaults()
-        assert matmul.fp32_precision == "tf32" and conv.fp32_precision == "tf32"
-        assert torch.backends.cudnn.benchmark is True
+        assert torch.get_float32_matmul_precision() == "high"
+        assert torch.backends.cuda.matmul.allow_tf32 is True
+        assert torch.backends.cudnn.allow_tf32 is True and torch.backends.cudnn.benchmark is True
     finally:
-        matmul.fp32_precision, conv.fp32_precision, torch.backends.cudnn.benchmark = saved
+        torch.set_float32_matmul_precision(saved[0])
+        torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = saved[1], saved[2]
 
 
 def test_build_engine_sets_gpu_defaults_only_for_cuda_models(monkeypatch):
@@ -91,11 +99,13 @@ def test_build_engine_sets_gpu_defaults_only_for_cuda_models(monkeypatch):
     monkeypatch.setattr(deepspeed, "initialize",
                         lambda **kw: configs.append(kw["config"]) or (object(), None, None, None))
     config = _config(deepspeed__zero_stage=1)
-    engine_module.build_engine(torch.nn.Linear(4, 4), config, total_steps=10, world_size=2)
+    sections = dict(optim=config.optim, train=config.train, deepspeed=config.deepspeed,
+                    micro_batch_size=config.data.batch_size, total_steps=10, world_size=2)
+    engine_module.build_engine(torch.nn.Linear(4, 4), **sections)
     assert calls == [] and "overlap_comm" not in configs[-1]["zero_optimization"]
 
     monkeypatch.setattr(engine_module, "model_device", lambda model: torch.device("cuda"))
-    engine_module.build_engine(torch.nn.Linear(4, 4), config, total_steps=10, world_size=2)
+    engine_module.build_engine(torch.nn.Linear(4, 4), **sections)
     assert calls == ["gpu"] and configs[-1]["zero_optimization"]["overlap_comm"] is True
 
 
@@ -133,7 +143,8 @@ def _master_value(engine, param) -> float:
 def _clamp_under_every_stage(rank, world_size, combinations):
     import deepspeed
 
-    from vlcontrast.train.engine import build_engine, clamp_logit_scale, input_dtype
+    from vlcontrast.train.engine import build_engine, clamp_logit_scale
+    from vlcontrast.train.precision import Precision
 
     outcome = {}
     for stage, precision in combinations:
@@ -142,11 +153,12 @@ def _clamp_under_every_stage(rank, world_size, combinations):
         config = _config(deepspeed__zero_stage=stage, train__precision=precision,
                          data__batch_size=2, optim__lr=1.0, optim__warmup_steps=0,
                          optim__weight_decay=0.0)
-        engine, _ = build_engine(_ScaleModel(), config, total_steps=10, world_size=world_size)
+        engine, _ = build_engine(_ScaleModel(), optim=config.optim, train=config.train, deepspeed=config.deepspeed,
+                             micro_batch_size=config.data.batch_size, total_steps=10, world_size=world_size)
         param = engine.module.logit_scale
         values = []
         for _ in range(3):
-            loss = engine(torch.ones(2, 4, dtype=input_dtype(precision)))
+            loss = engine(torch.ones(2, 4, dtype=Precision(precision).parameter_dtype))
             engine.backward(loss)
             engine.step()
             clamp_logit_scale(engine)
@@ -187,15 +199,22 @@ def _train_towers(rank, world_size, cases):
     from vlcontrast.config import ModelConfig
     from vlcontrast.losses import build_loss
     from vlcontrast.models import build_model
-    from vlcontrast.train.engine import build_engine, input_dtype
+    from vlcontrast.train.engine import build_engine
+    from vlcontrast.train.precision import Precision
 
     outcome = {}
     for model_name, precision, stage in cases:
         torch.manual_seed(0)
         bundle = build_model(ModelConfig(name=model_name))
+        # fp16: a small initial loss scale, so the first steps are not loss-scale overflows (at
+        # DeepSpeed's default 2^16 the three steps of this test all overflow on CPUs with fp16).
         config = _config(deepspeed__zero_stage=stage, train__precision=precision,
-                         data__batch_size=8, optim__lr=1e-3, optim__warmup_steps=0)
-        engine, _ = build_engine(bundle.model, config, total_steps=10, world_size=world_size)
+                         data__batch_size=8, optim__lr=1e-3, optim__warmup_steps=0,
+                         **{"deepspeed.overrides.fp16.initial_scale_power": 4})
+        engine, _ = build_engine(bundle.model, optim=config.optim, train=config.train,
+                                 deepspeed=config.deepspeed,
+                                 micro_batch_size=config.data.batch_size, total_steps=10,
+                                 world_size=world_size)
         loss_fn = build_loss("infonce")
         size = bundle.model_config["model_cfg"]["vision_cfg"]["image_size"]
         images = torch.rand(8, 3, size, size, generator=torch.Generator().manual_seed(1))
@@ -205,7 +224,7 @@ def _train_towers(rank, world_size, cases):
         weights_before = [p.detach().float().clone() for p in engine.module.parameters()]
         losses, applied = [], []
         for _ in range(3):
-            out = engine(images.to(input_dtype(precision)), texts)
+            out = engine(images.to(Precision(precision).parameter_dtype), texts)
             result = loss_fn(out["image_features"], out["text_features"], out["logit_scale"],
                              sample_ids=torch.arange(8))
             engine.backward(result["loss"])
@@ -237,13 +256,13 @@ def test_every_tower_family_trains_under_every_precision(model_name):
     from deepspeed.accelerator import get_accelerator
 
     from vlcontrast.config import ConfigError
-    from vlcontrast.train.engine import check_precision
+    from vlcontrast.train.precision import Precision
 
     precisions = list(TOWER_PRECISIONS)
     if not get_accelerator().is_fp16_supported():
         # This CPU has no fp16 kernels: the run is refused at start, naming the setting.
         with pytest.raises(ConfigError, match="train.precision='fp16'.*not support fp16"):
-            check_precision("fp16", torch.device("cpu"))
+            Precision("fp16").check_supported(torch.device("cpu"))
         precisions.remove("fp16")
     # ZeRO 1 is what the shipped CC3M configs use; ZeRO 0 bf16 is DeepSpeed's separate bf16 path.
     cases = [(model_name, precision, 1) for precision in precisions] + [(model_name, "bf16", 0)]

@@ -31,16 +31,17 @@ def _config(*overrides):
 
 
 def test_augment_off_trains_on_the_evaluation_transform(bundle):
-    transform, normalizer = train_transform(_config("data.augment=false"), bundle)
+    transform, normalizer = train_transform(_config("data.augment=false").data, bundle)
     assert normalizer is None
     for im in _images():
         assert torch.equal(transform(im), bundle.preprocess_val(im))
     # the default is open_clip's random training transform
-    assert train_transform(_config(), bundle)[0] is bundle.preprocess_train
+    assert train_transform(_config().data, bundle)[0] is bundle.preprocess_train
 
 
 def test_augment_off_with_normalize_on_device_gives_the_same_values(bundle):
-    head, normalizer = train_transform(_config("data.augment=false", "data.normalize_on_device=true"), bundle)
+    head, normalizer = train_transform(_config("data.augment=false", "data.normalize_on_device=true").data,
+                                        bundle)
     shipped = torch.stack([SeededTransform(head, 0, random=False)(im) for im in _images()])
     assert shipped.dtype == torch.uint8
     expected = torch.stack([bundle.preprocess_val(im) for im in _images()])
@@ -64,8 +65,9 @@ def test_the_training_loader_caches_after_a_deterministic_transform_only(bundle,
     make_shards(tmp_path, [8, 8])
     config = _config(f"data.train={tmp_path}", f"data.augment={str(augment).lower()}",
                      "data.cache_mb=16", "data.batch_size=4", "data.workers=0")
-    transform, _ = train_transform(config, bundle)
-    batches = _train_batches(config, SimpleNamespace(rank=0, world_size=1), bundle, transform)
+    transform, _ = train_transform(config.data, bundle)
+    batches = _train_batches(config.data, config.seed, config.train.accum_steps,
+                             SimpleNamespace(rank=0, world_size=1), bundle.tokenizer, transform)
     cache = batches.loader._stream.cache
     assert cache.max_bytes == 16 << 20 and cache.after_transform is (not augment)
     first = batches.next_step()[0]

@@ -38,7 +38,8 @@ def _saved_weights_against_working_copies(rank, world_size, combinations):
             f"deepspeed.zero_stage={stage}", f"train.precision={precision}",
             "deepspeed.overrides.fp16.initial_scale_power=4",
             "deepspeed.overrides.zero_optimization.stage3_param_persistence_threshold=1"])
-        engine, _ = build_engine(model, config, total_steps=10, world_size=world_size)
+        engine, _ = build_engine(model, optim=config.optim, train=config.train, deepspeed=config.deepspeed,
+                             micro_batch_size=config.data.batch_size, total_steps=10, world_size=world_size)
         device = next(engine.module.parameters()).device
         for _ in range(3):
             inputs = torch.randn(2, 4, device=device).to(dtypes[precision])

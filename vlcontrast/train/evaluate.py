@@ -1,4 +1,4 @@
-"""Evaluation during and at the end of training, on the live engine.
+"""Evaluation during and at the end of training, on the live engine: the :class:`Evaluator`.
 
 Evaluation embeds through ``encode_image``/``encode_text``, not through the module's ``forward``, so
 under ZeRO-3 DeepSpeed's hooks never gather the partitioned parameters (every parameter above
@@ -10,10 +10,16 @@ collective, and evaluation runs on every rank anyway), and released afterwards.
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import torch
 
-from vlcontrast.config import RunConfig
+from vlcontrast.config import EvalConfig
+from vlcontrast.errors import ConfigError
+from vlcontrast.train.precision import Precision
+
+NO_RETRIEVAL = "none"
+"""``eval.retrieval=none``: skip retrieval even when ``data.val`` is set."""
 
 
 def gathered_weights(module: torch.nn.Module):
@@ -26,32 +32,70 @@ def gathered_weights(module: torch.nn.Module):
     return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
 
-def evaluate(module: torch.nn.Module, bundle, config: RunConfig, device) -> dict[str, float]:
-    """Retrieval (``eval.retrieval`` or ``data.val``) and zero-shot (``eval.zeroshot``) metrics."""
-    from vlcontrast.evaluation import evaluate_retrieval, evaluate_zeroshot
+class Evaluator:
+    """Retrieval (``eval.retrieval``, else ``data.val``) and zero-shot (``eval.zeroshot``) on the
+    live model, every ``eval.every`` steps and at the end.
 
-    results: dict[str, float] = {}
-    was_training = module.training
-    module.eval()
-    try:
-        with gathered_weights(module), torch.no_grad():
-            shards = config.eval.retrieval or config.data.val
-            if shards and shards != "none":
-                metrics = evaluate_retrieval(module, bundle.preprocess_val, bundle.tokenizer,
-                                             shards, batch_size=config.eval.batch_size,
-                                             workers=config.data.workers, device=device,
-                                             max_samples=config.eval.max_samples)
-                results.update({f"retrieval/{k}": v for k, v in metrics.items()
-                                if isinstance(v, (int, float))})
-            if config.eval.zeroshot:
-                metrics = evaluate_zeroshot(module, bundle.preprocess_val, bundle.tokenizer,
-                                            config.eval.zeroshot,
-                                            classnames=config.eval.classnames or None,
-                                            templates=config.eval.templates or None,
-                                            batch_size=config.eval.batch_size,
-                                            workers=config.data.workers, device=device)
-                results.update({f"zeroshot/{k}": v for k, v in metrics.items()
-                                if isinstance(v, (int, float))})
-    finally:
-        module.train(was_training)
-    return results
+    Owns its section: the retrieval shards are resolved once here (the one place that reads
+    ``eval.retrieval``'s fallback to ``data.val`` and its ``none``), :meth:`check` validates the
+    paths before heavy work, and :meth:`should_evaluate` decides when. Under ``amp_bf16`` the
+    embeddings are computed under the same bf16 autocast as the training forward.
+    """
+
+    def __init__(self, config: EvalConfig, *, val_shards: str = "", workers: int = 0,
+                 precision: Precision = Precision()):
+        self.config = config
+        self.workers = workers
+        self.precision = precision
+        retrieval = config.retrieval or val_shards
+        self.retrieval_shards = "" if retrieval == NO_RETRIEVAL else retrieval
+        self.retrieval_key = "eval.retrieval" if config.retrieval else "data.val"
+
+    def check(self) -> None:
+        """Every evaluation path exists and every shard spec parses (reads no shard)."""
+        from vlcontrast.data.spec import check_spec
+
+        if self.retrieval_shards:
+            check_spec(self.retrieval_key, self.retrieval_shards)
+        if self.config.zeroshot and not Path(self.config.zeroshot).is_dir():
+            raise ConfigError(f"eval.zeroshot={self.config.zeroshot!r}: directory does not exist")
+        for key in ("classnames", "templates"):
+            value = getattr(self.config, key)
+            if value and not Path(value).is_file():
+                raise ConfigError(f"eval.{key}={value!r}: file does not exist")
+
+    def should_evaluate(self, step: int, total_steps: int) -> bool:
+        """Periodic evaluation inside the loop (the final one runs after it)."""
+        every = self.config.every
+        return bool(every) and step % every == 0 and step < total_steps
+
+    def evaluate(self, module: torch.nn.Module, bundle, device) -> dict[str, float]:
+        """``retrieval/*`` and ``zeroshot/*`` metrics of ``module`` (every rank takes part)."""
+        from vlcontrast.evaluation import evaluate_retrieval, evaluate_zeroshot
+
+        config = self.config
+        results: dict[str, float] = {}
+        was_training = module.training
+        module.eval()
+        try:
+            with gathered_weights(module), torch.no_grad(), self.precision.autocast_context(device):
+                if self.retrieval_shards:
+                    metrics = evaluate_retrieval(module, bundle.preprocess_val, bundle.tokenizer,
+                                                 self.retrieval_shards,
+                                                 batch_size=config.batch_size,
+                                                 workers=self.workers, device=device,
+                                                 max_samples=config.max_samples)
+                    results.update({f"retrieval/{k}": v for k, v in metrics.items()
+                                    if isinstance(v, (int, float))})
+                if config.zeroshot:
+                    metrics = evaluate_zeroshot(module, bundle.preprocess_val, bundle.tokenizer,
+                                                config.zeroshot,
+                                                classnames=config.classnames or None,
+                                                templates=config.templates or None,
+                                                batch_size=config.batch_size,
+                                                workers=self.workers, device=device)
+                    results.update({f"zeroshot/{k}": v for k, v in metrics.items()
+                                    if isinstance(v, (int, float))})
+        finally:
+            module.train(was_training)
+        return results

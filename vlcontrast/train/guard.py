@@ -18,9 +18,9 @@ class TrainingDiverged(RuntimeError):
 
 
 class DivergenceGuard:
-    def __init__(self, max_bad_steps: int, *, precision: str, last_good: Callable[[], object]):
+    def __init__(self, max_bad_steps: int, *, loss_scaling: bool, last_good: Callable[[], object]):
         self.max_bad_steps = max_bad_steps
-        self.fp16 = precision == "fp16"
+        self.fp16 = loss_scaling
         self.last_good = last_good
         self.bad_in_a_row = 0
         self.skipped = 0

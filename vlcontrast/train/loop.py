@@ -32,20 +32,21 @@ import torch
 import yaml
 
 from vlcontrast import distributed as dist_utils
-from vlcontrast.config import ConfigError, RunConfig, to_dict
+from vlcontrast import checkpoints as ckpt
+from vlcontrast.config import DataConfig, RunConfig, to_dict
 from vlcontrast.data.loader import build_train_loader
 from vlcontrast.data.transforms import split_normalization
+from vlcontrast.errors import ConfigError
 from vlcontrast.losses import LOSSES, build_loss
 from vlcontrast.models import build_model
-from vlcontrast import checkpoints as ckpt
 from vlcontrast.train.batches import SeededTransform, TrainBatches
 from vlcontrast.train.checkpoint import Checkpointer, RNGState
-from vlcontrast.train.engine import (build_engine, check_precision, clamp_logit_scale, input_dtype,
-                                     num_parameters)
-from vlcontrast.train.evaluate import evaluate
+from vlcontrast.train.engine import build_engine, clamp_logit_scale, num_parameters
+from vlcontrast.train.evaluate import Evaluator
 from vlcontrast.train.guard import DivergenceGuard, TrainingDiverged
 from vlcontrast.train.metrics import MetricsLogger
 from vlcontrast.train.momentum import MomentumTowers
+from vlcontrast.train.precision import Precision
 from vlcontrast.train.preflight import preflight
 from vlcontrast.train.report import finish_run
 from vlcontrast.train.state import TrainState
@@ -63,24 +64,28 @@ def train(config: RunConfig) -> dict[str, Any]:
     stop = StopSignal()  # first: a preemption notice during start-up is kept
     env = dist_utils.init_distributed(timeout_s=config.train.dist_timeout_s,
                                       device=config.train.device)
-    preflight(config)
-    device, dtype = env.device, input_dtype(config.train.precision)
+    precision = Precision(config.train.precision)
+    evaluator = Evaluator(config.eval, val_shards=config.data.val, workers=config.data.workers,
+                          precision=precision)
+    preflight(config, evaluator)
+    device, dtype = env.device, precision.parameter_dtype
     run_dir, config_yaml = Path(config.output_dir), yaml.safe_dump(to_dict(config), sort_keys=False)
-    _configure_process(config, env, config_yaml)
+    _configure_process(config.seed, precision, env, run_dir, config_yaml)
 
     bundle = build_model(config.model, siglip=LOSSES[config.loss.name].uses_logit_bias,
                          device=device)
-    transform, normalizer = train_transform(config, bundle)
-    data = _train_batches(config, env, bundle, transform)
+    transform, normalizer = train_transform(config.data, bundle)
+    data = _train_batches(config.data, config.seed, config.train.accum_steps, env,
+                          bundle.tokenizer, transform)
     loss_fn = build_loss(config.loss.name, chunk_size=config.loss.chunk_size,
                          id_space=data.id_space, **config.loss.options).to(device)
     global_batch = config.data.batch_size * env.world_size * config.train.accum_steps
     total_steps = config.train.steps or max(1, math.ceil(config.train.epochs * data.steps_per_epoch))
     engine, checkpoint_bytes = _build_engine(bundle.model, config, total_steps, env)
-    momentum = _momentum_towers(engine, loss_fn, config, dtype)
+    momentum = _momentum_towers(engine, loss_fn, config.deepspeed.zero_stage, precision)
 
     state = TrainState()
-    guard = DivergenceGuard(config.train.max_bad_steps, precision=config.train.precision,
+    guard = DivergenceGuard(config.train.max_bad_steps, loss_scaling=precision.loss_scaling,
                             last_good=lambda: checkpointer.last_good)
     checkpointer = Checkpointer(
         run_dir, engine, every=config.checkpoint.every, keep=config.checkpoint.keep,
@@ -91,7 +96,7 @@ def train(config: RunConfig) -> dict[str, Any]:
     resumed = checkpointer.resume(config.train.resume)
     if resumed is False:  # another world size: start the saved epoch afresh
         data.start_epoch(state.epoch)
-    log = _step_logger(config, env, total_steps, resumed_at=state.step)
+    log = _step_logger(config, env, total_steps, precision, resumed_at=state.step)
     if resumed is not None:
         log.event(state.step, {"resumed_from": str(checkpointer.last_good)})
 
@@ -116,9 +121,9 @@ def train(config: RunConfig) -> dict[str, Any]:
                     momentum.update(engine.module)
                 log.applied(state.step, global_batch, state=state, engine=engine,
                             result=outcome.result, data=data, counts=guard.counts())
-                if _evaluation_due(config, state.step, total_steps):
-                    log.eval(state.step, evaluate(engine.module, bundle, config, device))
-            reason = _stop_reason(stop, outcome, config, state.step)
+                if evaluator.should_evaluate(state.step, total_steps):
+                    log.eval(state.step, evaluator.evaluate(engine.module, bundle, device))
+            reason = _stop_reason(stop, outcome, config.train.stop_at_step, state.step)
             checkpointer.maybe_save(state.step, force=reason is not None)
             if reason is not None:
                 log.event(state.step, {"stopped": reason, "checkpoint": str(checkpointer.last_good)})
@@ -126,17 +131,23 @@ def train(config: RunConfig) -> dict[str, Any]:
                                     f"{checkpointer.last_good}")
 
         checkpointer.maybe_save(state.step, force=True)
-        results = evaluate(engine.module, bundle, config, device)
+        results = evaluator.evaluate(engine.module, bundle, device)
         results.update({"step": state.step, "samples_seen": state.samples_seen,
                         "global_batch": global_batch})
         if env.rank == 0:
             log.eval(state.step, results)
-            finish_run(run_dir, results, checkpoint=checkpointer.last_good, config=config,
-                       model_name=bundle.model_name, world_size=env.world_size,
-                       skipped_steps=guard.skipped)
+            finish_run(run_dir, results, checkpoint=checkpointer.last_good, setup={
+                "loss": config.loss.name, "model": bundle.model_name,
+                "world_size": env.world_size, "global_batch": global_batch,
+                "steps": state.step, "precision": precision.name,
+                "zero_stage": config.deepspeed.zero_stage, "skipped_steps": guard.skipped})
     finally:
         log.close()
     dist_utils.barrier()
+    # DeepSpeed's gradient hooks keep the engine, its optimizer and the parameters reachable after
+    # the run; destroy() releases what it can (ZeRO-1/2 buffers), so a process that trains again
+    # does not hold two models.
+    engine.destroy()
     return results
 
 
@@ -144,65 +155,66 @@ def train(config: RunConfig) -> dict[str, Any]:
 # set-up helpers
 
 
-def train_transform(config: RunConfig, bundle):
+def train_transform(data: DataConfig, bundle):
     """(the loader's per-image training transform, the per-batch normaliser or None).
 
     open_clip's training transform (random crop) unless ``data.augment`` is off, then its
     evaluation transform; cut after the crop when ``data.normalize_on_device`` is on."""
-    transform = bundle.preprocess_train if config.data.augment else bundle.preprocess_val
-    if config.data.normalize_on_device:
+    transform = bundle.preprocess_train if data.augment else bundle.preprocess_val
+    if data.normalize_on_device:
         return split_normalization(transform)
     return transform, None
 
 
-def _train_batches(config: RunConfig, env, bundle, transform) -> TrainBatches:
+def _train_batches(data: DataConfig, seed: int, accum_steps: int, env, tokenizer,
+                   transform) -> TrainBatches:
     """This rank's batch stream, augmented with ``transform`` by (seed, epoch, image)."""
-    augment = SeededTransform(transform, config.seed, random=config.data.augment)
-    build = functools.partial(build_train_loader, config.data, augment, bundle.tokenizer,
-                              seed=config.seed, rank=env.rank, world_size=env.world_size)
-    return TrainBatches(build, augment, config.train.accum_steps)
+    augment = SeededTransform(transform, seed, random=data.augment)
+    build = functools.partial(build_train_loader, data, augment, tokenizer, seed=seed,
+                              rank=env.rank, world_size=env.world_size)
+    return TrainBatches(build, augment, accum_steps)
 
 
-def _stop_reason(stop: StopSignal, outcome: StepOutcome, config: RunConfig, step: int) -> str | None:
+def _stop_reason(stop: StopSignal, outcome: StepOutcome, stop_at_step: int,
+                 step: int) -> str | None:
     """Why to stop after this step (the same answer on every rank), or None."""
     signalled = stop.reason(outcome.stop_signalled)
-    if signalled is None and 0 < config.train.stop_at_step <= step:
+    if signalled is None and 0 < stop_at_step <= step:
         return "train.stop_at_step"
     return signalled
 
 
-def _momentum_towers(engine, loss_fn, config: RunConfig, dtype) -> MomentumTowers | None:
+def _momentum_towers(engine, loss_fn, zero_stage: int,
+                     precision: Precision) -> MomentumTowers | None:
     """DeCL's EMA towers when the loss asks for them (forward under the training precision)."""
     if not getattr(loss_fn, "needs_momentum_features", False):
         return None
-    compute = torch.bfloat16 if "bf16" in config.train.precision else dtype
-    return MomentumTowers(engine.module, loss_fn.ema_decay, zero_stage=config.deepspeed.zero_stage,
-                          compute_dtype=compute)
+    return MomentumTowers(engine.module, loss_fn.ema_decay, zero_stage=zero_stage,
+                          compute_dtype=precision.compute_dtype)
 
 
-def _evaluation_due(config: RunConfig, step: int, total_steps: int) -> bool:
-    """Periodic evaluation (the final one runs after the loop)."""
-    return bool(config.eval.every) and step % config.eval.every == 0 and step < total_steps
-
-
-def _configure_process(config: RunConfig, env, config_yaml: str) -> None:
+def _configure_process(seed: int, precision: Precision, env, run_dir: Path,
+                       config_yaml: str) -> None:
     """Threads, precision support and seeds of this process; rank 0 writes config.yaml."""
     if env.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Launchers other than torchrun leave every process one thread per core: N processes on
         # N cores then spin against each other for minutes inside every collective.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist_utils.local_world_size()))
-    check_precision(config.train.precision, env.device)
-    seed = config.seed + env.rank
+    precision.check_supported(env.device)
+    seed = seed + env.rank
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
     if env.rank == 0:
-        (Path(config.output_dir) / "config.yaml").write_text(config_yaml)
+        (run_dir / "config.yaml").write_text(config_yaml)
 
 
 def _build_engine(model, config: RunConfig, total_steps: int, env):
     """(engine, estimated checkpoint bytes); rank 0 writes deepspeed.json and checks the disk."""
-    engine, ds_config = build_engine(model, config, total_steps, env.world_size)
+    engine, ds_config = build_engine(model, optim=config.optim, train=config.train,
+                                     deepspeed=config.deepspeed,
+                                     micro_batch_size=config.data.batch_size,
+                                     total_steps=total_steps, world_size=env.world_size)
     checkpoint_bytes = ckpt.checkpoint_bytes(num_parameters(engine.module))
     error = None
     if env.rank == 0:
@@ -216,10 +228,10 @@ def _build_engine(model, config: RunConfig, total_steps: int, env):
     return engine, checkpoint_bytes
 
 
-def _step_logger(config: RunConfig, env, total_steps: int, resumed_at: int):
-    metrics = MetricsLogger(Path(config.output_dir), enabled=env.rank == 0,
-                            tensorboard=config.logging.tensorboard, wandb=config.logging.wandb,
-                            wandb_project=config.logging.wandb_project, config=to_dict(config))
+def _step_logger(config: RunConfig, env, total_steps: int, precision: Precision, resumed_at: int):
+    metrics = MetricsLogger(Path(config.output_dir), config.logging, enabled=env.rank == 0,
+                            config=to_dict(config))
     return StepLogger(metrics, every=config.train.log_every, total_steps=total_steps,
-                      device=env.device, precision=config.train.precision, start_step=resumed_at,
+                      device=env.device, loss_scaling=precision.loss_scaling,
+                      start_step=resumed_at,
                       progress=env.rank == 0 and config.logging.progress)

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vlcontrast.config import LoggingConfig
+
 
 def _plain(value: Any) -> Any:
     if hasattr(value, "item"):
@@ -22,9 +24,12 @@ def _plain(value: Any) -> Any:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool = True,
-                 wandb: bool = False, wandb_project: str = "vlcontrast", config: dict | None = None):
+    def __init__(self, run_dir: Path, logging: LoggingConfig, *, enabled: bool,
+                 config: dict | None = None):
+        """``logging``: the run's ``logging`` section; ``config``: the resolved run config as a
+        plain dict, for Weights & Biases."""
         self.enabled = enabled
+        tensorboard, wandb, wandb_project = logging.tensorboard, logging.wandb, logging.wandb_project
         self.path = run_dir / "metrics.jsonl"
         self._writer = None
         self._wandb = None

@@ -1,7 +1,9 @@
-"""Checks before any heavy work: shard specs, evaluation paths, a writable run directory.
+"""Checks before any heavy work: the run directory is writable, and each component's own check.
 
-The shard specs go through the data package's own grammar (``vlcontrast.data.check_spec``), the one
-the loader and evaluation read them with, so what passes here is what they will accept.
+``train()`` calls :func:`preflight` before the model is built. It composes the components' checks
+(the training data's shard spec through the data package's own grammar, the one the loader reads
+it with; the :class:`~vlcontrast.train.evaluate.Evaluator`'s paths) and adds the one check that
+belongs to the run itself: its directory can be written.
 """
 
 from __future__ import annotations
@@ -9,32 +11,28 @@ from __future__ import annotations
 from pathlib import Path
 
 from vlcontrast import distributed as dist_utils
-from vlcontrast.config import ConfigError, RunConfig
+from vlcontrast.config import DataConfig, RunConfig
+from vlcontrast.errors import ConfigError
 
 
-def preflight(config: RunConfig) -> None:
-    """Fail fast on missing data, unwritable output and bad evaluation paths (collective: the
-    run-directory check is agreed on by every rank)."""
+def check_training_data(data: DataConfig) -> None:
+    """``data.train`` is set and ``data.train``/``data.val`` parse as shard specs (reads no shard)."""
     from vlcontrast.data.spec import check_spec
 
-    if not config.data.train:
+    if not data.train:
         raise ConfigError("data.train='': set the training shards "
                           "(e.g. data/synthetic/train/{00000..00019}.tar)")
-    retrieval = config.eval.retrieval if config.eval.retrieval != "none" else ""
-    for key, spec in (("data.train", config.data.train), ("data.val", config.data.val),
-                      ("eval.retrieval", retrieval)):
+    for key, spec in (("data.train", data.train), ("data.val", data.val)):
         if spec:
             check_spec(key, spec)
-    if config.eval.zeroshot and not Path(config.eval.zeroshot).is_dir():
-        raise ConfigError(f"eval.zeroshot={config.eval.zeroshot!r}: directory does not exist")
-    for key in ("classnames", "templates"):
-        value = getattr(config.eval, key)
-        if value and not Path(value).is_file():
-            raise ConfigError(f"eval.{key}={value!r}: file does not exist")
-    # Rank 0 creates the run directory; every rank learns of a failure (no one waits alone).
+
+
+def check_run_directory(output_dir: str) -> None:
+    """Rank 0 creates the run directory; every rank learns of a failure (no one waits alone).
+    Collective."""
     error = None
     if dist_utils.get_rank() == 0:
-        out = Path(config.output_dir)
+        out = Path(output_dir)
         try:
             for folder in (out, out / "checkpoints"):
                 folder.mkdir(parents=True, exist_ok=True)
@@ -42,5 +40,19 @@ def preflight(config: RunConfig) -> None:
                 probe.write_text("ok")
                 probe.unlink()
         except OSError as err:
-            error = ConfigError(f"output_dir={config.output_dir!r}: not writable ({err})")
+            error = ConfigError(f"output_dir={output_dir!r}: not writable ({err})")
     dist_utils.raise_on_any_rank(error, ConfigError)
+
+
+def preflight(config: RunConfig, evaluator=None) -> None:
+    """Fail fast on missing data, bad evaluation paths and unwritable output (collective).
+
+    ``train()``'s composition of the components' checks; ``evaluator`` is the run's
+    :class:`~vlcontrast.train.evaluate.Evaluator` (one is made from ``config`` when omitted)."""
+    from vlcontrast.train.evaluate import Evaluator
+
+    check_training_data(config.data)
+    if evaluator is None:
+        evaluator = Evaluator(config.eval, val_shards=config.data.val)
+    evaluator.check()
+    check_run_directory(config.output_dir)

@@ -68,17 +68,16 @@ def write_report(run_dir: Path, results: dict[str, Any], config_summary: dict[st
     return path
 
 
-def finish_run(run_dir: Path, results: dict[str, Any], *, checkpoint, config, model_name: str,
-               world_size: int, skipped_steps: int) -> None:
-    """Rank 0 at the end of a run: ``results.json``, ``report.md`` and the table on stdout."""
+def finish_run(run_dir: Path, results: dict[str, Any], *, checkpoint, setup: dict[str, Any]) -> None:
+    """Rank 0 at the end of a run: ``results.json``, ``report.md`` and the table on stdout.
+
+    ``setup``: what the run was (loss, model, world size, global batch, steps, precision, ZeRO
+    stage, skipped steps), as ``train()`` describes it."""
     import json
 
     (run_dir / "results.json").write_text(json.dumps(
-        {"checkpoint": str(checkpoint) if checkpoint else None, "loss": config.loss.name,
-         "model": model_name, "world_size": world_size, "metrics": results}, indent=2))
-    summary = {"loss": config.loss.name, "model": model_name, "world_size": world_size,
-               "global_batch": results.get("global_batch"), "steps": results.get("step"),
-               "precision": config.train.precision, "zero_stage": config.deepspeed.zero_stage,
-               "skipped_steps": skipped_steps}
-    write_report(run_dir, results, summary)
+        {"checkpoint": str(checkpoint) if checkpoint else None, "loss": setup["loss"],
+         "model": setup["model"], "world_size": setup["world_size"], "metrics": results},
+        indent=2))
+    write_report(run_dir, results, setup)
     print("\n" + results_table(results) + "\n", flush=True)

@@ -98,67 +98,85 @@ def train_step(engine, loss_fn, micro_batches, step: int, device, dtype, timer,
     momentum_features = momentum.features(batches) if momentum is not None else None
 
     if k == 1:
-        images, texts, _ = batches[0]
-        out = engine(images, texts)
-        timer.mark("forward")
-        result = loss_fn(*_loss_inputs(out), sample_ids=sample_ids, step=step,
-                         momentum_features=momentum_features)
-        bad = ~torch.isfinite(result["loss"].detach()).all()
-        timer.mark("loss")
-        engine.backward(_poisoned(result["loss"], bad))
-        timer.mark("backward")
+        result, bad = plain_backward(engine, loss_fn, batches[0], sample_ids, step,
+                                     momentum_features, timer)
     else:
-        # GradCache. 1) embed every micro-batch without gradient, remembering the random state
-        # each one started from and the towers' buffers (batch-norm running statistics must be
-        # updated once per micro-batch, by the pass with gradient).
-        rng, buffers = [], _buffers_snapshot(engine.module)
-        with torch.no_grad():
-            cached = []
-            for images, texts, _ in batches:
-                rng.append(_rng_snapshot(device))
-                cached.append(engine(images, texts))
-        _buffers_restore(engine.module, buffers)
-        timer.mark("forward")
-        # 2) the loss over the whole accumulated batch and its gradient w.r.t. the features.
-        image_features = torch.cat([o["image_features"] for o in cached]).detach().requires_grad_()
-        text_features = torch.cat([o["text_features"] for o in cached]).detach().requires_grad_()
-        scale = cached[0]["logit_scale"].detach().requires_grad_()
-        bias = cached[0].get("logit_bias")
-        bias = bias.detach().requires_grad_() if bias is not None else None
-        result = loss_fn(image_features, text_features, scale, bias, sample_ids=sample_ids,
-                         step=step, momentum_features=momentum_features)
-        bad = ~torch.isfinite(result["loss"].detach()).all()
-        leaves = [image_features, text_features, scale] + ([bias] if bias is not None else [])
-        grads = torch.autograd.grad(_poisoned(result["loss"], bad), leaves, allow_unused=True)
-        timer.mark("loss")
-        # 3) re-embed each micro-batch with gradient under the same random state and push the
-        # cached feature gradients through it: sum_i <f_i, dL/df_i> has the towers' gradient of L.
-        image_grads = grads[0].split([b[0].shape[0] for b in batches])
-        text_grads = grads[1].split([b[0].shape[0] for b in batches])
-        for i, (images, texts, _) in enumerate(batches):
-            _rng_restore(rng[i], device)
-            out = engine(images, texts)
-            surrogate = ((out["image_features"] * image_grads[i].to(out["image_features"].dtype)).sum()
-                         + (out["text_features"] * text_grads[i].to(out["text_features"].dtype)).sum())
-            if i == 0:  # the temperature (and bias) enter the loss once per step
-                if grads[2] is not None:
-                    surrogate = surrogate + (out["logit_scale"] * grads[2]).sum()
-                if bias is not None and grads[3] is not None:
-                    surrogate = surrogate + (out["logit_bias"] * grads[3]).sum()
-            # DeepSpeed divides each micro-batch loss by gradient_accumulation_steps.
-            engine.backward(surrogate * k)
-            if i < k - 1:
-                engine.step()  # not a boundary: only advances DeepSpeed's micro-step counter
-        timer.mark("backward")
+        result, bad = gradcache_backward(engine, loss_fn, batches, sample_ids, step, device,
+                                         momentum_features, timer)
     engine.step()
     timer.mark("step")
     return _agree(engine, result, bad, stop is not None and stop.pending, step)
 
 
+def plain_backward(engine, loss_fn, batch, sample_ids, step: int, momentum_features, timer):
+    """One micro-batch: forward, loss, backward. Returns (the loss's outputs, loss non-finite)."""
+    images, texts, _ = batch
+    out = engine(images, texts)
+    timer.mark("forward")
+    result = loss_fn(*_loss_inputs(out), sample_ids=sample_ids, step=step,
+                     momentum_features=momentum_features)
+    bad = ~torch.isfinite(result["loss"].detach()).all()
+    timer.mark("loss")
+    engine.backward(_poisoned(result["loss"], bad))
+    timer.mark("backward")
+    return result, bad
+
+
+def gradcache_backward(engine, loss_fn, batches, sample_ids, step: int, device,
+                       momentum_features, timer):
+    """GradCache over ``k`` micro-batches: the loss over all of them with the activation memory of
+    one (see the module docstring). Returns (the loss's outputs, loss non-finite)."""
+    k = len(batches)
+    # GradCache. 1) embed every micro-batch without gradient, remembering the random state
+    # each one started from and the towers' buffers (batch-norm running statistics must be
+    # updated once per micro-batch, by the pass with gradient).
+    rng, buffers = [], _buffers_snapshot(engine.module)
+    with torch.no_grad():
+        cached = []
+        for images, texts, _ in batches:
+            rng.append(_rng_snapshot(device))
+            cached.append(engine(images, texts))
+    _buffers_restore(engine.module, buffers)
+    timer.mark("forward")
+    # 2) the loss over the whole accumulated batch and its gradient w.r.t. the features.
+    image_features = torch.cat([o["image_features"] for o in cached]).detach().requires_grad_()
+    text_features = torch.cat([o["text_features"] for o in cached]).detach().requires_grad_()
+    scale = cached[0]["logit_scale"].detach().requires_grad_()
+    bias = cached[0].get("logit_bias")
+    bias = bias.detach().requires_grad_() if bias is not None else None
+    result = loss_fn(image_features, text_features, scale, bias, sample_ids=sample_ids,
+                     step=step, momentum_features=momentum_features)
+    bad = ~torch.isfinite(result["loss"].detach()).all()
+    leaves = [image_features, text_features, scale] + ([bias] if bias is not None else [])
+    grads = torch.autograd.grad(_poisoned(result["loss"], bad), leaves, allow_unused=True)
+    timer.mark("loss")
+    # 3) re-embed each micro-batch with gradient under the same random state and push the
+    # cached feature gradients through it: sum_i <f_i, dL/df_i> has the towers' gradient of L.
+    image_grads = grads[0].split([b[0].shape[0] for b in batches])
+    text_grads = grads[1].split([b[0].shape[0] for b in batches])
+    for i, (images, texts, _) in enumerate(batches):
+        _rng_restore(rng[i], device)
+        out = engine(images, texts)
+        surrogate = ((out["image_features"] * image_grads[i].to(out["image_features"].dtype)).sum()
+                     + (out["text_features"] * text_grads[i].to(out["text_features"].dtype)).sum())
+        if i == 0:  # the temperature (and bias) enter the loss once per step
+            if grads[2] is not None:
+                surrogate = surrogate + (out["logit_scale"] * grads[2]).sum()
+            if bias is not None and grads[3] is not None:
+                surrogate = surrogate + (out["logit_bias"] * grads[3]).sum()
+        # DeepSpeed divides each micro-batch loss by gradient_accumulation_steps.
+        engine.backward(surrogate * k)
+        if i < k - 1:
+            engine.step()  # not a boundary: only advances DeepSpeed's micro-step counter
+    timer.mark("backward")
+    return result, bad
+
 def _agree(engine, result, bad: torch.Tensor, stop_pending: bool, step: int) -> StepOutcome:
     """The step's one collective: ``[loss non-finite, stop signal]`` summed over ranks."""
+    # torch.full writes the flag on the device with a fill kernel; new_tensor/torch.tensor would
+    # copy it from the host, a blocking copy from pageable memory on CUDA.
     flags = torch.stack([bad.to(torch.float32),
-                         bad.new_tensor(float(stop_pending), dtype=torch.float32)])
+                         torch.full((), float(stop_pending), device=bad.device)])
     flags = dist_utils.all_reduce_sum(flags.to(dist_utils.flag_device()))
     loss_bad, signalled = (value > 0 for value in flags.tolist())
     applied = engine.was_step_applied()

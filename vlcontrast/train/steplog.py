@@ -61,11 +61,11 @@ class StepTimer:
 
 class StepLogger:
     def __init__(self, metrics, *, every: int, total_steps: int, device: torch.device,
-                 precision: str, start_step: int = 0, progress: bool = False):
+                 loss_scaling: bool = False, start_step: int = 0, progress: bool = False):
         self.metrics = metrics
         self.every = every
         self.total_steps = total_steps
-        self.precision = precision
+        self.loss_scaling = loss_scaling
         self.timer = StepTimer(device)
         self._window_start = time.perf_counter()
         self._window_samples = 0
@@ -121,7 +121,7 @@ class StepLogger:
         grad_norm = engine.get_global_grad_norm()
         if grad_norm is not None:
             values["grad_norm"] = float(grad_norm)
-        if self.precision == "fp16":
+        if self.loss_scaling:
             values["loss_scale"] = float(getattr(engine.optimizer, "cur_scale", 0.0)
                                          or getattr(engine.optimizer, "loss_scale", 0.0))
         values.update({k: float(v) for k, v in result.items() if k != "loss"})

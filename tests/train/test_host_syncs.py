@@ -1,0 +1,133 @@
+"""Host synchronisations per steady-state step, by who causes them.
+
+A host synchronisation is any point where the CPU waits for the device: reading a tensor's value
+(``item``, ``tolist``, ``bool``/``float``/``int`` of a tensor), building a device tensor from host
+data (``new_tensor``, ``torch.tensor(..., device=...)``: a blocking copy from pageable memory) and
+the accelerator's ``synchronize``. On CPU none of them waits, but each is counted where it happens,
+so the count is the one a GPU run would pay. Every call is attributed to the first caller frame
+outside ``torch``: DeepSpeed, or a vlcontrast module. Two runs of the same configuration, of 2 and
+5 steps, differ only by 3 steady-state steps: their difference divided by 3 is the per-step count.
+
+The limits are the documented ones (docs/training.md, "Host synchronisations"): vlcontrast's own
+code reads the device once a step (the step's flag sum in ``train/step.py``), plus, at ZeRO 0 with
+fp32 parameters only, ``FiniteCheckedAdamW``'s overflow read, which stands in for the overflow
+check DeepSpeed's own optimizers make at every other stage. DeepSpeed's reads are listed there by
+name; the test pins their number too, so a DeepSpeed upgrade that adds one is noticed.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import default_backend, run_distributed
+
+# configuration -> (overrides, vlcontrast's own syncs per step)
+CASES = {
+    "zero0_fp32": ({"deepspeed__zero_stage": 0}, {"vlcontrast/train/step.py": 1,
+                                                  "vlcontrast/train/optimizer.py": 1}),
+    "zero1_amp_bf16": ({"deepspeed__zero_stage": 1, "train__precision": "amp_bf16"},
+                       {"vlcontrast/train/step.py": 1}),
+    "zero2_bf16": ({"deepspeed__zero_stage": 2, "train__precision": "bf16"},
+                   {"vlcontrast/train/step.py": 1}),
+    "zero3_fp32": ({"deepspeed__zero_stage": 3}, {"vlcontrast/train/step.py": 1}),
+    "gradcache_zero1_bf16": ({"deepspeed__zero_stage": 1, "train__precision": "bf16",
+                              "train__accum_steps": 2}, {"vlcontrast/train/step.py": 1}),
+    "decl_momentum_zero2_bf16": ({"deepspeed__zero_stage": 2, "train__precision": "bf16",
+                                  "loss__name": "decl", "loss__estimator": "momentum"},
+                                 {"vlcontrast/train/step.py": 1}),
+}
+
+READS = ("item", "tolist", "__bool__", "__float__", "__int__")
+
+# Code that reads only the loader's host-side tensors (sample ids, the position in the epoch)
+# before the batch is copied to the device: on a GPU these reads never wait for it.
+HOST_SIDE = {"vlcontrast/train/batches.py"}
+
+
+def _issuer() -> str:
+    import vlcontrast
+
+    package = Path(vlcontrast.__file__).parent
+    frame = sys._getframe(2)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if "/deepspeed/" in filename:
+            return "deepspeed:" + filename.split("/deepspeed/", 1)[1] + ":" + frame.f_code.co_name
+        if filename.startswith(str(package)):
+            return str(Path(filename).relative_to(package.parent))
+        if "/torch/" not in filename and "/tests/" in filename:
+            return "test"
+        frame = frame.f_back
+    return "other"
+
+
+def install_counter(counts: collections.Counter) -> None:
+    """Wrap every host-synchronising tensor call; ``counts[(kind, issuer)]`` grows per call."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    def counted(kind, real):
+        def wrapper(*args, **kwargs):
+            counts[(kind, _issuer())] += 1
+            return real(*args, **kwargs)
+        return wrapper
+
+    for name in READS + ("new_tensor",):
+        setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+    real_tensor = torch.tensor
+
+    def tensor(*args, **kwargs):
+        if kwargs.get("device") is not None:
+            counts[("torch.tensor(device=)", _issuer())] += 1
+        return real_tensor(*args, **kwargs)
+
+    torch.tensor = tensor
+    accelerator = type(get_accelerator())
+    accelerator.synchronize = counted("synchronize", accelerator.synchronize)
+    torch.cuda.synchronize = counted("synchronize", torch.cuda.synchronize)
+
+
+def _count(rank, world_size, data_dir, out_root, cases):
+    from tests.train.helpers import tiny_config
+    from vlcontrast.train import train
+
+    counts: collections.Counter = collections.Counter()
+    install_counter(counts)
+    per_run = {}
+    for case, (extra, _) in cases.items():
+        for steps in (2, 5):
+            counts.clear()
+            train(tiny_config(data_dir, out_root / case / str(steps), train__steps=steps,
+                              train__log_every=1000, checkpoint__every=0, **extra))
+            per_run[(case, steps)] = dict(counts)
+    return per_run
+
+
+def per_step_counts(per_run: dict, case: str) -> dict:
+    short, long = per_run[(case, 2)], per_run[(case, 5)]
+    per_step = {key: (long.get(key, 0) - short.get(key, 0)) / 3 for key in set(short) | set(long)}
+    return {key: n for key, n in per_step.items() if n}
+
+
+@pytest.mark.slow
+def test_host_synchronisations_per_step_are_the_documented_ones(synthetic_data, tmp_path):
+    outcomes = run_distributed(_count, 2, synthetic_data, tmp_path, CASES, timeout=600,
+                               backend=default_backend())
+    for case, (_, expected) in CASES.items():
+        for per_run in outcomes:
+            per_step = per_step_counts(per_run, case)
+            ours = collections.Counter()
+            for (kind, issuer), n in per_step.items():
+                if issuer.startswith("vlcontrast/") and issuer not in HOST_SIDE:
+                    ours[issuer] += n
+            assert dict(ours) == expected, (case, sorted(per_step.items()))
+            # No host-to-device copies of our own in the step (the flag is made on the device).
+            assert not [key for key in per_step if key[0] in ("new_tensor", "torch.tensor(device=)")
+                        and key[1].startswith("vlcontrast/")], (case, per_step)
+            deepspeed_syncs = [key for key in per_step if key[1].startswith("deepspeed:")
+                               and key[0] == "synchronize"]
+            assert not deepspeed_syncs, (case, deepspeed_syncs)  # the throughput timer is off
