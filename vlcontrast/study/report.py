@@ -1,7 +1,15 @@
 """The study's report, rebuilt from the per-cell result files: ``study.csv`` (one row per cell),
-``study.md`` (mean ± confidence interval per loss and batch size, paired comparisons with InfoNCE
-and any further ``comparisons``,
-the smallest detectable difference, whether the cells learn) and PNG plots.
+``comparisons.csv`` (one row per tested comparison), ``study.md`` (mean ± confidence interval per
+loss and batch size, paired comparisons with InfoNCE and any further ``comparisons`` corrected
+for multiplicity with Holm-Bonferroni, the smallest detectable difference, whether the cells
+learn) and PNG plots.
+
+The tested family is every paired comparison the report makes at the last evaluation: each loss
+against InfoNCE and each configured extra pair (``comparisons``), at each batch size, for each
+reported metric (:data:`REPORTED`). A mark (▲/▼) means the comparison survives Holm's correction
+over that whole family at alpha = 1 - ``confidence``. The best evaluation is chosen on the
+evaluation set itself; its paired differences are shown for description only, outside the family
+and without marks.
 
 Every number comes from ``results_dir``, so the report of a study spread over several sessions is
 the same as that of one uninterrupted run.
@@ -16,12 +24,19 @@ from typing import Any
 from .cells import read_result
 from .config import StudyConfig
 from .grid import Cell
-from .stats import mean_interval, paired_comparison
+from dataclasses import dataclass
+
+from .stats import PairedComparison, holm_adjust, mean_interval, minimum_detectable_difference, paired_comparison
 
 BASELINE = "infonce"
 REPORTED = (("mean_R@1", "Retrieval R@1, mean of both directions"),
             ("zeroshot/top1", "Zero-shot top-1"))
 """(metric, title) of the tables; each is reported for the last and for the best evaluation."""
+FAMILY_EVALUATION = "last"
+"""The evaluation whose paired comparisons form the tested (Holm-corrected) family."""
+COMPARISON_FIELDS = ("evaluation", "metric", "candidate", "baseline", "global_batch", "n",
+                     "mean_difference", "ci_low", "ci_high", "sd_difference", "p_value", "holm_p",
+                     "survives_holm", "detectable", "detectable_holm", "family_size")
 CSV_METRICS = ("zeroshot/top1", "zeroshot/top5", "mean_R@1", "retrieval/text_to_image_R@1",
                "retrieval/image_to_text_R@1", "mean_R@5")
 CSV_FIELDS = (["cell", "loss", "global_batch", "seed", "status", "steps", "samples_seen", "lr",
@@ -94,6 +109,22 @@ def _chance(rows: list[dict[str, Any]]) -> dict[str, float | None]:
     return {}
 
 
+def _starting_metrics(config: StudyConfig) -> dict[str, float]:
+    """The shared starting checkpoint's final evaluation (``pretrain.json``), if recorded."""
+    import json
+
+    path = config.results_path / "pretrain.json"
+    try:
+        metrics = json.loads(path.read_text()).get("metrics") or {}
+    except (OSError, ValueError):
+        return {}
+    out = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+    recall = [out.get(f"retrieval/{d}_R@1") for d in ("text_to_image", "image_to_text")]
+    if all(r is not None for r in recall):
+        out["mean_R@1"] = sum(recall) / 2
+    return out
+
+
 def learning_table(config: StudyConfig, rows: list[dict[str, Any]]) -> list[str]:
     """Does InfoNCE learn at every batch size (the requirement that makes the comparison worth
     reading)?"""
@@ -118,6 +149,15 @@ def learning_table(config: StudyConfig, rows: list[dict[str, Any]]) -> list[str]
         shown_z = f"{100 * mean_z:.1f}" if mean_z is not None else "-"
         out.append(f"| {size} | {len(r)} | {100 * mean_r:.1f} | {shown_z} | {'yes' if ok else 'NO'} |")
     out.append("")
+    start = _starting_metrics(config)
+    if "mean_R@1" in start and "zeroshot/top1" in start:
+        meets = start["mean_R@1"] >= MIN_MEAN_R1 and (
+            chance is None or start["zeroshot/top1"] >= MIN_ZEROSHOT_OVER_CHANCE * chance)
+        out.append(f"The shared starting checkpoint (`pretrain.json`) has mean R@1 "
+                   f"{100 * start['mean_R@1']:.1f}% and zero-shot top-1 "
+                   f"{100 * start['zeroshot/top1']:.1f}%: it "
+                   + ("already meets the requirement, so meeting it does not show that the "
+                      "cells learn." if meets else "does not meet the requirement.") + "\n")
     return out
 
 
@@ -134,10 +174,9 @@ def markdown_tables(config: StudyConfig, rows: list[dict[str, Any]]) -> str:
                      for s in sizes]
             out.append(f"| {loss} | " + " | ".join(cells) + " |")
         out.append("")
-    if BASELINE in losses and len(losses) > 1:
-        out += paired_tables(config, rows, [loss for loss in losses if loss != BASELINE], BASELINE)
-    for candidate, baseline in config.comparisons:
-        out += paired_tables(config, rows, [candidate], baseline)
+    family = comparison_family(config, rows)
+    out += family_tables(config, family)
+    out += best_tables(config, rows)
     done = sum(r.get("status") == "ok" for r in rows)
     out.append(f"Cells finished: {done} of {len(rows)}; {len(config.grid.seeds)} seed(s) per "
                "(loss, batch); values in percent; '-': fewer finished cells than the entry needs.\n")
@@ -156,43 +195,180 @@ def markdown_tables(config: StudyConfig, rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def paired_tables(config: StudyConfig, rows: list[dict[str, Any]], candidates: list[str],
-                  baseline: str) -> list[str]:
-    """Paired differences (candidate − baseline, same seeds) per batch size, with their confidence
-    interval and the smallest difference the seeds detect, for every reported metric."""
+@dataclass
+class FamilyComparison:
+    """One paired comparison of the tested family, with its Holm-adjusted p-value."""
+    metric: str
+    title: str
+    candidate: str
+    baseline: str
+    global_batch: int
+    result: PairedComparison
+    holm_p: float
+    detectable_holm: float
+    """Smallest difference detected with the study's power at the Bonferroni level alpha / m."""
+    family_size: int
+    alpha: float
+
+    @property
+    def survives(self) -> bool:
+        return self.holm_p < self.alpha  # False for NaN
+
+    @property
+    def mark(self) -> str:
+        if not self.survives:
+            return ""
+        return "▲" if self.result.difference.mean > 0 else "▼"
+
+
+def comparison_pairs(config: StudyConfig) -> list[tuple[str, str]]:
+    """(candidate, baseline): every loss against InfoNCE, then the configured extra pairs."""
+    losses = config.grid.losses
+    pairs = [(loss, BASELINE) for loss in losses if loss != BASELINE] if BASELINE in losses else []
+    return pairs + [(candidate, baseline) for candidate, baseline in config.comparisons]
+
+
+def _paired(config: StudyConfig, values: dict[tuple[str, int], dict[int, float]], candidate: str,
+            baseline: str, size: int) -> PairedComparison | None:
+    ours, base = values.get((candidate, size), {}), values.get((baseline, size), {})
+    seeds = sorted(set(ours) & set(base))
+    if len(seeds) < 2:
+        return None
+    return paired_comparison([ours[s] for s in seeds], [base[s] for s in seeds],
+                             config.confidence, config.power)
+
+
+def comparison_family(config: StudyConfig, rows: list[dict[str, Any]]) -> list[FamilyComparison]:
+    """Every paired comparison the report tests, Holm-adjusted together: each pair of
+    :func:`comparison_pairs` at each batch size for each metric of :data:`REPORTED`, at the
+    :data:`FAMILY_EVALUATION` evaluation. A comparison with fewer than 2 paired seeds is not made."""
+    made = []
+    for metric, title in REPORTED:
+        values = values_by_seed(rows, f"{FAMILY_EVALUATION}_{metric}")
+        for candidate, baseline in comparison_pairs(config):
+            for size in config.grid.global_batch_sizes:
+                result = _paired(config, values, candidate, baseline, size)
+                if result is not None:
+                    made.append((metric, title, candidate, baseline, size, result))
+    adjusted = holm_adjust([entry[-1].p_value for entry in made])
+    alpha = 1.0 - config.confidence
+    return [FamilyComparison(metric, title, candidate, baseline, size, result, holm_p,
+                             minimum_detectable_difference(result.difference.sd, result.difference.n,
+                                                           config.confidence, config.power,
+                                                           tests=len(made)),
+                             len(made), alpha)
+            for (metric, title, candidate, baseline, size, result), holm_p in zip(made, adjusted)]
+
+
+def format_p(p: float) -> str:
+    """p-values as printed: two decimals from 0.1, two significant digits down to 0.001, then
+    '<0.001'."""
+    if p != p:
+        return "-"
+    if p >= 0.0995:
+        return f"{p:.2f}"
+    if p >= 0.001:
+        return f"{p:.2g}" if p >= 0.01 else f"{p:.4f}".rstrip("0")
+    return "<0.001"
+
+
+def format_difference(result: PairedComparison) -> str:
+    """'+1.5 [+0.4, +2.6]': mean paired difference and its CI, in points."""
+    d = result.difference
+    return f"{100 * d.mean:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}]"
+
+
+def family_tables(config: StudyConfig, family: list[FamilyComparison]) -> list[str]:
+    """The tested family: a compact table per metric and baseline, then one row per comparison."""
+    if not family:
+        return []
     sizes = config.grid.global_batch_sizes
     level = f"{100 * config.confidence:g}%"
-    out = [f"### Paired comparison with {baseline} (points; same seed = same initial weights "
-           "and data order)\n",
-           f"Each entry: mean difference (loss − {baseline}) [{level} paired-t CI], and the "
-           f"smallest difference this many seeds detect with {100 * config.power:g}% power "
-           f"(two-sided paired t at α = {1 - config.confidence:.2g}, from the observed SD of "
-           "the differences). ▲/▼: the CI excludes 0.\n"]
-    for title, which, values in _each_metric(rows):
-        out.append(f"#### {title}, {which} evaluation\n")
-        out += _table_header(sizes)
-        detectable: dict[int, list[float]] = {}
-        for loss in candidates:
-            entries = []
-            for size in sizes:
-                ours, base = values.get((loss, size), {}), values.get((baseline, size), {})
-                seeds = sorted(set(ours) & set(base))
-                if len(seeds) < 2:
-                    entries.append("-")
-                    continue
-                cmp = paired_comparison([ours[s] for s in seeds], [base[s] for s in seeds],
-                                        config.confidence, config.power)
-                d = cmp.difference
-                mark = " ▲" if d.low > 0 else " ▼" if d.high < 0 else ""
-                entries.append(f"{100 * d.mean:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}]"
-                               f"{mark} · {100 * cmp.detectable:.1f}")
-                detectable.setdefault(size, []).append(cmp.detectable)
-            out.append(f"| {loss} | " + " | ".join(entries) + " |")
-        if detectable and len(candidates) > 1:
-            out.append("| *largest detectable* | " + " | ".join(
-                f"{100 * max(detectable[s]):.1f}" if s in detectable else "-" for s in sizes) + " |")
+    m, alpha = len(family), 1.0 - config.confidence
+    out = [f"### Paired comparisons, {FAMILY_EVALUATION} evaluation: the tested family "
+           f"({m} comparisons, Holm–Bonferroni)\n",
+           f"Same seed = same initial weights and data order, so each comparison is paired. The "
+           f"family is every comparison below: each loss against {BASELINE} and each configured "
+           f"extra pair, at each batch size, for each reported metric, at the {FAMILY_EVALUATION} "
+           f"evaluation ({m} in all). Each entry: mean difference (loss − baseline, points) "
+           f"[{level} paired-t CI, not adjusted] and the Holm-adjusted p-value. ▲/▼: the "
+           f"comparison survives Holm's correction over the {m} at α = {alpha:.2g} (Holm p < "
+           f"{alpha:.2g}); a CI that excludes 0 without a mark is nominally significant only.\n"]
+    for metric, title in REPORTED:
+        for baseline in dict.fromkeys(c.baseline for c in family):
+            entries = [c for c in family if c.metric == metric and c.baseline == baseline]
+            if not entries:
+                continue
+            out.append(f"#### {title}, against {baseline}\n")
+            out += _table_header(sizes)
+            for candidate in dict.fromkeys(c.candidate for c in entries):
+                by_size = {c.global_batch: c for c in entries if c.candidate == candidate}
+                cells = [f"{format_difference(c.result)}{' ' + c.mark if c.mark else ''} · Holm "
+                         f"{format_p(c.holm_p)}" if (c := by_size.get(s)) else "-" for s in sizes]
+                out.append(f"| {candidate} | " + " | ".join(cells) + " |")
+            out.append("")
+    out += [f"#### Every comparison of the family\n",
+            f"Detectable: the smallest true difference found with {100 * config.power:g}% power by "
+            f"a two-sided paired t test from the observed SD of the differences, at α = "
+            f"{alpha:.2g} (one test alone) and at the Bonferroni level α / {m} = {alpha / m:.2g} "
+            f"(Holm's first and strictest step: a difference this large is detected after the "
+            f"correction whatever the other comparisons give). Both use the usual t-quantile "
+            f"approximation, whose exact power is below the nominal one at a small level and few "
+            f"seeds.\n",
+            "| metric | comparison | B | n | difference [CI] | raw p | Holm p | survives | "
+            "detectable | detectable after Holm |",
+            "|---|---|---:|---:|---|---:|---:|---|---:|---:|"]
+    for c in family:
+        out.append(f"| {c.metric} | {c.candidate} − {c.baseline} | {c.global_batch} | "
+                   f"{c.result.difference.n} | {format_difference(c.result)} | {format_p(c.result.p_value)} | "
+                   f"{format_p(c.holm_p)} | {c.mark or 'no'} | {100 * c.result.detectable:.1f} | "
+                   f"{100 * c.detectable_holm:.1f} |")
+    out.append("")
+    survivors = [c for c in family if c.survives]
+    nominal = [c for c in family if c.result.p_value < alpha]
+    out.append(f"Nominally significant (raw p < {alpha:.2g}): {len(nominal)} of {m}; surviving "
+               f"Holm: {len(survivors)}.\n")
+    return out
+
+
+def best_tables(config: StudyConfig, rows: list[dict[str, Any]]) -> list[str]:
+    """Paired differences at the best evaluation: descriptive, outside the tested family."""
+    sizes = config.grid.global_batch_sizes
+    pairs = comparison_pairs(config)
+    if not pairs:
+        return []
+    out = [f"### Paired differences, best evaluation (descriptive, not tested)\n",
+           "The best evaluation is chosen on the evaluation set itself, separately for each cell "
+           "and metric, so it is optimistic. These differences are not part of the tested family "
+           f"and carry no marks. Each entry: mean difference [{100 * config.confidence:g}% paired-t "
+           "CI], points.\n"]
+    for metric, title in REPORTED:
+        values = values_by_seed(rows, f"best_{metric}")
+        out.append(f"#### {title}, best evaluation\n")
+        out += ["| comparison | " + " | ".join(f"B={s}" for s in sizes) + " |",
+                "|---|" + "---:|" * len(sizes)]
+        for candidate, baseline in pairs:
+            cells = [format_difference(r) if (r := _paired(config, values, candidate, baseline, s))
+                     else "-" for s in sizes]
+            out.append(f"| {candidate} − {baseline} | " + " | ".join(cells) + " |")
         out.append("")
     return out
+
+
+def write_comparisons_csv(family: list[FamilyComparison], path: Path) -> None:
+    """One row per comparison of the tested family (differences and detectables in fractions)."""
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=COMPARISON_FIELDS)
+        writer.writeheader()
+        for c in family:
+            d = c.result.difference
+            writer.writerow({"evaluation": FAMILY_EVALUATION, "metric": c.metric,
+                             "candidate": c.candidate, "baseline": c.baseline,
+                             "global_batch": c.global_batch, "n": d.n, "mean_difference": d.mean,
+                             "ci_low": d.low, "ci_high": d.high, "sd_difference": d.sd,
+                             "p_value": c.result.p_value, "holm_p": c.holm_p,
+                             "survives_holm": c.survives, "detectable": c.result.detectable,
+                             "detectable_holm": c.detectable_holm, "family_size": c.family_size})
 
 
 def _each_metric(rows: list[dict[str, Any]]):
@@ -297,6 +473,7 @@ def write_report(config: StudyConfig, cells: list[Cell], command: str = "",
     out.mkdir(parents=True, exist_ok=True)
     rows = collect_rows(config, cells, failures)
     write_csv(rows, out / "study.csv")
+    write_comparisons_csv(comparison_family(config, rows), out / "comparisons.csv")
     chance = _chance(rows)
     plot_metric(config, rows, "last_zeroshot/top1", "zero-shot top-1 (%), last evaluation",
                 out / "zeroshot_top1.png", chance.get("zeroshot/top1"))

@@ -1,15 +1,18 @@
-"""The study's statistics: mean with a t confidence interval, paired comparisons, and the smallest
-difference a paired design of n seeds can detect.
+"""The study's statistics: mean with a t confidence interval, paired comparisons, the
+Holm-Bonferroni correction over a family of comparisons, and the smallest difference a paired
+design of n seeds can detect (at a single test's level or at the family's Bonferroni level).
 
-Everything here is plain arithmetic on lists of floats (no numpy, no scipy at run time): the
-t and normal quantiles come from :mod:`statistics` and a short Student-t inverse, checked against
-``scipy.stats`` in ``tests/test_study.py``.
+Everything here is plain arithmetic on lists of floats (no numpy, no scipy at run time: scipy is
+not a dependency of the package): the Student-t CDF comes from the regularised incomplete beta
+function, its inverse from bisection, and both, the paired-t p-values and the Holm adjustment are
+checked against ``scipy.stats`` (and ``statsmodels`` where installed) in ``tests/test_study.py``.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -18,6 +21,18 @@ def _t_cdf(t: float, df: int) -> float:
     x = df / (df + t * t)
     tail = 0.5 * _betainc(df / 2.0, 0.5, x)
     return 1.0 - tail if t > 0 else tail
+
+
+def t_two_sided_p(t: float, df: int) -> float:
+    """Two-sided p-value of a Student-t statistic, ``P(|T_df| >= |t|)``, computed as the tail
+    ``I_{df/(df+t^2)}(df/2, 1/2)`` directly (no ``1 - cdf`` cancellation for small p)."""
+    if df < 1:
+        raise ValueError(f"t_two_sided_p(df={df}): need df >= 1")
+    if math.isnan(t):
+        return float("nan")
+    if math.isinf(t):
+        return 0.0
+    return min(1.0, _betainc(df / 2.0, 0.5, df / (df + t * t)))
 
 
 def _betainc(a: float, b: float, x: float) -> float:
@@ -108,15 +123,21 @@ class PairedComparison:
 
 
 def minimum_detectable_difference(sd: float, n: int, confidence: float = 0.95,
-                                  power: float = 0.8) -> float:
+                                  power: float = 0.8, tests: int = 1) -> float:
     """Smallest mean paired difference detectable with ``power`` by a two-sided paired t test of
     ``n`` pairs whose differences have standard deviation ``sd``.
 
-    The usual approximation (t quantiles at df = n - 1): ``(t_{1-alpha/2} + t_{power}) sd / sqrt(n)``.
+    The usual approximation (t quantiles at df = n - 1): ``(t_{1-alpha/2} + t_{power}) sd / sqrt(n)``
+    with ``alpha = 1 - confidence``. With ``tests = m > 1`` the test is made at the Bonferroni
+    level ``alpha / m``: the first, strictest step of Holm's procedure over a family of ``m``
+    comparisons, so a difference this large is detected with ``power`` after Holm's correction
+    whatever the family's other p-values are (Holm can only do better).
     """
+    if tests < 1:
+        raise ValueError(f"minimum_detectable_difference(tests={tests}): need tests >= 1")
     if n < 2:
         return float("nan")
-    alpha = 1.0 - confidence
+    alpha = (1.0 - confidence) / tests
     return (t_quantile(1.0 - alpha / 2.0, n - 1) + t_quantile(power, n - 1)) * sd / math.sqrt(n)
 
 
@@ -132,7 +153,25 @@ def paired_comparison(candidate: list[float], baseline: list[float], confidence:
     if n < 2 or interval.sd == 0.0:
         p_value = float("nan")
     else:
-        t = interval.mean / (interval.sd / math.sqrt(n))
-        p_value = 2.0 * (1.0 - _t_cdf(abs(t), n - 1))
+        p_value = t_two_sided_p(interval.mean / (interval.sd / math.sqrt(n)), n - 1)
     return PairedComparison(interval, p_value,
                             minimum_detectable_difference(interval.sd, n, confidence, power))
+
+
+def holm_adjust(p_values: Sequence[float]) -> list[float]:
+    """Holm-Bonferroni step-down adjusted p-values, in the input's order.
+
+    With the ``m`` p-values sorted, ``p_(1) <= ... <= p_(m)``, the adjusted value of the k-th is
+    ``max_{j <= k} min(1, (m - j + 1) p_(j))``: monotone in the raw p and capped at 1. A
+    comparison survives the correction at level alpha exactly when its adjusted p is below
+    alpha, which controls the family-wise error rate at alpha (Holm 1979). A NaN p-value (a
+    comparison without spread) still counts in ``m`` (conservative) and stays NaN.
+    """
+    m = len(p_values)
+    order = sorted((p, i) for i, p in enumerate(p_values) if not math.isnan(p))
+    adjusted = [float("nan")] * m
+    running = 0.0
+    for rank, (p, index) in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p))
+        adjusted[index] = running
+    return adjusted
