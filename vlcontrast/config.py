@@ -308,6 +308,12 @@ class RunConfig:
         defaults = loss_option_defaults(self.loss.name)
         _require(self.data.augment or not self.model.augment, "model.augment", self.model.augment,
                  "is set, but data.augment=false turns training augmentation off")
+        locked = [key for key in ("lock_image", "lock_text") if getattr(self.model, key)]
+        _require(not locked or self.train.precision not in ("bf16", "fp16"), "train.precision",
+                 self.train.precision,
+                 f"with model.{locked[0] if locked else 'lock_image'}=true would store the locked "
+                 "tower rounded to 16 bits (DeepSpeed casts every parameter, and a locked one has "
+                 "no fp32 master copy); use train.precision=amp_bf16 (fp32 weights, bf16 compute)")
         types = loss_option_types(self.loss.name)
         for key, value in self.loss.options.items():
             _require(key in defaults, f"loss.{key}", value,

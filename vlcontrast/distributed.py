@@ -154,9 +154,11 @@ def choose_accelerator(requested: str = "auto") -> str:
 def select_device(requested: str, local_rank: int, rank: int = 0) -> torch.device:
     """Choose and set this process's device for ``train.device=requested`` (auto|cpu|cuda).
 
-    CUDA: local rank modulo the visible device count, so both launch styles work: one process per
-    node-local GPU (torchrun, ``srun --gpus-per-node``: local rank r -> cuda:r) and one GPU per task
-    (``srun --gpus-per-task=1``: each task sees one device, cuda:0).
+    CUDA: both launch styles work. One process per node-local GPU (torchrun, ``srun
+    --gpus-per-node``): local rank r -> cuda:r. One GPU per task (``srun --gpus-per-task=1``,
+    ``--gpu-bind=single:1``): each task sees one device, so local rank 6 -> cuda:0. More local
+    ranks than visible devices otherwise (two ranks would share a GPU, which NCCL refuses with
+    "Duplicate GPU detected") is a :class:`DeviceError` naming both numbers.
     """
     if choose_accelerator(requested) == "cpu":
         return torch.device("cpu")
@@ -166,7 +168,17 @@ def select_device(requested: str, local_rank: int, rank: int = 0) -> torch.devic
             f"train.device={requested!r}: rank {rank} (local rank {local_rank}) sees no usable CUDA "
             f"device (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r}); "
             "check the job's GPU binding, or use train.device=cpu")
-    device = torch.device("cuda", local_rank % count)
+    per_task = count == 1 or bool(os.environ.get("SLURM_GPUS_PER_TASK"))
+    ranks_here = next((int(os.environ[key]) for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE")
+                       if os.environ.get(key, "").isdigit()), local_rank + 1)
+    if not per_task and max(ranks_here, local_rank + 1) > count:
+        raise DeviceError(
+            f"train.device={requested!r}: {max(ranks_here, local_rank + 1)} processes on this node "
+            f"(local rank {local_rank}) but only {count} visible CUDA devices "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r}): two "
+            "ranks would share a GPU; start one process per GPU (--nproc / --ntasks-per-node) or "
+            "give each task its own GPU (--gpus-per-task=1)")
+    device = torch.device("cuda", 0 if per_task else local_rank)
     torch.cuda.set_device(device)
     return device
 
@@ -217,8 +229,11 @@ def init_distributed(backend: str | None = None, timeout_s: int = 600,
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             env = dataclasses.replace(env, master_port=str(sock.getsockname()[1]))
+    # LOCAL_RANK carries the chosen device index: DeepSpeed reads it again and calls
+    # set_device(LOCAL_RANK), which must not be 6 on a task that sees one GPU.
+    device_index = chosen.index if chosen.type == "cuda" else env.local_rank
     for key, value in (("RANK", env.rank), ("WORLD_SIZE", env.world_size),
-                       ("LOCAL_RANK", env.local_rank), ("MASTER_ADDR", env.master_addr),
+                       ("LOCAL_RANK", device_index), ("MASTER_ADDR", env.master_addr),
                        ("MASTER_PORT", env.master_port)):
         os.environ[str(key)] = str(value)
     if backend is None:

@@ -95,3 +95,24 @@ def test_a_transform_without_trailing_normalize_is_refused_by_name():
         split_normalization(T.Compose([T.Resize(8), T.ToTensor()]))
     with pytest.raises(ConfigError, match="use_timm"):
         split_normalization(lambda image: image)
+
+
+def test_the_batch_normaliser_divides_by_device_tensors_only(monkeypatch):
+    """CUDA turns a division by a Python scalar into a multiplication by its rounded reciprocal,
+    which is not bit-identical to ToTensor's division by 255; every divisor must be a tensor."""
+    from vlcontrast.data.transforms import BatchNormalizer
+
+    divisors = []
+    real_div = torch.Tensor.div_
+
+    def div_(self, other, *args, **kwargs):
+        divisors.append(type(other))
+        return real_div(self, other, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "div_", div_)
+    normalizer = BatchNormalizer((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    images = torch.randint(0, 256, (2, 3, 4, 4), dtype=torch.uint8)
+    out = normalizer(images, "cpu", torch.float32)
+    assert divisors and all(kind is torch.Tensor for kind in divisors)
+    expected = (images.float() / 255 - 0.5) / 0.25
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)

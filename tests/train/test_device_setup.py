@@ -164,3 +164,59 @@ def test_train_initialises_the_device_before_preflight(monkeypatch, tmp_path):
     with pytest.raises(Stop):
         loop.train(config)
     assert order == [("init_distributed", "cpu"), ("preflight",)]
+
+
+def test_one_gpu_per_task_exports_the_device_index_deepspeed_reads(fake_gpus, monkeypatch):
+    """DeepSpeed re-reads LOCAL_RANK and calls set_device(LOCAL_RANK): with one GPU per task it
+    must read the chosen index 0, not the task's local rank 6 (an invalid device ordinal)."""
+    import os
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    _launch(monkeypatch, rank=6, local_rank=6)
+    env = dist_utils.init_distributed(timeout_s=5, device="cuda")
+    assert env.device == torch.device("cuda", 0) and env.local_rank == 6
+    assert os.environ["LOCAL_RANK"] == "0"
+
+
+def test_more_local_ranks_than_gpus_is_a_device_error_naming_both(fake_gpus, monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    _launch(monkeypatch, rank=2, local_rank=2)  # 8 processes on a node that shows 4 GPUs
+    with pytest.raises(dist_utils.DeviceError, match=r"8 processes on this node .* only 4 visible"):
+        dist_utils.init_distributed(timeout_s=5, device="cuda")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    _launch(monkeypatch, rank=5, local_rank=5)  # local rank 5 of a node with 4 GPUs
+    with pytest.raises(dist_utils.DeviceError, match=r"local rank 5\) but only 4 visible"):
+        dist_utils.init_distributed(timeout_s=5, device="cuda")
+    assert not [call for call in fake_gpus.calls if call[0] == "init_process_group"]
+
+
+def test_checkpoint_rng_state_holds_only_this_ranks_cuda_generator(monkeypatch):
+    from vlcontrast.train.checkpoint import RNGState
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: calls.append(("get", device))
+                        or torch.zeros(4, dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: pytest.fail("all devices saved"))
+    monkeypatch.setattr(torch.cuda, "set_rng_state",
+                        lambda state, device: calls.append(("set", device, len(state))))
+    state = RNGState().state_dict()
+    RNGState().load_state_dict(state)
+    assert calls == [("get", 0), ("set", 0, 4)]
+    # An older checkpoint with every device's state: this device's entry is restored.
+    state["cuda"] = [torch.zeros(2, dtype=torch.uint8), torch.zeros(3, dtype=torch.uint8)]
+    calls.clear()
+    RNGState().load_state_dict(state)
+    assert calls == [("set", 0, 2)]
+
+
+def test_eval_commands_use_the_device_init_distributed_chose(fake_gpus, monkeypatch):
+    from vlcontrast.evaluation import runner
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(dist_utils, "set_gpu_defaults", lambda: fake_gpus.calls.append(("tf32",)))
+    _launch(monkeypatch, rank=6, local_rank=6)
+    assert runner._setup_device("auto") == "cuda:0"  # not cuda:6 from the raw LOCAL_RANK
+    assert ("tf32",) in fake_gpus.calls  # evaluation sets training's numeric defaults

@@ -102,3 +102,48 @@ def test_nan_gradient_on_one_rank_skips_the_step_on_every_rank():
         assert not applied_2 and lr_2 == lr_1, combination
         assert not moved_2, combination
         assert applied_3 and lr_3 > lr_1, combination
+
+
+def test_zero_buckets_are_sized_from_the_trainable_parameters():
+    """ZeRO-1/2's two gradient buckets are DeepSpeed's 5e8 elements (4 GB a GPU) whatever the
+    model unless set: vlcontrast sizes them from the trainable parameter count."""
+    from vlcontrast.train.engine import DEFAULT_BUCKET_ELEMENTS, bucket_elements, deepspeed_config
+
+    assert bucket_elements(151_000_000) == 37_750_000  # ViT-B-32: about four buckets
+    assert bucket_elements(300_000) == 300_000 and bucket_elements(3_000_000) == 1_000_000
+    assert bucket_elements(10**10) == DEFAULT_BUCKET_ELEMENTS
+    for stage in (1, 2, 3):
+        config = _config(deepspeed__zero_stage=stage)
+        zero = deepspeed_config(config.train, config.deepspeed, micro_batch_size=4, grad_clip=0.0,
+                                world_size=2, accelerator="cpu",
+                                trainable_parameters=151_000_000)["zero_optimization"]
+        assert zero["reduce_bucket_size"] == 37_750_000
+        assert zero.get("allgather_bucket_size") == (37_750_000 if stage <= 2 else None)
+    config = _config(deepspeed__zero_stage=2,
+                     **{"deepspeed.overrides.zero_optimization.reduce_bucket_size": 1000})
+    zero = deepspeed_config(config.train, config.deepspeed, micro_batch_size=4, grad_clip=0.0,
+                            world_size=2, accelerator="cpu",
+                            trainable_parameters=151_000_000)["zero_optimization"]
+    assert zero["reduce_bucket_size"] == 1000  # an override still wins
+
+
+def test_deepspeeds_throughput_timer_is_off():
+    """Its start and stop synchronise the device every step (two host syncs) to print samples/s."""
+    from vlcontrast.train.engine import deepspeed_config
+
+    config = _config()
+    ds = deepspeed_config(config.train, config.deepspeed, micro_batch_size=4, grad_clip=0.0,
+                          world_size=1, accelerator="cuda")
+    assert ds["timers"] == {"throughput": {"enabled": False}}
+
+
+def test_locked_towers_under_16_bit_parameters_are_refused_with_the_fix():
+    from vlcontrast.config import ConfigError, load_config
+
+    for lock in ("model.lock_image=true", "model.lock_text=true"):
+        for precision in ("bf16", "fp16"):
+            with pytest.raises(ConfigError, match=r"train.precision=.*16 bits.*use "
+                                                  r"train.precision=amp_bf16"):
+                load_config(None, ["data.train=x", "train.steps=1", lock,
+                                   f"train.precision={precision}"])
+        load_config(None, ["data.train=x", "train.steps=1", lock, "train.precision=amp_bf16"])

@@ -25,20 +25,29 @@ import pytest
 
 from tests.distributed import default_backend, run_distributed
 
-# configuration -> (overrides, vlcontrast's own syncs per step)
+# DeepSpeed 0.19's own reads per step (docs/training.md, "Host synchronisations"), by function.
+INVALID_NORM = ("__bool__", "deepspeed:runtime/utils.py:is_invalid_grad_norm")
+MASK_NAN = ("torch.tensor(device=)", "deepspeed:runtime/utils.py:mask_nan_or_inf_with_val_inplace")
+HAS_OVERFLOW = ("item", "deepspeed:runtime/zero/stage_1_and_2.py:has_overflow")
+STAGE3_NORM = ("torch.tensor(device=)", "deepspeed:runtime/zero/stage3.py:get_grad_norm_direct")
+ZERO_1_2_BF16 = {INVALID_NORM: 1, MASK_NAN: 2, HAS_OVERFLOW: 1}
+
+# configuration -> (overrides, vlcontrast's own syncs per step, DeepSpeed's syncs per step)
 CASES = {
-    "zero0_fp32": ({"deepspeed__zero_stage": 0}, {"vlcontrast/train/step.py": 1,
-                                                  "vlcontrast/train/optimizer.py": 1}),
+    "zero0_fp32": ({"deepspeed__zero_stage": 0},
+                   {"vlcontrast/train/step.py": 1, "vlcontrast/train/optimizer.py": 1}, {}),
     "zero1_amp_bf16": ({"deepspeed__zero_stage": 1, "train__precision": "amp_bf16"},
-                       {"vlcontrast/train/step.py": 1}),
+                       {"vlcontrast/train/step.py": 1}, {INVALID_NORM: 1, MASK_NAN: 2}),
     "zero2_bf16": ({"deepspeed__zero_stage": 2, "train__precision": "bf16"},
-                   {"vlcontrast/train/step.py": 1}),
-    "zero3_fp32": ({"deepspeed__zero_stage": 3}, {"vlcontrast/train/step.py": 1}),
+                   {"vlcontrast/train/step.py": 1}, ZERO_1_2_BF16),
+    "zero3_fp32": ({"deepspeed__zero_stage": 3}, {"vlcontrast/train/step.py": 1},
+                   {INVALID_NORM: 1, STAGE3_NORM: 2}),
     "gradcache_zero1_bf16": ({"deepspeed__zero_stage": 1, "train__precision": "bf16",
-                              "train__accum_steps": 2}, {"vlcontrast/train/step.py": 1}),
+                              "train__accum_steps": 2}, {"vlcontrast/train/step.py": 1},
+                             ZERO_1_2_BF16),
     "decl_momentum_zero2_bf16": ({"deepspeed__zero_stage": 2, "train__precision": "bf16",
                                   "loss__name": "decl", "loss__estimator": "momentum"},
-                                 {"vlcontrast/train/step.py": 1}),
+                                 {"vlcontrast/train/step.py": 1}, ZERO_1_2_BF16),
 }
 
 READS = ("item", "tolist", "__bool__", "__float__", "__int__")
@@ -98,7 +107,7 @@ def _count(rank, world_size, data_dir, out_root, cases):
     counts: collections.Counter = collections.Counter()
     install_counter(counts)
     per_run = {}
-    for case, (extra, _) in cases.items():
+    for case, (extra, _, _) in cases.items():
         for steps in (2, 5):
             counts.clear()
             train(tiny_config(data_dir, out_root / case / str(steps), train__steps=steps,
@@ -110,14 +119,16 @@ def _count(rank, world_size, data_dir, out_root, cases):
 def per_step_counts(per_run: dict, case: str) -> dict:
     short, long = per_run[(case, 2)], per_run[(case, 5)]
     per_step = {key: (long.get(key, 0) - short.get(key, 0)) / 3 for key in set(short) | set(long)}
-    return {key: n for key, n in per_step.items() if n}
+    # An engine destroyed by the garbage collector (DeepSpeed's __del__) lands in whichever run
+    # is going on: end-of-run work, not a step's.
+    return {key: n for key, n in per_step.items() if n and not key[1].endswith(":destroy")}
 
 
 @pytest.mark.slow
 def test_host_synchronisations_per_step_are_the_documented_ones(synthetic_data, tmp_path):
     outcomes = run_distributed(_count, 2, synthetic_data, tmp_path, CASES, timeout=600,
                                backend=default_backend())
-    for case, (_, expected) in CASES.items():
+    for case, (_, expected, deepspeed_expected) in CASES.items():
         for per_run in outcomes:
             per_step = per_step_counts(per_run, case)
             ours = collections.Counter()
@@ -128,6 +139,6 @@ def test_host_synchronisations_per_step_are_the_documented_ones(synthetic_data, 
             # No host-to-device copies of our own in the step (the flag is made on the device).
             assert not [key for key in per_step if key[0] in ("new_tensor", "torch.tensor(device=)")
                         and key[1].startswith("vlcontrast/")], (case, per_step)
-            deepspeed_syncs = [key for key in per_step if key[1].startswith("deepspeed:")
-                               and key[0] == "synchronize"]
-            assert not deepspeed_syncs, (case, deepspeed_syncs)  # the throughput timer is off
+            # DeepSpeed's: the documented ones, and no synchronize (its throughput timer is off).
+            theirs = {key: n for key, n in per_step.items() if key[1].startswith("deepspeed:")}
+            assert theirs == deepspeed_expected, (case, theirs)

@@ -63,3 +63,28 @@ def test_state_round_trip_and_zero3_refusal():
         assert torch.equal(a, b)
     with pytest.raises(ConfigError, match="zero_stage <= 2"):
         MomentumTowers(live, decay=0.99, zero_stage=3)
+
+
+def test_the_momentum_copy_drops_the_live_engines_hooks_and_keeps_ours():
+    """A deep copy of engine.module carries DeepSpeed's forward hooks; on the EMA copy they would
+    run DeepSpeed's bookkeeping (and its host reads) in every momentum forward."""
+    import torch
+
+    from vlcontrast.train.momentum import MomentumTowers
+
+    live = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    calls = []
+
+    def deepspeed_like_hook(module, inputs):  # stands in for DeepSpeed's pre-forward hook
+        calls.append("foreign")
+
+    live[0].register_forward_pre_hook(deepspeed_like_hook)
+    live.register_forward_hook(lambda module, inputs, output: calls.append("foreign-post"))
+    ours = lambda module, inputs: calls.append("ours")  # noqa: E731
+    ours.__module__ = "vlcontrast.models"
+    live[1].register_forward_pre_hook(ours)
+    towers = MomentumTowers(live, 0.9)
+    towers.model(torch.ones(1, 2))
+    assert calls == ["ours"]
+    live(torch.ones(1, 2))  # the live module keeps all of its hooks
+    assert calls == ["ours", "foreign", "ours", "foreign-post"]

@@ -67,8 +67,28 @@ def test_the_training_loader_caches_after_a_deterministic_transform_only(bundle,
                      "data.cache_mb=16", "data.batch_size=4", "data.workers=0")
     transform, _ = train_transform(config.data, bundle)
     batches = _train_batches(config.data, config.seed, config.train.accum_steps,
-                             SimpleNamespace(rank=0, world_size=1), bundle.tokenizer, transform)
+                             SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu")),
+                             bundle.tokenizer, transform)
     cache = batches.loader._stream.cache
     assert cache.max_bytes == 16 << 20 and cache.after_transform is (not augment)
     first = batches.next_step()[0]
     assert len(cache) >= 4 and first.images.shape == (4, 3, 32, 32)
+
+
+def test_a_cpu_run_on_a_gpu_host_does_not_pin_memory(bundle, tmp_path, monkeypatch):
+    """The loader pins memory for the training device, not because CUDA exists: a CPU run on a GPU
+    host would otherwise open a CUDA context in every worker for nothing."""
+    from types import SimpleNamespace
+
+    from tests.data.conftest import make_shards
+    from vlcontrast.train.loop import _train_batches
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    make_shards(tmp_path, [8])
+    config = _config(f"data.train={tmp_path}", "data.batch_size=4", "data.workers=0")
+    transform, _ = train_transform(config.data, bundle)
+    for device, pinned in ((torch.device("cpu"), False), (torch.device("cuda", 0), True)):
+        batches = _train_batches(config.data, config.seed, 1,
+                                 SimpleNamespace(rank=0, world_size=1, device=device),
+                                 bundle.tokenizer, transform)
+        assert batches.loader.loader_options["pin_memory"] is pinned

@@ -38,14 +38,18 @@ class BatchNormalizer:
         self.mean, self.std = tuple(mean), tuple(std)
         self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def constants(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean and std as float32 ``1 x C x 1 x 1`` tensors on ``device``, made once: building
-        them from Python lists on a GPU every step would be a pageable copy, which waits for the
-        stream (a host sync in the hot loop)."""
+    def constants(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """255, mean and std as float32 tensors on ``device`` (``1 x C x 1 x 1`` for the last
+        two), made once: building them from Python lists on a GPU every step would be a pageable
+        copy, which waits for the stream (a host sync in the hot loop). The 255 is a tensor too:
+        CUDA divides by a Python scalar as a multiplication by its rounded reciprocal, which is
+        not bit-identical to ``ToTensor``'s division; a tensor divisor is a true division on
+        every device."""
         device = torch.device(device)
         if device not in self._constants:
             shape = (1, -1, 1, 1)
             self._constants[device] = (
+                torch.full((), 255.0, dtype=torch.float32, device=device),
                 torch.tensor(self.mean, dtype=torch.float32, device=device).view(shape),
                 torch.tensor(self.std, dtype=torch.float32, device=device).view(shape))
         return self._constants[device]
@@ -59,8 +63,8 @@ class BatchNormalizer:
         if images.dtype != torch.uint8:
             raise TypeError(f"data.normalize_on_device: expected uint8 images from the loader, "
                             f"got {images.dtype}")
-        mean, std = self.constants(device)
-        x = images.to(device=device, non_blocking=True).to(torch.float32).div_(255)
+        scale, mean, std = self.constants(device)
+        x = images.to(device=device, non_blocking=True).to(torch.float32).div_(scale)
         return x.sub_(mean).div_(std).to(dtype)
 
     def __repr__(self) -> str:

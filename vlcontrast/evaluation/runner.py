@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence
@@ -146,19 +145,27 @@ def evaluate_zeroshot(model, preprocess, tokenizer, data_dir: str, classnames=No
 
 # ----------------------------------------------------------------------------------- CLI helpers
 
-def _resolve_device(device: str | None) -> str:
-    if device in (None, "", "auto"):
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and get_world_size() > 1:
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-    return device
+def _setup_device(device: str | None) -> str:
+    """The device of an evaluation command, chosen as training chooses it.
 
+    Under a launcher (world size > 1) the process group is initialised by
+    :func:`~vlcontrast.distributed.init_distributed`, which picks and sets this rank's device (one
+    GPU per task included) and that device is used, never a raw ``LOCAL_RANK``. On CUDA the same
+    numeric defaults as training are set (TF32, cuDNN autotuning), so offline evaluation of a
+    checkpoint gives the numbers its run logged."""
+    from vlcontrast.distributed import init_distributed, launch_env, set_gpu_defaults
 
-def _setup_distributed() -> None:
-    from vlcontrast.distributed import init_distributed, is_initialized, launch_env
-
-    if launch_env().world_size > 1 and not is_initialized():
-        init_distributed()
+    requested = "auto" if device in (None, "", "auto") else device
+    if launch_env().world_size > 1:
+        kind = "cuda" if requested.startswith("cuda") else requested
+        resolved = str(init_distributed(device=kind).device)
+    elif requested == "auto":
+        resolved = "cuda" if torch.cuda.is_available() else "cpu"
+    else:
+        resolved = requested
+    if resolved.startswith("cuda"):
+        set_gpu_defaults()
+    return resolved
 
 
 def format_table(record: dict) -> str:
@@ -202,8 +209,7 @@ def _load(checkpoint, device):
 def run_retrieval_cli(checkpoint, data, out=None, batch_size: int = 256, workers: int = 4,
                       max_samples: int = 0, device: str | None = None) -> dict:
     """``vlcontrast eval retrieval``: load CKPT (run dir -> latest), evaluate, write ``out`` JSON."""
-    _setup_distributed()
-    device = _resolve_device(device)
+    device = _setup_device(device)
     folder, bundle = _load(checkpoint, device)
     metrics = evaluate_retrieval(bundle.model, bundle.preprocess_val, bundle.tokenizer, data,
                                  batch_size=batch_size, workers=workers, device=device,
@@ -216,8 +222,7 @@ def run_retrieval_cli(checkpoint, data, out=None, batch_size: int = 256, workers
 def run_zeroshot_cli(checkpoint, data, out=None, classnames=None, templates=None,
                      batch_size: int = 256, workers: int = 4, device: str | None = None) -> dict:
     """``vlcontrast eval zeroshot``: load CKPT, classify ``data`` zero-shot, write ``out`` JSON."""
-    _setup_distributed()
-    device = _resolve_device(device)
+    device = _setup_device(device)
     folder, bundle = _load(checkpoint, device)
     metrics = evaluate_zeroshot(bundle.model, bundle.preprocess_val, bundle.tokenizer, data,
                                 classnames, templates, batch_size=batch_size, workers=workers,

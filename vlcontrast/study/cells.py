@@ -140,7 +140,9 @@ def _run_training(config: StudyConfig, run_dir: Path, command: list[str]) -> dic
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     env = dict(os.environ)
-    env.setdefault("DS_ACCELERATOR", "cpu")
+    # No DS_ACCELERATOR here: each cell's `vlcontrast train` chooses the device and DeepSpeed's
+    # accelerator together (train.device, auto: the GPU when there is one), so a study on a GPU
+    # host trains on the GPU; a user's own DS_ACCELERATOR still passes through.
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     if config.threads:
         env["OMP_NUM_THREADS"] = str(config.threads)

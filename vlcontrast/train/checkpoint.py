@@ -63,7 +63,10 @@ class Stateful(Protocol):
 
 
 class RNGState:
-    """Python's, NumPy's, torch's and CUDA's random generators, as tensors and plain lists."""
+    """Python's, NumPy's, torch's and this rank's CUDA random generator, as tensors and lists.
+
+    Only the current device's CUDA state: with one GPU per task a rank sees one device, and a
+    state of all devices saved on a node that saw eight would not load on it."""
 
     def state_dict(self) -> dict[str, Any]:
         version, internal, gauss = random.getstate()
@@ -74,7 +77,7 @@ class RNGState:
                            "cached_gaussian": float(cached)},
                  "torch": torch.get_rng_state()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["cuda"] = torch.cuda.get_rng_state_all()
+            state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -85,7 +88,10 @@ class RNGState:
                              numpy["position"], numpy["has_gauss"], numpy["cached_gaussian"]))
         torch.set_rng_state(state["torch"])
         if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
+            cuda = state["cuda"]
+            if isinstance(cuda, (list, tuple)):  # older checkpoints: every device's state
+                cuda = cuda[torch.cuda.current_device() % len(cuda)]
+            torch.cuda.set_rng_state(cuda, torch.cuda.current_device())
 
 
 # --------------------------------------------------------------------------------------------

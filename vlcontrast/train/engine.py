@@ -23,9 +23,10 @@ from vlcontrast.train.precision import Precision
 
 
 def deepspeed_config(train: TrainConfig, deepspeed: DeepSpeedConfig, *, micro_batch_size: int,
-                     grad_clip: float, world_size: int,
-                     accelerator: str | None = None) -> dict[str, Any]:
-    """The DeepSpeed config of a run; ``accelerator`` (default: DeepSpeed's) is "cuda" or "cpu"."""
+                     grad_clip: float, world_size: int, accelerator: str | None = None,
+                     trainable_parameters: int | None = None) -> dict[str, Any]:
+    """The DeepSpeed config of a run; ``accelerator`` (default: DeepSpeed's) is "cuda" or "cpu";
+    ``trainable_parameters`` sizes ZeRO's gradient buckets (:func:`bucket_elements`)."""
     if accelerator is None:
         from deepspeed.accelerator import get_accelerator
 
@@ -47,6 +48,10 @@ def deepspeed_config(train: TrainConfig, deepspeed: DeepSpeedConfig, *, micro_ba
         **Precision(train.precision).deepspeed_entries(),
     }
     zero = ds["zero_optimization"]
+    if deepspeed.zero_stage >= 1 and trainable_parameters is not None:
+        zero["reduce_bucket_size"] = bucket_elements(trainable_parameters)
+        if deepspeed.zero_stage <= 2:
+            zero["allgather_bucket_size"] = bucket_elements(trainable_parameters)
     if deepspeed.zero_stage == 3:
         # Keep the small CLIP parameters (logit_scale, norms) whole: they are read every step.
         zero["stage3_param_persistence_threshold"] = 10**5
@@ -56,6 +61,21 @@ def deepspeed_config(train: TrainConfig, deepspeed: DeepSpeedConfig, *, micro_ba
         zero["overlap_comm"] = True
         zero["contiguous_gradients"] = True
     return _merge(ds, deepspeed.overrides)
+
+
+DEFAULT_BUCKET_ELEMENTS = 500_000_000
+"""DeepSpeed's default ``reduce_bucket_size``/``allgather_bucket_size`` (elements)."""
+
+
+def bucket_elements(trainable_parameters: int) -> int:
+    """ZeRO's gradient bucket size for a model of ``trainable_parameters``.
+
+    DeepSpeed's default holds two 5e8-element fp32 buckets (4 GB a GPU) whatever the model; for a
+    CLIP model that is several times the whole gradient. A quarter of the trainable parameters
+    gives about four buckets a backward (so the reduction of one overlaps the next one's
+    computation), at least 1e6 elements (or the whole model when smaller), at most the default."""
+    quarter = trainable_parameters // 4
+    return int(min(DEFAULT_BUCKET_ELEMENTS, max(quarter, min(trainable_parameters, 1_000_000), 1)))
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -140,9 +160,10 @@ def build_engine(model: torch.nn.Module, *, optim: OptimConfig, train: TrainConf
     # gradients unchecked (amp_bf16 keeps fp32 parameters and uses no DeepSpeed optimizer wrapper).
     plain = deepspeed.zero_stage == 0 and not Precision(train.precision).master_copy
     optimizer, scheduler = build_optimizer(model, optim, total_steps, finite_checked=plain)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     ds_config = deepspeed_config(train, deepspeed, micro_batch_size=micro_batch_size,
                                  grad_clip=optim.grad_clip, world_size=world_size,
-                                 accelerator=device.type)
+                                 accelerator=device.type, trainable_parameters=trainable)
     engine, _, _, _ = deepspeed_lib.initialize(model=model, optimizer=optimizer,
                                                lr_scheduler=scheduler, config=ds_config,
                                                dist_init_required=False)

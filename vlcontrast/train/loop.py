@@ -170,8 +170,10 @@ def _train_batches(data: DataConfig, seed: int, accum_steps: int, env, tokenizer
                    transform) -> TrainBatches:
     """This rank's batch stream, augmented with ``transform`` by (seed, epoch, image)."""
     augment = SeededTransform(transform, seed, random=data.augment)
+    # The training device, not "is there CUDA": a CPU run on a GPU host pins nothing and opens no
+    # CUDA context.
     build = functools.partial(build_train_loader, data, augment, tokenizer, seed=seed,
-                              rank=env.rank, world_size=env.world_size)
+                              rank=env.rank, world_size=env.world_size, device=env.device)
     return TrainBatches(build, augment, accum_steps)
 
 

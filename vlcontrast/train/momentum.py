@@ -20,6 +20,30 @@ import torch
 from vlcontrast.errors import ConfigError
 
 
+HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+              "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+              "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
+              "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+
+
+def drop_foreign_hooks(model: torch.nn.Module) -> int:
+    """Remove the hooks a deep copy of the live engine's module carries over from DeepSpeed (its
+    forward pre- and post-hooks, ZeRO's parameter hooks): on the copy they would run DeepSpeed's
+    bookkeeping, and under ZeRO its gathers and host reads, in every momentum forward. vlcontrast's
+    own hooks (the channels-last input hook) are kept. Returns how many were removed."""
+    removed = 0
+    for module in model.modules():
+        for name in HOOK_DICTS:
+            hooks = getattr(module, name, None)
+            if not hooks:
+                continue
+            for key, hook in list(hooks.items()):
+                if not getattr(hook, "__module__", "").startswith("vlcontrast"):
+                    del hooks[key]
+                    removed += 1
+    return removed
+
+
 class MomentumTowers:
     def __init__(self, module: torch.nn.Module, decay: float, *, zero_stage: int = 0,
                  compute_dtype: torch.dtype = torch.float32):
@@ -31,6 +55,7 @@ class MomentumTowers:
         # Left in training mode, as the live towers: batch-norm normalises with batch statistics
         # (the copy's running statistics are never updated).
         self.model = copy.deepcopy(module).float().requires_grad_(False)
+        drop_foreign_hooks(self.model)
         self._ema = list(self.model.parameters())
 
     @torch.no_grad()

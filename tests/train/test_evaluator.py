@@ -1,0 +1,51 @@
+"""The Evaluator owns the eval section: data resolved once, its own schedule, training's autocast."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vlcontrast.config import EvalConfig
+from vlcontrast.errors import ConfigError
+from vlcontrast.train.evaluate import Evaluator
+from vlcontrast.train.precision import Precision
+
+
+def test_retrieval_shards_fall_back_to_data_val_and_none_skips():
+    assert Evaluator(EvalConfig(), val_shards="v/{0..1}.tar").retrieval_shards == "v/{0..1}.tar"
+    assert Evaluator(EvalConfig(retrieval="r.tar"), val_shards="v.tar").retrieval_shards == "r.tar"
+    assert Evaluator(EvalConfig(retrieval="none"), val_shards="v.tar").retrieval_shards == ""
+
+
+def test_should_evaluate_every_n_steps_but_not_the_last():
+    evaluator = Evaluator(EvalConfig(every=3))
+    assert [s for s in range(1, 10) if evaluator.should_evaluate(s, total_steps=9)] == [3, 6]
+    assert not any(Evaluator(EvalConfig()).should_evaluate(s, 9) for s in range(1, 10))
+
+
+def test_check_names_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="eval.zeroshot='/nope': directory does not exist"):
+        Evaluator(EvalConfig(zeroshot="/nope")).check()
+    with pytest.raises(ConfigError, match=r"data\.val pattern"):
+        Evaluator(EvalConfig(), val_shards=str(tmp_path / "{0..1}.tar")).check()
+
+
+@pytest.mark.parametrize("precision,expected", [("fp32", False), ("amp_bf16", True)])
+def test_evaluation_runs_under_the_training_autocast(monkeypatch, precision, expected):
+    """amp_bf16 trains under bf16 autocast; evaluating in fp32 outside it would be 2-3x slower on
+    a GPU and measure another model. Evaluation uses the same autocast."""
+    import vlcontrast.evaluation as evaluation
+
+    seen = []
+
+    def fake_retrieval(module, *args, **kwargs):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return {"text_to_image_R@1": 1.0}
+
+    monkeypatch.setattr(evaluation, "evaluate_retrieval", fake_retrieval)
+    evaluator = Evaluator(EvalConfig(), val_shards="v.tar", precision=Precision(precision))
+    bundle = SimpleNamespace(preprocess_val=None, tokenizer=None)
+    results = evaluator.evaluate(torch.nn.Linear(2, 2), bundle, torch.device("cpu"))
+    assert seen == [expected] and results == {"retrieval/text_to_image_R@1": 1.0}
