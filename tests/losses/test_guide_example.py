@@ -43,7 +43,11 @@ def load_example() -> dict:
 
 @pytest.fixture
 def example(monkeypatch):
-    monkeypatch.setattr(losses, "LOSSES", dict(losses.LOSSES))  # the registration stays local
+    from vlcontrast.losses import registry
+
+    copy = dict(losses.LOSSES)  # the registration stays local (the registry's dict, both names)
+    monkeypatch.setattr(registry, "LOSSES", copy)
+    monkeypatch.setattr(losses, "LOSSES", copy)
     return load_example()
 
 

@@ -109,16 +109,17 @@ def test_zero_buckets_are_sized_from_the_trainable_parameters():
     model unless set: vlcontrast sizes them from the trainable parameter count."""
     from vlcontrast.train.engine import DEFAULT_BUCKET_ELEMENTS, bucket_elements, deepspeed_config
 
-    assert bucket_elements(151_000_000) == 37_750_000  # ViT-B-32: about four buckets
-    assert bucket_elements(300_000) == 300_000 and bucket_elements(3_000_000) == 1_000_000
+    assert bucket_elements(151_000_000) == 37_750_016  # ViT-B-32: about four buckets
+    assert bucket_elements(300_000) == 300_032 and bucket_elements(3_000_000) == 1_000_000
     assert bucket_elements(10**10) == DEFAULT_BUCKET_ELEMENTS
+    assert all(bucket_elements(n) % 64 == 0 for n in (1, 3, 999, 123_457, 10**9))
     for stage in (1, 2, 3):
         config = _config(deepspeed__zero_stage=stage)
         zero = deepspeed_config(config.train, config.deepspeed, micro_batch_size=4, grad_clip=0.0,
                                 world_size=2, accelerator="cpu",
                                 trainable_parameters=151_000_000)["zero_optimization"]
-        assert zero["reduce_bucket_size"] == 37_750_000
-        assert zero.get("allgather_bucket_size") == (37_750_000 if stage <= 2 else None)
+        assert zero["reduce_bucket_size"] == 37_750_016
+        assert zero.get("allgather_bucket_size") == (37_750_016 if stage <= 2 else None)
     config = _config(deepspeed__zero_stage=2,
                      **{"deepspeed.overrides.zero_optimization.reduce_bucket_size": 1000})
     zero = deepspeed_config(config.train, config.deepspeed, micro_batch_size=4, grad_clip=0.0,

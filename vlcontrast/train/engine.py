@@ -73,9 +73,11 @@ def bucket_elements(trainable_parameters: int) -> int:
     DeepSpeed's default holds two 5e8-element fp32 buckets (4 GB a GPU) whatever the model; for a
     CLIP model that is several times the whole gradient. A quarter of the trainable parameters
     gives about four buckets a backward (so the reduction of one overlaps the next one's
-    computation), at least 1e6 elements (or the whole model when smaller), at most the default."""
+    computation), at least 1e6 elements (or the whole model when smaller), at most the default;
+    a multiple of 64 (ZeRO asks for a multiple of its NCCL alignment factor)."""
     quarter = trainable_parameters // 4
-    return int(min(DEFAULT_BUCKET_ELEMENTS, max(quarter, min(trainable_parameters, 1_000_000), 1)))
+    elements = min(DEFAULT_BUCKET_ELEMENTS, max(quarter, min(trainable_parameters, 1_000_000), 1))
+    return int(-(-elements // 64) * 64)
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
