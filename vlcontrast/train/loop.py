@@ -34,6 +34,7 @@ import yaml
 from vlcontrast import distributed as dist_utils
 from vlcontrast.config import ConfigError, RunConfig, to_dict
 from vlcontrast.data.loader import build_train_loader
+from vlcontrast.data.sources import check_ids_available
 from vlcontrast.data.transforms import split_normalization
 from vlcontrast.losses import LOSSES, build_loss
 from vlcontrast.models import build_model
@@ -64,6 +65,8 @@ def train(config: RunConfig) -> dict[str, Any]:
     env = dist_utils.init_distributed(timeout_s=config.train.dist_timeout_s,
                                       device=config.train.device)
     preflight(config)
+    needs_ids = build_loss(config.loss.name, id_space=1, **config.loss.options).needs_sample_ids
+    check_ids_available(config.data, needs_ids, who=f"loss={config.loss.name}")  # before the model
     device, dtype = env.device, input_dtype(config.train.precision)
     run_dir, config_yaml = Path(config.output_dir), yaml.safe_dump(to_dict(config), sort_keys=False)
     _configure_process(config, env, config_yaml)
@@ -71,7 +74,7 @@ def train(config: RunConfig) -> dict[str, Any]:
     bundle = build_model(config.model, siglip=LOSSES[config.loss.name].uses_logit_bias,
                          device=device)
     transform, normalizer = train_transform(config, bundle)
-    data = _train_batches(config, env, bundle, transform)
+    data = _train_batches(config, env, bundle, transform, needs_ids)
     loss_fn = build_loss(config.loss.name, chunk_size=config.loss.chunk_size,
                          id_space=data.id_space, **config.loss.options).to(device)
     global_batch = config.data.batch_size * env.world_size * config.train.accum_steps
@@ -155,11 +158,13 @@ def train_transform(config: RunConfig, bundle):
     return transform, None
 
 
-def _train_batches(config: RunConfig, env, bundle, transform) -> TrainBatches:
+def _train_batches(config: RunConfig, env, bundle, transform, needs_ids: bool = False
+                   ) -> TrainBatches:
     """This rank's batch stream, augmented with ``transform`` by (seed, epoch, image)."""
     augment = SeededTransform(transform, config.seed, random=config.data.augment)
     build = functools.partial(build_train_loader, config.data, augment, bundle.tokenizer,
-                              seed=config.seed, rank=env.rank, world_size=env.world_size)
+                              seed=config.seed, rank=env.rank, world_size=env.world_size,
+                              needs_sample_ids=needs_ids)
     return TrainBatches(build, augment, config.train.accum_steps)
 
 
