@@ -28,6 +28,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -95,6 +96,23 @@ class Members:
 
 
 DEFAULT_MEMBERS = Members()
+
+MEMBER_KEYS = re.compile(r"\s*[A-Za-z0-9_.-]+(:[A-Za-z0-9_.-]+)?\s*(;\s*[A-Za-z0-9_.-]+"
+                         r"(:[A-Za-z0-9_.-]+)?\s*)*")
+"""The grammar of ``data.image_key``/``data.caption_key``: ``;``-separated ``ext[:json.field]``."""
+
+
+def check_member_keys(image_key: str, caption_key: str, where: str) -> None:
+    """A one-line :class:`~vlcontrast.errors.DataPrepError` for malformed member keys."""
+    from vlcontrast.errors import DataPrepError
+
+    for name, value in (("--image-key", image_key), ("--caption-key", caption_key)):
+        if not MEMBER_KEYS.fullmatch(value):
+            raise DataPrepError(f"{where}: {name}={value!r}: expected ;-separated member names "
+                                "such as 'jpg;png;webp' or 'txt;json:caption'")
+    if ":" in image_key:
+        raise DataPrepError(f"{where}: --image-key={image_key!r}: images are whole members "
+                            "(jpg, png, ...), not JSON fields")
 
 
 @dataclass(frozen=True)
