@@ -100,8 +100,9 @@ def clean_name(stem: str, authors: Authors | None = None, *, strip_author: bool 
        :func:`learn_authors`) knows the second-to-last word as a first name, the last two words
        go (``map_of_norway_jarno_vasa_01`` -> ``map of norway``); when it knows the last word
        as a first name cut short or a one-word author, the last word goes
-       (``cigno_di_spalle_architet_01`` -> ``cigno di spalle``); otherwise every word stays
-       (``flourish_two_horizontal_01``). Without ``authors``: the last two words go when at least
+       (``cigno_di_spalle_architet_01`` -> ``cigno di spalle``); otherwise the last two words
+       go when at least two words remain (``pimp_hat_james_birkett_01`` -> ``pimp hat``), and
+       every word stays in shorter names (``flourish_two_horizontal_01``). Without ``authors``: the last two words go when at least
        one title word remains. The copy number always goes (``hat_02`` -> ``hat``).
     2. ``_s_`` is a possessive (``rubik_s_cube`` -> ``rubik's cube``).
     3. Underscores, dashes next to letters and camelCase boundaries become spaces; all-caps words
@@ -118,6 +119,8 @@ def clean_name(stem: str, authors: Authors | None = None, *, strip_author: bool 
                 words = words[:-2]
             elif len(words) >= 2 and (authors.is_first(lower[-1]) or lower[-1] in authors.single):
                 words = words[:-1]
+            elif len(words) >= 4:  # an author seen too rarely to learn: two title words remain
+                words = words[:-2]
         text = "_".join(words)
     elif strip_author and authors is not None:
         plain = stem.split("_")
@@ -225,11 +228,11 @@ def render_name_caption(relative: str, template: str, *, strip_author: bool = Tr
     parts = Path(relative).parts
     folders = [clean_folder(p) for p in parts[:-1]]
     fields = {"name": clean_name(Path(parts[-1]).stem, authors, strip_author=strip_author),
-              "category": folders[-1] if folders else "",
-              "path": ", ".join(folders)}
+              "category": folders[-1] if folders else "\0",
+              "path": ", ".join(folders) or "\0"}
     caption = template.format(**fields)
-    # An image directly under DIR has no category: drop the separator left hanging.
-    caption = re.sub(r"\s*,\s*(?=,|$)", "", caption)
+    # An image directly under DIR has no folder: its field goes with the separator before it.
+    caption = re.sub(r"[\s,;:-]*\0", "", caption)
     return " ".join(caption.split()).strip(" ,")
 
 

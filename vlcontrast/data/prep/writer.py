@@ -221,7 +221,8 @@ def write_shards(out: Path, jobs: list[ShardJob], produce: Callable[[ShardJob], 
     start = time.perf_counter()
     state = _read_state(out)
     done: dict[str, Any] = state.get("shards", {}) if state.get("fingerprint") == digest else {}
-    done = {name: stats for name, stats in done.items() if (out / name).is_file()}
+    done = {name: stats for name, stats in done.items()
+            if (out / name).is_file() or stats["written"] == 0}  # empty shards are not kept
     stride = stride or key_stride(max([len(job.items) for job in jobs] + [1]))
     todo = [job for job in jobs if shard_name(job.index) not in done]
     state = {"fingerprint": digest, "shards": dict(done)}
