@@ -108,7 +108,8 @@ def _cmd_prep(args) -> int:
                                     strip_author=not args.keep_author, image_size=args.image_size,
                                     resize_mode=args.resize_mode,
                                     encode_quality=args.encode_quality,
-                                    shard_size=args.shard_size, **common)
+                                    shard_size=args.shard_size,
+                                    max_image_pixels=args.max_image_pixels, **common)
         elif args.what == "csv":
             from vlcontrast.data.prep.table import prepare_table
 
@@ -116,7 +117,8 @@ def _cmd_prep(args) -> int:
                                    caption_key=args.caption_key, sep=args.sep,
                                    image_size=args.image_size, resize_mode=args.resize_mode,
                                    encode_quality=args.encode_quality,
-                                   shard_size=args.shard_size, **common)
+                                   shard_size=args.shard_size,
+                                   max_image_pixels=args.max_image_pixels, **common)
         else:
             from vlcontrast.data.prep.wds import prepare_wds
 
@@ -285,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     cc3m.add_argument("--user-agent-token", default=CC3M_SETTINGS["user_agent_token"])
     cc3m.add_argument("--overwrite", action="store_true",
                       help="delete earlier shards instead of resuming")
-    from vlcontrast.data.prep.writer import DEFAULT_IMAGE_SIZE, DEFAULT_QUALITY
+    from vlcontrast.data.prep.writer import DEFAULT_IMAGE_SIZE, DEFAULT_QUALITY, MAX_IMAGE_PIXELS
 
     def add_image_options(p, shard_size: int):
         p.add_argument("--image-size", type=int, default=DEFAULT_IMAGE_SIZE,
@@ -294,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
                        choices=("keep_ratio", "keep_ratio_largest", "center_crop", "no"))
         p.add_argument("--encode-quality", type=int, default=DEFAULT_QUALITY, help="JPEG quality")
         p.add_argument("--shard-size", type=int, default=shard_size, help="samples per shard")
+        p.add_argument("--max-image-pixels", type=int, default=MAX_IMAGE_PIXELS,
+                       help="larger images are skipped as decompression bombs (PIL's limit; "
+                       "raise it for huge clip art, memory permitting)")
 
     def add_writer_options(p):
         p.add_argument("--workers", type=int, default=None, help="processes (default: all CPUs)")

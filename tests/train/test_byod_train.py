@@ -4,7 +4,6 @@ folder and CSV converters' output trains."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tests.data.conftest import write_shard

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import shards as shard_meta
-from vlcontrast.errors import LoaderError
+from vlcontrast.errors import DataLayoutError
 from .spec import PIPE_PREFIX, expand_source, parse_spec
 
 logger = logging.getLogger(__name__)
@@ -144,11 +144,11 @@ def resolve_shard_set(data_cfg: Any, *, needs_sample_ids: bool = False,
     if needs_sample_ids:
         for i, found in counts.items():
             if found.non_numeric:
-                raise LoaderError(
+                raise DataLayoutError(
                     f"data.train: {urls[i]!r} has {found.non_numeric} of {found.rows} samples "
                     f"whose key is not a number (e.g. {found.example_key!r}); {_ids_fix(who)}")
         if explicit_space <= 0 and any(d is None for d in directories):
-            raise LoaderError(
+            raise DataLayoutError(
                 f"data.train: the ids of pipe: shards cannot be checked before training; "
                 f"{who} keeps per-sample state: set data.id_space (the number of distinct "
                 "numeric sample ids), or copy the shards locally and re-key them with "
@@ -156,7 +156,7 @@ def resolve_shard_set(data_cfg: Any, *, needs_sample_ids: bool = False,
 
     unknown = [u for u, s in zip(urls, sizes) if s is None]
     if unknown and data_cfg.num_samples <= 0:
-        raise LoaderError(
+        raise DataLayoutError(
             f"data.train: cannot count the samples of {len(unknown)} of {len(urls)} pipe: shards "
             f"(e.g. {unknown[0]!r}): no sizes.json, manifest.json or img2dataset *_stats.json "
             "beside them; set data.num_samples")
@@ -175,7 +175,7 @@ def resolve_shard_set(data_cfg: Any, *, needs_sample_ids: bool = False,
     total = sum(sizes_int)
     num_samples = data_cfg.num_samples or total
     if data_cfg.mode == "epoch" and all(exact) and num_samples > total:
-        raise LoaderError(f"data.num_samples={num_samples} exceeds the {total} samples in the "
+        raise DataLayoutError(f"data.num_samples={num_samples} exceeds the {total} samples in the "
                           f"{len(urls)} shards of {data_cfg.train!r} (epoch mode reads each "
                           f"once): set data.num_samples to at most {total}, or 0 to use them all")
 
@@ -200,7 +200,7 @@ def resolve_shard_set(data_cfg: Any, *, needs_sample_ids: bool = False,
         else:
             id_space = 0
             if needs_sample_ids:
-                raise LoaderError(f"data.train: no sample id found in {data_cfg.train!r}; "
+                raise DataLayoutError(f"data.train: no sample id found in {data_cfg.train!r}; "
                                   f"{_ids_fix(who)}")
             logger.info("data: no manifest.json for %s: numeric keys are used as sample ids "
                         "where present, unchecked",
@@ -214,7 +214,7 @@ def check_ids_available(data_cfg: Any, needs_sample_ids: bool, who: str = "the l
     """Preflight of the training data, before the model is built: expand ``data.train``, find
     (or count) the shard sizes, check ``data.num_samples`` against them and, when the loss keeps
     per-sample state (``needs_sample_ids``), that every key is a numeric sample id. Raises a
-    one-line :class:`LoaderError` naming the file, the key and the fix (``vlcontrast prep
+    one-line :class:`DataLayoutError` naming the file, the key and the fix (``vlcontrast prep
     wds``). Counts are cached, so the loader built next does not count again."""
     if hasattr(data_cfg, "check"):
         data_cfg.check()

@@ -34,8 +34,8 @@ from typing import Any, Iterator
 
 from vlcontrast.errors import DataPrepError
 
-from .writer import (DEFAULT_IMAGE_SIZE, DEFAULT_QUALITY, ShardJob, Skip, check_image_options,
-                     encode_image, fingerprint, prepare_out, write_shards)
+from .writer import (DEFAULT_IMAGE_SIZE, DEFAULT_QUALITY, MAX_IMAGE_PIXELS, ShardJob, Skip,
+                     check_image_options, encode_image, fingerprint, prepare_out, write_shards)
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 CAPTION_SOURCES = ("sidecar", "class", "name")
@@ -203,7 +203,8 @@ def _produce(job: ShardJob) -> Iterator[Any]:
             yield Skip("unreadable_file", relative)
             continue
         image = encode_image(data, image_size=settings["image_size"],
-                             resize_mode=settings["resize_mode"], quality=settings["quality"])
+                             resize_mode=settings["resize_mode"], quality=settings["quality"],
+                             max_pixels=settings["max_pixels"])
         if isinstance(image, str):
             yield Skip(image, relative)
             continue
@@ -241,6 +242,7 @@ def prepare_folder(root: str | os.PathLike, out: str | os.PathLike, *,
                    caption_template: str = DEFAULT_NAME_TEMPLATE, strip_author: bool = True,
                    image_size: int = DEFAULT_IMAGE_SIZE, resize_mode: str = "keep_ratio",
                    encode_quality: int = DEFAULT_QUALITY, shard_size: int = DEFAULT_SHARD_SIZE,
+                   max_image_pixels: int = MAX_IMAGE_PIXELS,
                    workers: int | None = None, overwrite: bool = False, progress: bool = True
                    ) -> dict[str, Any]:
     """Convert a folder of images into shards in ``out``; returns the report (see
@@ -252,7 +254,7 @@ def prepare_folder(root: str | os.PathLike, out: str | os.PathLike, *,
     if caption_from not in CAPTION_SOURCES:
         raise DataPrepError(f"{command}: --caption-from={caption_from!r}: must be one of "
                             f"{CAPTION_SOURCES}")
-    check_image_options(image_size, resize_mode, encode_quality)
+    check_image_options(image_size, resize_mode, encode_quality, max_image_pixels)
     if not 1 <= shard_size <= 1_000_000:
         raise DataPrepError(f"{command}: --shard-size={shard_size}: must be in 1..1000000")
     templates = list(templates or DEFAULT_TEMPLATES)
@@ -274,7 +276,7 @@ def prepare_folder(root: str | os.PathLike, out: str | os.PathLike, *,
     relatives = [p.relative_to(root).as_posix() for p in images]
     settings: dict[str, Any] = {"root": str(root.resolve()), "caption_from": caption_from,
                                 "image_size": image_size, "resize_mode": resize_mode,
-                                "quality": encode_quality}
+                                "quality": encode_quality, "max_pixels": max_image_pixels}
     payloads: list[Any] = [None] * len(relatives)
     if caption_from == "sidecar":
         with_sidecar = sum(any(c.is_file() for c in _sidecar_candidates(p)) for p in images)

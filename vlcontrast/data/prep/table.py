@@ -27,8 +27,9 @@ from typing import Any, Iterator
 
 from vlcontrast.errors import DataPrepError
 
-from .writer import (DEFAULT_IMAGE_SIZE, DEFAULT_QUALITY, MAX_EXAMPLES, ShardJob, Skip,
-                     check_image_options, encode_image, fingerprint, prepare_out, write_shards)
+from .writer import (DEFAULT_IMAGE_SIZE, DEFAULT_QUALITY, MAX_EXAMPLES, MAX_IMAGE_PIXELS,
+                     ShardJob, Skip, check_image_options, encode_image, fingerprint, prepare_out,
+                     write_shards)
 
 DEFAULT_SHARD_SIZE = 1000
 _URL = re.compile(r"^https?://", re.IGNORECASE)
@@ -101,7 +102,8 @@ def _produce(job: ShardJob) -> Iterator[Any]:
             yield Skip("missing_image_file", where)
             continue
         encoded = encode_image(data, image_size=settings["image_size"],
-                               resize_mode=settings["resize_mode"], quality=settings["quality"])
+                               resize_mode=settings["resize_mode"], quality=settings["quality"],
+                             max_pixels=settings["max_pixels"])
         if isinstance(encoded, str):
             yield Skip(encoded, where)
             continue
@@ -115,6 +117,7 @@ def prepare_table(table: str | os.PathLike, out: str | os.PathLike, *, image_key
                   caption_key: str = "title", sep: str | None = None,
                   image_size: int = DEFAULT_IMAGE_SIZE, resize_mode: str = "keep_ratio",
                   encode_quality: int = DEFAULT_QUALITY, shard_size: int = DEFAULT_SHARD_SIZE,
+                  max_image_pixels: int = MAX_IMAGE_PIXELS,
                   workers: int | None = None, overwrite: bool = False, progress: bool = True,
                   url_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Convert a CSV/TSV of images and captions into shards in ``out``; returns the report."""
@@ -123,7 +126,7 @@ def prepare_table(table: str | os.PathLike, out: str | os.PathLike, *, image_key
     sep = default_separator(path) if sep is None else sep.encode().decode("unicode_escape")
     if len(sep) != 1:
         raise DataPrepError(f"{command}: --sep={sep!r}: must be one character (',' or '\\t')")
-    check_image_options(image_size, resize_mode, encode_quality)
+    check_image_options(image_size, resize_mode, encode_quality, max_image_pixels)
     if not 1 <= shard_size <= 1_000_000:
         raise DataPrepError(f"{command}: --shard-size={shard_size}: must be in 1..1000000")
     rows, skipped, examples = read_table(path, image_key, caption_key, sep)
@@ -146,7 +149,7 @@ def prepare_table(table: str | os.PathLike, out: str | os.PathLike, *, image_key
             captions.append(caption)
     items = [(image, captions, line) for image, (captions, line) in merged.items()]
     settings = {"name": path.name, "image_size": image_size, "resize_mode": resize_mode,
-                "quality": encode_quality}
+                "quality": encode_quality, "max_pixels": max_image_pixels}
     jobs = [ShardJob(n, items[start:start + shard_size], settings)
             for n, start in enumerate(range(0, len(items), shard_size))]
     digest = fingerprint("csv", settings, items, shard_size)

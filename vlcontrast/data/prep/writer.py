@@ -70,19 +70,32 @@ class Skip:
 
 
 def encode_image(data: bytes, *, image_size: int = DEFAULT_IMAGE_SIZE,
-                 resize_mode: str = "keep_ratio", quality: int = DEFAULT_QUALITY) -> bytes | str:
+                 resize_mode: str = "keep_ratio", quality: int = DEFAULT_QUALITY,
+                 max_pixels: int = MAX_IMAGE_PIXELS) -> bytes | str:
     """JPEG bytes of an image file's bytes, or a skip reason (``undecodable_image``,
     ``decompression_bomb``). ``keep_ratio``: shorter side to ``image_size``;
     ``keep_ratio_largest``: longer side; ``center_crop``: shorter side then a centred square;
-    ``no``: size kept. Alpha (RGBA, LA, palette transparency) is composited on white."""
+    ``no``: size kept. Alpha (RGBA, LA, palette transparency) is composited on white. Images
+    with more than ``max_pixels`` pixels (read from the header) are ``decompression_bomb``."""
     from PIL import Image, ImageOps
 
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
-            if image.width * image.height > MAX_IMAGE_PIXELS:
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            previous, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+            try:
+                image = Image.open(io.BytesIO(data))
+            finally:
+                Image.MAX_IMAGE_PIXELS = previous
+            if image.width * image.height > max_pixels:
                 return "decompression_bomb"
+            if image.format == "JPEG" and resize_mode != "no":
+                # Decode at a reduced DCT scale that still covers the target (PIL's draft).
+                side = (min if resize_mode in ("keep_ratio", "center_crop") else max)(image.size)
+                if side > 2 * image_size:
+                    scale = image_size / side
+                    image.draft("RGB", (int(image.width * scale) + 1,
+                                        int(image.height * scale) + 1))
             image.load()
             image = ImageOps.exif_transpose(image)
             if image.mode == "P" and "transparency" in image.info:
@@ -117,7 +130,10 @@ def encode_image(data: bytes, *, image_size: int = DEFAULT_IMAGE_SIZE,
     return out.getvalue()
 
 
-def check_image_options(image_size: int, resize_mode: str, quality: int) -> None:
+def check_image_options(image_size: int, resize_mode: str, quality: int,
+                        max_pixels: int = MAX_IMAGE_PIXELS) -> None:
+    if max_pixels < 1:
+        raise DataPrepError(f"--max-image-pixels={max_pixels}: must be >= 1")
     if image_size < 1:
         raise DataPrepError(f"--image-size={image_size}: must be >= 1 (pixels)")
     if resize_mode not in RESIZE_MODES:
