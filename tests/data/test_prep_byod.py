@@ -93,6 +93,8 @@ def test_folder_from_names_cleans_openclipart_titles_and_class_folders(tmp_path)
                              "cigno_di_spalle_architet_01"])
     assert clean_name("cigno_di_spalle_architet_01", authors) == "cigno di spalle"
     assert clean_name("flourish_two_horizontal_01", authors) == "flourish two horizontal"
+    assert clean_name("bordered_c_10", authors) == "bordered c 10"  # a card, not a copy mark
+    assert clean_name("bordered_s_10", authors) == "bordered s 10"
 
     classes = tmp_path / "classes"
     for c, n in (("tabby_cat", 2), ("Dog", 1)):

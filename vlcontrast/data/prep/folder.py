@@ -44,7 +44,7 @@ DEFAULT_NAME_TEMPLATE = "{name}, {category}"
 DEFAULT_SHARD_SIZE = 1000
 
 AUTHOR_MIN_COUNT = 3
-_COPY_MARK = re.compile(r"_(\d{1,2})?$")
+_COPY_MARK = re.compile(r"_(0\d)?$")
 _SEPARATORS = re.compile(r"[_\s]+|(?<=\D)-|-(?=\D)")
 _CAMEL = re.compile(r"(?<=[a-z])(?=[A-Z])")
 
@@ -94,17 +94,19 @@ def learn_authors(stems: list[str], min_count: int = AUTHOR_MIN_COUNT) -> Author
 def clean_name(stem: str, authors: Authors | None = None, *, strip_author: bool = True) -> str:
     """A caption phrase from a file stem (openclipart's naming; the rule is in docs/data.md).
 
-    1. openclipart marks a name that ends with its author by a copy number or a trailing
-       underscore: ``title_first_last_01``, ``title_first_la_`` (the author cut short). With
+    1. openclipart marks a name that ends with its author by a zero-padded copy number or a
+       trailing underscore: ``title_first_last_01``, ``title_first_la_`` (the author cut short);
+       other numbers are part of the title (``bordered_c_10``, a playing card). With
        ``strip_author``, for a marked stem: when ``authors`` (learned from the whole folder by
        :func:`learn_authors`) knows the second-to-last word as a first name, the last two words
        go (``map_of_norway_jarno_vasa_01`` -> ``map of norway``); when it knows the last word
        as a first name cut short or a one-word author, the last word goes
        (``cigno_di_spalle_architet_01`` -> ``cigno di spalle``); otherwise the last two words
        go when at least two words remain (``pimp_hat_james_birkett_01`` -> ``pimp hat``), and
-       every word stays in shorter names (``flourish_two_horizontal_01``). Without ``authors``: the last two words go when at least
-       one title word remains. The copy number always goes (``hat_02`` -> ``hat``).
-    2. ``_s_`` is a possessive (``rubik_s_cube`` -> ``rubik's cube``).
+       every word stays in shorter names (``flourish_two_horizontal_01``). Without ``authors``:
+       the last two words go when at least one title word remains. The copy number always goes
+       (``hat_02`` -> ``hat``).
+    2. ``_s_`` between words is a possessive (``rubik_s_cube`` -> ``rubik's cube``).
     3. Underscores, dashes next to letters and camelCase boundaries become spaces; all-caps words
        keep their case, the rest is lower-cased.
     """
@@ -126,7 +128,7 @@ def clean_name(stem: str, authors: Authors | None = None, *, strip_author: bool 
         plain = stem.split("_")
         if len(plain) >= 2 and plain[-1].lower() in authors.single:
             text = "_".join(plain[:-1])
-    text = re.sub(r"(?<=[A-Za-z])_s(?=_|$)", "'s", text)
+    text = re.sub(r"(?<=[A-Za-z])_s(?=_[A-Za-z])", "'s", text)
     text = _CAMEL.sub(" ", text)
     text = _SEPARATORS.sub(" ", text)
     out = [w if (w.isupper() and len(w) > 1) else w.lower() for w in text.split()]
