@@ -18,6 +18,7 @@ from vlcontrast.data.prep.writer import STATE_FILE, encode_image
 from vlcontrast.data.shards import read_manifest, read_sizes
 from vlcontrast.data.tar_reader import read_shard
 from vlcontrast.errors import DataPrepError
+from tests.data.test_prep_cc3m import image_server  # noqa: F401 - a fixture
 
 
 def image_file(path, size=(40, 20), mode="RGB", color=(200, 10, 10)):
@@ -198,3 +199,20 @@ def test_encode_image_alpha_palette_and_sixteen_bit(tmp_path):
     out = Image.open(io.BytesIO(encode_image(buffer.getvalue(), image_size=5)))
     assert out.size == (15, 5) and out.mode == "RGB"
     assert encode_image(b"garbage") == "undecodable_image"
+
+
+def test_csv_of_urls_goes_through_img2dataset(tmp_path, image_server):
+    rows = [("a red photo, with a comma", image_server.url("/good/0.jpg")),
+            ("a green photo", image_server.url("/good/1.jpg")),
+            ("gone", image_server.url("/missing.jpg")),
+            ("", image_server.url("/good/2.jpg"))]          # empty caption: skipped before
+    table = tmp_path / "urls.csv"
+    table.write_text("url,caption\n" + "".join(f'{u},"{c}"\n' for c, u in rows))
+    report = prepare_table(table, tmp_path / "out", image_key="url", caption_key="caption",
+                           image_size=16, progress=False,
+                           url_options=dict(processes=1, threads=2, number_sample_per_shard=10,
+                                            timeout=5, retries=0))
+    assert report["num_samples"] == 2 and report["failed_to_download"] == 1
+    assert report["table_skipped"] == {"empty_caption": 1}
+    captions = sorted(m["txt"].decode() for _, m in samples(tmp_path / "out"))
+    assert captions == ["a green photo", "a red photo, with a comma"]
