@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,10 @@ DataMode = Literal["epoch", "resampled"]
 ZeroStage = Literal[0, 1, 2, 3]
 
 PRECISIONS: tuple[str, ...] = typing.get_args(PrecisionName)
+
+
+_MEMBER_KEYS = re.compile(r"\s*[A-Za-z0-9_.-]+(:[A-Za-z0-9_.-]+)?\s*(;\s*[A-Za-z0-9_.-]+"
+                          r"(:[A-Za-z0-9_.-]+)?\s*)*")
 
 
 @dataclass
@@ -80,7 +85,22 @@ class DataConfig:
     loader does less work per image and the host-to-device copy is a quarter of the bytes; it pays
     where the loader, not the model, limits the step (small models, few CPU cores per GPU)."""
 
+    image_key: str = "jpg;jpeg;png;webp"
+    """Shard members that hold the image, ``;``-separated; the first one present is used."""
+    caption_key: str = "txt"
+    """Shard members that hold the caption, ``;``-separated: an extension (``txt``) or a JSON
+    field (``json:caption``, ``json:captions`` for a list, ``json:meta.caption`` nested). Every key
+    present contributes; an image with several captions gets one of them per epoch, drawn from
+    the seed and the sample (exact resume holds)."""
+
     def check(self) -> None:
+        for key in ("image_key", "caption_key"):
+            value = getattr(self, key)
+            _require(bool(_MEMBER_KEYS.fullmatch(value)), f"data.{key}", value,
+                     "expected ;-separated member names such as 'jpg;png;webp' or "
+                     "'txt;json:caption'")
+        _require(":" not in self.image_key, "data.image_key", self.image_key,
+                 "images are whole members (jpg, png, ...), not JSON fields")
         _require(self.batch_size >= 1, "data.batch_size", self.batch_size, "must be >= 1")
         _require(self.workers >= 0, "data.workers", self.workers, "must be >= 0")
         _require(0.0 <= self.max_bad_fraction <= 1.0, "data.max_bad_fraction",

@@ -25,6 +25,13 @@ class LoaderError(RuntimeError):
     """The training data cannot be read as configured (names the pattern, the counts)."""
 
 
+class DataLayoutError(LoaderError, ConfigError):
+    """Training data that cannot be used as configured, found before training starts (sizes that
+    cannot be counted, ``data.num_samples`` above the data, keys that are not the sample ids a
+    loss needs); names the file, the key and the fix. Also a :class:`ConfigError`, so the command
+    line prints it as one line."""
+
+
 class ShardSpecError(LoaderError, ConfigError):
     """A shard spec that cannot be parsed (an empty source, a weight <= 0); names the option.
 

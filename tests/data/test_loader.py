@@ -82,12 +82,17 @@ def test_more_slots_than_shards_read_disjoint_row_ranges(uneven_shards):
     assert loader.steps_per_epoch == 128 // 16
 
 
-def test_unknown_sizes_need_num_samples(tmp_path):
-    make_shards(tmp_path, [5, 5], metadata=False)
+def test_local_shards_without_sizes_are_counted_pipe_shards_need_num_samples(tmp_path):
+    make_shards(tmp_path, [5, 4], metadata=False)
     pattern = str(tmp_path / "{00000..00001}.tar")
+    loader = build_train_loader(config(pattern, batch_size=3), PREPROCESS, CountingTokenizer(),
+                                seed=0, rank=0, world_size=1)
+    assert loader.num_samples == 9 and loader.steps_per_epoch == 3  # counted from tar headers
+    piped = "pipe:cat " + pattern
     with pytest.raises(LoaderError, match="set data.num_samples"):
-        build_train_loader(config(pattern), PREPROCESS, CountingTokenizer(), seed=0, rank=0,
+        build_train_loader(config(piped), PREPROCESS, CountingTokenizer(), seed=0, rank=0,
                            world_size=1)
+    make_shards(tmp_path, [5, 5], metadata=False)
     loader = build_train_loader(config(pattern, num_samples=10, batch_size=2), PREPROCESS,
                                 CountingTokenizer(), seed=0, rank=0, world_size=1)
     assert loader.id_space == 0 and loader.steps_per_epoch == 5

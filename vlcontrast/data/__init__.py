@@ -7,13 +7,15 @@ metadata, preparation, the check, and the training loader.
 ``tar_reader``     the one tar reader: shard URL -> rows ``(row, key, {extension: bytes})``
 ``samples``        the bad-sample taxonomy and the checks behind it (training, evaluation, check)
 ``naming``         shard names, img2dataset keys and sample ids (the ground floor of data)
+``counting``       rows and key facts of local shards from their tar headers (no sizes file needed)
 ``shards``         shard metadata: ``sizes.json``, ``manifest.json``
 ``sources``        ``data.train`` -> the training shard set (sizes, weights, id ranges)
 ``plan``           the pure epoch plan: which rows each rank and worker reads
 ``stream``         the DataLoader worker stream, a chain of small stages
 ``loader``         the main-process training loader (``build_train_loader``, ``TrainLoader``)
 ``check``          ``vlcontrast prep check``: read every sample, report what the loader would skip
-``prep/``          converters that write shards (the synthetic world, URL lists via img2dataset)
+``prep/``          converters that write shards (image folders, CSV/TSV tables, any webdataset,
+                   URL lists via img2dataset, the synthetic world)
 ``errors``         ``LoaderError``, ``ShardSpecError``, ``ShardsNotFoundError``
 =================  ================================================================================
 
@@ -27,6 +29,7 @@ from .shards import read_manifest, read_sizes, write_manifest, write_sizes
 from .spec import check_spec, expand_pattern, expand_spec, parse_spec
 
 from .loader import Batch, TrainLoader, build_train_loader
+from .sources import check_ids_available
 
 __all__ = [
     "Batch",
@@ -35,6 +38,7 @@ __all__ = [
     "ShardsNotFoundError",
     "TrainLoader",
     "build_train_loader",
+    "check_ids_available",
     "check_shards",
     "check_spec",
     "expand_pattern",

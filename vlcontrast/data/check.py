@@ -11,8 +11,9 @@ absent, counts that disagree with ``sizes.json``, and truncated or unreadable sh
 of the loader the check cannot see is ``transform_error`` (it depends on the model's transform).
 
 The input is any shard spec of :mod:`.spec` (a directory, a pattern, a comma list, ...). The
-report is JSON (``DIR/check_report.json`` when a directory was given); ``vlcontrast prep check``
-exits 1 when ``unreadable_shards`` is not empty.
+report is JSON (``DIR/check_report.json`` when a directory was given; ``--json`` prints it);
+``vlcontrast prep check`` exits 1 when the shards would not train: a shard is unreadable, or more
+than ``--max-bad-fraction`` of the samples would be skipped (``trainable`` in the report).
 """
 
 from __future__ import annotations
@@ -27,13 +28,18 @@ from typing import Any
 
 import numpy as np
 
-from .samples import (CHECK_ONLY_REASONS, CONTENT_REASONS, DEFAULT_MAX_IMAGE_PIXELS, ID_REASONS,
-                      IdRule, count, inspect_sample, read_json, read_sample_id)
+from vlcontrast.errors import DataPrepError
+
+from .samples import (CHECK_ONLY_REASONS, CONTENT_REASONS, DEFAULT_MAX_IMAGE_PIXELS,
+                      DEFAULT_MEMBERS, ID_REASONS, IdRule, Members, check_member_keys, count,
+                      inspect_sample, read_json, read_sample_id)
 from .shards import read_manifest, read_sizes
 from .spec import expand_spec
 from .tar_reader import read_shard
 
 MAX_EXAMPLES = 10
+DEFAULT_MAX_BAD_FRACTION = 0.05
+"""``data.max_bad_fraction``'s default: the check fails where training would stop."""
 REPORT_FILE = "check_report.json"
 PROBLEMS = tuple(r for r in CONTENT_REASONS if r != "transform_error") + ID_REASONS + \
     CHECK_ONLY_REASONS
@@ -48,9 +54,12 @@ def _id_space(directory: str) -> int:
 
 
 def check_shard(path: str, decode_images: bool = True, id_space: int = 0,
-                max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> dict[str, Any]:
-    """Read one shard; never raises: a broken shard is reported in ``error``."""
+                max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, require_ids: bool = True,
+                keys: Members = DEFAULT_MEMBERS) -> dict[str, Any]:
+    """Read one shard; never raises: a broken shard is reported in ``error``. Samples without a
+    usable id are problems when ``require_ids`` or ``id_space`` (the loader's rule)."""
     result: dict[str, Any] = {"shard": os.path.basename(path), "path": path, "samples": 0,
+                              "non_numeric_ids": 0,
                               "error": None, "bad_samples": {kind: 0 for kind in PROBLEMS},
                               "examples": {kind: [] for kind in PROBLEMS}, "ids": []}
 
@@ -65,7 +74,7 @@ def check_shard(path: str, decode_images: bool = True, id_space: int = 0,
     keys_seen: set[str] = set()
     events: dict[str, int] = {}
     errors: list[str] = []
-    rule = IdRule(0, id_space)
+    rule = IdRule(0, id_space, required=require_ids or id_space > 0)
     for _, key, members in read_shard(path, counts=events, exact=False, errors=errors):
         result["samples"] += 1
         if key in keys_seen:
@@ -74,12 +83,15 @@ def check_shard(path: str, decode_images: bool = True, id_space: int = 0,
         if "json" in members and read_json(members) is None:
             problem("invalid_json", key)
         sample = inspect_sample(key, members, ids=rule, max_image_pixels=max_image_pixels,
-                                decode_image=decode_images)
+                                decode_image=decode_images, keys=keys)
         if isinstance(sample, str):
             problem(sample, key)
         sample_id = read_sample_id(key, members, IdRule())  # for duplicates, whatever else failed
         if not isinstance(sample_id, str):
             result["ids"].append(sample_id)
+        else:
+            result["non_numeric_ids"] += 1
+            result.setdefault("example_key", key)
     if events:
         result["error"] = f"unreadable after {result['samples']} samples: " + "; ".join(errors)
     return result
@@ -101,15 +113,26 @@ def _resolve(spec: str) -> list[str]:
 
 def check_shards(dir_or_pattern: str | os.PathLike, report_path: str | os.PathLike | None = None,
                  progress: bool = True, *, workers: int = 1, decode_images: bool = True,
-                 max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> dict[str, Any]:
+                 max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+                 max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION, require_ids: bool = False,
+                 image_key: str = "", caption_key: str = "") -> dict[str, Any]:
     """Check every shard a spec names; write and return the JSON report.
 
     ``report_path`` defaults to ``DIR/check_report.json`` when a directory is given. ``workers``
     > 1 reads shards in parallel processes. ``progress`` shows a bar and prints a summary to
     stderr. The report's ``ok`` is false when any shard is unreadable or any sample has a
-    problem; the CLI's exit status follows ``unreadable_shards`` only (bad samples are skipped
-    by the loader).
+    problem. ``trainable`` (the CLI's exit status) is false when a shard is unreadable or more
+    than ``max_bad_fraction`` of the samples would be skipped. Samples without a numeric id count
+    as skipped where the loader would skip them: with ``require_ids`` (a loss that keeps
+    per-sample state) or where a ``manifest.json`` declares the id space; ``ids`` reports how
+    many keys are numeric either way. ``image_key``/``caption_key``: as ``data.image_key`` and
+    ``data.caption_key``.
     """
+    if not 0.0 <= max_bad_fraction <= 1.0:
+        raise DataPrepError(f"prep check: --max-bad-fraction={max_bad_fraction}: must be in "
+                            "[0, 1]")
+    check_member_keys(image_key or "jpg", caption_key or "txt", "prep check")
+    keys = Members.parse(image_key, caption_key)
     start = time.perf_counter()
     spec = str(dir_or_pattern)
     paths = _resolve(spec)
@@ -124,8 +147,8 @@ def check_shards(dir_or_pattern: str | os.PathLike, report_path: str | os.PathLi
 
         bar = tqdm(total=len(paths), unit="shard", desc=f"check {spec}")
     jobs = [(path, decode_images,
-             spaces.get(os.path.dirname(os.path.abspath(path)), 0), max_image_pixels)
-            for path in paths]
+             spaces.get(os.path.dirname(os.path.abspath(path)), 0), max_image_pixels,
+             require_ids, keys) for path in paths]
     results: list[dict[str, Any]] = []
     pool = None
     if workers > 1 and len(jobs) > 1:
@@ -184,6 +207,22 @@ def check_shards(dir_or_pattern: str | os.PathLike, report_path: str | os.PathLi
                                                      if v}} for r in results}
     report["ok"] = (not report["unreadable_shards"] and not report["size_mismatches"]
                     and not any(bad.values()))
+    non_numeric = sum(r["non_numeric_ids"] for r in results)
+    report["ids"] = {"numeric": report["num_samples"] - non_numeric, "non_numeric": non_numeric,
+                     "required": bool(require_ids or any(spaces.values())),
+                     "example_non_numeric": next((r["example_key"] for r in results
+                                                  if r.get("example_key")), None)}
+    skipped_total = sum(v for k, v in bad.items() if k not in CHECK_ONLY_REASONS)
+    fraction = skipped_total / report["num_samples"] if report["num_samples"] else 1.0
+    report["bad_fraction"] = round(fraction, 6)
+    report["max_bad_fraction"] = max_bad_fraction
+    report["trainable"] = (not report["unreadable_shards"] and report["num_samples"] > 0
+                           and fraction <= max_bad_fraction)
+    if non_numeric and not report["ids"]["required"]:
+        report["ids"]["note"] = (
+            f"{non_numeric} keys are not numeric: fine for losses without per-sample state; a "
+            "loss that keeps per-sample state (decl estimator=buffer) needs `vlcontrast prep wds "
+            "SHARDS OUT` first")
     report["seconds"] = round(time.perf_counter() - start, 2)
     report["summary"] = summarize(report)
 
@@ -213,4 +252,11 @@ def summarize(report: dict[str, Any]) -> str:
         verdict = "FAILED"
     else:
         verdict = "ok" if report["ok"] else "readable, with problems"
+    if not report.get("trainable", True) and not report["unreadable_shards"]:
+        verdict = (f"WOULD NOT TRAIN ({report.get('bad_fraction', 1.0):.1%} of samples skipped "
+                   f"> --max-bad-fraction={report.get('max_bad_fraction', 0):.1%})")
+    ids = report.get("ids") or {}
+    if ids.get("non_numeric") and not ids.get("required"):
+        parts.append(f"{ids['non_numeric']} non-numeric keys (fine unless the loss needs ids: "
+                     "then `vlcontrast prep wds`)")
     return f"check: {verdict}: " + ", ".join(parts)

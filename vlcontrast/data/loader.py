@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader
 from vlcontrast.errors import LoaderError, ShardsNotFoundError, ShardSpecError
 from .plan import epoch_order, slot_range, virtual_segments, worker_batches
 from .samples import (DEFAULT_MAX_IMAGE_PIXELS, IMAGE_EXTENSIONS, SAMPLE_REASONS, SHARD_REASONS,
-                      bad_rate_error, decode_sample)
+                      Members, bad_rate_error, decode_sample)
 from .sources import ShardSet, resolve_shard_set
 from .spec import Source, expand_source, parse_spec
 from .stream import MIN_EXAMINED_FOR_RATE, CachedTokenizer, SlotStream
@@ -66,7 +66,8 @@ class Batch(NamedTuple):
     texts: torch.Tensor
     """``[B, L]`` long token ids."""
     sample_ids: torch.Tensor
-    """``[B]`` long: the img2dataset key (``json["key"]`` when present) plus the source offset."""
+    """``[B]`` long: the img2dataset key (``json["key"]`` when present) plus the source offset;
+    -1 for a sample whose key is not a number, where ids are not required."""
 
 
 def dataloader_options(workers: int, device: torch.device | str | None = None) -> dict[str, Any]:
@@ -275,13 +276,17 @@ class TrainLoader:
 def build_train_loader(data_cfg: Any, preprocess: Callable, tokenizer: Callable, *, seed: int,
                        rank: int, world_size: int, epoch: int = 0,
                        resume_state: dict | None = None,
-                       device: torch.device | str | None = None) -> TrainLoader:
+                       device: torch.device | str | None = None,
+                       needs_sample_ids: bool = False) -> TrainLoader:
     """The training loader of one rank. ``resume_state`` (a :meth:`TrainLoader.state_dict`, or
     ``{"ranks": [...]}`` from :meth:`TrainLoader.gather_state_dict`) overrides ``epoch``.
-    ``device``: where the batches go (pinned memory for CUDA; see :func:`dataloader_options`)."""
+    ``device``: where the batches go (pinned memory for CUDA; see :func:`dataloader_options`).
+    ``needs_sample_ids``: the loss keeps per-sample state, so every sample needs a numeric id
+    (checked from the tar headers, the id space found; see :mod:`.sources`). Otherwise numeric
+    ids are used where present and a sample without one gets id -1."""
     if hasattr(data_cfg, "check"):
         data_cfg.check()
-    shard_set = resolve_shard_set(data_cfg)
+    shard_set = resolve_shard_set(data_cfg, needs_sample_ids=needs_sample_ids)
     workers = int(data_cfg.workers)
     slots_per_rank = max(1, workers)
     if data_cfg.mode == "epoch" and any(w != 1.0 for w in shard_set.weights):
@@ -304,6 +309,7 @@ def build_train_loader(data_cfg: Any, preprocess: Callable, tokenizer: Callable,
         tokenizer=CachedTokenizer(tokenizer),
         max_bad_fraction=float(data_cfg.max_bad_fraction),
         max_image_pixels=int(getattr(data_cfg, "max_image_pixels", 0) or DEFAULT_MAX_IMAGE_PIXELS),
-        cache_bytes=int(getattr(data_cfg, "cache_mb", 0)) << 20)
+        cache_bytes=int(getattr(data_cfg, "cache_mb", 0)) << 20,
+        keys=Members.parse(getattr(data_cfg, "image_key", ""), getattr(data_cfg, "caption_key", "")))
     return TrainLoader(stream, workers=workers, shard_set=shard_set, epoch=epoch,
                        resume_state=resume_state, device=device)

@@ -51,6 +51,13 @@ def shard_index(name: str) -> int:
     return int(match.group(1))
 
 
+def shard_sort_key(name: str) -> tuple:
+    """Sort key for any shard basename: numbered shards by index first, other names (open_clip's
+    hand-written ``data-000.tar``) after them, by name."""
+    match = _SHARD_NAME.match(os.path.basename(name))
+    return (0, int(match.group(1)), "") if match else (1, 0, os.path.basename(name))
+
+
 def shard_name(index: int) -> str:
     return f"{index:0{SHARD_DIGITS}d}.tar"
 

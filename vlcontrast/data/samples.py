@@ -28,6 +28,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -67,30 +68,112 @@ class IdRule:
     offset: int = 0
     space: int = 0
     """0: unknown, not checked."""
+    required: bool = True
+    """False: a row without a numeric id is kept, with sample id -1 (``NO_ID``)."""
+
+
+NO_ID = -1
+"""The sample id of a row whose key is not a number, where ids are not required."""
+
+
+@dataclass(frozen=True)
+class Members:
+    """Which members hold the image and the caption(s): ``data.image_key`` and
+    ``data.caption_key``, each ``;``-separated.
+
+    Images: the first extension present wins (``jpg;png;webp``). Captions: every key present
+    contributes (``txt``, ``json:caption``; a JSON field may name a list, and dots reach into
+    nested objects: ``json:meta.caption``); duplicates are dropped. One caption gives the plain
+    string, several give a tuple, from which the loader draws one per image per epoch."""
+    image: tuple[str, ...] = ("jpg", "jpeg", "png", "webp")
+    caption: tuple[str, ...] = ("txt",)
+
+    @classmethod
+    def parse(cls, image_key: str = "", caption_key: str = "") -> "Members":
+        image = tuple(p.strip().lower() for p in image_key.split(";") if p.strip())
+        caption = tuple(p.strip() for p in caption_key.split(";") if p.strip())
+        return cls(image or cls.image, caption or cls.caption)
+
+
+DEFAULT_MEMBERS = Members()
+
+MEMBER_KEYS = re.compile(r"\s*[A-Za-z0-9_.-]+(:[A-Za-z0-9_.-]+)?\s*(;\s*[A-Za-z0-9_.-]+"
+                         r"(:[A-Za-z0-9_.-]+)?\s*)*")
+"""The grammar of ``data.image_key``/``data.caption_key``: ``;``-separated ``ext[:json.field]``."""
+
+
+def check_member_keys(image_key: str, caption_key: str, where: str) -> None:
+    """A one-line :class:`~vlcontrast.errors.DataPrepError` for malformed member keys."""
+    from vlcontrast.errors import DataPrepError
+
+    for name, value in (("--image-key", image_key), ("--caption-key", caption_key)):
+        if not MEMBER_KEYS.fullmatch(value):
+            raise DataPrepError(f"{where}: {name}={value!r}: expected ;-separated member names "
+                                "such as 'jpg;png;webp' or 'txt;json:caption'")
+    if ":" in image_key:
+        raise DataPrepError(f"{where}: --image-key={image_key!r}: images are whole members "
+                            "(jpg, png, ...), not JSON fields")
 
 
 @dataclass(frozen=True)
 class Inspected:
     """A usable sample: the RGB image (None when images are not decoded), caption, id."""
     image: Image.Image | None
-    caption: str
+    caption: str | tuple[str, ...]
+    """One caption, or several (a tuple) from which training draws one per epoch."""
     sample_id: int | None
 
 
-def find_image(members: dict[str, bytes]) -> bytes | None:
-    return next((members[e] for e in IMAGE_EXTENSIONS if e in members), None)
+def find_image(members: dict[str, bytes], extensions: tuple[str, ...] = IMAGE_EXTENSIONS
+               ) -> bytes | None:
+    return next((members[e] for e in extensions if e in members), None)
 
 
-def read_caption(members: dict[str, bytes]) -> str:
-    """The stripped ``.txt`` caption, or the reason it is unusable."""
-    raw = members.get(CAPTION_EXTENSION)
+def _caption_values(members: dict[str, bytes], key: str) -> list[str] | str | None:
+    """Caption strings under one caption key, a reason, or None when the key is absent."""
+    ext, _, field = key.partition(":")
+    raw = members.get(ext.lower())
     if raw is None:
-        return "missing_caption"
+        return None
     try:
-        caption = raw.decode("utf-8").strip()
+        text = raw.decode("utf-8")
     except UnicodeDecodeError:
         return "caption_not_utf8"
-    return caption if caption else "empty_caption"
+    if not field and ext.lower() != "json":
+        return [text]
+    try:
+        value: Any = json.loads(text)
+    except ValueError:
+        return None
+    for part in field.split(".") if field else ():
+        value = value.get(part) if isinstance(value, dict) else None
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, str)]
+    return None
+
+
+def read_caption(members: dict[str, bytes], keys: tuple[str, ...] = (CAPTION_EXTENSION,)
+                 ) -> str | tuple[str, ...]:
+    """The stripped caption (a tuple when the keys hold several different ones), or the reason
+    it is unusable: ``missing_caption`` (no key present), ``caption_not_utf8``,
+    ``empty_caption`` (only whitespace)."""
+    found: list[str] = []
+    reason = "missing_caption"
+    for key in keys:
+        values = _caption_values(members, key)
+        if values is None:
+            continue
+        if isinstance(values, str):
+            reason = values if reason == "missing_caption" else reason
+            continue
+        reason = "empty_caption"
+        found.extend(v.strip() for v in values if v.strip())
+    if not found:
+        return reason
+    unique = tuple(dict.fromkeys(found))
+    return unique[0] if len(unique) == 1 else unique
 
 
 def read_json(members: dict[str, bytes]) -> Any:
@@ -111,7 +194,14 @@ def read_sample_id(key: str, members: dict[str, bytes], rule: IdRule) -> int | s
         id_text = os.path.basename(key)
     id_text = str(id_text)
     if not id_text.isdigit():
-        return "no_sample_id"
+        if not rule.required and os.path.basename(key).isdigit():
+            id_text = os.path.basename(key)  # a json "key" of another kind: the tar key
+        elif rule.required:
+            return "no_sample_id"
+        else:
+            return NO_ID
+    if not rule.required and not rule.space:
+        return int(id_text) + rule.offset
     sample_id = int(id_text) + rule.offset
     if rule.space and sample_id >= rule.space:
         return "sample_id_out_of_range"
@@ -138,15 +228,17 @@ def open_image(image_bytes: bytes, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIX
 
 def inspect_sample(key: str, members: dict[str, bytes], *, ids: IdRule | None = None,
                    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
-                   decode_image: bool = True) -> Inspected | str:
+                   decode_image: bool = True, keys: Members = DEFAULT_MEMBERS
+                   ) -> Inspected | str:
     """The usable sample, or the first reason it is not (see the module docstring). ``ids`` None:
-    sample ids are not asked for. ``decode_image`` False: only the image's presence is checked."""
-    image_bytes = find_image(members)
+    sample ids are not asked for. ``decode_image`` False: only the image's presence is checked.
+    ``keys``: the image and caption members (``data.image_key``, ``data.caption_key``)."""
+    image_bytes = find_image(members, keys.image)
     if image_bytes is None:
         return "missing_image"
-    caption = read_caption(members)
+    caption = read_caption(members, keys.caption)
     if caption in ("missing_caption", "caption_not_utf8", "empty_caption"):
-        return caption
+        return caption  # type: ignore[return-value]
     sample_id = None
     if ids is not None:
         sample_id = read_sample_id(key, members, ids)
@@ -206,6 +298,12 @@ def bad_rate_error(bad: dict[str, int], examined: int, max_bad_fraction: float, 
     if denominator <= 0 or bad_total / denominator <= max_bad_fraction:
         return None
     detail = {k: v for k, v in sorted(bad.items()) if v}
+    if bad.get("no_sample_id", 0) + bad.get("sample_id_out_of_range", 0) > bad_total / 2:
+        return LoaderError(
+            f"{where}: {bad_total} of {denominator} samples were bad, most for want of a usable "
+            f"numeric sample id; reasons {detail}. Re-key the shards with `vlcontrast prep wds "
+            "SHARDS OUT` (dense ids; a loss without per-sample state needs none), or set "
+            "data.id_space to cover the ids")
     return LoaderError(
         f"{where}: {bad_total} of {denominator} samples were bad ({bad_total / denominator:.1%} > "
         f"data.max_bad_fraction={max_bad_fraction:.1%}); reasons {detail}. The shards look "

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .naming import id_space, shard_index, shard_pattern
+from .naming import _SHARD_NAME, id_space, shard_pattern, shard_sort_key
 from .spec import expand_spec
 
 SIZES_FILE = "sizes.json"
@@ -49,20 +49,24 @@ def read_sizes(path: str | os.PathLike) -> dict[str, int]:
 
 def write_sizes(directory: str | os.PathLike, sizes: dict[str, int]) -> Path:
     """Write open_clip's ``sizes.json`` (shard basename -> number of samples)."""
-    ordered = {name: int(sizes[name]) for name in sorted(sizes, key=shard_index)}
+    ordered = {name: int(sizes[name]) for name in sorted(sizes, key=shard_sort_key)}
     return _write_json(Path(directory) / SIZES_FILE, ordered)
 
 
 def build_manifest(sizes: dict[str, int], *, stride: int = 10_000, source: str,
-                   **extra: Any) -> dict[str, Any]:
-    """Manifest of a shard directory from its per-shard sample counts."""
-    names = sorted(sizes, key=shard_index)
+                   space: int | None = None, **extra: Any) -> dict[str, Any]:
+    """Manifest of a shard directory from its per-shard sample counts. ``space``: the id space
+    when known otherwise (0: unknown); None computes it from numbered shard names and ``stride``."""
+    names = sorted(sizes, key=shard_sort_key)
+    numbered = all(_SHARD_NAME.match(name) for name in names)
+    if space is None:
+        space = id_space(names, stride) if numbered else 0
     return {
         "num_samples": int(sum(sizes.values())),
         "num_shards": len(names),
-        "id_space": id_space(names, stride),
+        "id_space": int(space),
         "key_stride": stride,
-        "pattern": shard_pattern(names),
+        "pattern": shard_pattern(names) if numbered else "",
         "source": source,
         "shards": {name: int(sizes[name]) for name in names},
         **extra,
@@ -77,8 +81,8 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     """Manifest of a shard directory, a shard pattern, or a ``manifest.json`` path.
 
     Falls back to ``sizes.json`` when there is no manifest (a directory prepared by open_clip
-    tooling), assuming img2dataset's default key stride of 10,000. Raises ``FileNotFoundError``
-    naming the directory when neither file exists.
+    tooling, any shard naming); its ``id_space`` is then 0 (unknown: ids are never guessed from
+    shard names). Raises ``FileNotFoundError`` naming the directory when neither file exists.
     """
     directory = _shard_directory(path)
     manifest_path = directory / MANIFEST_FILE
@@ -91,8 +95,8 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     if not sizes:
         raise FileNotFoundError(
             f"no {MANIFEST_FILE} or {SIZES_FILE} in {str(directory)!r}: prepare the shards with "
-            "`vlcontrast prep synthetic|cc3m`, or set data.num_samples and data.id_space")
-    return build_manifest(sizes, source="sizes.json")
+            "`vlcontrast prep folder|csv|wds|cc3m`, or set data.num_samples and data.id_space")
+    return build_manifest(sizes, source="sizes.json", space=0)
 
 
 def _write_json(path: Path, payload: Any) -> Path:

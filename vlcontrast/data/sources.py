@@ -1,10 +1,17 @@
 """Training sources: ``data.train`` -> the shard set (URLs, rows per shard, weights, id ranges).
 
 The spec is read by :mod:`vlcontrast.data.spec` (the grammar every entry point shares); this module
-adds what only training needs: rows per shard (``sizes.json``, else ``manifest.json``, else
-img2dataset's ``<shard>_stats.json``; unknown sizes are assumed equal and need
-``data.num_samples``), per-source weights, and the sample-id offset of each shard directory so
-that sources with overlapping img2dataset keys (CC3M, CC12M) do not collide.
+adds what only training needs: rows per shard (``sizes.json`` under any shard naming, else
+``manifest.json``, else img2dataset's ``<shard>_stats.json``, else -- for local shards -- counted
+from the tar headers by :mod:`.counting`; only ``pipe:`` shards of unknown size need
+``data.num_samples``), per-source weights, and the sample ids.
+
+Sample ids are asked for only where a loss keeps per-sample state (``needs_sample_ids``): then
+every key must be numeric (checked from the tar headers before training, with ``vlcontrast prep
+wds`` named as the fix), and the id space is ``data.id_space``, else each directory's
+``manifest.json``, else the largest id seen plus one; each shard directory is its own id range so
+that sources with overlapping img2dataset keys (CC3M, CC12M) do not collide. Otherwise numeric
+ids are used when present (``-1`` for a key that is not a number) and never demanded.
 """
 
 from __future__ import annotations
@@ -14,11 +21,12 @@ import hashlib
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from . import shards as shard_meta
-from vlcontrast.errors import LoaderError
+from vlcontrast.errors import DataLayoutError
 from .spec import PIPE_PREFIX, expand_source, parse_spec
 
 logger = logging.getLogger(__name__)
@@ -36,6 +44,10 @@ class ShardSet:
     num_samples: int
     id_space: int
     """0 when unknown (no manifest and no data.id_space)."""
+    ids_required: bool = True
+    """Whether a row without a usable numeric id is skipped (``no_sample_id``,
+    ``sample_id_out_of_range``): when the id space is known. Otherwise rows without a numeric id
+    get id -1 and no range is checked."""
 
     def digest(self) -> str:
         """Fingerprint of the shard list (basenames, sizes, order) to validate resume states."""
@@ -67,15 +79,31 @@ def directory_sizes(directory: str) -> dict[str, int]:
 
 
 def directory_id_space(directory: str) -> int | None:
+    """The id space a directory's ``manifest.json`` declares (None without one)."""
+    manifest_path = os.path.join(directory, shard_meta.MANIFEST_FILE)
+    if not os.path.isfile(manifest_path):
+        return None
     try:
         value = shard_meta.read_manifest(directory).get("id_space")
-    except FileNotFoundError:
+    except (FileNotFoundError, ValueError):
         return None
     return int(value) if value else None
 
 
-def resolve_shard_set(data_cfg: Any) -> ShardSet:
-    """Expand ``data.train``, read shard sizes and the id space; fail fast naming the problem."""
+def _ids_fix(who: str) -> str:
+    return (f"{who} keeps per-sample state and needs numeric sample ids: re-key the shards with "
+            "`vlcontrast prep wds SHARDS OUT` (dense ids, the original key kept in .json) and "
+            "train on OUT")
+
+
+def resolve_shard_set(data_cfg: Any, *, needs_sample_ids: bool = False,
+                      who: str = "the loss") -> ShardSet:
+    """Expand ``data.train``, find shard sizes and the id space; fail fast naming the problem.
+
+    ``needs_sample_ids``: the loss keeps per-sample state, so every key must be a number (local
+    shards are checked from their tar headers; ``who`` names the loss in the error)."""
+    from .counting import count_shards
+
     urls: list[str] = []
     sizes: list[int | None] = []
     weights: list[float] = []
@@ -93,12 +121,45 @@ def resolve_shard_set(data_cfg: Any) -> ShardSet:
             weights.append(source.weight)
             directories.append(directory)
 
+    explicit_space = int(getattr(data_cfg, "id_space", 0) or 0)
+    distinct = list(dict.fromkeys(directories))
+    manifest_spaces = {d: (directory_id_space(d) if d else None) for d in distinct}
+    # Count from the tar headers: local shards of unknown size, and, when ids are needed, every
+    # local shard of a directory without a manifest (every key must be numeric; the largest id
+    # gives the id space).
+    scan = [i for i, (u, d) in enumerate(zip(urls, directories)) if d is not None and (
+        sizes[i] is None or (needs_sample_ids and manifest_spaces[d] is None))]
+    counts = {}
+    if scan:
+        start = time.perf_counter()
+        counts = dict(zip(scan, count_shards([urls[i] for i in scan])))
+        logger.info("data: counted %d shards from their tar headers in %.2f s", len(scan),
+                    time.perf_counter() - start)
+        for i, found in counts.items():
+            if sizes[i] is None:
+                sizes[i] = found.rows
+            if not found.complete:
+                logger.warning("data: %s ends before its end-of-archive block (a truncated "
+                               "shard): its %d complete samples are used", urls[i], found.rows)
+    if needs_sample_ids:
+        for i, found in counts.items():
+            if found.non_numeric:
+                raise DataLayoutError(
+                    f"data.train: {urls[i]!r} has {found.non_numeric} of {found.rows} samples "
+                    f"whose key is not a number (e.g. {found.example_key!r}); {_ids_fix(who)}")
+        if explicit_space <= 0 and any(d is None for d in directories):
+            raise DataLayoutError(
+                f"data.train: the ids of pipe: shards cannot be checked before training; "
+                f"{who} keeps per-sample state: set data.id_space (the number of distinct "
+                "numeric sample ids), or copy the shards locally and re-key them with "
+                "`vlcontrast prep wds`")
+
     unknown = [u for u, s in zip(urls, sizes) if s is None]
     if unknown and data_cfg.num_samples <= 0:
-        raise LoaderError(
-            f"data.train: cannot count the samples of {len(unknown)} of {len(urls)} shards (e.g. "
-            f"{unknown[0]!r}): no sizes.json, manifest.json or img2dataset *_stats.json beside "
-            "them; set data.num_samples")
+        raise DataLayoutError(
+            f"data.train: cannot count the samples of {len(unknown)} of {len(urls)} pipe: shards "
+            f"(e.g. {unknown[0]!r}): no sizes.json, manifest.json or img2dataset *_stats.json "
+            "beside them; set data.num_samples")
     known_total = sum(s for s in sizes if s is not None)
     exact = [s is not None for s in sizes]
     sizes_int = [s or 0 for s in sizes]
@@ -114,17 +175,23 @@ def resolve_shard_set(data_cfg: Any) -> ShardSet:
     total = sum(sizes_int)
     num_samples = data_cfg.num_samples or total
     if data_cfg.mode == "epoch" and all(exact) and num_samples > total:
-        raise LoaderError(f"data.num_samples={num_samples} exceeds the {total} samples in the "
-                          f"{len(urls)} shards of {data_cfg.train!r} (epoch mode reads each once)")
+        raise DataLayoutError(f"data.num_samples={num_samples} exceeds the {total} samples in the "
+                          f"{len(urls)} shards of {data_cfg.train!r} (epoch mode reads each "
+                          f"once): set data.num_samples to at most {total}, or 0 to use them all")
 
-    # Sample ids: each distinct shard directory is its own id range when ids come from manifests,
-    # so sources with overlapping img2dataset keys (cc3m, cc12m) do not collide.
-    distinct = list(dict.fromkeys(directories))
+    # Sample ids: each distinct shard directory is its own id range when the id space is known
+    # per directory, so sources with overlapping img2dataset keys (cc3m, cc12m) do not collide.
     offsets = {d: 0 for d in distinct}
-    id_space = int(getattr(data_cfg, "id_space", 0) or 0)
+    id_space = explicit_space
     if id_space <= 0:
-        spaces = {d: (directory_id_space(d) if d else None) for d in distinct}
-        if all(v is not None for v in spaces.values()):
+        spaces = dict(manifest_spaces)
+        if needs_sample_ids:
+            for i, found in counts.items():
+                d = directories[i]
+                if manifest_spaces[d] is None:
+                    seen = (found.max_id + 1) if found.max_id is not None else 0
+                    spaces[d] = max(spaces[d] or 0, seen)
+        if all(v for v in spaces.values()):
             running = 0
             for d in distinct:
                 offsets[d] = running
@@ -132,8 +199,23 @@ def resolve_shard_set(data_cfg: Any) -> ShardSet:
             id_space = running
         else:
             id_space = 0
-            logger.warning("data: no manifest.json for %s and data.id_space=0: sample ids are "
-                           "taken from keys as they are and the id space is unknown",
-                           [d or "pipe:" for d, v in spaces.items() if v is None])
+            if needs_sample_ids:
+                raise DataLayoutError(f"data.train: no sample id found in {data_cfg.train!r}; "
+                                  f"{_ids_fix(who)}")
+            logger.info("data: no manifest.json for %s: numeric keys are used as sample ids "
+                        "where present, unchecked",
+                        [d or "pipe:" for d, v in spaces.items() if not v])
     return ShardSet(urls, sizes_int, exact, weights, [offsets[d] for d in directories],
-                    num_samples, id_space)
+                    num_samples, id_space, ids_required=id_space > 0)
+
+
+def check_ids_available(data_cfg: Any, needs_sample_ids: bool, who: str = "the loss"
+                        ) -> ShardSet:
+    """Preflight of the training data, before the model is built: expand ``data.train``, find
+    (or count) the shard sizes, check ``data.num_samples`` against them and, when the loss keeps
+    per-sample state (``needs_sample_ids``), that every key is a numeric sample id. Raises a
+    one-line :class:`DataLayoutError` naming the file, the key and the fix (``vlcontrast prep
+    wds``). Counts are cached, so the loader built next does not count again."""
+    if hasattr(data_cfg, "check"):
+        data_cfg.check()
+    return resolve_shard_set(data_cfg, needs_sample_ids=needs_sample_ids, who=who)

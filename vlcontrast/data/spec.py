@@ -25,6 +25,7 @@ error naming the option, the pattern and the counts, raised before any heavy wor
 from __future__ import annotations
 
 import glob
+import itertools
 import os
 import re
 from dataclasses import dataclass
@@ -129,7 +130,8 @@ def expand_member(member: str, key: str = "data.train", split: str = DEFAULT_SPL
         if not urls:
             raise ShardsNotFoundError(
                 f"{key}: directory {member!r} holds no .tar shards (numbered 00000.tar ..., any "
-                f"*.tar, or CLIP_benchmark's {split}/{CLIP_BENCHMARK_COUNT_FILE})")
+                f"*.tar, or CLIP_benchmark's {split}/{CLIP_BENCHMARK_COUNT_FILE})"
+                + _directory_hint(member))
     else:
         urls = []
         for path in braceexpand.braceexpand(member):
@@ -145,7 +147,63 @@ def expand_member(member: str, key: str = "data.train", split: str = DEFAULT_SPL
     if missing:
         raise ShardsNotFoundError(f"{key} pattern {member!r}: {len(missing)} of {len(urls)} "
                                   f"shards do not exist, first {missing[0]!r}")
+    for url in urls:
+        if not is_tar_file(url):
+            raise ShardSpecError(f"{key} pattern {member!r} matches {url!r}, which is not a tar "
+                                 f"shard{_file_hint(url)}")
     return urls
+
+
+IMAGE_FILE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+TABLE_FILE_EXTENSIONS = (".csv", ".tsv", ".tab", ".parquet")
+_TAR_NAMES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz")
+
+
+def is_tar_file(path: str) -> bool:
+    """A ``.tar``-named file, or any file whose first header block is a tar header (checksum
+    valid). Compressed tars are accepted by name."""
+    if path.lower().endswith(_TAR_NAMES):
+        return True
+    try:
+        with open(path, "rb") as f:
+            block = f.read(512)
+    except OSError:
+        return False
+    if len(block) < 512 or block == b"\0" * 512:
+        return len(block) == 512
+    try:
+        stored = int(block[148:156].split(b"\0", 1)[0].strip() or b"-1", 8)
+    except ValueError:
+        return False
+    return stored == sum(block[:148]) + 256 + sum(block[156:])
+
+
+def _file_hint(path: str) -> str:
+    lower = path.lower()
+    if lower.endswith(IMAGE_FILE_EXTENSIONS):
+        return (": for a folder of images with caption files run `vlcontrast prep folder DIR OUT`"
+                " and train on OUT")
+    if lower.endswith(TABLE_FILE_EXTENSIONS):
+        return (": for a table of image paths or URLs and captions run `vlcontrast prep csv "
+                "FILE OUT --image-key COLUMN --caption-key COLUMN` and train on OUT")
+    return ": name webdataset shards (.tar), e.g. /data/shards/{00000..00099}.tar"
+
+
+def _directory_hint(directory: str) -> str:
+    images = tables = 0
+    for _, _, files in itertools.islice(os.walk(directory), 200):
+        for name in files:
+            lower = name.lower()
+            images += lower.endswith(IMAGE_FILE_EXTENSIONS)
+            tables += lower.endswith(TABLE_FILE_EXTENSIONS)
+    if images:
+        return (f"; it holds images ({images}+ found): convert them with `vlcontrast prep folder "
+                f"{directory} OUT` (captions from .txt/.json sidecars, class folders or file "
+                "names) and train on OUT")
+    if tables:
+        return ("; it holds a table: convert it with `vlcontrast prep csv FILE OUT "
+                "--image-key COLUMN --caption-key COLUMN` and train on OUT")
+    return ""
 
 
 def expand_source(pattern: str, key: str = "data.train", split: str = DEFAULT_SPLIT) -> list[str]:

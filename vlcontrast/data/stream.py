@@ -31,8 +31,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from . import plan
 from vlcontrast.errors import LoaderError
-from .samples import (IdRule, Inspected, bad_items, bad_rate_error, count, inspect_sample,
-                      transform_sample)
+from .samples import (DEFAULT_MEMBERS, NO_ID, IdRule, Inspected, Members, bad_items,
+                      bad_rate_error, count, inspect_sample, transform_sample)
 from .sources import ShardSet
 from .tar_reader import read_shard
 
@@ -102,11 +102,15 @@ class SampleCache:
 def _value_bytes(value: Any) -> int:
     if isinstance(value, Inspected):
         image = value.image
-        return image.width * image.height * len(image.getbands()) + len(value.caption)
+        return image.width * image.height * len(image.getbands()) + _text_bytes(value.caption)
     if isinstance(value, tuple):
         tensor, caption = value[0], value[1]
-        return tensor.numel() * tensor.element_size() + len(caption)
+        return tensor.numel() * tensor.element_size() + _text_bytes(caption)
     return 0
+
+
+def _text_bytes(caption: str | tuple[str, ...]) -> int:
+    return sum(map(len, caption)) if isinstance(caption, tuple) else len(caption)
 
 
 @dataclass
@@ -149,18 +153,30 @@ def skip_replayed(numbered: Iterable[tuple[int, Row]], position: int
     return itertools.dropwhile(lambda item: item[0] <= position, numbered)
 
 
+def choose_caption(captions: tuple[str, ...], *, seed: int, epoch: int, sample_id: int,
+                   url: str, key: str) -> str:
+    """One of several captions of an image for this epoch, drawn from ``(seed, epoch, sample
+    id)`` (the shard and key when the sample has no id): the same in every run and on resume."""
+    ident: Any = sample_id if sample_id != NO_ID else (url.rsplit("/", 1)[-1], key)
+    return captions[plan.seeded_rng("caption", seed, epoch, ident).randrange(len(captions))]
+
+
 def decode(numbered: Iterable[tuple[int, Row]], shard_set: ShardSet, tally: Tally, *,
-           preprocess: Callable, max_image_pixels: int, cache: SampleCache | None = None
+           preprocess: Callable, max_image_pixels: int, cache: SampleCache | None = None,
+           keys: Members = DEFAULT_MEMBERS, seed: int = 0, epoch: int = 0
            ) -> Iterator[Decoded]:
     """Stage: decode each row; bad rows are counted in ``tally`` and dropped. Fresh rows are
-    offered to ``cache``; rows it served (:class:`Kept`) skip what was done to them already."""
+    offered to ``cache``; rows it served (:class:`Kept`) skip what was done to them already.
+    A sample with several captions gets one per epoch (:func:`choose_caption`)."""
+    required = getattr(shard_set, "ids_required", True)
     for position, (shard, row, key, members) in numbered:
         if isinstance(members, Kept):
             result = members.value
         else:
             result = inspect_sample(key, members,
-                                    ids=IdRule(shard_set.id_offsets[shard], shard_set.id_space),
-                                    max_image_pixels=max_image_pixels)
+                                    ids=IdRule(shard_set.id_offsets[shard], shard_set.id_space,
+                                               required),
+                                    max_image_pixels=max_image_pixels, keys=keys)
             if cache is not None:
                 if cache.after_transform and isinstance(result, Inspected):
                     result = transform_sample(result, preprocess)
@@ -172,6 +188,9 @@ def decode(numbered: Iterable[tuple[int, Row]], shard_set: ShardSet, tally: Tall
             continue
         tally.good += 1
         image, caption, sample_id = result
+        if isinstance(caption, tuple):
+            caption = choose_caption(caption, seed=seed, epoch=epoch, sample_id=sample_id,
+                                     url=shard_set.urls[shard], key=key)
         yield Decoded(position, image, caption, sample_id, [shard_set.urls[shard], key])
 
 
@@ -230,8 +249,10 @@ class SlotStream(IterableDataset):
     def __init__(self, shard_set: ShardSet, *, mode: str, seed: int, rank: int, world_size: int,
                  num_workers: int, batch_size: int, steps_per_epoch: int, shuffle_buffer: int,
                  preprocess: Callable, tokenizer: Callable, max_bad_fraction: float,
-                 max_image_pixels: int, cache_bytes: int = 0):
+                 max_image_pixels: int, cache_bytes: int = 0,
+                 keys: Members = DEFAULT_MEMBERS):
         super().__init__()
+        self.keys = keys
         self.shard_set = shard_set
         self.mode = mode
         self.seed = seed
@@ -316,7 +337,8 @@ class SlotStream(IterableDataset):
                       self.max_bad_fraction)
         fresh = skip_replayed(number(self.rows(worker, tally.counts)), position)
         samples = decode(fresh, self.shard_set, tally, preprocess=self.preprocess,
-                         max_image_pixels=self.max_image_pixels, cache=self.cache)
+                         max_image_pixels=self.max_image_pixels, cache=self.cache,
+                         keys=self.keys, seed=self.seed, epoch=self.epoch)
         for batch in itertools.islice(batched(samples, self.batch_size), quota - done):
             done += 1
             yield collate(batch, self.tokenizer, worker=worker, batches_done=done, tally=tally)

@@ -35,6 +35,7 @@ from vlcontrast import distributed as dist_utils
 from vlcontrast import checkpoints as ckpt
 from vlcontrast.config import DataConfig, RunConfig, to_dict
 from vlcontrast.data.loader import build_train_loader
+from vlcontrast.data.sources import check_ids_available
 from vlcontrast.data.transforms import split_normalization
 from vlcontrast.errors import ConfigError
 from vlcontrast.losses import LOSSES, build_loss
@@ -69,6 +70,8 @@ def train(config: RunConfig) -> dict[str, Any]:
                           precision=precision)
     preflight(config, evaluator)
     device, dtype = env.device, precision.parameter_dtype
+    needs_ids = build_loss(config.loss.name, id_space=1, **config.loss.options).needs_sample_ids
+    check_ids_available(config.data, needs_ids, who=f"loss={config.loss.name}")  # before the model
     run_dir, config_yaml = Path(config.output_dir), yaml.safe_dump(to_dict(config), sort_keys=False)
     _configure_process(config.seed, precision, env, run_dir, config_yaml)
 
@@ -76,7 +79,7 @@ def train(config: RunConfig) -> dict[str, Any]:
                          device=device)
     transform, normalizer = train_transform(config.data, bundle)
     data = _train_batches(config.data, config.seed, config.train.accum_steps, env,
-                          bundle.tokenizer, transform)
+                          bundle.tokenizer, transform, needs_ids)
     loss_fn = build_loss(config.loss.name, chunk_size=config.loss.chunk_size,
                          id_space=data.id_space, **config.loss.options).to(device)
     global_batch = config.data.batch_size * env.world_size * config.train.accum_steps
@@ -167,13 +170,15 @@ def train_transform(data: DataConfig, bundle):
 
 
 def _train_batches(data: DataConfig, seed: int, accum_steps: int, env, tokenizer,
-                   transform) -> TrainBatches:
-    """This rank's batch stream, augmented with ``transform`` by (seed, epoch, image)."""
+                   transform, needs_ids: bool = False) -> TrainBatches:
+    """This rank's batch stream, augmented with ``transform`` by (seed, epoch, image);
+    ``needs_ids``: the loss keeps per-sample state, so every sample must carry a numeric id."""
     augment = SeededTransform(transform, seed, random=data.augment)
     # The training device, not "is there CUDA": a CPU run on a GPU host pins nothing and opens no
     # CUDA context.
     build = functools.partial(build_train_loader, data, augment, tokenizer, seed=seed,
-                              rank=env.rank, world_size=env.world_size, device=env.device)
+                              rank=env.rank, world_size=env.world_size, device=env.device,
+                              needs_sample_ids=needs_ids)
     return TrainBatches(build, augment, accum_steps)
 
 

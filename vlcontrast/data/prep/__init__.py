@@ -5,8 +5,16 @@ webdataset shards named ``00000.tar ...`` with img2dataset-style keys, plus ``si
 ``manifest.json`` beside them (``vlcontrast.data.shards``).
 
 =============  ====================================================================================
+``folder``     ``prep folder``: a folder of images, any nesting (captions from ``.txt``/``.json``
+               sidecars, from class folders and templates, or from cleaned file names) -> shards
+``table``      ``prep csv``: a CSV/TSV of image paths or URLs + captions (open_clip's convention);
+               URL rows go through ``cc3m``'s img2dataset path
+``wds``        ``prep wds``: re-key any webdataset (dense numeric ids, the original key kept in
+               ``.json``, the caption member chosen) for losses that need sample ids
+``writer``     the shard writer ``folder``, ``table`` and ``wds`` share: parallel over shards, tqdm
+               progress, resumable, skipped inputs counted by reason; ``encode_image``
 ``synthetic``  the procedural image-caption world of the demo, tests and study
-``cc3m``       a URL list (CC3M's TSV, or any list of URL + caption) -> shards through img2dataset
+``cc3m``       a URL list (CC3M's TSV, or any ``caption<TAB>url`` lines) -> shards via img2dataset
 =============  ====================================================================================
 
 User documentation: ``docs/data.md``.

@@ -1,0 +1,183 @@
+"""``vlcontrast prep csv FILE OUT --image-key filepath --caption-key title``: a table -> shards.
+
+open_clip's CSV convention (``--csv-img-key``, ``--csv-caption-key``, ``--csv-separator``): a
+header row names the columns; the image column holds local paths (absolute, or relative to the
+table's folder) or http(s) URLs.
+
+* Local paths: images are read and re-encoded (:func:`~.writer.encode_image`) by the shared
+  writer. Rows naming the same image are merged: its captions go into the sample's ``.json`` as
+  ``captions`` (COCO-style tables with five rows per image), ``.txt`` holds the first.
+* URLs: the rows are handed to img2dataset through ``prep cc3m``'s path (a URL list -> shards),
+  with its resume and statistics.
+
+The separator defaults to ``,`` for ``.csv`` and to a tab otherwise (open_clip's default);
+``--sep`` overrides it. Rows with an empty image or caption cell are skipped and counted. A
+missing column, a table mixing URLs and paths, or an empty table is an error naming the file
+and the line before any image is read.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+from vlcontrast.errors import DataPrepError
+
+from .writer import (DEFAULT_IMAGE_SIZE, DEFAULT_QUALITY, MAX_EXAMPLES, MAX_IMAGE_PIXELS,
+                     ShardJob, Skip, check_image_options, encode_image, fingerprint, prepare_out,
+                     write_shards)
+
+DEFAULT_SHARD_SIZE = 1000
+_URL = re.compile(r"^https?://", re.IGNORECASE)
+
+
+def default_separator(path: Path) -> str:
+    return "," if path.suffix.lower() == ".csv" else "\t"
+
+
+def read_table(path: Path, image_key: str, caption_key: str, sep: str
+               ) -> tuple[list[tuple[int, str, str]], dict[str, int], dict[str, list[str]]]:
+    """Rows ``(line, image, caption)`` with both cells filled; skipped rows by reason."""
+    command = "prep csv"
+    if not path.is_file():
+        raise DataPrepError(f"{command}: table {str(path)!r} does not exist")
+    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
+    rows: list[tuple[int, str, str]] = []
+    skipped: dict[str, int] = {}
+    examples: dict[str, list[str]] = {}
+
+    def skip(reason: str, line: int) -> None:
+        skipped[reason] = skipped.get(reason, 0) + 1
+        if len(examples.setdefault(reason, [])) < MAX_EXAMPLES:
+            examples[reason].append(f"{path.name}:{line}")
+
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.reader(f, delimiter=sep)
+            header = next(reader, None)
+            if header is None:
+                raise DataPrepError(f"{command}: {path} is empty (expected a header row naming "
+                                    f"the {image_key!r} and {caption_key!r} columns)")
+            header = [h.strip() for h in header]
+            missing = [k for k in (image_key, caption_key) if k not in header]
+            if missing:
+                hint = (" (the separator may be wrong: try --sep ',' or --sep '\\t')"
+                        if len(header) == 1 else "")
+                raise DataPrepError(
+                    f"{command}: {path}:1 has no column {missing[0]!r}; its columns are "
+                    f"{header[:12]}{hint}: name them with --image-key and --caption-key")
+            image_col, caption_col = header.index(image_key), header.index(caption_key)
+            for line, cells in enumerate(reader, start=2):
+                if not cells or all(not c.strip() for c in cells):
+                    continue
+                image = cells[image_col].strip() if image_col < len(cells) else ""
+                caption = cells[caption_col].strip() if caption_col < len(cells) else ""
+                if not image:
+                    skip("missing_image", line)
+                elif not caption:
+                    skip("empty_caption", line)
+                else:
+                    rows.append((line, image, caption))
+    except UnicodeDecodeError as err:
+        raise DataPrepError(f"{command}: {path} is not UTF-8 text ({err})") from None
+    except csv.Error as err:
+        raise DataPrepError(f"{command}: {path}: {err}") from None
+    if not rows:
+        raise DataPrepError(f"{command}: {path} has no row with both an image and a caption "
+                            f"(skipped {skipped})")
+    return rows, skipped, examples
+
+
+def _produce(job: ShardJob) -> Iterator[Any]:
+    settings = job.settings
+    for image, captions, line in job.items:
+        where = f"{settings['name']}:{line}"
+        try:
+            data = Path(image).read_bytes()
+        except OSError:
+            yield Skip("missing_image_file", where)
+            continue
+        encoded = encode_image(data, image_size=settings["image_size"],
+                               resize_mode=settings["resize_mode"], quality=settings["quality"],
+                             max_pixels=settings["max_pixels"])
+        if isinstance(encoded, str):
+            yield Skip(encoded, where)
+            continue
+        meta: dict[str, Any] = {"source_path": image, "caption": captions[0], "line": line}
+        if len(captions) > 1:
+            meta["captions"] = captions
+        yield {"jpg": encoded, "txt": captions[0], "json": meta}
+
+
+def prepare_table(table: str | os.PathLike, out: str | os.PathLike, *, image_key: str = "filepath",
+                  caption_key: str = "title", sep: str | None = None,
+                  image_size: int = DEFAULT_IMAGE_SIZE, resize_mode: str = "keep_ratio",
+                  encode_quality: int = DEFAULT_QUALITY, shard_size: int = DEFAULT_SHARD_SIZE,
+                  max_image_pixels: int = MAX_IMAGE_PIXELS,
+                  workers: int | None = None, overwrite: bool = False, progress: bool = True,
+                  url_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Convert a CSV/TSV of images and captions into shards in ``out``; returns the report."""
+    command = "prep csv"
+    path = Path(table)
+    sep = default_separator(path) if sep is None else sep.encode().decode("unicode_escape")
+    if len(sep) != 1:
+        raise DataPrepError(f"{command}: --sep={sep!r}: must be one character (',' or '\\t')")
+    check_image_options(image_size, resize_mode, encode_quality, max_image_pixels)
+    if not 1 <= shard_size <= 1_000_000:
+        raise DataPrepError(f"{command}: --shard-size={shard_size}: must be in 1..1000000")
+    rows, skipped, examples = read_table(path, image_key, caption_key, sep)
+    urls = [bool(_URL.match(image)) for _, image, _ in rows]
+    if any(urls):
+        if not all(urls):
+            line = rows[urls.index(False) if urls[0] else urls.index(True)][0]
+            raise DataPrepError(f"{command}: {path}:{line}: the {image_key!r} column mixes URLs "
+                                "and local paths; split the table into one of each")
+        return _prepare_urls(path, out, rows, skipped, image_size=image_size,
+                             resize_mode=resize_mode, encode_quality=encode_quality,
+                             overwrite=overwrite, **(url_options or {}))
+
+    base = path.resolve().parent
+    merged: dict[str, tuple[list[str], int]] = {}
+    for line, image, caption in rows:
+        full = image if os.path.isabs(image) else str(base / image)
+        captions, _ = merged.setdefault(full, ([], line))
+        if caption not in captions:
+            captions.append(caption)
+    items = [(image, captions, line) for image, (captions, line) in merged.items()]
+    settings = {"name": path.name, "image_size": image_size, "resize_mode": resize_mode,
+                "quality": encode_quality, "max_pixels": max_image_pixels}
+    jobs = [ShardJob(n, items[start:start + shard_size], settings)
+            for n, start in enumerate(range(0, len(items), shard_size))]
+    digest = fingerprint("csv", settings, items, shard_size)
+    out_path = prepare_out(out, digest, overwrite=overwrite, command=command)
+    return write_shards(out_path, jobs, _produce, digest=digest, source="csv", workers=workers,
+                        progress=progress, inputs=len(items) + sum(skipped.values()),
+                        skipped_before=skipped, examples_before=examples,
+                        table=str(path.resolve()), table_rows=len(rows) + sum(skipped.values()),
+                        settings={"image_key": image_key, "caption_key": caption_key, "sep": sep,
+                                  "image_size": image_size, "resize_mode": resize_mode,
+                                  "encode_quality": encode_quality, "shard_size": shard_size})
+
+
+def _prepare_urls(path: Path, out: str | os.PathLike, rows: list[tuple[int, str, str]],
+                  skipped: dict[str, int], *, image_size: int, resize_mode: str,
+                  encode_quality: int, overwrite: bool, **options: Any) -> dict[str, Any]:
+    """URL rows -> a header-less ``caption<TAB>url`` list -> ``prep cc3m``'s img2dataset path."""
+    from .cc3m import prepare_cc3m
+
+    out_path = Path(out)
+    listing = out_path / "_input" / (path.stem + ".urls.tsv")
+    listing.parent.mkdir(parents=True, exist_ok=True)
+    text = "".join(f"{' '.join(caption.split())}\t{url}\n" for _, url, caption in rows)
+    if not listing.is_file() or listing.read_text(encoding="utf-8") != text:
+        listing.write_text(text, encoding="utf-8")  # unchanged: keep its mtime (resume)
+    if resize_mode not in ("keep_ratio", "keep_ratio_largest", "center_crop", "no"):
+        raise DataPrepError(f"prep csv: --resize-mode={resize_mode!r} is not an img2dataset mode")
+    report = prepare_cc3m(listing, out_path, image_size=image_size, resize_mode=resize_mode,
+                          encode_quality=encode_quality, incremental=not overwrite, **options)
+    report["table_skipped"] = skipped
+    return report

@@ -1,0 +1,316 @@
+"""The shard writer every local converter shares (``prep folder``, ``prep csv``, ``prep wds``).
+
+A converter cuts its input into *jobs*, one per output shard, and gives a module-level function
+that turns a job into samples. :func:`write_shards` then:
+
+* writes ``OUT/00000.tar`` ... in parallel worker processes (each shard goes to ``.tmp`` and is
+  renamed when complete, so a shard file is always whole), with a tqdm bar over shards;
+* keys every written sample img2dataset-style (``make_key(shard, row, stride)``: dense within a
+  shard, skipped inputs take no key) and puts the key into the sample's ``.json``;
+* records each finished shard in ``OUT/_prep_state.json`` together with a fingerprint of the
+  inputs and settings: re-running the same command skips the finished shards (resume); a
+  different input or setting in a directory holding shards is an error unless ``overwrite``;
+* counts every skipped input by reason (with a few examples) and writes ``sizes.json`` and
+  ``manifest.json`` (:mod:`vlcontrast.data.shards`) with the counts in the manifest.
+
+Images are re-encoded by :func:`encode_image`: like img2dataset's ``keep_ratio`` (the shorter
+side scaled to ``image_size``, aspect kept), transparent images composited on white (as
+img2dataset does), EXIF orientation applied, JPEG quality 95.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import multiprocessing
+import os
+import sys
+import tarfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+from vlcontrast.errors import DataPrepError
+
+from ..naming import key_stride, list_shards, make_key, shard_name
+from ..shards import (MANIFEST_FILE, SIZES_FILE, _write_json, build_manifest, write_manifest,
+                      write_sizes)
+
+STATE_FILE = "_prep_state.json"
+REPORT_FILE = "prep_report.json"
+MAX_EXAMPLES = 5
+RESIZE_MODES = ("keep_ratio", "keep_ratio_largest", "center_crop", "no")
+DEFAULT_IMAGE_SIZE = 256
+DEFAULT_QUALITY = 95
+MAX_IMAGE_PIXELS = 89_478_485
+
+Sample = dict[str, Any]
+"""Members of one output sample: ``{"jpg": bytes, "txt": str, "json": dict, ...}``."""
+
+
+@dataclass
+class ShardJob:
+    """The inputs of one output shard (picklable: sent to a worker process)."""
+    index: int
+    items: list
+    settings: dict = field(default_factory=dict)
+
+
+@dataclass
+class Skip:
+    """An input that was not written, with its reason and a name for the report."""
+    reason: str
+    where: str
+
+
+# ---- images --------------------------------------------------------------------------------
+
+
+def encode_image(data: bytes, *, image_size: int = DEFAULT_IMAGE_SIZE,
+                 resize_mode: str = "keep_ratio", quality: int = DEFAULT_QUALITY,
+                 max_pixels: int = MAX_IMAGE_PIXELS) -> bytes | str:
+    """JPEG bytes of an image file's bytes, or a skip reason (``undecodable_image``,
+    ``decompression_bomb``). ``keep_ratio``: shorter side to ``image_size``;
+    ``keep_ratio_largest``: longer side; ``center_crop``: shorter side then a centred square;
+    ``no``: size kept. Alpha (RGBA, LA, palette transparency) is composited on white. Images
+    with more than ``max_pixels`` pixels (read from the header) are ``decompression_bomb``."""
+    from PIL import Image, ImageOps
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            previous, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+            try:
+                image = Image.open(io.BytesIO(data))
+            finally:
+                Image.MAX_IMAGE_PIXELS = previous
+            if image.width * image.height > max_pixels:
+                return "decompression_bomb"
+            if image.format == "JPEG" and resize_mode != "no":
+                # Decode at a reduced DCT scale that still covers the target (PIL's draft).
+                side = (min if resize_mode in ("keep_ratio", "center_crop") else max)(image.size)
+                if side > 2 * image_size:
+                    scale = image_size / side
+                    image.draft("RGB", (int(image.width * scale) + 1,
+                                        int(image.height * scale) + 1))
+            image.load()
+            image = ImageOps.exif_transpose(image)
+            if image.mode == "P" and "transparency" in image.info:
+                image = image.convert("RGBA")
+            if image.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+                rgba = image.convert("RGBA")
+                background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+                image = Image.alpha_composite(background, rgba)
+            if image.mode in ("I;16", "I;16B", "I;16L", "I"):
+                image = image.point(lambda v: v / 256).convert("L")
+            image = image.convert("RGB")
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        return "decompression_bomb"
+    except Exception:  # noqa: BLE001 - PIL raises many types for broken files
+        return "undecodable_image"
+    width, height = image.size
+    if resize_mode != "no" and min(width, height) > 0:
+        side = min(width, height) if resize_mode in ("keep_ratio", "center_crop") else \
+            max(width, height)
+        scale = image_size / side
+        size = (max(1, round(width * scale)), max(1, round(height * scale)))
+        if size != image.size:
+            # img2dataset: area interpolation down, lanczos up; PIL's reducing_gap is its area.
+            image = image.resize(size, Image.Resampling.LANCZOS,
+                                 reducing_gap=3.0 if scale < 1 else None)
+        if resize_mode == "center_crop":
+            left = (image.width - image_size) // 2
+            top = (image.height - image_size) // 2
+            image = image.crop((left, top, left + image_size, top + image_size))
+    out = io.BytesIO()
+    image.save(out, format="JPEG", quality=quality)
+    return out.getvalue()
+
+
+def check_image_options(image_size: int, resize_mode: str, quality: int,
+                        max_pixels: int = MAX_IMAGE_PIXELS) -> None:
+    if max_pixels < 1:
+        raise DataPrepError(f"--max-image-pixels={max_pixels}: must be >= 1")
+    if image_size < 1:
+        raise DataPrepError(f"--image-size={image_size}: must be >= 1 (pixels)")
+    if resize_mode not in RESIZE_MODES:
+        raise DataPrepError(f"--resize-mode={resize_mode!r}: must be one of {RESIZE_MODES}")
+    if not 1 <= quality <= 100:
+        raise DataPrepError(f"--encode-quality={quality}: must be in 1..100")
+
+
+# ---- writing -------------------------------------------------------------------------------
+
+
+def _write_one(args: tuple) -> dict[str, Any]:
+    """Worker: write one shard; returns its stats. Never raises for a bad input."""
+    out, job, produce, stride = args
+    path = Path(out) / shard_name(job.index)
+    tmp = path.with_name(path.name + ".tmp")
+    written = 0
+    skipped: dict[str, int] = {}
+    examples: dict[str, list[str]] = {}
+    with tarfile.open(tmp, "w") as tar:
+        for sample in produce(job):
+            if isinstance(sample, Skip):
+                skipped[sample.reason] = skipped.get(sample.reason, 0) + 1
+                if len(examples.setdefault(sample.reason, [])) < MAX_EXAMPLES:
+                    examples[sample.reason].append(sample.where)
+                continue
+            key = make_key(job.index, written, stride)
+            meta = dict(sample.get("json") or {})
+            meta["key"] = key
+            members = {**sample, "json": meta}
+            for ext in sorted(members, key=lambda e: (e == "json", e)):
+                value = members[ext]
+                if isinstance(value, (dict, list)):
+                    data = json.dumps(value, ensure_ascii=False).encode("utf-8")
+                elif isinstance(value, str):
+                    data = value.encode("utf-8")
+                else:
+                    data = bytes(value)
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                info.mtime = 0
+                info.mode = 0o444
+                tar.addfile(info, io.BytesIO(data))
+            written += 1
+    os.replace(tmp, path)
+    return {"shard": path.name, "written": written, "skipped": skipped, "examples": examples}
+
+
+def fingerprint(*parts: Any) -> str:
+    """A short digest of a converter's inputs and settings (what makes shards the same)."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _read_state(out: Path) -> dict[str, Any]:
+    path = out / STATE_FILE
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        return {}
+
+
+def prepare_out(out: str | os.PathLike, digest: str, *, overwrite: bool, command: str) -> Path:
+    """Create OUT, or check that it holds an earlier run of the same conversion (resume). Call
+    before any heavy work: a conflicting directory is an error naming the fix."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise DataPrepError(f"{command}: output {str(out)!r} exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    state = _read_state(out)
+    existing = list_shards(out)
+    if overwrite:
+        for path in existing:
+            os.remove(path)
+        for name in (STATE_FILE, SIZES_FILE, MANIFEST_FILE, REPORT_FILE):
+            if (out / name).exists():
+                (out / name).unlink()
+        return out
+    if existing and state.get("fingerprint") != digest:
+        raise DataPrepError(
+            f"{command}: {str(out)!r} already holds {len(existing)} shards of another input or "
+            "other settings; pass --overwrite to replace them, or choose another OUT")
+    return out
+
+
+def write_shards(out: Path, jobs: list[ShardJob], produce: Callable[[ShardJob], Iterable[Any]],
+                 *, digest: str, source: str, workers: int | None = None, progress: bool = True,
+                 stride: int | None = None, inputs: int | None = None,
+                 skipped_before: dict[str, int] | None = None,
+                 examples_before: dict[str, list[str]] | None = None,
+                 **manifest_extra: Any) -> dict[str, Any]:
+    """Write the shards of ``jobs`` (resuming), then ``sizes.json`` and ``manifest.json``; return
+    the report (the manifest plus ``skipped`` by reason, ``examples``, ``shards_done_before``,
+    ``shards_written``, ``seconds``, ``samples_per_second``).
+
+    ``produce(job)`` yields a :data:`Sample` or a :class:`Skip` per input, in a deterministic
+    order. ``stride``: key distance between shards (default from the largest job).
+    ``skipped_before``/``examples_before``: inputs the converter dropped before making jobs.
+    """
+    start = time.perf_counter()
+    state = _read_state(out)
+    done: dict[str, Any] = state.get("shards", {}) if state.get("fingerprint") == digest else {}
+    done = {name: stats for name, stats in done.items()
+            if (out / name).is_file() or stats["written"] == 0}  # empty shards are not kept
+    stride = stride or key_stride(max([len(job.items) for job in jobs] + [1]))
+    todo = [job for job in jobs if shard_name(job.index) not in done]
+    state = {"fingerprint": digest, "shards": dict(done)}
+    _write_json(out / STATE_FILE, state)
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), unit="shard",
+                   desc=f"prep {source} -> {out}", file=sys.stderr)
+    workers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1))
+    args = [(str(out), job, produce, stride) for job in todo]
+    pool = None
+    if workers > 1 and len(todo) > 1:
+        method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+        pool = multiprocessing.get_context(method).Pool(workers)
+        results: Iterator[dict[str, Any]] = pool.imap_unordered(_write_one, args)
+    else:
+        results = map(_write_one, args)
+    try:
+        for result in results:
+            state["shards"][result["shard"]] = result
+            _write_json(out / STATE_FILE, state)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(samples=sum(s["written"] for s in state["shards"].values()))
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+        if bar is not None:
+            bar.close()
+
+    shards = state["shards"]
+    sizes = {name: int(s["written"]) for name, s in shards.items() if s["written"] > 0}
+    for name, s in shards.items():  # an empty shard (every input skipped) is not kept
+        if s["written"] == 0 and (out / name).exists():
+            (out / name).unlink()
+    skipped = dict(skipped_before or {})
+    examples = {k: list(v) for k, v in (examples_before or {}).items()}
+    for s in sorted(shards.values(), key=lambda s: s["shard"]):
+        for reason, n in s["skipped"].items():
+            skipped[reason] = skipped.get(reason, 0) + n
+            room = MAX_EXAMPLES - len(examples.setdefault(reason, []))
+            examples[reason].extend(s["examples"].get(reason, [])[:max(0, room)])
+    if not sizes:
+        raise DataPrepError(f"prep {source}: every input was skipped ({skipped}); examples "
+                            f"{examples}: nothing to write to {str(out)!r}")
+    manifest = build_manifest(sizes, stride=stride, source=source,
+                              inputs=inputs if inputs is not None else
+                              sum(sizes.values()) + sum(skipped.values()),
+                              skipped=dict(sorted(skipped.items())), **manifest_extra)
+    write_sizes(out, sizes)
+    write_manifest(out, manifest)
+    seconds = time.perf_counter() - start
+    written_now = sum(shards[job_name]["written"] for job_name in
+                      (shard_name(job.index) for job in todo) if job_name in shards)
+    report = {**manifest, "examples": examples, "out_dir": str(out),
+              "shards_done_before": len(done), "shards_written": len(todo),
+              "seconds": round(seconds, 2),
+              "samples_per_second": round(written_now / seconds, 1) if seconds > 0 else 0.0}
+    _write_json(out / REPORT_FILE, report)
+    return report
+
+
+def summary(report: dict[str, Any]) -> str:
+    """One line for the terminal: written, skipped by reason, where."""
+    skipped = report.get("skipped") or {}
+    parts = [f"{report['num_samples']} samples in {report['num_shards']} shards"]
+    if skipped:
+        parts.append("skipped " + ", ".join(f"{n} {r}" for r, n in sorted(skipped.items())))
+    if report.get("shards_done_before"):
+        parts.append(f"{report['shards_done_before']} shards kept from an earlier run")
+    return f"prep: {', '.join(parts)} -> {report['out_dir']} ({report['seconds']} s)"
