@@ -56,6 +56,35 @@ class StudyPretrain:
 
 
 @dataclass
+class StudyStarts:
+    """Study v2's starting checkpoints (docs/loss-study-v2.md): ``count`` pretraining runs per
+    dataset, seeds 0 .. count - 1, each one ``vlcontrast train`` of ``base`` with ``overrides``
+    and ``seed=k`` on the dataset's training and validation splits. A cell with seed s starts from
+    checkpoint ``s % count``."""
+    count: int = 0
+    overrides: list[str] = field(default_factory=list)
+    siglip_logit_scale: float = 10.0
+    """SigLIP's warm start (a setting's ``warm_start: siglip``): the checkpoint with its logit
+    scale set to log(this) ..."""
+    siglip_logit_bias: float = -10.0
+    """... and its logit bias set to this."""
+
+
+@dataclass
+class StudySweep:
+    """Study v2's tuning on the validation split."""
+    seeds: list[int] = field(default_factory=lambda: [100])
+    """Seeds of the sweep cells; they must not be final seeds."""
+    lr_factors: list[float] = field(default_factory=lambda: [0.5, 1.0, 2.0])
+    """Learning rates tried: these factors times the study's lr rule at each batch size."""
+    metric: str = "mean_R@1"
+    """Validation metric that chooses (last evaluation; ties go to the earlier candidate)."""
+    selected: str = ""
+    """The committed record of the choices (JSON), read by the final stage. Empty:
+    ``<report_dir>/selected.json``."""
+
+
+@dataclass
 class StudyConfig:
     output_dir: str = "runs/study"
     """Working directory: ``cells/<cell>/`` run directories (not needed once a cell's result is
@@ -117,6 +146,25 @@ class StudyConfig:
     """Further paired comparisons ``[candidate, baseline]`` for the report, beyond every loss
     against ``infonce`` (e.g. ``[[decl, dcl]]``: does DeCL's buffer beat DCL's mini-batch
     estimate?). Both must be in ``grid.losses``; they change the report only, not the cells."""
+    datasets: dict[str, Any] = field(default_factory=dict)
+    """Study v2: name -> dataset (:class:`vlcontrast.study.design.StudyDataset`). Non-empty makes
+    this a v2 study: cells per dataset, arm, setting, batch and seed, in stages (sweep on the
+    validation split, then final seeds on the test split). Empty: a v1 study (``data``)."""
+    arms: dict[str, Any] = field(default_factory=dict)
+    """Study v2: name -> arm (:class:`vlcontrast.study.design.StudyArm`): ``steps`` (equal
+    optimizer steps) or ``samples`` (equal samples seen), with their minimum-step rules."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """Study v2: name -> loss setting (:class:`vlcontrast.study.design.StudySetting`: loss,
+    fixed options, swept options, warm start). ``grid.losses`` lists the setting names."""
+    starts: StudyStarts = field(default_factory=StudyStarts)
+    sweep: StudySweep = field(default_factory=StudySweep)
+    primary_metric: str = "mean_R@1"
+    """Study v2: the metric of the tested family (the last evaluation on the test split)."""
+    secondary_metrics: list[str] = field(default_factory=lambda: ["zeroshot/top1"])
+    """Study v2: reported with intervals and paired differences, outside the tested family."""
+    budget_hours: float = 0.0
+    """Study v2: the machine time the study may take (both cores); ``--plan`` checks the
+    estimate against it. 0: no check."""
     keep_checkpoints: bool = False
     """False: delete a finished cell's ``checkpoints/`` (the study only needs its metrics)."""
     cell_timeout_s: int = 1800
@@ -141,8 +189,9 @@ class StudyConfig:
 
         require(isinstance(self.grid.losses, list) and bool(self.grid.losses), "grid.losses",
                 self.grid.losses, "must be a non-empty list")
-        for name in self.grid.losses:
-            require(name in LOSSES, "grid.losses", name, f"must be one of {sorted(LOSSES)}")
+        if not self.datasets:  # v2 lists setting names, checked by design.check_v2
+            for name in self.grid.losses:
+                require(name in LOSSES, "grid.losses", name, f"must be one of {sorted(LOSSES)}")
         require(isinstance(self.grid.global_batch_sizes, list) and bool(self.grid.global_batch_sizes),
                 "grid.global_batch_sizes", self.grid.global_batch_sizes, "must be a non-empty list")
         require(isinstance(self.grid.seeds, list) and bool(self.grid.seeds)
@@ -182,7 +231,11 @@ class StudyConfig:
             require(isinstance(texts, list), f"cell_overrides.{key}", texts, "must be a list")
         require(isinstance(self.pretrain.overrides, list), "pretrain.overrides",
                 self.pretrain.overrides, "must be a list")
-        for text in (self.overrides + self.pretrain.overrides
+        if self.datasets:
+            from .design import check_v2
+
+            check_v2(self)
+        for text in (self.overrides + self.pretrain.overrides + self.starts.overrides
                      + [t for ts in self.cell_overrides.values() for t in ts]):
             require(isinstance(text, str) and "=" in text, "overrides", text,
                     "expected key=value strings")
