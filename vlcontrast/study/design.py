@@ -23,161 +23,16 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlcontrast.config import ConfigError, _from_dict
+from .config import (StudyConfig, StudyDataset, StudySetting, arm_steps, arms, datasets, settings,
+                     warmup_steps)
 
-from .config import StudyConfig
-
-DATASET_KINDS = ("synthetic", "folder")
 STAGES = ("sweep-lr", "sweep-hyper", "final")
 SPLITS = ("val", "test")
-
-
-@dataclass
-class StudyDataset:
-    kind: str = "synthetic"
-    """``synthetic``: the embedded world (``vlcontrast prep synthetic``); ``folder``: class folders
-    of images converted by ``prep`` (the clip-art corpus)."""
-    dir: str = ""
-    """Where the prepared dataset lives (``train/``, ``val/``, ``test/``, ...)."""
-    generate: dict[str, Any] = field(default_factory=dict)
-    """synthetic: keyword arguments of ``write_synthetic`` for the train and validation splits."""
-    test_seed: int = 1
-    """synthetic: the test split is the same world drawn at this seed (its ``val`` pairs and
-    ``zeroshot`` images), disjoint from the training and validation draws."""
-    source: str = ""
-    """folder: the image root, one sub-folder per category."""
-    val_fraction: float = 0.15
-    test_fraction: float = 0.15
-    """folder: share of each category's images in the validation and test splits (the split rule
-    is :func:`vlcontrast.study.splits.split_of`)."""
-    prep: list[str] = field(default_factory=list)
-    """folder: the converter's command after ``vlcontrast``, with ``{src}`` (a split's image folder)
-    and ``{out}`` (its shard folder), e.g. ``[prep, folder, "{src}", "{out}"]``."""
-    templates: list[str] = field(default_factory=list)
-    """folder: zero-shot prompt templates (``{}`` is the category name)."""
-    size: int = 0
-    """folder: images in the corpus, for ``--plan``'s estimate only (0: 8,100)."""
-
-
-@dataclass
-class StudyArm:
-    steps: int = 0
-    """>0: every batch size trains this many optimizer steps (step-matched)."""
-    samples: int = 0
-    """>0: every batch size sees this many samples, steps = ceil(samples / B) (compute-matched)."""
-    min_steps: int = 0
-    """Every cell of this arm must have at least this many steps (checked at load)."""
-    min_warmup_steps: int = 0
-    """... and at least this many warmup steps."""
-
-
-@dataclass
-class StudySetting:
-    loss: str = ""
-    """Loss name (``vlcontrast.losses``)."""
-    options: dict[str, Any] = field(default_factory=dict)
-    """Fixed loss options (``loss.<key>=<value>``)."""
-    sweep: dict[str, list] = field(default_factory=dict)
-    """Loss options tuned on the validation split: option -> candidate values (the first is the
-    reference value used while the learning rate is swept)."""
-    warm_start: str = ""
-    """``siglip``: start from the checkpoint with SigLIP's own logit scale and bias
-    (``starts.siglip_logit_scale`` / ``starts.siglip_logit_bias``) instead of the InfoNCE ones."""
-
-
-def _parse(cls, values: dict[str, Any], prefix: str):
-    try:
-        return _from_dict(cls, values or {}, prefix)
-    except ConfigError as err:
-        raise ConfigError(f"study {err}") from None
-
-
-def datasets(config: StudyConfig) -> dict[str, StudyDataset]:
-    return {name: _parse(StudyDataset, values, f"datasets.{name}.")
-            for name, values in config.datasets.items()}
-
-
-def arms(config: StudyConfig) -> dict[str, StudyArm]:
-    return {name: _parse(StudyArm, values, f"arms.{name}.") for name, values in config.arms.items()}
-
-
-def settings(config: StudyConfig) -> dict[str, StudySetting]:
-    return {name: _parse(StudySetting, values, f"settings.{name}.")
-            for name, values in config.settings.items()}
-
-
-def arm_steps(arm: StudyArm, global_batch: int) -> int:
-    return arm.steps if arm.steps else math.ceil(arm.samples / global_batch)
-
-
-def warmup_steps(config: StudyConfig, steps: int) -> int:
-    return int(config.warmup_fraction * steps)
-
-
-def check_v2(config: StudyConfig) -> None:
-    """The v2 sections: kinds, arms' step and warmup rules, settings' losses and options,
-    comparisons between settings."""
-    from vlcontrast.losses import LOSSES, loss_option_defaults
-
-    def require(ok: bool, key: str, value: Any, why: str) -> None:
-        if not ok:
-            raise ConfigError(f"study {key}={value!r}: {why}")
-
-    for name, data in datasets(config).items():
-        require(data.kind in DATASET_KINDS, f"datasets.{name}.kind", data.kind,
-                f"must be one of {DATASET_KINDS}")
-        require(bool(data.dir), f"datasets.{name}.dir", data.dir, "must be set")
-        if data.kind == "folder":
-            require(bool(data.source), f"datasets.{name}.source", data.source, "must be set")
-            require(0 < data.val_fraction and 0 < data.test_fraction
-                    and data.val_fraction + data.test_fraction < 1, f"datasets.{name}.val_fraction",
-                    (data.val_fraction, data.test_fraction), "fractions in (0, 1) summing below 1")
-            require(any("{src}" in p for p in data.prep) and any("{out}" in p for p in data.prep),
-                    f"datasets.{name}.prep", data.prep, "must name {src} and {out}")
-        else:
-            require(data.test_seed != data.generate.get("seed", 0), f"datasets.{name}.test_seed",
-                    data.test_seed, "must differ from generate.seed (the test draw must be new)")
-    require(bool(config.arms), "arms", config.arms, "a v2 study needs at least one arm")
-    for name, arm in arms(config).items():
-        require((arm.steps > 0) != (arm.samples > 0), f"arms.{name}", config.arms[name],
-                "set exactly one of steps and samples")
-        for size in config.grid.global_batch_sizes:
-            steps = arm_steps(arm, size)
-            require(steps >= arm.min_steps, f"arms.{name}.min_steps", arm.min_steps,
-                    f"batch {size} gets only {steps} steps")
-            require(warmup_steps(config, steps) >= arm.min_warmup_steps,
-                    f"arms.{name}.min_warmup_steps", arm.min_warmup_steps,
-                    f"batch {size} gets only {warmup_steps(config, steps)} warmup steps "
-                    f"(warmup_fraction {config.warmup_fraction})")
-    all_settings = settings(config)
-    require(set(config.grid.losses) <= set(all_settings), "grid.losses", config.grid.losses,
-            f"a v2 study lists setting names of settings: {sorted(all_settings)}")
-    for name in config.grid.losses:
-        setting = all_settings[name]
-        require(setting.loss in LOSSES, f"settings.{name}.loss", setting.loss,
-                f"must be one of {sorted(LOSSES)}")
-        known = loss_option_defaults(setting.loss)
-        for key in list(setting.options) + list(setting.sweep):
-            require(key in known, f"settings.{name}", key,
-                    f"is not an option of loss {setting.loss!r} ({sorted(known)})")
-        for key, values in setting.sweep.items():
-            require(isinstance(values, list) and len(values) >= 1, f"settings.{name}.sweep.{key}",
-                    values, "must be a non-empty list")
-        require(setting.warm_start in ("", "siglip"), f"settings.{name}.warm_start",
-                setting.warm_start, "must be '' or 'siglip'")
-    require(config.sweep.lr_factors and all(f > 0 for f in config.sweep.lr_factors),
-            "sweep.lr_factors", config.sweep.lr_factors, "positive factors")
-    require(not set(config.sweep.seeds) & set(config.grid.seeds), "sweep.seeds", config.sweep.seeds,
-            "must differ from the final seeds (grid.seeds): a setting chosen on a seed's validation "
-            "score would carry that seed's luck into the test")
-    require(config.starts.count >= 1, "starts.count", config.starts.count, "must be >= 1")
-    require(config.lr > 0, "lr", config.lr, "a v2 study sweeps factors of the lr rule; set lr")
 
 
 # --------------------------------------------------------------------------------------------
@@ -418,3 +273,33 @@ def cell_fingerprint_v2(config: StudyConfig, cell: Cell2) -> str:
                            if settings(config)[cell.setting].warm_start else None),
             "data": dataset_recipe(config, cell.dataset)}
     return hashlib.sha256(json.dumps(made, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------------
+# stored results and the committed selection
+
+
+def result_path_v2(config: StudyConfig, cell: Cell2) -> Path:
+    return config.results_path / f"{cell.name}.json"
+
+
+def read_result_v2(config: StudyConfig, cell: Cell2) -> dict[str, Any] | None:
+    path = result_path_v2(config, cell)
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except json.JSONDecodeError:
+        return None
+
+
+def is_finished_v2(config: StudyConfig, cell: Cell2) -> bool:
+    result = read_result_v2(config, cell)
+    return result is not None and result.get("fingerprint") == cell_fingerprint_v2(config, cell)
+
+
+def selected_path(config: StudyConfig) -> Path:
+    return Path(config.sweep.selected or config.report_path / "selected.json")
+
+
+def read_selected(config: StudyConfig) -> dict[str, Any] | None:
+    path = selected_path(config)
+    return json.loads(path.read_text()) if path.is_file() else None

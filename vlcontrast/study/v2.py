@@ -27,36 +27,11 @@ from typing import Any
 from .cells import _run_training, _write_json, kill_running_cells, model_digest, summarise_run
 from .config import StudyConfig
 from .design import (Cell2, batch_steps, cell_command_v2, cell_fingerprint_v2, datasets,
-                     features_path, final_cells, option_grid, selection_key, settings,
+                     features_path, final_cells, is_finished_v2, option_grid, read_result_v2,
+                     read_selected, result_path_v2, selected_path, selection_key, settings,
                      split_paths, start_command, start_dir, sweep_hyper_cells, sweep_lr_cells)
 
 STAGES = ("prepare", "sweep", "final", "report", "all")
-
-
-def result_path_v2(config: StudyConfig, cell: Cell2) -> Path:
-    return config.results_path / f"{cell.name}.json"
-
-
-def read_result_v2(config: StudyConfig, cell: Cell2) -> dict[str, Any] | None:
-    path = result_path_v2(config, cell)
-    try:
-        return json.loads(path.read_text()) if path.is_file() else None
-    except json.JSONDecodeError:
-        return None
-
-
-def is_finished_v2(config: StudyConfig, cell: Cell2) -> bool:
-    result = read_result_v2(config, cell)
-    return result is not None and result.get("fingerprint") == cell_fingerprint_v2(config, cell)
-
-
-def selected_path(config: StudyConfig) -> Path:
-    return Path(config.sweep.selected or config.report_path / "selected.json")
-
-
-def read_selected(config: StudyConfig) -> dict[str, Any] | None:
-    path = selected_path(config)
-    return json.loads(path.read_text()) if path.is_file() else None
 
 
 # --------------------------------------------------------------------------------------------
