@@ -184,8 +184,23 @@ def _cmd_verify(args) -> int:
 
 def _cmd_study(args) -> int:
     _prepare_environment()
-    from vlcontrast.study import run_study
+    from vlcontrast.study import load_study_config, run_study
 
+    config = load_study_config(args.config, args.overrides)
+    if config.datasets:  # study v2: stages (vlcontrast/study/v2.py)
+        import shlex
+
+        from vlcontrast.study.v2 import plan_text, run_study_v2
+
+        if args.plan:
+            print(plan_text(config))
+            return 0
+        stage = "report" if args.report_only else args.stage
+        run_study_v2(config, stage, "vlcontrast study --config "
+                     + shlex.join([args.config, *args.overrides]))
+        return 0
+    if args.plan or args.stage != "all":
+        raise SystemExit("--plan and --stage apply to v2 studies (a config with datasets:)")
     run_study(args.config, args.overrides, report_only=args.report_only)
     return 0
 
@@ -424,6 +439,11 @@ def build_parser() -> argparse.ArgumentParser:
     study.add_argument("--config", required=True)
     study.add_argument("--report-only", action="store_true",
                        help="rebuild the CSV, tables and plots from the stored cell results")
+    study.add_argument("--stage", default="all",
+                       choices=("prepare", "sweep", "final", "report", "all"),
+                       help="v2 studies: run one stage (docs/loss-study-v2.md)")
+    study.add_argument("--plan", action="store_true",
+                       help="v2 studies: print the cells of each stage and the machine time")
     study.add_argument("overrides", nargs="*")
     study.set_defaults(func=_cmd_study)
 

@@ -134,6 +134,12 @@ class ModelConfig:
     towers; open_clip's ResNet towers lock whole, so N must be 0 there)."""
     lock_image_freeze_bn_stats: bool = False
     """With ``lock_image``: also freeze the batch-norm running statistics (ResNet towers)."""
+    lock_image_features: str = ""
+    """With ``lock_image``: a file of the locked tower's features for every training sample
+    (``vlcontrast.train.feature_cache.write_feature_cache``, made from the same
+    ``model.pretrained`` and ``data.train`` with ``data.augment=false``). Training looks the
+    features up by sample id instead of running the tower each step; evaluation still runs it.
+    Empty: off."""
     lock_text: bool = False
     """Freeze the text tower (open_clip's ``lock_text_tower``)."""
     lock_text_unlocked_layers: int = 0
@@ -164,7 +170,8 @@ class ModelConfig:
                  self.lock_image_unlocked_groups, "must be >= 0")
         _require(self.lock_text_unlocked_layers >= 0, "model.lock_text_unlocked_layers",
                  self.lock_text_unlocked_layers, "must be >= 0")
-        for key in ("lock_image_unlocked_groups", "lock_image_freeze_bn_stats"):
+        for key in ("lock_image_unlocked_groups", "lock_image_freeze_bn_stats",
+                    "lock_image_features"):
             _require(self.lock_image or getattr(self, key) == getattr(ModelConfig, key),
                      f"model.{key}", getattr(self, key), "applies only with model.lock_image=true")
         for key in ("lock_text_unlocked_layers", "lock_text_freeze_layer_norm"):

@@ -8,6 +8,7 @@ where the per-cell results and the report are written. Unknown keys and wrong ty
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,35 @@ class StudyPretrain:
     before the cells; every cell then starts from its final checkpoint (``model.pretrained``),
     typically with ``model.lock_image=true`` (LiT). Empty: cells start from random weights.
     The run is deterministic for its seed and thread count, so a later session remakes it."""
+
+
+@dataclass
+class StudyStarts:
+    """Study v2's starting checkpoints (docs/loss-study-v2.md): ``count`` pretraining runs per
+    dataset, seeds 0 .. count - 1, each one ``vlcontrast train`` of ``base`` with ``overrides``
+    and ``seed=k`` on the dataset's training and validation splits. A cell with seed s starts from
+    checkpoint ``s % count``."""
+    count: int = 0
+    overrides: list[str] = field(default_factory=list)
+    siglip_logit_scale: float = 10.0
+    """SigLIP's warm start (a setting's ``warm_start: siglip``): the checkpoint with its logit
+    scale set to log(this) ..."""
+    siglip_logit_bias: float = -10.0
+    """... and its logit bias set to this."""
+
+
+@dataclass
+class StudySweep:
+    """Study v2's tuning on the validation split."""
+    seeds: list[int] = field(default_factory=lambda: [100])
+    """Seeds of the sweep cells; they must not be final seeds."""
+    lr_factors: list[float] = field(default_factory=lambda: [0.5, 1.0, 2.0])
+    """Learning rates tried: these factors times the study's lr rule at each batch size."""
+    metric: str = "mean_R@1"
+    """Validation metric that chooses (last evaluation; ties go to the earlier candidate)."""
+    selected: str = ""
+    """The committed record of the choices (JSON), read by the final stage. Empty:
+    ``<report_dir>/selected.json``."""
 
 
 @dataclass
@@ -117,6 +147,28 @@ class StudyConfig:
     """Further paired comparisons ``[candidate, baseline]`` for the report, beyond every loss
     against ``infonce`` (e.g. ``[[decl, dcl]]``: does DeCL's buffer beat DCL's mini-batch
     estimate?). Both must be in ``grid.losses``; they change the report only, not the cells."""
+    datasets: dict[str, Any] = field(default_factory=dict)
+    """Study v2: name -> dataset (:class:`vlcontrast.study.design.StudyDataset`). Non-empty makes
+    this a v2 study: cells per dataset, arm, setting, batch and seed, in stages (sweep on the
+    validation split, then final seeds on the test split). Empty: a v1 study (``data``)."""
+    arms: dict[str, Any] = field(default_factory=dict)
+    """Study v2: name -> arm (:class:`vlcontrast.study.design.StudyArm`): ``steps`` (equal
+    optimizer steps) or ``samples`` (equal samples seen), with their minimum-step rules."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """Study v2: name -> loss setting (:class:`vlcontrast.study.design.StudySetting`: loss,
+    fixed options, swept options, warm start). ``grid.losses`` lists the setting names."""
+    starts: StudyStarts = field(default_factory=StudyStarts)
+    sweep: StudySweep = field(default_factory=StudySweep)
+    primary_metric: str = "mean_R@1"
+    """Study v2: the metric of the tested family (the last evaluation on the test split)."""
+    secondary_metrics: list[str] = field(default_factory=lambda: ["zeroshot/top1"])
+    """Study v2: reported with intervals and paired differences, outside the tested family."""
+    gradient_bias_csv: str = ""
+    """Study v2: a ``vlcontrast diagnose gradient-bias`` CSV; the report then plots each setting's
+    measured gradient bias against its gain over InfoNCE. Empty: no such figure."""
+    budget_hours: float = 0.0
+    """Study v2: the machine time the study may take (both cores); ``--plan`` checks the
+    estimate against it. 0: no check."""
     keep_checkpoints: bool = False
     """False: delete a finished cell's ``checkpoints/`` (the study only needs its metrics)."""
     cell_timeout_s: int = 1800
@@ -141,8 +193,9 @@ class StudyConfig:
 
         require(isinstance(self.grid.losses, list) and bool(self.grid.losses), "grid.losses",
                 self.grid.losses, "must be a non-empty list")
-        for name in self.grid.losses:
-            require(name in LOSSES, "grid.losses", name, f"must be one of {sorted(LOSSES)}")
+        if not self.datasets:  # v2 lists setting names, checked by design.check_v2
+            for name in self.grid.losses:
+                require(name in LOSSES, "grid.losses", name, f"must be one of {sorted(LOSSES)}")
         require(isinstance(self.grid.global_batch_sizes, list) and bool(self.grid.global_batch_sizes),
                 "grid.global_batch_sizes", self.grid.global_batch_sizes, "must be a non-empty list")
         require(isinstance(self.grid.seeds, list) and bool(self.grid.seeds)
@@ -182,10 +235,162 @@ class StudyConfig:
             require(isinstance(texts, list), f"cell_overrides.{key}", texts, "must be a list")
         require(isinstance(self.pretrain.overrides, list), "pretrain.overrides",
                 self.pretrain.overrides, "must be a list")
-        for text in (self.overrides + self.pretrain.overrides
+        if self.datasets:
+            check_v2(self)
+        for text in (self.overrides + self.pretrain.overrides + self.starts.overrides
                      + [t for ts in self.cell_overrides.values() for t in ts]):
             require(isinstance(text, str) and "=" in text, "overrides", text,
                     "expected key=value strings")
+
+
+# --------------------------------------------------------------------------------------------
+# study v2's sections (vlcontrast/study/design.py builds its cells from them)
+
+DATASET_KINDS = ("synthetic", "folder")
+
+
+@dataclass
+class StudyDataset:
+    kind: str = "synthetic"
+    """``synthetic``: the embedded world (``vlcontrast prep synthetic``); ``folder``: class folders
+    of images converted by ``prep`` (the clip-art corpus)."""
+    dir: str = ""
+    """Where the prepared dataset lives (``train/``, ``val/``, ``test/``, ...)."""
+    generate: dict[str, Any] = field(default_factory=dict)
+    """synthetic: keyword arguments of ``write_synthetic`` for the train and validation splits."""
+    test_seed: int = 1
+    """synthetic: the test split is the same world drawn at this seed (its ``val`` pairs and
+    ``zeroshot`` images), disjoint from the training and validation draws."""
+    source: str = ""
+    """folder: the image root, one sub-folder per category."""
+    val_fraction: float = 0.15
+    test_fraction: float = 0.15
+    """folder: share of each category's images in the validation and test splits (the split rule
+    is :func:`vlcontrast.study.splits.split_of`)."""
+    prep: list[str] = field(default_factory=list)
+    """folder: the converter's command after ``vlcontrast``, with ``{src}`` (a split's image folder)
+    and ``{out}`` (its shard folder), e.g. ``[prep, folder, "{src}", "{out}"]``."""
+    templates: list[str] = field(default_factory=list)
+    """folder: zero-shot prompt templates (``{}`` is the category name)."""
+    size: int = 0
+    """folder: images in the corpus, for ``--plan``'s estimate only (0: 8,100)."""
+
+
+@dataclass
+class StudyArm:
+    steps: int = 0
+    """>0: every batch size trains this many optimizer steps (step-matched)."""
+    samples: int = 0
+    """>0: every batch size sees this many samples, steps = ceil(samples / B) (compute-matched)."""
+    min_steps: int = 0
+    """Every cell of this arm must have at least this many steps (checked at load)."""
+    min_warmup_steps: int = 0
+    """... and at least this many warmup steps."""
+
+
+@dataclass
+class StudySetting:
+    loss: str = ""
+    """Loss name (``vlcontrast.losses``)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Fixed loss options (``loss.<key>=<value>``)."""
+    sweep: dict[str, list] = field(default_factory=dict)
+    """Loss options tuned on the validation split: option -> candidate values (the first is the
+    reference value used while the learning rate is swept)."""
+    warm_start: str = ""
+    """``siglip``: start from the checkpoint with SigLIP's own logit scale and bias
+    (``starts.siglip_logit_scale`` / ``starts.siglip_logit_bias``) instead of the InfoNCE ones."""
+
+
+def _parse(cls, values: dict[str, Any], prefix: str):
+    try:
+        return _from_dict(cls, values or {}, prefix)
+    except ConfigError as err:
+        raise ConfigError(f"study {err}") from None
+
+
+def datasets(config: StudyConfig) -> dict[str, StudyDataset]:
+    return {name: _parse(StudyDataset, values, f"datasets.{name}.")
+            for name, values in config.datasets.items()}
+
+
+def arms(config: StudyConfig) -> dict[str, StudyArm]:
+    return {name: _parse(StudyArm, values, f"arms.{name}.") for name, values in config.arms.items()}
+
+
+def settings(config: StudyConfig) -> dict[str, StudySetting]:
+    return {name: _parse(StudySetting, values, f"settings.{name}.")
+            for name, values in config.settings.items()}
+
+
+def arm_steps(arm: StudyArm, global_batch: int) -> int:
+    return arm.steps if arm.steps else math.ceil(arm.samples / global_batch)
+
+
+def warmup_steps(config: StudyConfig, steps: int) -> int:
+    return int(config.warmup_fraction * steps)
+
+
+def check_v2(config: StudyConfig) -> None:
+    """The v2 sections: kinds, arms' step and warmup rules, settings' losses and options,
+    comparisons between settings."""
+    from vlcontrast.losses import LOSSES, loss_option_defaults
+
+    def require(ok: bool, key: str, value: Any, why: str) -> None:
+        if not ok:
+            raise ConfigError(f"study {key}={value!r}: {why}")
+
+    for name, data in datasets(config).items():
+        require(data.kind in DATASET_KINDS, f"datasets.{name}.kind", data.kind,
+                f"must be one of {DATASET_KINDS}")
+        require(bool(data.dir), f"datasets.{name}.dir", data.dir, "must be set")
+        if data.kind == "folder":
+            require(bool(data.source), f"datasets.{name}.source", data.source, "must be set")
+            require(0 < data.val_fraction and 0 < data.test_fraction
+                    and data.val_fraction + data.test_fraction < 1, f"datasets.{name}.val_fraction",
+                    (data.val_fraction, data.test_fraction), "fractions in (0, 1) summing below 1")
+            require(any("{src}" in p for p in data.prep) and any("{out}" in p for p in data.prep),
+                    f"datasets.{name}.prep", data.prep, "must name {src} and {out}")
+        else:
+            require(data.test_seed != data.generate.get("seed", 0), f"datasets.{name}.test_seed",
+                    data.test_seed, "must differ from generate.seed (the test draw must be new)")
+    require(bool(config.arms), "arms", config.arms, "a v2 study needs at least one arm")
+    for name, arm in arms(config).items():
+        require((arm.steps > 0) != (arm.samples > 0), f"arms.{name}", config.arms[name],
+                "set exactly one of steps and samples")
+        for size in config.grid.global_batch_sizes:
+            steps = arm_steps(arm, size)
+            require(steps >= arm.min_steps, f"arms.{name}.min_steps", arm.min_steps,
+                    f"batch {size} gets only {steps} steps")
+            require(warmup_steps(config, steps) >= arm.min_warmup_steps,
+                    f"arms.{name}.min_warmup_steps", arm.min_warmup_steps,
+                    f"batch {size} gets only {warmup_steps(config, steps)} warmup steps "
+                    f"(warmup_fraction {config.warmup_fraction})")
+    all_settings = settings(config)
+    require(set(config.grid.losses) <= set(all_settings), "grid.losses", config.grid.losses,
+            f"a v2 study lists setting names of settings: {sorted(all_settings)}")
+    for name in config.grid.losses:
+        setting = all_settings[name]
+        require(setting.loss in LOSSES, f"settings.{name}.loss", setting.loss,
+                f"must be one of {sorted(LOSSES)}")
+        known = loss_option_defaults(setting.loss)
+        for key in list(setting.options) + list(setting.sweep):
+            require(key in known, f"settings.{name}", key,
+                    f"is not an option of loss {setting.loss!r} ({sorted(known)})")
+        for key, values in setting.sweep.items():
+            require(isinstance(values, list) and len(values) >= 1, f"settings.{name}.sweep.{key}",
+                    values, "must be a non-empty list")
+        require(setting.warm_start in ("", "siglip"), f"settings.{name}.warm_start",
+                setting.warm_start, "must be '' or 'siglip'")
+    require(config.sweep.lr_factors and all(f > 0 for f in config.sweep.lr_factors),
+            "sweep.lr_factors", config.sweep.lr_factors, "positive factors")
+    require(not set(config.sweep.seeds) & set(config.grid.seeds), "sweep.seeds", config.sweep.seeds,
+            "must differ from the final seeds (grid.seeds): a setting chosen on a seed's validation "
+            "score would carry that seed's luck into the test")
+    require(config.starts.count >= 1, "starts.count", config.starts.count, "must be >= 1")
+    require(config.lr > 0, "lr", config.lr, "a v2 study sweeps factors of the lr rule; set lr")
+
+
 
 
 def load_study_config(path: str | os.PathLike, overrides: list[str] | None = None) -> StudyConfig:

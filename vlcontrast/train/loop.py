@@ -82,6 +82,7 @@ def train(config: RunConfig) -> dict[str, Any]:
                           bundle.tokenizer, transform, needs_ids)
     loss_fn = build_loss(config.loss.name, chunk_size=config.loss.chunk_size,
                          id_space=data.id_space, **config.loss.options).to(device)
+    features = _locked_image_features(config, bundle.model, loss_fn)
     global_batch = config.data.batch_size * env.world_size * config.train.accum_steps
     total_steps = config.train.steps or max(1, math.ceil(config.train.epochs * data.steps_per_epoch))
     engine, checkpoint_bytes = _build_engine(bundle.model, config, total_steps, env)
@@ -108,6 +109,8 @@ def train(config: RunConfig) -> dict[str, Any]:
         while state.step < total_steps:
             log.attempt()
             micro_batches = data.next_step()
+            if features is not None:  # model.lock_image_features: the tower's stored output
+                micro_batches = features.swap(micro_batches)
             log.timer.mark("data")
             outcome = train_step(engine, loss_fn, micro_batches, state.step + 1, device, dtype,
                                  log.timer, momentum, stop, normalizer)
@@ -180,6 +183,22 @@ def _train_batches(data: DataConfig, seed: int, accum_steps: int, env, tokenizer
                               rank=env.rank, world_size=env.world_size, device=env.device,
                               needs_sample_ids=needs_ids)
     return TrainBatches(build, augment, accum_steps)
+
+
+def _locked_image_features(config: RunConfig, model, loss_fn):
+    """``model.lock_image_features``: the cached features, with ``model.encode_image`` taught to
+    pass them through (vlcontrast/train/feature_cache.py); None when off."""
+    if not config.model.lock_image_features:
+        return None
+    from vlcontrast.train.feature_cache import LockedImageFeatures
+
+    if getattr(loss_fn, "needs_momentum_features", False):
+        raise ConfigError(f"model.lock_image_features: loss {config.loss.name!r} with momentum "
+                          "towers embeds the images itself; turn the cache off")
+    features = LockedImageFeatures(config.model.lock_image_features, config)
+    features.check_frozen(model)
+    features.install(model)
+    return features
 
 
 def _stop_reason(stop: StopSignal, outcome: StepOutcome, stop_at_step: int,

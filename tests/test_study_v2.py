@@ -1,0 +1,300 @@
+"""Study v2 (docs/loss-study-v2.md): the committed config is the pre-registered design (arms'
+step rules, batch sizes, settings, sweeps, comparisons, budget); v1's config and fingerprints are
+untouched; the clip-art split rule; the cells of each stage, their overrides and fingerprints;
+the choice on the validation split; the report's tested family, learns check, figure and
+recommendation from stand-in results; SigLIP's warm start; and one tiny real v2 study end to end
+(a start, its feature cache, a sweep, the selection, final cells, the report, a rerun that runs
+nothing)."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from vlcontrast.config import ConfigError, load_config
+from vlcontrast.study import cell_fingerprint, grid_cells, load_study_config
+from vlcontrast.study.cells import read_result
+
+from tests import study_v2_standins
+
+ROOT = Path(__file__).resolve().parents[1]
+V2 = ROOT / "configs" / "study" / "v2.yaml"
+
+
+@pytest.fixture
+def standins(monkeypatch):
+    study_v2_standins.register(monkeypatch)
+
+
+def _v2(**overrides):
+    return load_study_config(V2, [f"{k}={v}" for k, v in overrides.items()])
+
+
+def test_the_v2_config_is_the_pre_registered_design(standins):
+    from vlcontrast.study.design import arm_steps, arms, batch_steps, settings, warmup_steps
+    from vlcontrast.study.report_v2 import planned_family_size
+
+    config = _v2()
+    sizes = config.grid.global_batch_sizes
+    assert min(sizes) == 16 and max(sizes) == 1024 and len(sizes) >= 5
+    assert set(config.datasets) == {"synthetic", "clipart"}
+    steps_arm = arms(config)["steps"]
+    for size in sizes:  # the step-matched arm: >= 500 steps and >= 50 warmup everywhere
+        assert arm_steps(steps_arm, size) >= 500
+        assert warmup_steps(config, arm_steps(steps_arm, size)) >= 50
+    samples = arms(config)["samples"].samples
+    assert all(arm_steps(arms(config)["samples"], s) * s >= samples for s in sizes)
+    names = {s.loss: n for n, s in settings(config).items()}
+    assert {"infonce", "dcl", "dclw", "decl", "siglip", "debiased", "sogclr", "fastclip"} <= set(names)
+    fast = {n: s.options.get("temperature") for n, s in settings(config).items() if s.loss == "fastclip"}
+    assert sorted(fast.values()) == ["global", "individual"]
+    assert settings(config)["siglip"].warm_start == "siglip"
+    assert (config.starts.siglip_logit_scale, config.starts.siglip_logit_bias) == (10.0, -10.0)
+    assert "tau_plus" in settings(config)["debiased"].sweep
+    for name in ("decl", "sogclr", "fastclip-global", "fastclip-individual"):
+        assert "gamma" in settings(config)[name].sweep
+    assert not set(config.sweep.seeds) & set(config.grid.seeds)
+    # the B=256 training is the same in both arms and counted once
+    assert batch_steps(config)[(256, 500)] == ("steps", "samples")
+    assert planned_family_size(config) == len(config.comparisons) * 2 * 9 == 180
+    assert config.starts.count >= 2
+
+
+def test_the_v2_plan_fits_the_budget(standins):
+    from vlcontrast.study.budget import study_cost
+
+    config = _v2()
+    cost = study_cost(config)
+    assert cost["wall_hours"] <= config.budget_hours
+    assert cost["parts"]["final"][0] == 9 * 2 * 9 * len(config.grid.seeds)
+
+
+def test_v2_needs_the_merged_losses_and_says_so():
+    with pytest.raises(ConfigError, match="settings.sogclr.loss"):
+        load_study_config(V2)
+
+
+@pytest.mark.parametrize("change, message", [
+    (["arms.steps.steps=400"], "arms.steps.min_steps"),
+    (["warmup_fraction=0.05"], "min_warmup_steps"),
+    (["sweep.seeds=[0]"], "sweep.seeds"),
+    (["settings.dcl.sweep={nonsense: [1]}"], "is not an option of loss 'dcl'"),
+    (["datasets.synthetic.test_seed=0"], "test_seed"),
+    (["arms.samples.steps=10"], "set exactly one of steps and samples"),
+])
+def test_bad_v2_configs_are_errors_naming_the_key(standins, change, message):
+    with pytest.raises(ConfigError, match=message):
+        load_study_config(V2, change)
+
+
+def test_v1_config_and_its_cells_fingerprints_are_unchanged():
+    config = load_study_config(ROOT / "configs" / "study" / "default.yaml")
+    cells = grid_cells(config)
+    assert len(cells) == 120
+    for cell in cells:
+        assert read_result(config, cell)["fingerprint"] == cell_fingerprint(config, cell), cell.name
+
+
+def test_the_split_rule_is_a_function_of_the_file_name(tmp_path):
+    from vlcontrast.study.splits import split_of, write_split_folders
+
+    names = [f"cat{c}/img{i}.png" for c in range(3) for i in range(2000)]
+    splits = [split_of(n, 0.15, 0.15) for n in names]
+    assert splits == [split_of(n, 0.15, 0.15) for n in reversed(names)][::-1]
+    for split, share in (("test", 0.15), ("val", 0.15), ("train", 0.70)):
+        assert abs(splits.count(split) / len(names) - share) < 0.02
+    # a corpus on disk: category folders of links, counts recorded, adding a file moves nothing
+    source = tmp_path / "src"
+    for c in ("animals", "flags"):
+        (source / c).mkdir(parents=True)
+        for i in range(40):
+            (source / c / f"{i}.png").write_bytes(b"png")
+    counts = write_split_folders(source, tmp_path / "out", 0.15, 0.15)
+    assert sum(sum(v.values()) for v in counts.values()) == 80
+    for split, per in counts.items():
+        for category, n in per.items():
+            assert len(list((tmp_path / "out" / f"{split}-images" / category).iterdir())) == n
+    before = {p.name: s for s in counts for p in (tmp_path / "out" / f"{s}-images").rglob("*.png")}
+    (source / "flags" / "new.png").write_bytes(b"png")
+    write_split_folders(source, tmp_path / "out2", 0.15, 0.15)
+    after = {p.name: s for s in counts for p in (tmp_path / "out2" / f"{s}-images").rglob("*.png")}
+    assert all(after[k] == v for k, v in before.items())
+
+
+def test_v2_cells_overrides_and_fingerprints(standins):
+    from vlcontrast.study.design import (cell_fingerprint_v2, cell_overrides_v2, final_cells,
+                                         selection_key, sweep_hyper_cells, sweep_lr_cells)
+
+    config = _v2()
+    lr_cells = sweep_lr_cells(config)
+    assert len(lr_cells) == 2 * 9 * 9 * 3
+    assert len({c.name for c in lr_cells}) == len(lr_cells)
+    assert all(c.split == "val" and c.seed == 100 and c.start == 100 % 3 for c in lr_cells)
+    chosen = {(c.dataset, c.setting, c.global_batch, c.steps): 1.0 for c in lr_cells}
+    hyper = sweep_hyper_cells(config, chosen)
+    assert len(hyper) == 2 * 9 * (3 + 2 + 3 + 3 + 3)
+    selected = {"chosen": {selection_key(c.dataset, c.setting, c.global_batch, c.steps):
+                           {"lr_factor": 2.0, "options": c.options} for c in lr_cells}}
+    finals = final_cells(config, selected)
+    assert len(finals) == 2 * 9 * 9 * len(config.grid.seeds)
+    cell = next(c for c in finals if c.setting == "siglip" and c.global_batch == 1024
+                and c.steps == 125 and c.seed == 4 and c.dataset == "clipart")
+    overrides = cell_overrides_v2(config, cell)
+    assert f"model.pretrained={Path('runs/study-v2/starts/clipart-k1-siglip')}" in overrides
+    assert "data.val=data/study-v2/clipart/test" in overrides
+    assert any(o.startswith("model.lock_image_features=") for o in overrides)
+    assert f"optim.lr={4e-3 * 2 * 2:.6g}" in overrides  # factor 2 x 4e-3 x sqrt(1024/256)
+    assert "optim.warmup_steps=12" in overrides
+    run = load_config(config.base, overrides)
+    assert run.model.lock_image and run.data.augment is False and run.train.steps == 125
+    decl = next(c for c in hyper if c.setting == "decl")
+    assert any(o.startswith("loss.gamma=") for o in cell_overrides_v2(config, decl))
+    # a different choice is a different cell
+    selected2 = json.loads(json.dumps(selected))
+    selected2["chosen"][selection_key(cell.dataset, "siglip", 1024, 125)]["lr_factor"] = 1.0
+    cell2 = next(c for c in final_cells(config, selected2) if c.name == cell.name)
+    assert cell_fingerprint_v2(config, cell2) != cell_fingerprint_v2(config, cell)
+
+
+def _fake_result(config, cell, value: float, zs: float = 0.3):
+    from vlcontrast.study.design import cell_fingerprint_v2
+    from vlcontrast.study.v2 import result_path_v2
+
+    path = result_path_v2(config, cell)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"fingerprint": cell_fingerprint_v2(config, cell),
+                                "last": {"mean_R@1": value, "zeroshot/top1": zs}}))
+
+
+def _small(tmp_path, standins_unused=None, **extra):
+    values = yaml.safe_load(V2.read_text())
+    values.update({"output_dir": str(tmp_path / "runs"), "results_dir": str(tmp_path / "res" / "cells"),
+                   "report_dir": str(tmp_path / "res")})
+    values["sweep"]["selected"] = str(tmp_path / "res" / "selected.json")
+    values.update(extra)
+    path = tmp_path / "v2.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return load_study_config(path)
+
+
+def test_the_choice_is_made_on_validation_and_recorded(standins, tmp_path):
+    from vlcontrast.study.design import sweep_hyper_cells, sweep_lr_cells
+    from vlcontrast.study.v2 import choose_lr, write_selection
+
+    config = _small(tmp_path)
+    for cell in sweep_lr_cells(config):
+        score = {0.5: 0.20, 1.0: 0.25, 2.0: 0.25}[cell.lr_factor]  # tie: the earlier factor
+        _fake_result(config, cell, score)
+    chosen = choose_lr(config)
+    assert set(chosen.values()) == {1.0}
+    for cell in sweep_hyper_cells(config, chosen):
+        _fake_result(config, cell, 0.30 if cell.options.get("tau_plus") == 0.01 else 0.10)
+    record = write_selection(config)
+    entry = record["chosen"]["synthetic/debiased/b64/n500"]
+    assert entry["options"] == {"tau_plus": 0.01} and entry["lr_factor"] == 1.0
+    assert entry["lr_at_edge"] is False
+    assert record["chosen"]["clipart/infonce/b16/n8000"]["options"] == {}
+    assert json.loads(Path(config.sweep.selected).read_text())["chosen"].keys() == record["chosen"].keys()
+
+
+def test_report_family_learns_check_figure_and_recommendation(standins, tmp_path):
+    from vlcontrast.study.design import final_cells, selection_key, sweep_lr_cells
+    from vlcontrast.study.report_v2 import write_report_v2
+
+    config = _small(tmp_path)
+    selected = {"chosen": {selection_key(c.dataset, c.setting, c.global_batch, c.steps):
+                           {"lr_factor": 1.0, "options": c.options}
+                           for c in sweep_lr_cells(config) if c.lr_factor == 1.0}}
+    Path(config.sweep.selected).parent.mkdir(parents=True, exist_ok=True)
+    Path(config.sweep.selected).write_text(json.dumps(selected))
+    for dataset in config.datasets:
+        for k in range(config.starts.count):
+            path = config.results_path / "starts" / f"{dataset}-k{k}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"metrics": {"test": {
+                "retrieval/text_to_image_R@1": 0.2, "retrieval/image_to_text_R@1": 0.2,
+                "zeroshot/top1": 0.25}}}))
+    for cell in final_cells(config, selected):
+        noise = 0.002 * ((cell.seed * 7 + cell.global_batch) % 5 - 2)
+        gain = (0.05 + 0.001 * (cell.seed % 3)) if (cell.setting == "dcl"
+                                                    and cell.global_batch == 16) else 0.0
+        _fake_result(config, cell, 0.25 + noise + gain + 0.0005 * cell.seed * (cell.setting == "dclw"))
+    report = write_report_v2(config)
+    assert "Holm–Bonferroni over all 180" in report
+    assert (config.report_path / "synthetic.png").read_bytes()[:4] == b"\x89PNG"
+    assert (config.report_path / "clipart.png").is_file()
+    recommendation = (config.report_path / "recommendation.md").read_text()
+    row16 = next(line for line in recommendation.splitlines() if line.startswith("| 16 |"))
+    assert row16.count("**dcl**") == 4  # both datasets, both arms
+    row1024 = next(line for line in recommendation.splitlines() if line.startswith("| 1024 |"))
+    assert "no detectable difference" in row1024
+    assert "+5.0 [" in report and "✓" in report  # 25% against a start of 20%: learns
+    rows = (config.report_path / "comparisons.csv").read_text().splitlines()
+    assert len(rows) == 1 + 180
+
+
+def test_siglip_warm_start_changes_only_the_temperature_and_bias(tmp_path):
+    from vlcontrast.study.v2 import write_siglip_start
+
+    source = tmp_path / "ckpt"
+    source.mkdir()
+    state = {"logit_scale": torch.tensor(2.7), "logit_bias": torch.tensor(-3.0),
+             "visual.w": torch.randn(4, 4), "text.w": torch.randn(3)}
+    torch.save(state, source / "model.pt")
+    (source / "model_config.json").write_text("{}")
+    write_siglip_start(source, tmp_path / "warm", 10.0, -10.0)
+    warm = torch.load(tmp_path / "warm" / "model.pt", weights_only=True)
+    assert math.isclose(float(warm["logit_scale"]), math.log(10.0), rel_tol=1e-6)
+    assert float(warm["logit_bias"]) == -10.0
+    assert torch.equal(warm["visual.w"], state["visual.w"]) and torch.equal(warm["text.w"], state["text.w"])
+
+
+def test_a_tiny_v2_study_end_to_end(tmp_path, monkeypatch):
+    """One synthetic dataset, one start, one batch size shared by both arms, two settings
+    (SigLIP with its warm start), one lr factor, two final seeds: every stage for real."""
+    from vlcontrast.study.v2 import read_selected, run_study_v2
+    from vlcontrast.study.design import final_cells
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    values = {
+        "output_dir": str(tmp_path / "runs"), "results_dir": str(tmp_path / "res" / "cells"),
+        "report_dir": str(tmp_path / "res"), "base": str(ROOT / "configs" / "study" / "cell-v2.yaml"),
+        "parallel": 2, "threads": 1, "eval_points": 1, "log_points": 2, "cell_timeout_s": 300,
+        "datasets": {"syn": {"kind": "synthetic", "dir": str(tmp_path / "data"), "test_seed": 5,
+                             "generate": {"train": 128, "val": 32, "seed": 4, "image_size": 32,
+                                          "shard_size": 64, "zeroshot_per_class": 2,
+                                          "workers": 1}}},
+        "starts": {"count": 1, "overrides": ["data.batch_size=32", "train.steps=4",
+                                             "optim.warmup_steps=1", "eval.batch_size=64"]},
+        "overrides": ["model.lock_image=true", "model.lock_image_freeze_bn_stats=true",
+                      "eval.batch_size=64"],
+        "arms": {"steps": {"steps": 4}, "samples": {"samples": 32}},
+        "warmup_fraction": 0.25, "lr": 4e-3,
+        "grid": {"global_batch_sizes": [8], "losses": ["infonce", "siglip"], "seeds": [0, 1]},
+        "settings": {"infonce": {"loss": "infonce"}, "siglip": {"loss": "siglip", "warm_start": "siglip"}},
+        "sweep": {"seeds": [100], "lr_factors": [1.0], "selected": str(tmp_path / "res" / "selected.json")},
+        "comparisons": [["siglip", "infonce"]],
+    }
+    path = tmp_path / "v2.yaml"
+    path.write_text(yaml.safe_dump(values))
+    config = load_study_config(path)
+    run_study_v2(config, "all")
+    start = json.loads((tmp_path / "res" / "cells" / "starts" / "syn-k0.json").read_text())
+    assert set(start["metrics"]) == {"val", "test"}
+    selected = read_selected(config)
+    assert set(selected["chosen"]) == {"syn/infonce/b8/n4", "syn/siglip/b8/n4"}
+    finals = final_cells(config, selected)
+    assert len(finals) == 4
+    for cell in finals:
+        result = json.loads((config.results_path / f"{cell.name}.json").read_text())
+        assert result["split"] == "test" and sorted(result["arms"]) == ["samples", "steps"]
+    report = (tmp_path / "res" / "study.md").read_text()
+    assert "siglip − infonce" in report
+    # a rerun finds everything done: no cell runs (the training entry point is never called)
+    import vlcontrast.study.v2 as v2
+
+    monkeypatch.setattr(v2, "run_cell_v2", lambda *a, **k: pytest.fail("reran a finished cell"))
+    run_study_v2(config, "all")

@@ -1,0 +1,305 @@
+"""Study v2's design: datasets, starting checkpoints, arms, loss settings with their sweeps, and the
+cells of each stage (docs/loss-study-v2.md).
+
+A v2 study config (``datasets:`` non-empty) has three kinds of training cells:
+
+* ``sweep-lr``: every (dataset, arm, setting, batch) at each learning-rate factor of
+  ``sweep.lr_factors`` (times the study's lr rule), at the setting's reference options (its
+  ``options`` and the first value of each swept option), sweep seeds, evaluated on the
+  **validation** split;
+* ``sweep-hyper``: the setting's other option combinations at the learning rate chosen in
+  ``sweep-lr``, same seeds and split;
+* ``final``: the chosen setting (``selected``, a committed JSON written by the select stage) at
+  every final seed (``grid.seeds``), evaluated on the **test** split.
+
+A cell is identified by what it trains, not by the arm it belongs to: where the two arms give a
+batch size the same number of steps (``samples / B == steps``) both arms share the cell. Each
+cell's seed picks its starting checkpoint (``seed % starts.count``) and its data order, so two
+settings with the same seed, dataset and batch form a pair.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .config import (StudyConfig, StudyDataset, StudySetting, arm_steps, arms, datasets, settings,
+                     warmup_steps)
+
+STAGES = ("sweep-lr", "sweep-hyper", "final")
+SPLITS = ("val", "test")
+
+
+# --------------------------------------------------------------------------------------------
+# cells
+
+
+@dataclass
+class Cell2:
+    dataset: str
+    stage: str
+    setting: str
+    loss: str
+    options: dict[str, Any]
+    global_batch: int
+    steps: int
+    lr: float
+    lr_factor: float
+    seed: int
+    start: int
+    arms: tuple[str, ...]
+    run_dir: Path
+    tag: str = ""
+
+    @property
+    def split(self) -> str:
+        return "test" if self.stage == "final" else "val"
+
+    @property
+    def name(self) -> str:
+        tag = f"-{self.tag}" if self.tag else ""
+        return f"{self.dataset}/{self.stage}/{self.setting}-b{self.global_batch}-n{self.steps}{tag}-s{self.seed}"
+
+    # the v1 report's row fields
+    @property
+    def loss_label(self) -> str:
+        return self.setting
+
+
+def _value_tag(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def option_tag(options: dict[str, Any]) -> str:
+    return "-".join(f"{k}{_value_tag(v)}" for k, v in sorted(options.items()))
+
+
+def reference_options(setting: StudySetting) -> dict[str, Any]:
+    """The options while the learning rate is swept: fixed ones and each swept option's first value."""
+    return {**setting.options, **{k: v[0] for k, v in setting.sweep.items()}}
+
+
+def option_grid(setting: StudySetting) -> list[dict[str, Any]]:
+    """Every combination of the swept options (the reference one first), with the fixed options."""
+    keys = list(setting.sweep)
+    return [{**setting.options, **dict(zip(keys, combo))}
+            for combo in itertools.product(*(setting.sweep[k] for k in keys))]
+
+
+def batch_steps(config: StudyConfig) -> dict[tuple[int, int], tuple[str, ...]]:
+    """{(batch, steps): arms that train it}: the distinct trainings of each batch size."""
+    out: dict[tuple[int, int], tuple[str, ...]] = {}
+    for size in config.grid.global_batch_sizes:
+        for name, arm in arms(config).items():
+            key = (size, arm_steps(arm, size))
+            out[key] = out.get(key, ()) + (name,)
+    return out
+
+
+def lr_of(config: StudyConfig, global_batch: int, factor: float) -> float:
+    from .grid import cell_learning_rate
+
+    return cell_learning_rate(config, global_batch) * factor
+
+
+def _cell(config: StudyConfig, dataset: str, stage: str, setting_name: str, setting: StudySetting,
+          options: dict[str, Any], size: int, steps: int, factor: float, seed: int,
+          arm_names: tuple[str, ...], tag: str) -> Cell2:
+    cell = Cell2(dataset, stage, setting_name, setting.loss, dict(options), size, steps,
+                 lr_of(config, size, factor), factor, seed, seed % config.starts.count, arm_names,
+                 Path(), tag)
+    cell.run_dir = Path(config.output_dir) / "cells" / cell.name
+    return cell
+
+
+def sweep_lr_cells(config: StudyConfig) -> list[Cell2]:
+    out = []
+    all_settings = settings(config)
+    for seed in config.sweep.seeds:
+        for dataset in config.datasets:
+            for (size, steps), arm_names in batch_steps(config).items():
+                for name in config.grid.losses:
+                    setting = all_settings[name]
+                    for factor in config.sweep.lr_factors:
+                        out.append(_cell(config, dataset, "sweep-lr", name, setting,
+                                         reference_options(setting), size, steps, factor, seed,
+                                         arm_names, f"lr{factor:g}"))
+    return out
+
+
+def sweep_hyper_cells(config: StudyConfig, chosen_lr: dict[tuple, float]) -> list[Cell2]:
+    """The swept options' other combinations at the chosen lr factor of each
+    (dataset, setting, batch, steps); entries missing from ``chosen_lr`` are not ready yet."""
+    out = []
+    all_settings = settings(config)
+    for seed in config.sweep.seeds:
+        for dataset in config.datasets:
+            for (size, steps), arm_names in batch_steps(config).items():
+                for name in config.grid.losses:
+                    setting = all_settings[name]
+                    factor = chosen_lr.get((dataset, name, size, steps))
+                    if factor is None:
+                        continue
+                    for options in option_grid(setting)[1:]:
+                        tag = f"lr{factor:g}-{option_tag({k: options[k] for k in setting.sweep})}"
+                        out.append(_cell(config, dataset, "sweep-hyper", name, setting, options,
+                                         size, steps, factor, seed, arm_names, tag))
+    return out
+
+
+def final_cells(config: StudyConfig, selected: dict[str, Any] | None) -> list[Cell2]:
+    """The final cells of every (dataset, setting, batch, steps) with a selection, each seed."""
+    out = []
+    all_settings = settings(config)
+    chosen = (selected or {}).get("chosen", {})
+    for seed in config.grid.seeds:
+        for dataset in config.datasets:
+            for (size, steps), arm_names in batch_steps(config).items():
+                for name in config.grid.losses:
+                    entry = chosen.get(selection_key(dataset, name, size, steps))
+                    if entry is None:
+                        continue
+                    out.append(_cell(config, dataset, "final", name, all_settings[name],
+                                     entry["options"], size, steps, entry["lr_factor"], seed,
+                                     arm_names, ""))
+    return out
+
+
+def selection_key(dataset: str, setting: str, size: int, steps: int) -> str:
+    return f"{dataset}/{setting}/b{size}/n{steps}"
+
+
+# --------------------------------------------------------------------------------------------
+# paths, overrides, commands, fingerprints
+
+
+def start_dir(config: StudyConfig, dataset: str, k: int, warm_start: str = "") -> Path:
+    suffix = f"-{warm_start}" if warm_start else ""
+    return Path(config.output_dir) / "starts" / f"{dataset}-k{k}{suffix}"
+
+
+def features_path(config: StudyConfig, dataset: str, k: int) -> Path:
+    return Path(config.output_dir) / "features" / f"{dataset}-k{k}.pt"
+
+
+def split_paths(config: StudyConfig, dataset: str) -> dict[str, Any]:
+    """train shards; for ``val`` and ``test``: (retrieval shards, zero-shot folder, templates)."""
+    data = datasets(config)[dataset]
+    root = Path(data.dir)
+    if data.kind == "synthetic":
+        return {"train": root / "train",
+                "val": (root / "val", root / "zeroshot", root / "zeroshot" / "templates.txt"),
+                "test": (root / "test" / "val", root / "test" / "zeroshot",
+                         root / "test" / "zeroshot" / "templates.txt")}
+    return {"train": root / "train",
+            **{split: (root / split, root / f"{split}-images", root / "templates.txt")
+               for split in SPLITS}}
+
+
+def data_overrides_v2(config: StudyConfig, dataset: str, split: str) -> list[str]:
+    paths = split_paths(config, dataset)
+    retrieval, zeroshot, templates = paths[split]
+    return [f"data.train={paths['train']}", f"data.val={retrieval}", f"eval.zeroshot={zeroshot}",
+            f"eval.templates={templates}"]
+
+
+def start_overrides(config: StudyConfig, dataset: str, k: int) -> list[str]:
+    """The pretraining run of starting checkpoint k (both towers, validation split)."""
+    return (data_overrides_v2(config, dataset, "val") + list(config.starts.overrides)
+            + [f"seed={k}", f"output_dir={start_dir(config, dataset, k)}", "train.resume=",
+               "train.stop_at_step=0", "logging.progress=false"])
+
+
+def start_command(config: StudyConfig, dataset: str, k: int) -> list[str]:
+    return ([sys.executable, "-m", "vlcontrast.cli", "train", "--nproc", str(config.nproc),
+             "--config", config.base] + start_overrides(config, dataset, k))
+
+
+def cell_overrides_v2(config: StudyConfig, cell: Cell2) -> list[str]:
+    micro = cell.global_batch // (config.nproc * config.accum_steps)
+    setting = settings(config)[cell.setting]
+    grid_values = [
+        f"output_dir={cell.run_dir}",
+        f"seed={cell.seed}",
+        f"loss.name={cell.loss}",
+        f"data.batch_size={micro}",
+        f"train.accum_steps={config.accum_steps}",
+        f"train.steps={cell.steps}",
+        f"optim.warmup_steps={warmup_steps(config, cell.steps)}",
+        f"train.log_every={max(1, cell.steps // config.log_points)}",
+        f"eval.every={cell.steps // config.eval_points if config.eval_points > 1 else 0}",
+        f"optim.lr={cell.lr:.6g}",
+        f"model.pretrained={start_dir(config, cell.dataset, cell.start, setting.warm_start)}",
+        f"model.lock_image_features={features_path(config, cell.dataset, cell.start)}",
+        "train.resume=",
+        "train.stop_at_step=0",
+        "logging.progress=false",
+    ] + [f"loss.{key}={_value_tag(value)}" for key, value in sorted(cell.options.items())]
+    return (data_overrides_v2(config, cell.dataset, cell.split) + list(config.overrides)
+            + grid_values + list(config.cell_overrides.get(cell.setting, [])))
+
+
+def cell_command_v2(config: StudyConfig, cell: Cell2) -> list[str]:
+    return ([sys.executable, "-m", "vlcontrast.cli", "train", "--nproc", str(config.nproc),
+             "--config", config.base] + cell_overrides_v2(config, cell))
+
+
+def dataset_recipe(config: StudyConfig, dataset: str) -> dict[str, Any]:
+    data = datasets(config)[dataset]
+    if data.kind == "synthetic":
+        from vlcontrast.data.prep.synthetic import WORLD_VERSION
+
+        return {"kind": "synthetic", "generate": data.generate, "test_seed": data.test_seed,
+                "world_version": WORLD_VERSION}
+    from .splits import SPLIT_RULE_VERSION
+
+    return {"kind": "folder", "source": data.source, "val": data.val_fraction,
+            "test": data.test_fraction, "prep": data.prep, "templates": data.templates,
+            "split_rule": SPLIT_RULE_VERSION}
+
+
+def cell_fingerprint_v2(config: StudyConfig, cell: Cell2) -> str:
+    """Hash of what the cell is made of: the base config's text, its overrides (run directory left
+    out), its starting checkpoint's recipe, SigLIP's warm start, and the dataset's recipe."""
+    overrides = [o for o in cell_overrides_v2(config, cell) if not o.startswith("output_dir=")]
+    made = {"base": Path(config.base).read_text(), "overrides": overrides,
+            "start": list(config.starts.overrides) + [f"seed={cell.start}"],
+            "warm_start": ([config.starts.siglip_logit_scale, config.starts.siglip_logit_bias]
+                           if settings(config)[cell.setting].warm_start else None),
+            "data": dataset_recipe(config, cell.dataset)}
+    return hashlib.sha256(json.dumps(made, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------------
+# stored results and the committed selection
+
+
+def result_path_v2(config: StudyConfig, cell: Cell2) -> Path:
+    return config.results_path / f"{cell.name}.json"
+
+
+def read_result_v2(config: StudyConfig, cell: Cell2) -> dict[str, Any] | None:
+    path = result_path_v2(config, cell)
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except json.JSONDecodeError:
+        return None
+
+
+def is_finished_v2(config: StudyConfig, cell: Cell2) -> bool:
+    result = read_result_v2(config, cell)
+    return result is not None and result.get("fingerprint") == cell_fingerprint_v2(config, cell)
+
+
+def selected_path(config: StudyConfig) -> Path:
+    return Path(config.sweep.selected or config.report_path / "selected.json")
+
+
+def read_selected(config: StudyConfig) -> dict[str, Any] | None:
+    path = selected_path(config)
+    return json.loads(path.read_text()) if path.is_file() else None

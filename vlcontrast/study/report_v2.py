@@ -1,0 +1,391 @@
+"""Study v2's report, from the committed result files only (docs/loss-study-v2.md):
+
+* per (dataset, arm): the primary and secondary metrics, mean ± t interval over the final seeds,
+  setting × batch size (test split, last evaluation);
+* the "learns" check against the starting point: each cell minus its own starting checkpoint's
+  test score (paired by seed), mean and interval; a setting learns at a batch size when the
+  interval lies above 0;
+* the tested family: every pre-registered comparison (``comparisons``) at every distinct
+  (batch, steps) training of every dataset, paired t tests of the primary metric,
+  Holm-Bonferroni over the **planned** family size (a comparison not made yet still counts, so
+  the correction cannot shrink while the study is unfinished);
+* the smallest difference detectable after the correction, per dataset, arm and batch size;
+* figures: primary and secondary metric against batch size, one line per setting with its
+  interval band, both arms side by side, one PNG per dataset; optionally the measured gradient
+  bias against the accuracy gain (``gradient_bias_csv``);
+* the one-table recommendation (``recommendation.md``), for the README.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .config import StudyConfig
+from .design import Cell2, batch_steps, final_cells
+from .report import format_difference, format_p
+from .stats import PairedComparison, holm_adjust, mean_interval, minimum_detectable_difference, paired_comparison
+
+TITLES = {"mean_R@1": "Retrieval R@1 (mean of both directions)", "zeroshot/top1": "Zero-shot top-1"}
+BASELINE = "infonce"
+
+
+def _metric(result: dict[str, Any], metric: str) -> float | None:
+    value = result.get("last", {}).get(metric)
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def collect_final(config: StudyConfig, cells: list[Cell2]) -> list[dict[str, Any]]:
+    """One row per final cell with a result whose fingerprint matches."""
+    from .design import cell_fingerprint_v2, read_result_v2
+
+    rows = []
+    for cell in cells:
+        result = read_result_v2(config, cell)
+        if result is None or result.get("fingerprint") != cell_fingerprint_v2(config, cell):
+            continue
+        rows.append({"cell": cell.name, "dataset": cell.dataset, "setting": cell.setting,
+                     "global_batch": cell.global_batch, "steps": cell.steps, "seed": cell.seed,
+                     "start": cell.start, "arms": cell.arms, "lr": cell.lr,
+                     "options": cell.options, "wall_s": result.get("wall_s"),
+                     **{m: _metric(result, m) for m in [config.primary_metric,
+                                                        *config.secondary_metrics]}})
+    return rows
+
+
+def values(rows, dataset: str, arm: str, metric: str) -> dict[tuple[str, int], dict[int, float]]:
+    """{(setting, batch): {seed: value}} of one dataset and arm."""
+    out: dict[tuple[str, int], dict[int, float]] = {}
+    for row in rows:
+        if row["dataset"] == dataset and arm in row["arms"] and row.get(metric) is not None:
+            out.setdefault((row["setting"], row["global_batch"]), {})[row["seed"]] = row[metric]
+    return out
+
+
+def start_metrics(config: StudyConfig, dataset: str, k: int, metric: str) -> float | None:
+    path = config.results_path / "starts" / f"{dataset}-k{k}.json"
+    if not path.is_file():
+        return None
+    test = json.loads(path.read_text()).get("metrics", {}).get("test", {})
+    if metric == "mean_R@1":
+        parts = [test.get(f"retrieval/{d}_R@1") for d in ("text_to_image", "image_to_text")]
+        return sum(parts) / 2 if all(isinstance(p, (int, float)) for p in parts) else None
+    value = test.get(metric)
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+# --------------------------------------------------------------------------------------------
+# the family
+
+
+@dataclass
+class Tested:
+    dataset: str
+    candidate: str
+    baseline: str
+    global_batch: int
+    steps: int
+    arms: tuple[str, ...]
+    result: PairedComparison
+    holm_p: float = float("nan")
+    detectable_holm: float = float("nan")
+    alpha: float = 0.05
+
+    @property
+    def survives(self) -> bool:
+        return self.holm_p < self.alpha
+
+    @property
+    def mark(self) -> str:
+        return ("▲" if self.result.difference.mean > 0 else "▼") if self.survives else ""
+
+
+def planned_family_size(config: StudyConfig) -> int:
+    return len(config.comparisons) * len(config.datasets) * len(batch_steps(config))
+
+
+def tested_family(config: StudyConfig, rows) -> list[Tested]:
+    """Every pre-registered comparison with at least 2 paired seeds, Holm-adjusted over the
+    planned family size (missing comparisons count with p = 1)."""
+    made = []
+    for dataset in config.datasets:
+        for (size, steps), arm_names in batch_steps(config).items():
+            data = values(rows, dataset, arm_names[0], config.primary_metric)
+            for candidate, baseline in config.comparisons:
+                ours, base = data.get((candidate, size), {}), data.get((baseline, size), {})
+                seeds = sorted(set(ours) & set(base))
+                if len(seeds) >= 2:
+                    made.append(Tested(dataset, candidate, baseline, size, steps, arm_names,
+                                       paired_comparison([ours[s] for s in seeds],
+                                                         [base[s] for s in seeds],
+                                                         config.confidence, config.power)))
+    planned = max(planned_family_size(config), len(made))
+    p_values = [t.result.p_value for t in made] + [1.0] * (planned - len(made))
+    adjusted = holm_adjust(p_values)
+    alpha = 1.0 - config.confidence
+    for tested, holm_p in zip(made, adjusted):
+        tested.holm_p, tested.alpha = holm_p, alpha
+        tested.detectable_holm = minimum_detectable_difference(
+            tested.result.difference.sd, tested.result.difference.n, config.confidence,
+            config.power, tests=planned)
+    return made
+
+
+# --------------------------------------------------------------------------------------------
+# tables
+
+
+def _interval_text(data: dict[int, float], confidence: float) -> str:
+    if not data:
+        return "-"
+    interval = mean_interval(list(data.values()), confidence)
+    if interval.n == 1:
+        return f"{100 * interval.mean:.1f} (n=1)"
+    return f"{100 * interval.mean:.1f} ± {100 * interval.half_width:.1f}"
+
+
+def arm_sizes(config: StudyConfig, arm: str) -> list[tuple[int, int]]:
+    return [(size, steps) for (size, steps), names in batch_steps(config).items() if arm in names]
+
+
+def metric_table(config, rows, dataset, arm, metric) -> list[str]:
+    sizes = arm_sizes(config, arm)
+    data = values(rows, dataset, arm, metric)
+    out = [f"#### {TITLES.get(metric, metric)}: {dataset}, arm `{arm}` (test split, %, mean ± "
+           f"{100 * config.confidence:g}% CI)\n",
+           "| setting | " + " | ".join(f"B={s} ({n} steps)" for s, n in sizes) + " |",
+           "|---|" + "---:|" * len(sizes)]
+    for setting in config.grid.losses:
+        out.append(f"| {setting} | " + " | ".join(
+            _interval_text(data.get((setting, s), {}), config.confidence) for s, _ in sizes) + " |")
+    return out + [""]
+
+
+def learns_table(config, rows, dataset, arm) -> list[str]:
+    """Cell minus its own start (test split, primary metric), per setting and batch."""
+    metric = config.primary_metric
+    sizes = arm_sizes(config, arm)
+    out = [f"#### Learns? {dataset}, arm `{arm}`: {metric} minus the starting checkpoint's "
+           f"(points, mean [{100 * config.confidence:g}% CI] over seeds; ✓ the interval is above 0)\n",
+           "| setting | " + " | ".join(f"B={s}" for s, _ in sizes) + " |",
+           "|---|" + "---:|" * len(sizes)]
+    for setting in config.grid.losses:
+        cells = []
+        for size, _ in sizes:
+            gains = [row[metric] - start for row in rows
+                     if row["dataset"] == dataset and arm in row["arms"]
+                     and row["setting"] == setting and row["global_batch"] == size
+                     and row.get(metric) is not None
+                     and (start := start_metrics(config, dataset, row["start"], metric)) is not None]
+            if len(gains) < 2:
+                cells.append("-")
+                continue
+            i = mean_interval(gains, config.confidence)
+            cells.append(f"{100 * i.mean:+.1f} [{100 * i.low:+.1f}, {100 * i.high:+.1f}]"
+                         + (" ✓" if i.low > 0 else ""))
+        out.append(f"| {setting} | " + " | ".join(cells) + " |")
+    return out + [""]
+
+
+def family_table(config, family: list[Tested], dataset: str, arm: str) -> list[str]:
+    sizes = arm_sizes(config, arm)
+    by = {(t.candidate, t.baseline, t.global_batch, t.steps): t for t in family
+          if t.dataset == dataset and arm in t.arms}
+    out = [f"#### Pre-registered comparisons: {dataset}, arm `{arm}` ({config.primary_metric}, "
+           "points [CI, unadjusted] · Holm p; ▲/▼ survives Holm)\n",
+           "| comparison | " + " | ".join(f"B={s}" for s, _ in sizes) + " |",
+           "|---|" + "---:|" * len(sizes)]
+    for candidate, baseline in config.comparisons:
+        cells = []
+        for size, steps in sizes:
+            t = by.get((candidate, baseline, size, steps))
+            cells.append("-" if t is None else f"{format_difference(t.result)}"
+                         f"{' ' + t.mark if t.mark else ''} · Holm {format_p(t.holm_p)}")
+        out.append(f"| {candidate} − {baseline} | " + " | ".join(cells) + " |")
+    detect = []
+    for size, steps in sizes:
+        values_ = [t.detectable_holm for t in by.values() if t.global_batch == size
+                   and t.steps == steps and t.detectable_holm == t.detectable_holm]
+        detect.append(f"{100 * max(values_):.2f}" if values_ else "-")
+    out.append("| *detectable after Holm (largest over the comparisons)* | "
+               + " | ".join(detect) + " |")
+    return out + [""]
+
+
+def recommendation(config, family: list[Tested]) -> str:
+    """One table: for each batch size, dataset and arm, the setting with the largest difference
+    over InfoNCE that survives Holm, else InfoNCE with "no detectable difference"."""
+    columns = [(d, a) for d in config.datasets for a in config.arms]
+    sizes = config.grid.global_batch_sizes
+    out = ["| batch | " + " | ".join(f"{d}, {a}" for d, a in columns) + " |",
+           "|---:|" + "---|" * len(columns)]
+    for size in sizes:
+        cells = []
+        for dataset, arm in columns:
+            against = [t for t in family if t.dataset == dataset and arm in t.arms
+                       and t.global_batch == size and t.baseline == BASELINE]
+            if not against:
+                cells.append("not run")
+                continue
+            better = [t for t in against if t.survives and t.result.difference.mean > 0]
+            worse = sorted(t.candidate for t in against if t.survives and t.result.difference.mean < 0)
+            if better:
+                best = max(better, key=lambda t: t.result.difference.mean)
+                text = f"**{best.candidate}** ({format_difference(best.result)})"
+            else:
+                text = f"{BASELINE} (no detectable difference; detectable ≥ " \
+                       f"{100 * max(t.detectable_holm for t in against):.1f})"
+            if worse:
+                text += f"; avoid {', '.join(worse)}"
+            cells.append(text)
+        out.append(f"| {size} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+# --------------------------------------------------------------------------------------------
+# figures
+
+
+def plot_dataset(config, rows, dataset: str, out_png: Path) -> None:
+    """Rows: primary and first secondary metric; columns: arms. One line per setting with its
+    interval band; the starting checkpoints' mean as a dotted line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = [config.primary_metric, *config.secondary_metrics[:1]]
+    arms = list(config.arms)
+    fig, axes = plt.subplots(len(metrics), len(arms), figsize=(5.2 * len(arms), 3.6 * len(metrics)),
+                             squeeze=False)
+    for r, metric in enumerate(metrics):
+        starts = [v for k in range(config.starts.count)
+                  if (v := start_metrics(config, dataset, k, metric)) is not None]
+        for c, arm in enumerate(arms):
+            ax = axes[r][c]
+            data = values(rows, dataset, arm, metric)
+            for index, setting in enumerate(config.grid.losses):
+                points = [(s, list(data[(setting, s)].values())) for s, _ in arm_sizes(config, arm)
+                          if len(data.get((setting, s), {})) >= 1]
+                if not points:
+                    continue
+                intervals = [mean_interval(v, config.confidence) for _, v in points]
+                xs = [s for s, _ in points]
+                color = f"C{index % 10}"
+                ax.plot(xs, [100 * i.mean for i in intervals], marker="o", ms=3, lw=1.2,
+                        color=color, label=setting)
+                ax.fill_between(xs, [100 * i.low for i in intervals],
+                                [100 * i.high for i in intervals], color=color, alpha=0.15, lw=0)
+            if starts:
+                ax.axhline(100 * sum(starts) / len(starts), color="gray", ls=":", lw=1,
+                           label="start")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(config.grid.global_batch_sizes)
+            ax.set_xticklabels([str(s) for s in config.grid.global_batch_sizes])
+            ax.set_title(f"{dataset}, {arm} arm", fontsize=9)
+            ax.set_xlabel("global batch size")
+            ax.set_ylabel(f"{TITLES.get(metric, metric)} (%)", fontsize=8)
+            ax.grid(alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 5), fontsize=7)
+    fig.tight_layout(rect=(0, 0, 1, 0.92))
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+
+
+def plot_bias_against_gain(config, family: list[Tested], bias_csv: str | Path, out_png: Path,
+                           names: dict[str, str] | None = None) -> int:
+    """Measured relative gradient bias (``vlcontrast diagnose gradient-bias`` CSV, parameter space)
+    of each setting and batch against its paired gain over InfoNCE; returns the points drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = names or {}
+    bias: dict[tuple[str, int], float] = {}
+    with open(bias_csv) as handle:
+        for row in csv.DictReader(handle):
+            bias[(row["estimator"], int(row["batch_size"]))] = float(row["parameter_relative_bias"])
+    fig, ax = plt.subplots(figsize=(6.0, 4.2))
+    drawn = 0
+    for index, setting in enumerate(config.grid.losses):
+        pts = [(bias[(names.get(setting, setting), t.global_batch)], t) for t in family
+               if t.candidate == setting and t.baseline == BASELINE
+               and (names.get(setting, setting), t.global_batch) in bias]
+        if not pts:
+            continue
+        d = [t.result.difference for _, t in pts]
+        ax.errorbar([b for b, _ in pts], [100 * x.mean for x in d],
+                    yerr=[100 * x.half_width for x in d], fmt="o", ms=4, capsize=2,
+                    color=f"C{index % 10}", label=setting)
+        drawn += len(pts)
+    ax.axhline(0, color="gray", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("relative gradient bias (parameters)")
+    ax.set_ylabel(f"gain over {BASELINE}, {config.primary_metric} (points)")
+    ax.grid(alpha=0.3)
+    if drawn:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return drawn
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def write_report_v2(config: StudyConfig, command: str = "") -> str:
+    from .design import read_selected
+
+    out = config.report_path
+    out.mkdir(parents=True, exist_ok=True)
+    rows = collect_final(config, final_cells(config, read_selected(config)))
+    family = tested_family(config, rows)
+    planned = planned_family_size(config)
+    text = [f"# Loss study v2: {config.output_dir}\n"]
+    if command:
+        text.append(f"Made by `{command}` from the committed cells.\n")
+    text.append(f"Final cells finished: {len(rows)}. Tested family: {len(family)} of {planned} "
+                f"planned comparisons made; Holm–Bonferroni over all {planned} at α = "
+                f"{1 - config.confidence:.2g}.\n")
+    for dataset in config.datasets:
+        png = out / f"{dataset}.png"
+        plot_dataset(config, rows, dataset, png)
+        text.append(f"## {dataset}\n\n![{dataset}]({png.name})\n")
+        for arm in config.arms:
+            text.append(f"### Arm `{arm}`\n")
+            for metric in [config.primary_metric, *config.secondary_metrics]:
+                text += metric_table(config, rows, dataset, arm, metric)
+            text += learns_table(config, rows, dataset, arm)
+            text += family_table(config, family, dataset, arm)
+    text += ["## Which loss at which batch size\n", recommendation(config, family)]
+    if getattr(config, "gradient_bias_csv", "") and Path(config.gradient_bias_csv).is_file():
+        if plot_bias_against_gain(config, family, config.gradient_bias_csv, out / "bias_gain.png"):
+            text.append("![gradient bias against gain](bias_gain.png)\n")
+    (out / "recommendation.md").write_text(recommendation(config, family))
+    with open(out / "comparisons.csv", "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["dataset", "arms", "candidate", "baseline", "global_batch", "steps", "n",
+                         "mean_difference", "ci_low", "ci_high", "sd_difference", "p_value",
+                         "holm_p", "survives_holm", "detectable_holm", "family_size"])
+        for t in family:
+            d = t.result.difference
+            writer.writerow([t.dataset, "+".join(t.arms), t.candidate, t.baseline, t.global_batch,
+                             t.steps, d.n, d.mean, d.low, d.high, d.sd, t.result.p_value, t.holm_p,
+                             t.survives, t.detectable_holm, planned])
+    with open(out / "study.csv", "w", newline="") as handle:
+        fields = ["cell", "dataset", "setting", "global_batch", "steps", "seed", "start", "lr",
+                  "wall_s", config.primary_metric, *config.secondary_metrics]
+        writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow(row)
+    report = "\n".join(text)
+    (out / "study.md").write_text(report)
+    return report

@@ -1,0 +1,320 @@
+"""Running study v2 in stages (docs/loss-study-v2.md):
+
+``prepare``  the datasets (synthetic world with its test draw; clip-art split and converted), the
+             starting checkpoints (``starts.count`` per dataset, digests recorded, evaluated on the
+             validation and test splits for the "learns" check), SigLIP's warm-start variants and
+             the locked tower's feature caches;
+``sweep``    the ``sweep-lr`` cells, the choice of each learning rate, the ``sweep-hyper`` cells at
+             it, and the committed record of the choices (``selected``);
+``final``    the final seeds of every chosen setting, on the test split;
+``report``   tables, figures, the tested family and the recommendation (``report_v2``).
+
+``all`` runs them in order. Every stage skips what is already done (result files with matching
+fingerprints, a current dataset, a start with its record), so the study resumes across sessions
+once ``results_dir`` and the ``selected`` file are committed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+from .cells import _run_training, _write_json, kill_running_cells, model_digest, summarise_run
+from .config import StudyConfig
+from .design import (Cell2, batch_steps, cell_command_v2, cell_fingerprint_v2, datasets,
+                     features_path, final_cells, is_finished_v2, option_grid, read_result_v2,
+                     read_selected, result_path_v2, selected_path, selection_key, settings,
+                     split_paths, start_command, start_dir, sweep_hyper_cells, sweep_lr_cells)
+
+STAGES = ("prepare", "sweep", "final", "report", "all")
+
+
+# --------------------------------------------------------------------------------------------
+# prepare
+
+
+def prepare_datasets(config: StudyConfig) -> None:
+    for name, data in datasets(config).items():
+        root = Path(data.dir)
+        if data.kind == "synthetic":
+            from vlcontrast.data.prep.synthetic import is_current, write_synthetic
+
+            generate = {"progress": False, **data.generate}
+            recipe = {k: generate[k] for k in ("train", "val", "zeroshot_per_class", "seed",
+                                               "image_size") if k in generate}
+            if not is_current(root, **recipe):
+                print(f"study: writing the synthetic world {name} to {root}", file=sys.stderr)
+                write_synthetic(root, **generate)
+            test = {**generate, "seed": data.test_seed, "train": 1}
+            test_recipe = {**recipe, "seed": data.test_seed, "train": 1}
+            if not is_current(root / "test", **test_recipe):
+                write_synthetic(root / "test", **test)
+        else:
+            from .splits import write_split_folders
+
+            if not (root / "splits.json").is_file():
+                write_split_folders(data.source, root, data.val_fraction, data.test_fraction)
+            if data.templates:
+                (root / "templates.txt").write_text("\n".join(data.templates) + "\n")
+            for split in ("train", "val", "test"):
+                if (root / split / "manifest.json").is_file():
+                    continue
+                args = [a.replace("{src}", str(root / f"{split}-images")).replace(
+                    "{out}", str(root / split)) for a in data.prep]
+                print(f"study: converting {name}/{split}: vlcontrast {' '.join(args)}",
+                      file=sys.stderr, flush=True)
+                subprocess.run([sys.executable, "-m", "vlcontrast.cli", *args], check=True)
+
+
+def write_siglip_start(source: Path, out: Path, logit_scale: float, logit_bias: float) -> None:
+    """A copy of a start's weights with SigLIP's own temperature and bias: ``logit_scale`` =
+    log(``logit_scale``), ``logit_bias`` = ``logit_bias``; everything else bit for bit."""
+    import math
+
+    import torch
+
+    from vlcontrast.checkpoints import resolve_weights
+
+    folder = resolve_weights(str(source))
+    state = torch.load(folder / "model.pt", map_location="cpu", weights_only=True)
+    if "logit_bias" not in state:
+        raise ValueError(f"{source}: the start has no logit bias; pretrain with "
+                         "model.init_logit_bias set so that one checkpoint fits every loss")
+    state["logit_scale"] = torch.full_like(state["logit_scale"], math.log(logit_scale))
+    state["logit_bias"] = torch.full_like(state["logit_bias"], logit_bias)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(state, out / "model.pt")
+    shutil.copy(folder / "model_config.json", out / "model_config.json")
+
+
+def evaluate_start(config: StudyConfig, dataset: str, k: int) -> dict[str, dict[str, float]]:
+    """The start's retrieval and zero-shot metrics on the validation and test splits."""
+    from vlcontrast.evaluation import evaluate_retrieval, evaluate_zeroshot
+    from vlcontrast.models import load_model_from_checkpoint
+
+    bundle = load_model_from_checkpoint(start_dir(config, dataset, k))
+    out = {}
+    for split in ("val", "test"):
+        retrieval, zeroshot, templates = split_paths(config, dataset)[split]
+        metrics = {f"retrieval/{key}": v for key, v in evaluate_retrieval(
+            bundle.model, bundle.preprocess_val, bundle.tokenizer, str(retrieval), workers=0,
+            progress=False).items() if isinstance(v, (int, float))}
+        metrics.update({f"zeroshot/{key}": v for key, v in evaluate_zeroshot(
+            bundle.model, bundle.preprocess_val, bundle.tokenizer, str(zeroshot),
+            templates=str(templates), workers=0, progress=False).items()
+            if isinstance(v, (int, float))})
+        out[split] = metrics
+    return out
+
+
+def ensure_starts(config: StudyConfig) -> None:
+    """Train, record, evaluate and cache each starting checkpoint that is not done yet."""
+    from vlcontrast.config import load_config
+    from vlcontrast.train.feature_cache import write_feature_cache
+
+    from .design import cell_overrides_v2
+
+    for dataset in config.datasets:
+        for k in range(config.starts.count):
+            run_dir = start_dir(config, dataset, k)
+            record_path = config.results_path / "starts" / f"{dataset}-k{k}.json"
+            stored = json.loads(record_path.read_text()) if record_path.is_file() else None
+            if not ((run_dir / "results.json").is_file() and (run_dir / "checkpoints").is_dir()):
+                print(f"study: training start {dataset}-k{k}", file=sys.stderr, flush=True)
+                record = _run_training(config, run_dir, start_command(config, dataset, k))
+                if record["status"] != "ok":
+                    raise RuntimeError(f"study: start {dataset}-k{k} failed; see {run_dir}/stderr.log"
+                                       f"\n{record.get('error', '')}")
+            digest = model_digest(run_dir)
+            if stored is None or stored.get("digest") != digest:
+                fresh = {"digest": digest, "command": start_command(config, dataset, k)[1:],
+                         "metrics": evaluate_start(config, dataset, k)}
+                if stored is not None:
+                    fresh["digest_changed"] = {"earlier": stored.get("digest"), "now": digest}
+                    print(f"study: WARNING start {dataset}-k{k} rebuilt with another digest "
+                          f"({stored.get('digest', '')[:12]} -> {digest[:12]}): its cells are not "
+                          "exact reruns", file=sys.stderr, flush=True)
+                _write_json(record_path, fresh)
+            if any(s.warm_start == "siglip" for s in settings(config).values()):
+                warm = start_dir(config, dataset, k, "siglip")
+                if not (warm / "model.pt").is_file():
+                    write_siglip_start(run_dir, warm, config.starts.siglip_logit_scale,
+                                       config.starts.siglip_logit_bias)
+            cache = features_path(config, dataset, k)
+            if not cache.is_file():
+                probe = Cell2(dataset, "final", config.grid.losses[0], "infonce", {}, 
+                              config.grid.global_batch_sizes[0], 1, 1e-3, 1.0, k, k, (), Path("x"))
+                overrides = [o for o in cell_overrides_v2(config, probe)
+                             if not o.startswith(("loss.", "model.lock_image_features=",
+                                                  "model.pretrained="))]
+                run = load_config(config.base, overrides + [f"model.pretrained={run_dir}"])
+                write_feature_cache(run, cache)
+
+
+# --------------------------------------------------------------------------------------------
+# cells
+
+
+def run_cell_v2(config: StudyConfig, cell: Cell2) -> dict[str, Any]:
+    record = {"cell": cell.name, **_run_training(config, cell.run_dir, cell_command_v2(config, cell))}
+    if record["status"] == "ok":
+        shutil.rmtree(cell.run_dir / "checkpoints", ignore_errors=True)
+        result = {"cell": cell.name, "dataset": cell.dataset, "stage": cell.stage,
+                  "setting": cell.setting, "loss": cell.loss, "options": cell.options,
+                  "global_batch": cell.global_batch, "steps": cell.steps, "seed": cell.seed,
+                  "start": cell.start, "split": cell.split, "arms": list(cell.arms),
+                  "lr": cell.lr, "lr_factor": cell.lr_factor,
+                  "fingerprint": cell_fingerprint_v2(config, cell), "wall_s": record["wall_s"],
+                  **summarise_run(cell.run_dir, cell.global_batch)}
+        _write_json(result_path_v2(config, cell), result)
+    (cell.run_dir / "study_cell.json").write_text(json.dumps(record, indent=2))
+    return record
+
+
+def run_cells(config: StudyConfig, cells: list[Cell2]) -> list[str]:
+    """Run the unfinished ``cells``, ``parallel`` at a time; returns the names of failed ones."""
+    todo = [cell for cell in cells if not is_finished_v2(config, cell)]
+    print(f"study: {len(cells) - len(todo)} of {len(cells)} cells done, running {len(todo)}",
+          file=sys.stderr, flush=True)
+    failed = []
+    with ThreadPoolExecutor(max_workers=config.parallel) as pool:
+        futures = {pool.submit(run_cell_v2, config, cell): cell for cell in todo}
+        try:
+            for future in as_completed(futures):
+                cell, record = futures[future], future.result()
+                if record["status"] != "ok":
+                    failed.append(cell.name)
+                    print(f"study: {cell.name} {record['status']}: "
+                          f"{record.get('error', '').strip().splitlines()[-1:]}", file=sys.stderr)
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            kill_running_cells()
+            raise
+    return failed
+
+
+# --------------------------------------------------------------------------------------------
+# selection
+
+
+def _score(result: dict[str, Any] | None, metric: str) -> float | None:
+    if result is None:
+        return None
+    value = result.get("last", {}).get(metric)
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def choose_lr(config: StudyConfig) -> dict[tuple, float]:
+    """{(dataset, setting, batch, steps): lr factor} with the best mean validation score over the
+    sweep seeds, where every candidate has a result; ties: the earlier factor."""
+    by_key: dict[tuple, dict[float, list[float]]] = {}
+    complete: dict[tuple, bool] = {}
+    for cell in sweep_lr_cells(config):
+        key = (cell.dataset, cell.setting, cell.global_batch, cell.steps)
+        score = _score(read_result_v2(config, cell) if is_finished_v2(config, cell) else None,
+                       config.sweep.metric)
+        complete[key] = complete.get(key, True) and score is not None
+        if score is not None:
+            by_key.setdefault(key, {}).setdefault(cell.lr_factor, []).append(score)
+    out = {}
+    for key, scores in by_key.items():
+        if complete[key]:
+            means = {f: sum(v) / len(v) for f, v in scores.items()}
+            out[key] = max(config.sweep.lr_factors, key=lambda f: (means[f], -config.sweep.lr_factors.index(f)))
+    return out
+
+
+def write_selection(config: StudyConfig) -> dict[str, Any]:
+    """Choose each (dataset, setting, batch, steps)'s lr factor and options on the validation split
+    and write the record (``selected``); entries whose sweep is unfinished are left out."""
+    chosen_lr = choose_lr(config)
+    hyper = sweep_hyper_cells(config, chosen_lr)
+    all_settings = settings(config)
+    chosen: dict[str, Any] = {}
+    for (dataset, name, size, steps), factor in chosen_lr.items():
+        setting = all_settings[name]
+        candidates = []
+        for options in option_grid(setting):
+            scores = []
+            for seed in config.sweep.seeds:
+                if options == option_grid(setting)[0]:
+                    cells = [c for c in sweep_lr_cells(config) if (c.dataset, c.setting, c.global_batch,
+                             c.steps, c.lr_factor, c.seed) == (dataset, name, size, steps, factor, seed)]
+                else:
+                    cells = [c for c in hyper if (c.dataset, c.setting, c.global_batch, c.steps,
+                             c.seed) == (dataset, name, size, steps, seed) and c.options == options]
+                scores += [s for c in cells if is_finished_v2(config, c)
+                           and (s := _score(read_result_v2(config, c), config.sweep.metric)) is not None]
+            candidates.append({"options": options,
+                               "val": sum(scores) / len(scores) if scores else None,
+                               "n": len(scores)})
+        if any(c["n"] < len(config.sweep.seeds) for c in candidates):
+            continue  # the hyper sweep of this entry is not finished
+        best = max(range(len(candidates)), key=lambda i: (candidates[i]["val"], -i))
+        lr_scores = {}
+        for c in sweep_lr_cells(config):
+            if (c.dataset, c.setting, c.global_batch, c.steps) == (dataset, name, size, steps):
+                lr_scores.setdefault(f"{c.lr_factor:g}", []).append(
+                    _score(read_result_v2(config, c), config.sweep.metric))
+        factors = config.sweep.lr_factors
+        chosen[selection_key(dataset, name, size, steps)] = {
+            "lr_factor": factor, "options": candidates[best]["options"],
+            "val": candidates[best]["val"], "lr_candidates": lr_scores, "candidates": candidates,
+            "lr_at_edge": len(factors) > 1 and factor in (min(factors), max(factors)),
+        }
+    record = {"metric": config.sweep.metric, "split": "val", "seeds": config.sweep.seeds,
+              "chosen": chosen}
+    path = selected_path(config)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    return record
+
+
+# --------------------------------------------------------------------------------------------
+# the stages
+
+
+def run_study_v2(config: StudyConfig, stage: str = "all", command: str = "") -> None:
+    if stage not in STAGES:
+        raise ValueError(f"--stage {stage!r}: one of {STAGES}")
+    from .runner import _exit_on_sigterm
+
+    _exit_on_sigterm()
+    if stage in ("prepare", "sweep", "final", "all"):
+        prepare_datasets(config)
+        ensure_starts(config)
+    if stage in ("sweep", "all"):
+        run_cells(config, sweep_lr_cells(config))
+        run_cells(config, sweep_hyper_cells(config, choose_lr(config)))
+        write_selection(config)
+    if stage in ("final", "all"):
+        selected = read_selected(config)
+        if selected is None:
+            raise FileNotFoundError(f"{selected_path(config)}: no selection yet; run --stage sweep")
+        run_cells(config, final_cells(config, selected))
+    if stage in ("final", "report", "all"):
+        from .report_v2 import write_report_v2
+
+        write_report_v2(config, command)
+
+
+def plan_text(config: StudyConfig) -> str:
+    """The cells of each stage and the estimated machine time (``--plan``)."""
+    from .budget import study_cost
+
+    cost = study_cost(config)
+    lines = [f"study v2: {len(config.datasets)} dataset(s), arms {list(config.arms)}, "
+             f"batches {config.grid.global_batch_sizes}, settings {config.grid.losses}"]
+    for (size, steps), arm_names in batch_steps(config).items():
+        lines.append(f"  B={size}: {steps} steps ({'+'.join(arm_names)})")
+    for part, (cells, seconds) in cost["parts"].items():
+        lines.append(f"  {part}: {cells} cells, {seconds / 3600:.2f} core-hours")
+    lines.append(f"  total {cost['core_hours']:.2f} core-hours = {cost['wall_hours']:.2f} h on "
+                 f"{config.parallel} core(s); budget {config.budget_hours or '-'} h")
+    return "\n".join(lines)

@@ -1,0 +1,205 @@
+"""Cached features of a locked image tower (``model.lock_image_features``).
+
+With the image tower locked (LiT) and a deterministic training transform (``data.augment=false``),
+the tower maps each training image to the same feature vector at every step. A cell of the loss
+study would recompute those vectors thousands of times; this module computes them once per
+(starting checkpoint, training shards) and lets the training step look them up by sample id.
+
+* :func:`write_feature_cache` builds the model exactly as training does (same ``model.*`` options,
+  the same frozen batch norms, the same transform through the same loader), embeds every training
+  sample once with ``encode_image`` and writes ``{ids, features, key}`` to one ``.pt`` file.
+* :class:`LockedImageFeatures` loads it, refuses a file made from another checkpoint, other shards
+  or another transform (its ``key``), swaps each micro-batch's images for the stored features
+  (:meth:`swap`) and makes the model's ``encode_image`` pass such features through
+  (:meth:`install`) while real images (evaluation) still go through the tower.
+
+Exactness. The stored vectors are the tower's output for the same input tensors; the only
+difference from running the tower inside the step is the batch they were computed in (a chunk of
+:data:`CHUNK` here, the training batch there), which can change the last bits of a float
+convolution. ``tests/test_feature_cache.py`` checks that a run with the cache and one without
+give the same losses and weights to float tolerance (1e-5), and that the stored features equal
+the tower's output on the same chunk bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from vlcontrast.errors import ConfigError
+
+FORMAT = 1
+CHUNK = 256
+"""Images embedded per forward pass when the cache is built."""
+
+
+def tower_digest(weights: Path) -> str:
+    """sha256 over the image tower's tensors (``visual.*``) of a ``model.pt``: the cache does not
+    depend on the text tower, the temperature or the bias (SigLIP's warm start changes those)."""
+    state = torch.load(weights, map_location="cpu", weights_only=True)
+    digest = hashlib.sha256()
+    for name in sorted(k for k in state if k.startswith("visual.")):
+        tensor = state[name].contiguous()
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        digest.update(tensor.numpy().tobytes() if tensor.dtype != torch.bfloat16
+                      else tensor.float().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def cache_key(config) -> dict[str, Any]:
+    """What the cached features depend on: the image tower's starting weights, the model and its
+    locking, the training shards and their manifest, and the transform."""
+    from vlcontrast.checkpoints import resolve_weights
+
+    model = config.model
+    weights = resolve_weights(model.pretrained) / "model.pt" if model.pretrained else None
+    manifests = []
+    for part in str(config.data.train).split("::"):
+        path = Path(part.split("@")[0])
+        folder = path if path.is_dir() else path.parent
+        manifest = folder / "manifest.json"
+        if manifest.is_file():
+            manifests.append(hashlib.sha256(manifest.read_bytes()).hexdigest()[:16])
+    return {
+        "format": FORMAT,
+        "image_tower_sha256": tower_digest(weights) if weights else None,
+        "model": model.name,
+        "lock_image_freeze_bn_stats": model.lock_image_freeze_bn_stats,
+        "train": str(config.data.train),
+        "manifests": manifests,
+        "transform": "preprocess_val",  # data.augment=false: open_clip's evaluation transform
+    }
+
+
+def check_cacheable(config) -> None:
+    """The run may use cached features only where they are the tower's exact output."""
+    model, data = config.model, config.data
+    problems = []
+    if not model.lock_image or model.lock_image_unlocked_groups:
+        problems.append("needs model.lock_image=true with model.lock_image_unlocked_groups=0")
+    if not model.pretrained:
+        problems.append("needs model.pretrained (features of random weights are not a study's "
+                        "starting point)")
+    if data.augment:
+        problems.append("needs data.augment=false (random crops change the features every epoch)")
+    if data.normalize_on_device:
+        problems.append("does not work with data.normalize_on_device=true")
+    if config.train.precision != "fp32":
+        problems.append("is exact only in fp32 (train.precision=fp32)")
+    if problems:
+        raise ConfigError(f"model.lock_image_features={model.lock_image_features!r}: "
+                          + "; ".join(problems))
+
+
+@torch.no_grad()
+def write_feature_cache(config, out: str | Path) -> dict[str, Any]:
+    """Embed every training sample of ``config.data.train`` with the locked tower of
+    ``config.model`` and write the cache to ``out``; returns its summary."""
+    from vlcontrast.data.loader import build_train_loader
+    from vlcontrast.losses import LOSSES
+    from vlcontrast.models import build_model
+    from vlcontrast.train.batches import SeededTransform
+
+    check_cacheable(config)
+    model_cfg = config.model
+    bundle = build_model(model_cfg, siglip=LOSSES[config.loss.name].uses_logit_bias, device="cpu")
+    model = bundle.model.eval()
+    data_cfg = type(config.data)(**{**vars(config.data), "batch_size": 1, "workers": 0,
+                                    "shuffle_buffer": 0, "cache_mb": 0})
+    loader = build_train_loader(data_cfg, SeededTransform(bundle.preprocess_val, 0, random=False),
+                                bundle.tokenizer, seed=0, rank=0, world_size=1)
+    ids, features, pending, pending_ids = [], [], [], []
+
+    def flush():
+        if pending:
+            features.append(model.encode_image(torch.cat(pending)).float())
+            ids.append(torch.cat(pending_ids))
+            pending.clear()
+            pending_ids.clear()
+
+    for batch in loader:
+        pending.append(batch.images)
+        pending_ids.append(batch.sample_ids)
+        if len(pending) == CHUNK:
+            flush()
+    flush()
+    all_ids, all_features = torch.cat(ids), torch.cat(features)
+    order = torch.argsort(all_ids)
+    all_ids, all_features = all_ids[order], all_features[order].contiguous()
+    if len(torch.unique(all_ids)) != len(all_ids):
+        raise ValueError(f"data.train={config.data.train!r}: sample ids are not unique; the "
+                         "feature cache needs one id per sample")
+    key = cache_key(config)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    torch.save({"key": key, "ids": all_ids, "features": all_features}, tmp)
+    tmp.replace(out)
+    return {"path": str(out), "samples": len(all_ids), "dim": all_features.shape[1], "key": key}
+
+
+class LockedImageFeatures:
+    """The cached features of one run (see the module docstring)."""
+
+    def __init__(self, path: str | Path, config):
+        check_cacheable(config)
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"model.lock_image_features={str(path)!r}: file does not exist "
+                              "(vlcontrast.train.feature_cache.write_feature_cache makes it)")
+        stored = torch.load(path, map_location="cpu", weights_only=True)
+        expected = cache_key(config)
+        if stored.get("key") != expected:
+            differs = sorted(k for k in expected if stored.get("key", {}).get(k) != expected[k])
+            raise ConfigError(f"model.lock_image_features={str(path)!r}: made for another "
+                              f"run ({', '.join(differs)} differ); rebuild it")
+        self.ids: torch.Tensor = stored["ids"]
+        self.features: torch.Tensor = stored["features"]
+
+    def lookup(self, sample_ids: torch.Tensor) -> torch.Tensor:
+        """The stored features of ``sample_ids`` (``[B, D]``); every id must be in the cache."""
+        index = torch.searchsorted(self.ids, sample_ids).clamp_(max=len(self.ids) - 1)
+        found = self.ids[index] == sample_ids
+        if not bool(found.all()):
+            missing = sample_ids[~found][:5].tolist()
+            raise KeyError(f"model.lock_image_features: sample ids {missing} are not in the cache")
+        return self.features[index]
+
+    def swap(self, micro_batches: list) -> list:
+        """Each micro-batch with its images replaced by their cached features."""
+        return [batch._replace(images=self.lookup(batch.sample_ids)) for batch in micro_batches]
+
+    @staticmethod
+    def install(model: torch.nn.Module) -> None:
+        """``model.encode_image`` passes ``[B, D]`` features through (normalised when asked) and
+        sends ``[B, C, H, W]`` images to the tower as before. An instance attribute, so the state
+        dict, the checkpoints and evaluation are unchanged."""
+        tower_encode = model.encode_image
+
+        def encode_image(image, normalize: bool = False):
+            if image.dim() == 2:
+                return F.normalize(image, dim=-1) if normalize else image
+            return tower_encode(image, normalize=normalize)
+
+        model.encode_image = encode_image
+
+    @staticmethod
+    def check_frozen(model: torch.nn.Module) -> None:
+        """Batch norms of the tower must be frozen: in training mode a live batch norm normalises
+        with the batch's statistics, so the tower's output would depend on the batch."""
+        live = [name for name, module in model.visual.named_modules()
+                if isinstance(module, torch.nn.modules.batchnorm._BatchNorm)]
+        if live:
+            raise ConfigError("model.lock_image_features: the image tower has live batch norms "
+                              f"({live[0]}, ...); set model.lock_image_freeze_bn_stats=true")
+
+
+def describe(path: str | Path) -> str:
+    stored = torch.load(path, map_location="cpu", weights_only=True)
+    return json.dumps({"samples": len(stored["ids"]), "dim": stored["features"].shape[1],
+                       "key": stored["key"]})
