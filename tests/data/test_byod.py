@@ -10,7 +10,7 @@ import pytest
 import torch
 import torchvision.transforms as T
 
-from tests.data.conftest import IMAGE_SIZE, add_member, jpeg_bytes, make_shards, write_shard
+from tests.data.helpers import IMAGE_SIZE, add_member, jpeg_bytes, make_shards, write_shard
 from vlcontrast import cli
 from vlcontrast.config import DataConfig
 from vlcontrast.data import check_ids_available

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torchvision.transforms as T
 
-from tests.data.conftest import add_cut_shard, make_shards
-from tests.data.test_loader import PREPROCESS, CountingTokenizer, config
+from tests.data.helpers import add_cut_shard, make_shards
+from tests.data.helpers import PREPROCESS, CountingTokenizer, config
 from vlcontrast.config import ConfigError, load_config
 from vlcontrast.data import samples as samples_module
 from vlcontrast.data import stream as stream_module

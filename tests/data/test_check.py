@@ -134,8 +134,8 @@ def test_truncated_jpeg_empty_and_non_utf8_captions_report_3_of_3(shards):
 
 
 def test_the_check_counts_what_the_loader_skips(tmp_path):
-    from tests.data.conftest import make_shards
-    from tests.data.test_loader import PREPROCESS, CountingTokenizer, config, run_epoch
+    from tests.data.helpers import make_shards
+    from tests.data.helpers import PREPROCESS, CountingTokenizer, config, run_epoch
     from vlcontrast.data.loader import build_train_loader
 
     defects = {(0, 1): "undecodable", (0, 2): "missing_image", (1, 0): "missing_caption",

@@ -11,37 +11,13 @@ import pytest
 import torch
 import torchvision.transforms as T
 
-from tests.data.conftest import (IMAGE_SIZE, KEY_STRIDE, add_cut_shard, add_member, caption_of,
-                                 color_of, jpeg_bytes, make_shards, sample_row, write_shard)
+from tests.data.helpers import (IMAGE_SIZE, KEY_STRIDE, PREPROCESS, CountingTokenizer, add_cut_shard,
+                                add_member, caption_of, color_of, config, flat, jpeg_bytes,
+                                make_shards, run_epoch, sample_row, write_shard)
 from tests.distributed import run_distributed
-from vlcontrast.config import DataConfig
 from vlcontrast.data import loader as loader_module
 from vlcontrast.data.loader import (LoaderError, build_train_loader, epoch_order, group_members,
                                     parse_train_spec, read_shard, virtual_segments)
-
-PREPROCESS = T.Compose([T.Resize(IMAGE_SIZE), T.CenterCrop(IMAGE_SIZE), T.ToTensor()])
-
-
-class CountingTokenizer:
-    """Cheap stand-in for the open_clip tokenizer: the sample number at position 0."""
-
-    def __call__(self, texts):
-        return torch.tensor([[int(t.split()[-1]), len(t)] for t in texts])
-
-
-def config(train: str, **overrides) -> DataConfig:
-    values = dict(train=train, batch_size=4, workers=0, shuffle_buffer=8, max_bad_fraction=0.5)
-    values.update(overrides)
-    return DataConfig(**values)
-
-
-def run_epoch(loader) -> list[list[int]]:
-    return [batch.sample_ids.tolist() for batch in loader]
-
-
-def flat(batches: list[list[int]]) -> list[int]:
-    return [i for batch in batches for i in batch]
-
 
 # ---------------------------------------------------------------------------------------------
 # specs and fail-fast errors

@@ -3,7 +3,7 @@
 from vlcontrast.config import DataConfig, ModelConfig
 from vlcontrast.data.loader import build_train_loader
 from vlcontrast.models import build_model
-from tests.data.conftest import caption_of
+from tests.data.helpers import caption_of
 
 
 def test_loader_uses_the_hf_tokenizer_of_an_hf_text_tower(hf_text_dir, uneven_shards):

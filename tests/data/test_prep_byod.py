@@ -9,7 +9,7 @@ import os
 import pytest
 from PIL import Image
 
-from tests.data.conftest import jpeg_bytes, write_shard
+from tests.data.helpers import jpeg_bytes, write_shard
 from vlcontrast import cli
 from vlcontrast.data.prep.folder import clean_name, learn_authors, prepare_folder
 from vlcontrast.data.prep.table import prepare_table
@@ -18,7 +18,6 @@ from vlcontrast.data.prep.writer import STATE_FILE, encode_image
 from vlcontrast.data.shards import read_manifest, read_sizes
 from vlcontrast.data.tar_reader import read_shard
 from vlcontrast.errors import DataPrepError
-from tests.data.test_prep_cc3m import image_server  # noqa: F401 - a fixture
 
 
 def image_file(path, size=(40, 20), mode="RGB", color=(200, 10, 10)):

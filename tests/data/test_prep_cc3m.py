@@ -8,98 +8,17 @@ from __future__ import annotations
 import io
 import json
 import tarfile
-import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from PIL import Image
 
+from tests.data.helpers import ImageServer
 from vlcontrast.data.prep.cc3m import check_tsv, prepare_cc3m
 from vlcontrast.data.shards import read_manifest, read_sizes
 from vlcontrast.errors import DataPrepError
 
 TIMEOUT_S = 1
-SLOW_S = 3.0
-
-
-def _jpeg(color: tuple[int, int, int], size: tuple[int, int]) -> bytes:
-    buffer = io.BytesIO()
-    Image.new("RGB", size, color).save(buffer, format="JPEG")
-    return buffer.getvalue()
-
-
-class _Server:
-    """Images by path: /good/<i>.jpg, /missing.jpg (404), /corrupt.jpg, /slow.jpg, /flaky.jpg."""
-
-    def __init__(self) -> None:
-        self.hits: list[str] = []
-        self.flaky_calls = 0
-        self.lock = threading.Lock()
-        self.good = {f"/good/{i}.jpg": _jpeg((40 * i, 200 - 30 * i, 90), (80 + 10 * i, 60))
-                     for i in range(5)}
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args) -> None:  # keep pytest output clean
-                pass
-
-            def do_GET(self) -> None:
-                with server.lock:
-                    server.hits.append(self.path)
-                if self.path in server.good:
-                    self._send(200, server.good[self.path])
-                elif self.path == "/corrupt.jpg":
-                    self._send(200, b"\xff\xd8\xff\xe0 definitely not a jpeg" * 10)
-                elif self.path == "/slow.jpg":
-                    time.sleep(SLOW_S)
-                    self._send(200, server.good["/good/0.jpg"])
-                elif self.path == "/flaky.jpg":
-                    with server.lock:
-                        server.flaky_calls += 1
-                        first = server.flaky_calls == 1
-                    if first:
-                        self._send(503, b"try again")
-                    else:
-                        self._send(200, server.good["/good/1.jpg"])
-                else:
-                    self._send(404, b"not found")
-
-            def _send(self, status: int, body: bytes) -> None:
-                try:
-                    self.send_response(status)
-                    self.send_header("Content-Type", "image/jpeg" if status == 200 else "text/plain")
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass  # the client gave up (timeout)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.base = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def url(self, path: str) -> str:
-        return self.base + path
-
-
-@pytest.fixture
-def image_server(monkeypatch):
-    # img2dataset uses urllib, which honours *_proxy variables; keep the loopback direct.
-    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
-    monkeypatch.setenv("NO_ALBUMENTATIONS_UPDATE", "1")
-    server = _Server()
-    server.thread.start()
-    yield server
-    server.httpd.shutdown()
-    server.httpd.server_close()
-
-
-def _rows(server: _Server) -> list[tuple[str, str]]:
+def _rows(server: ImageServer) -> list[tuple[str, str]]:
     # Google's format: caption<TAB>url, no header. A caption with a quote must survive verbatim.
     return [
         ('a "quoted" red photo', server.url("/good/0.jpg")),

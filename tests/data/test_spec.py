@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.data.conftest import KEY_STRIDE, make_shards, sample_row, write_shard
-from tests.data.test_loader import PREPROCESS, CountingTokenizer, config, flat, run_epoch
+from tests.data.helpers import KEY_STRIDE, make_shards, sample_row, write_shard
+from tests.data.helpers import PREPROCESS, CountingTokenizer, config, flat, run_epoch
 from vlcontrast.config import ConfigError, RunConfig
 from vlcontrast.data import check_shards, check_spec
 from vlcontrast.errors import LoaderError, ShardsNotFoundError

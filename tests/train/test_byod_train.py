@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.data.conftest import write_shard
+from tests.data.helpers import write_shard
 from tests.distributed import run_distributed
 from vlcontrast.data.tar_reader import read_shard
 

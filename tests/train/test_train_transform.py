@@ -59,7 +59,7 @@ def test_the_training_loader_caches_after_a_deterministic_transform_only(bundle,
     # kept, with augmentation the decoded image (the transform runs again each epoch).
     from types import SimpleNamespace
 
-    from tests.data.conftest import make_shards
+    from tests.data.helpers import make_shards
     from vlcontrast.train.loop import _train_batches
 
     make_shards(tmp_path, [8, 8])
@@ -80,7 +80,7 @@ def test_a_cpu_run_on_a_gpu_host_does_not_pin_memory(bundle, tmp_path, monkeypat
     host would otherwise open a CUDA context in every worker for nothing."""
     from types import SimpleNamespace
 
-    from tests.data.conftest import make_shards
+    from tests.data.helpers import make_shards
     from vlcontrast.train.loop import _train_batches
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

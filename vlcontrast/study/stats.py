@@ -5,7 +5,7 @@ design of n seeds can detect (at a single test's level or at the family's Bonfer
 Everything here is plain arithmetic on lists of floats (no numpy, no scipy at run time: scipy is
 not a dependency of the package): the Student-t CDF comes from the regularised incomplete beta
 function, its inverse from bisection, and both, the paired-t p-values and the Holm adjustment are
-checked against ``scipy.stats`` (and ``statsmodels`` where installed) in ``tests/test_study.py``.
+checked against ``scipy.stats`` (and ``statsmodels`` where installed) in ``tests/study/test_study.py``.
 """
 
 from __future__ import annotations

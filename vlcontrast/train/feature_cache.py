@@ -16,7 +16,7 @@ study would recompute those vectors thousands of times; this module computes the
 Exactness. The stored vectors are the tower's output for the same input tensors; the only
 difference from running the tower inside the step is the batch they were computed in (a chunk of
 :data:`CHUNK` here, the training batch there), which can change the last bits of a float
-convolution. ``tests/test_feature_cache.py`` checks that a run with the cache and one without
+convolution. ``tests/train/test_feature_cache.py`` checks that a run with the cache and one without
 give the same losses and weights to float tolerance (1e-5), and that the stored features equal
 the tower's output on the same chunk bit for bit.
 """

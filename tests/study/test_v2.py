@@ -18,9 +18,9 @@ from vlcontrast.config import ConfigError, load_config
 from vlcontrast.study import cell_fingerprint, grid_cells, load_study_config
 from vlcontrast.study.cells import read_result
 
-from tests import study_v2_standins
+from tests.study import helpers as study_v2_standins
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 V2 = ROOT / "configs" / "study" / "v2.yaml"
 
 

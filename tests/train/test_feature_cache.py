@@ -12,7 +12,7 @@ import torch
 
 from vlcontrast.config import ConfigError, load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BASE = str(ROOT / "configs" / "study" / "cell.yaml")
 
 

@@ -22,7 +22,7 @@ from vlcontrast.study.report import (_starting_metrics, comparison_family, forma
                                      format_p, values_by_seed)
 from vlcontrast.study.stats import holm_adjust
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "loss-study.md"
 METRICS = {"R1": "mean_R@1", "ZS": "zeroshot/top1"}
 

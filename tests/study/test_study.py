@@ -23,7 +23,7 @@ from vlcontrast.study import (cell_fingerprint, cell_learning_rate, cell_overrid
 from vlcontrast.study.report import comparison_family, format_p
 from vlcontrast.study.stats import holm_adjust, t_two_sided_p
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
