@@ -33,6 +33,9 @@ def parse_args(argv: list[str] | None):
                         help=f"comma-separated groups, run in the order {', '.join(GROUPS)}")
     parser.add_argument("--workers", type=int, default=0,
                         help="data workers of the throughput runs (0: min(8, cores - 2))")
+    parser.add_argument("--memory-losses", default="",
+                        help="comma list: the memory group probes only these losses (default all; "
+                             "split the group over two device calls if it nears their 10 minutes)")
     parser.add_argument("--plan", action="store_true",
                         help="print the plan (groups, estimates, disk budget) and exit")
     args = parser.parse_args(argv)
@@ -65,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     settings = settings_for(reduced, out, workers=args.workers or None)
+    if args.memory_losses:
+        settings.memory_losses = tuple(x.strip() for x in args.memory_losses.split(",") if x.strip())
     families = sorted(set(checks.shipped_families()) & set(settings.models))
     precisions = checks.precisions()
     estimates = {g: estimate_seconds(g, precisions, families) for g in args.groups}

@@ -17,7 +17,6 @@ before anything is imported.
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time

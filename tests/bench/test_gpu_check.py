@@ -314,7 +314,7 @@ def test_reduced_check_runs_end_to_end_on_cpu(tmp_path):
     assert {r["section"] for r in rows} == set(GROUPS)
     # Per-group wall time, in the run order, with the estimate beside it.
     assert [g["group"] for g in report["groups"]] == list(GROUPS)
-    assert all(g["wall_s"] > 0 and g["estimate_s"] > 0 for g in report["groups"])
+    assert all(g["wall_s"] >= 0 and g["estimate_s"] > 0 for g in report["groups"])
     # What needs CUDA is named as skipped, with the reason.
     for section, case in (("losses", "pytest -m cuda"), ("syncs", "per step")):
         (row,) = [r for r in rows if r["section"] == section and r["case"] == case]
