@@ -31,6 +31,12 @@ PLATFORM_ARGS = ["--only-binary=:all:", "--python-version", "3.12", "--implement
                  "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_27_x86_64",
                  "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64",
                  "--platform", "manylinux1_x86_64", "--platform", "any"]
+CARRY_ANYWAY = {
+    "typing-extensions": "pydantic 2.14 and pydantic-core need >= 4.16.0; the image's version is not "
+                         "recorded, and a newer typing_extensions only adds",
+}
+"""Packages the image holds that are carried anyway, with the reason (a version floor of a carried
+wheel that the image's copy may not meet)."""
 MARKER_ENV = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
               "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
               "implementation_name": "cpython", "platform_python_implementation": "CPython",
@@ -103,12 +109,13 @@ def fetch(name: str, version: str, dest: Path) -> Path:
 def fill(dest: Path, roots: tuple[str, ...] = ROOTS) -> list[Path]:
     have = device_packages()
     locked = locked_versions()
+    roots = tuple(roots) + tuple(CARRY_ANYWAY)
     dest.mkdir(parents=True, exist_ok=True)
     present = {wheel_name(w): w for w in dest.glob("*.whl")}
     queue, done, wheels = list(roots), set(), []
     while queue:
         name = normalize(queue.pop(0))
-        if name in done or name in have:
+        if name in done or (name in have and name not in CARRY_ANYWAY):
             continue
         done.add(name)
         version = locked.get(name)
