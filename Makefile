@@ -11,6 +11,7 @@ export PYTHONUNBUFFERED := 1
 
 DATA   ?= data/synthetic
 GPU_CHECK_OUT ?= runs/gpu_check
+GPU_CHECK_ARGS ?=
 PYTEST_ARGS ?=
 
 .PHONY: setup demo test test-fast gpu-check data bench study clean
@@ -46,11 +47,13 @@ test: setup
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
 
-# On a CUDA machine: CUDA-marked tests, tower x precision x ZeRO matrix, chunked losses, DeCL momentum,
-# stop-and-resume, syncs per step, samples/s against open_clip (<= 10 min on one GPU). Without
-# CUDA it runs the reduced CPU variant (what tests/test_gpu_check.py runs). docs/training.md.
+# The GPU check (bench/gpu_check, a repository tool, not in the wheel): groups syncs, losses, resume,
+# matrix, throughput, memory, each <= 8 min on one H100 (all ~20 min); one group:
+# make gpu-check GPU_CHECK_ARGS="--only matrix". Without CUDA it runs the reduced CPU variant (what
+# tests/bench/test_gpu_check.py runs). On the device machine, without make: bench/device_run.sh.
+# docs/training.md, "GPU check".
 gpu-check: setup
-	$(BIN)/python -m vlcontrast.gpu_check --out $(GPU_CHECK_OUT)
+	PYTHONPATH=$(CURDIR) $(BIN)/python -m bench.gpu_check --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
 
 study: setup
 	$(BIN)/vlcontrast study --config configs/study/default.yaml

@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import shutil
 import statistics
 import subprocess
@@ -40,40 +39,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: bench/ is on the path, the repository root not
+    sys.path.insert(0, str(ROOT))
 
-OPEN_CLIP_WRAPPER = '''\
-import json
-import sys
-
-import torch
-import open_clip
-
-open_clip.add_model_config(sys.argv[1])
-
-# open_clip_train wraps the model in DDP with device_ids=[device]; for a CPU module DDP needs
-# device_ids=None, so a CPU run under torchrun would fail without this shim.
-_DDP = torch.nn.parallel.DistributedDataParallel
-
-
-class _CpuDDP(_DDP):
-    def __init__(self, module, device_ids=None, **kwargs):
-        if device_ids and all(torch.device(d).type == "cpu" for d in device_ids):
-            device_ids = None
-        super().__init__(module, device_ids=device_ids, **kwargs)
-
-
-torch.nn.parallel.DistributedDataParallel = _CpuDDP
-from open_clip_train.main import main  # noqa: E402
-
-# The arguments come in a JSON file: torchrun's own parser would take open_clip's --logs for an
-# abbreviation of its --logs-specs.
-with open(sys.argv[2]) as handle:
-    main(json.load(handle))
-'''
-
-OPEN_CLIP_LINE = re.compile(r"Train Epoch: \d+ \[\s*(\d+)/\d+.*?Data \(t\): ([\d.]+) "
-                            r"Batch \(t\): ([\d.]+), ([\d.]+)/s")
-
+from bench import openclip_launch  # noqa: E402
 
 # --------------------------------------------------------------------------------------------
 # running one trainer and watching its memory
@@ -179,44 +148,25 @@ def run_vlcontrast(args, nproc: int, work: Path, tag: str) -> dict:
 def run_open_clip(args, nproc: int, work: Path, tag: str) -> dict:
     logs = work / f"oc-{tag}"
     shutil.rmtree(logs, ignore_errors=True)
-    wrapper = work / "open_clip_main.py"
-    wrapper.write_text(OPEN_CLIP_WRAPPER)
     model_json = _model_json(args.model)
-    # open_clip counts an epoch in samples; one epoch of exactly steps x global batch samples.
-    num_samples = args.steps * args.batch_size * nproc
-    train_args = [
-        "--train-data", _shard_pattern(Path(args.data) / "train"), "--dataset-type", "webdataset",
-        "--train-num-samples", str(num_samples), "--epochs", "1",
-        "--batch-size", str(args.batch_size), "--workers", str(args.workers),
-        "--precision", "fp32", "--device", "cpu", "--model", model_json.stem,
-        "--lr", str(args.lr), "--wd", "0.1", "--warmup", str(args.warmup),
-        "--beta1", "0.9", "--beta2", "0.98", "--eps", "1e-6",
-        "--local-loss", "--gather-with-grad", "--dist-backend", "gloo",
-        "--save-frequency", "0", "--zeroshot-frequency", "0", "--val-frequency", "0",
-        "--log-every-n-steps", str(args.log_every), "--report-to", "", "--seed", str(args.seed),
-        "--logs", str(logs), "--name", "run"]
-    args_file = work / f"oc-{tag}.json"
-    args_file.write_text(json.dumps(train_args))
-    if nproc == 1:
-        cmd = [sys.executable, str(wrapper), str(model_json), str(args_file)]
-    else:
-        torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
-        cmd = [torchrun, "--standalone", f"--nproc_per_node={nproc}", str(wrapper),
-               str(model_json), str(args_file)]
+    train_args = openclip_launch.train_args(
+        data=_shard_pattern(Path(args.data) / "train"), model_name=model_json.stem,
+        batch_size=args.batch_size, steps=args.steps, nproc=nproc, workers=args.workers,
+        precision="fp32", lr=args.lr, warmup=args.warmup, log_every=args.log_every, logs=logs,
+        seed=args.seed, device="cpu", weight_decay=0.1,
+        extra=("--local-loss", "--gather-with-grad", "--dist-backend", "gloo"))
+    cmd = openclip_launch.command(work, tag, train_args, model_config=model_json, nproc=nproc)
     result = run_watched(cmd, _env(args, nproc), work / f"oc-{tag}.log", args.timeout)
     text = (work / f"oc-{tag}.log").read_text(errors="replace")
-    windows = []
-    for match in OPEN_CLIP_LINE.finditer(text):
-        samples, data_t, batch_t, _ = match.groups()
-        step = int(samples) // (args.batch_size * nproc)
-        windows.append((step, float(data_t), float(batch_t)))
+    global_batch = args.batch_size * nproc
+    windows = openclip_launch.parse_windows(text, global_batch)
     if result["rc"] != 0 or not windows:
         raise RuntimeError(f"open_clip run failed (rc {result['rc']}):\n{text[-2000:]}")
     # open_clip's first log line is step 0 alone (start-up); windows are log_every steps after it.
-    global_batch = args.batch_size * nproc
-    rates = _steady([(s, global_batch / b) for s, _, b in windows[1:]], args.steps, args.skip_fraction)
-    data = _steady([(s, d) for s, d, _ in windows[1:]], args.steps, args.skip_fraction)
-    batch = _steady([(s, b) for s, _, b in windows[1:]], args.steps, args.skip_fraction)
+    steady = windows[1:]
+    rates = _steady([(w.step, w.samples_per_s) for w in steady], args.steps, args.skip_fraction)
+    data = _steady([(w.step, w.data_s) for w in steady], args.steps, args.skip_fraction)
+    batch = _steady([(w.step, w.batch_s) for w in steady], args.steps, args.skip_fraction)
     result["samples_per_s"] = statistics.median(rates)
     result["split_ms"] = {"data": 1000 * statistics.median(data),
                           "step": 1000 * statistics.median(batch)}

@@ -53,4 +53,9 @@ def test_gpu_check_target_runs_the_check_module():
     proc = subprocess.run(["make", "-n", "gpu-check"], cwd=REPO, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert "-m vlcontrast.gpu_check --out runs/gpu_check" in proc.stdout
+    assert "-m bench.gpu_check --out runs/gpu_check" in proc.stdout
+    # One group through the one command.
+    proc = subprocess.run(["make", "-n", "gpu-check", "GPU_CHECK_ARGS=--only matrix,syncs"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "-m bench.gpu_check --out runs/gpu_check --only matrix,syncs" in proc.stdout

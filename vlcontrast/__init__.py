@@ -5,8 +5,8 @@ layer: spec grammar, tar reader, sample taxonomy, loader; synthetic world and CC
 ``models`` (open_clip towers, shipped model configs, locking), ``train`` (the DeepSpeed loop and its
 components), ``evaluation`` (retrieval and zero-shot), ``study`` (the loss x batch-size study) and
 ``diagnose`` (gradient-bias measurement). ``config`` holds the typed run config, ``distributed`` the
-device choice and process-group helpers, ``progress`` the progress lines, ``gpu_check`` the GPU
-check, ``requeue`` the scheduler marker, ``cli`` the ``vlcontrast`` command.
+device choice and process-group helpers, ``progress`` the progress lines, ``requeue`` the scheduler
+marker, ``cli`` the ``vlcontrast`` command. The GPU check is a repository tool (``bench/gpu_check``).
 """
 
 __version__ = "0.1.0"

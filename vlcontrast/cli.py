@@ -14,12 +14,18 @@ import os
 import sys
 
 
-def _prepare_environment() -> None:
-    # DeepSpeed picks its accelerator at import: without a usable GPU it must be told to use the
-    # CPU. With one, the choice waits for train.device (init_distributed makes it, in one place).
+def _prepare_environment(device: str = "auto") -> None:
+    """Fix DeepSpeed's accelerator before anything imports DeepSpeed (it locks it at import).
+
+    An explicit device (``train.device=cpu`` or ``--device cpu`` on a GPU host, ``cuda``/``cuda:N``)
+    decides here, at the entry point; ``auto`` means the CPU without a usable GPU, and otherwise
+    waits for ``init_distributed``, which chooses before the engine imports DeepSpeed."""
     from vlcontrast.distributed import choose_accelerator, usable_cuda_devices
 
-    if "DS_ACCELERATOR" not in os.environ and usable_cuda_devices() == 0:
+    kind = "cpu" if device == "cpu" else "cuda" if str(device).startswith("cuda") else "auto"
+    if kind != "auto":
+        choose_accelerator(kind)
+    elif "DS_ACCELERATOR" not in os.environ and usable_cuda_devices() == 0:
         choose_accelerator("cpu")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -34,7 +40,7 @@ def _cmd_train(args) -> int:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={args.nproc}", "-m", "vlcontrast.cli", "train"] + (["--config", args.config] if args.config else []) + list(args.overrides)
         os.execvpe(cmd[0], cmd, os.environ)
-    _prepare_environment()
+    _prepare_environment(config.train.device)
     from vlcontrast import requeue
     from vlcontrast.train import StopRequested, train
 
@@ -143,7 +149,7 @@ def _cmd_prep(args) -> int:
 
 
 def _cmd_eval(args) -> int:
-    _prepare_environment()
+    _prepare_environment(getattr(args, "device", "auto"))
     from vlcontrast.errors import ConfigError
     from vlcontrast.evaluation import runner
 
@@ -206,7 +212,7 @@ def _cmd_study(args) -> int:
 
 
 def _cmd_diagnose(args) -> int:
-    _prepare_environment()
+    _prepare_environment(args.device)
     from vlcontrast.diagnose import GradientBiasSettings, run_gradient_bias
 
     def names(text: str) -> tuple[str, ...]:

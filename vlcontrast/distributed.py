@@ -146,9 +146,30 @@ def choose_accelerator(requested: str = "auto") -> str:
         raise DeviceError(f"train.device={requested!r} computes on {kind} but DS_ACCELERATOR="
                           f"{preset!r} is set: DeepSpeed and the model would use different devices "
                           "(unset DS_ACCELERATOR or make train.device agree with it)")
+    locked = locked_accelerator()
+    if locked is not None and (locked == "cpu") != (kind == "cpu"):
+        raise DeviceError(f"train.device={requested!r} computes on {kind} but DeepSpeed was imported "
+                          f"before the device was chosen and locked its accelerator to {locked!r}: "
+                          "choose the device (vlcontrast.distributed.choose_accelerator, or "
+                          "DS_ACCELERATOR) before the first `import deepspeed`")
     if not preset:
         os.environ["DS_ACCELERATOR"] = kind
     return kind
+
+
+def locked_accelerator() -> str | None:
+    """The accelerator DeepSpeed already settled on in this process (``"cpu"``, ``"cuda"``, ...),
+    or None while it has not (DeepSpeed not imported, or its accelerator not yet asked for)."""
+    import sys
+
+    module = sys.modules.get("deepspeed.accelerator.real_accelerator")
+    accelerator = getattr(module, "ds_accelerator", None)
+    if accelerator is None:
+        return None
+    try:
+        return str(accelerator.device_name())
+    except Exception:  # noqa: BLE001 - an accelerator that cannot name itself decides nothing
+        return None
 
 
 def select_device(requested: str, local_rank: int, rank: int = 0) -> torch.device:

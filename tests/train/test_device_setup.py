@@ -47,6 +47,9 @@ def fake_gpus(monkeypatch):
     monkeypatch.setattr(dist_utils.dist, "get_rank", lambda: 5)
     monkeypatch.setattr(dist_utils.dist, "all_reduce", all_reduce)
     monkeypatch.setattr(dist_utils, "_DEVICE", None)
+    # DeepSpeed, if an earlier test in this process imported it, locked the CPU accelerator; the
+    # mocked node is a GPU node, where it would have locked CUDA.
+    monkeypatch.setattr(dist_utils, "locked_accelerator", lambda: None)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                 "DS_ACCELERATOR", "CUDA_VISIBLE_DEVICES"):
         monkeypatch.delenv(key, raising=False)

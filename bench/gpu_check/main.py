@@ -1,0 +1,128 @@
+"""``python -m bench.gpu_check``: plan, disk budget, groups in order, per-group wall time, table."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from bench.gpu_check import GROUPS
+
+
+def choose_cpu_accelerator() -> None:
+    """``--reduced`` computes on the CPU also on a CUDA host: DeepSpeed locks its accelerator at its
+    first import, so ``DS_ACCELERATOR=cpu`` is set before anything in this process (or its jobs,
+    which inherit it) can import DeepSpeed."""
+    preset = os.environ.get("DS_ACCELERATOR")
+    if preset and preset != "cpu":
+        raise SystemExit(f"gpu-check: --reduced runs on the CPU but DS_ACCELERATOR={preset!r} is "
+                         "set; unset it")
+    os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+def parse_args(argv: list[str] | None):
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_check",
+                                     description="vlcontrast's GPU check (docs/training.md)")
+    parser.add_argument("--reduced", action="store_true",
+                        help="the CPU variant (the default without CUDA)")
+    parser.add_argument("--out", default="runs/gpu_check", help="output directory")
+    parser.add_argument("--only", default=",".join(GROUPS),
+                        help=f"comma-separated groups, run in the order {', '.join(GROUPS)}")
+    parser.add_argument("--workers", type=int, default=0,
+                        help="data workers of the throughput runs (0: min(8, cores - 2))")
+    parser.add_argument("--memory-losses", default="",
+                        help="comma list: the memory group probes only these losses (default all; "
+                             "split the group over two device calls if it nears their 10 minutes)")
+    parser.add_argument("--plan", action="store_true",
+                        help="print the plan (groups, estimates, disk budget) and exit")
+    args = parser.parse_args(argv)
+    from bench.gpu_check.plan import parse_groups
+
+    try:
+        args.groups = parse_groups(args.only)
+    except ValueError as err:
+        parser.error(f"--only: {err}")
+    if not args.groups:
+        parser.error("--only: no group given")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.reduced:
+        choose_cpu_accelerator()  # first: before any import that could reach DeepSpeed
+    import torch
+
+    reduced = args.reduced or not torch.cuda.is_available()
+    if reduced:
+        choose_cpu_accelerator()
+    from bench.gpu_check import groups as checks
+    from bench.gpu_check.jobs import JobRunner
+    from bench.gpu_check.plan import disk_budget, estimate_seconds, human_s, settings_for
+    from bench.gpu_check.report import GroupTime, Report
+    from bench.gpu_check.shards import write_shards
+
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    settings = settings_for(reduced, out, workers=args.workers or None)
+    if args.memory_losses:
+        settings.memory_losses = tuple(x.strip() for x in args.memory_losses.split(",") if x.strip())
+    families = sorted(set(checks.shipped_families()) & set(settings.models))
+    precisions = checks.precisions()
+    estimates = {g: estimate_seconds(g, precisions, families) for g in args.groups}
+    print(f"[gpu-check] {'reduced (CPU)' if reduced else 'full (CUDA)'}; groups in order: "
+          + ", ".join(f"{g} (~{human_s(estimates[g])} on one H100)" for g in args.groups)
+          + f"; total ~{human_s(sum(estimates.values()))}", flush=True)
+    budget = disk_budget(settings, args.groups, out)
+    print(f"[gpu-check] {budget.line(out)}", flush=True)
+    if not budget.enough:
+        print(budget.refusal(out), file=sys.stderr, flush=True)
+        return 2
+    if args.plan:
+        return 0
+
+    report = Report()
+    jobs = JobRunner(out, settings.device)
+    start = time.perf_counter()
+    info = jobs.run("info", {"kind": "info"}, timeout_s=300)
+    report.info.update({k: v for k, v in info.items()
+                        if k in ("device_name", "torch", "deepspeed", "open_clip", "python",
+                                 "ds_accelerator")})
+    report.info.update(reduced=reduced, groups=list(args.groups),
+                       estimates_s={g: round(v) for g, v in estimates.items()},
+                       disk=budget.line(out))
+    if info.get("error"):
+        report.add("setup", "versions", "fail", info["error"])
+
+    shards_start = time.perf_counter()
+    data = write_shards(out / "data" / "train", settings.train_samples, settings.image_size,
+                        shard_size=256 if not reduced else 64)
+    val = write_shards(out / "data" / "val", settings.val_samples, settings.image_size,
+                       shard_size=settings.val_samples, seed=1, first_id=10_000_000)
+    report.info["data_s"] = round(time.perf_counter() - shards_start, 1)
+    ctx = checks.Context(settings, report, jobs, out, data, val)
+
+    for group in args.groups:
+        group_start = time.perf_counter()
+        print(f"[gpu-check] group {group}: starting (estimate ~{human_s(estimates[group])})",
+              flush=True)
+        try:
+            checks.GROUP_FUNCTIONS[group](ctx)
+        except Exception as err:  # noqa: BLE001 - a group that cannot start is one failed row
+            report.add(group, "(group)", "fail", f"{type(err).__name__}: {err}"[:600])
+            report.tracebacks.append(f"{group}\n{traceback.format_exc()}")
+        wall = time.perf_counter() - group_start
+        report.groups.append(GroupTime(group, round(estimates[group], 1), round(wall, 1)))
+        print(f"[gpu-check] group {group}: {human_s(wall)} (estimate ~{human_s(estimates[group])})",
+              flush=True)
+    report.info["total_s"] = round(time.perf_counter() - start, 1)
+    report.info["subprocesses"] = len(jobs.launched)
+    # The orchestrator never trains: DeepSpeed must not be in this process.
+    report.info["orchestrator_imported_deepspeed"] = "deepspeed" in sys.modules
+    report.write(out)
+    print("\n" + report.markdown())
+    print(f"written: {out / 'gpu_check.md'}, {out / 'gpu_check.json'}")
+    return 1 if report.failed else 0

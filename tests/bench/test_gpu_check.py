@@ -1,0 +1,352 @@
+"""The GPU check (bench/gpu_check): its reduced CPU variant runs end to end here, so the script
+cannot rot before the first GPU machine; its parts (plan, disk budget, subprocess per training,
+DeepSpeed's accelerator on a CUDA host, shard writer, tower families) are checked on their own;
+the ``cuda`` marker skips GPU tests on a machine without CUDA."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.gpu_check import GROUPS, groups, plan
+from bench.gpu_check.main import main as gpu_check_main
+from bench.gpu_check.shards import write_shards
+from tests.bench.helpers import REPO, clean_env, cuda_host_env, deepspeed_imports, run_gpu_check
+
+
+def test_the_check_is_not_in_the_package():
+    assert not (REPO / "vlcontrast" / "gpu_check.py").exists()
+    assert (REPO / "bench" / "gpu_check" / "__main__.py").is_file()
+
+
+def test_shards_are_img2dataset_style_and_read_by_the_loader(tmp_path):
+    from vlcontrast.config import DataConfig
+    from vlcontrast.data.loader import resolve_shards
+
+    pattern = write_shards(tmp_path / "train", samples=10, image_size=32, shard_size=4)
+    assert pattern.endswith("{00000..00002}.tar")
+    stats = [json.loads((tmp_path / "train" / f"0000{i}_stats.json").read_text())["successes"]
+             for i in range(3)]
+    assert stats == [4, 4, 2]
+    with tarfile.open(tmp_path / "train" / "00000.tar") as tar:
+        names = tar.getnames()
+    assert names[:3] == ["000000000.jpg", "000000000.json", "000000000.txt"]
+    shards = resolve_shards(DataConfig(train=pattern))
+    assert sum(shards.sizes) == 10
+    # Written once: a second call with the same request reuses the shards.
+    before = (tmp_path / "train" / "00000.tar").stat().st_mtime_ns
+    write_shards(tmp_path / "train", samples=10, image_size=32, shard_size=4)
+    assert (tmp_path / "train" / "00000.tar").stat().st_mtime_ns == before
+
+
+def test_steady_median_drops_the_warm_up_windows():
+    values = [(10, 1.0), (20, 100.0), (30, 110.0), (40, 120.0), (60, 130.0)]
+    assert groups.steady_median(values, steps=60) == 120.0
+
+
+def test_every_shipped_tower_family_has_representatives():
+    families = groups.shipped_families()
+    assert {"RN", "ViT"} <= set(families)
+    assert "RN50" in families["RN"]
+    for family in families:
+        assert family in plan.FULL_MODELS and family in plan.MICRO_CONFIGS
+    assert groups.model_family("ViT-B-32") == "ViT" and groups.model_family("RN50x4") == "RN"
+
+
+def test_precision_list_comes_from_the_config():
+    from vlcontrast.config import PRECISIONS
+
+    assert groups.precisions() == tuple(PRECISIONS)
+
+
+# --------------------------------------------------------------------------------------------
+# groups and time
+
+
+def test_groups_run_in_the_documented_order_whatever_the_order_asked():
+    assert plan.parse_groups("memory, syncs,matrix") == ("syncs", "matrix", "memory")
+    assert plan.parse_groups(",".join(GROUPS)) == GROUPS
+    assert GROUPS[:2] == ("syncs", "losses")  # the cheapest signal first
+
+
+def test_unknown_group_is_an_error(capsys):
+    with pytest.raises(SystemExit):
+        gpu_check_main(["--only", "matrix,warp"])
+    assert "unknown group(s) ['warp']" in capsys.readouterr().err
+
+
+def test_full_matrix_is_pairwise_over_precision_and_stage():
+    precisions = ("fp32", "amp_bf16", "bf16", "fp16")
+    cells = plan.matrix_cells(["RN", "ViT"], precisions, reduced=False)
+    assert len(cells) == 16  # the 2 x 4 x 4 grid would be 32
+    pairs = [(p, z) for _, p, z, _ in cells]
+    assert sorted(pairs) == sorted((p, z) for p in precisions for z in range(4))  # each once
+    for family in ("RN", "ViT"):
+        mine = [(p, z) for f, p, z, _ in cells if f == family]
+        assert {p for p, _ in mine} == set(precisions) and {z for _, z in mine} == set(range(4))
+    assert {u for *_, u in cells} == {True, False}
+    reduced = plan.matrix_cells(["RN", "ViT"], precisions, reduced=True)
+    assert len(reduced) == 8 and {z for _, _, z, _ in reduced} == set(range(4))
+
+
+def test_every_group_is_estimated_within_8_minutes_and_all_within_30():
+    estimates = {g: plan.estimate_seconds(g, groups.precisions(), ["RN", "ViT"]) for g in GROUPS}
+    assert all(0 < s <= 8 * 60 for s in estimates.values()), estimates
+    assert sum(estimates.values()) <= 30 * 60, estimates
+    # docs/training.md quotes them.
+    doc = (REPO / "docs" / "training.md").read_text()
+    for group, seconds in estimates.items():
+        assert f"| `{group}` | ~{plan.human_s(seconds)} |" in doc, group
+
+
+# --------------------------------------------------------------------------------------------
+# memory: every training in its own subprocess
+
+
+class FakeJobs:
+    """Records the subprocesses a group would start; each 'fails' at once."""
+
+    def __init__(self):
+        self.launched: list[str] = []
+
+    def run(self, name, job, timeout_s=None):
+        self.launched.append(name)
+        assert job["kind"] in ("train", "probe", "losses", "info")
+        return {"error": "fake", "rc": 1}
+
+    def run_command(self, name, cmd, log, timeout_s=None, device=None):
+        self.launched.append(name)
+        Path(log).write_text("")
+        return 1
+
+
+def _context(tmp_path, reduced=True):
+    from bench.gpu_check.report import Report
+
+    settings = plan.settings_for(reduced, tmp_path)
+    return groups.Context(settings, Report(), FakeJobs(), tmp_path, "data", "val")
+
+
+def test_each_training_and_probe_is_its_own_subprocess(tmp_path, monkeypatch):
+    import vlcontrast.train.loop as loop
+
+    def no_training_here(*args, **kwargs):
+        raise AssertionError("the orchestrator trained in its own process")
+
+    monkeypatch.setattr(loop, "train", no_training_here)
+    ctx = _context(tmp_path)
+    groups.check_matrix(ctx)
+    cells = plan.matrix_cells(sorted(set(groups.shipped_families()) & set(ctx.settings.models)),
+                              groups.precisions(), True)
+    assert len(ctx.jobs.launched) == len(cells)
+    assert len(set(ctx.jobs.launched)) == len(cells)  # one subprocess per cell
+    ctx.jobs.launched.clear()
+    groups.check_memory(ctx)
+    assert len(ctx.jobs.launched) == len(ctx.settings.memory_losses) * len(
+        ctx.settings.memory_sizes)
+    ctx.jobs.launched.clear()
+    groups.check_throughput(ctx)  # vlcontrast shards and synthetic, open_clip shards and synthetic
+    assert len(ctx.jobs.launched) == 4 * len(ctx.settings.throughput_models)
+
+
+def test_an_oom_probe_stops_that_loss_at_the_larger_batches(tmp_path):
+    ctx = _context(tmp_path)
+    ctx.settings.memory_sizes = (64, 128, 256)
+    ctx.settings.memory_losses = ("infonce",)
+    answers = iter([{"loss_memory": 2**20, "peak_memory": 2**30, "rc": 0}, {"oom": True, "rc": 1}])
+    ctx.jobs.run = lambda name, job, timeout_s=None: (ctx.jobs.launched.append(name),
+                                                      next(answers))[1]
+    groups.check_memory(ctx)
+    assert ctx.jobs.launched == ["memory_infonce_64", "memory_infonce_128"]
+    table = ctx.report.tables["Memory (largest global batch per loss)"]
+    assert "| infonce | 0.00 / 1.00 | OOM | OOM | 64 |" in table
+    assert ctx.report.info["memory"]["largest_global_batch"] == {"infonce": 64}
+
+
+def test_worker_result_of_a_crashed_job_is_an_error(tmp_path):
+    from bench.gpu_check.jobs import JobRunner
+
+    runner = JobRunner(tmp_path, "cpu", timeout_s=60)
+    result = runner.run("bad", {"kind": "nonexistent"})
+    assert result["rc"] == 1 and "KeyError" in result["error"]
+    assert runner.launched == ["bad"]
+
+
+# --------------------------------------------------------------------------------------------
+# disk
+
+
+def test_drop_checkpoints_frees_the_run_and_keeps_its_metrics(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000002").mkdir(parents=True)
+    (run / "checkpoints" / "step_00000002" / "model.pt").write_bytes(b"x" * 1000)
+    (run / "metrics.jsonl").write_text("{}\n")
+    assert plan.drop_checkpoints(run) == 1000
+    assert not (run / "checkpoints").exists() and (run / "metrics.jsonl").is_file()
+    assert plan.drop_checkpoints(run) == 0
+
+
+def test_disk_budget_counts_checkpoints_kept_at_once(tmp_path):
+    settings = plan.settings_for(False, tmp_path)
+    budget = plan.disk_budget(settings, ("matrix",), tmp_path)
+    assert budget.checkpoint_bytes == plan.FULL_PARAMETERS["ViT-B-32"] * plan.BYTES_PER_PARAMETER
+    assert budget.kept_at_once == 1
+    assert plan.disk_budget(settings, ("resume",), tmp_path).kept_at_once == 2
+
+
+def test_too_little_disk_is_refused_in_one_line_naming_both_numbers(tmp_path, monkeypatch,
+                                                                     capsys):
+    monkeypatch.setattr(plan, "free_bytes", lambda path: 123 * 10**6)
+    rc = gpu_check_main(["--reduced", "--only", "matrix", "--out", str(tmp_path / "out")])
+    captured = capsys.readouterr()
+    assert rc == 2
+    (line,) = captured.err.strip().splitlines()
+    assert "0.1 GB free" in line and "GB needed" in line and "--out" in line and "--only" in line
+    assert "disk: about" in captured.out  # the budget is printed up front
+    assert not (tmp_path / "out" / "jobs").exists()  # nothing ran
+
+
+# --------------------------------------------------------------------------------------------
+# DeepSpeed's accelerator: chosen before any import of DeepSpeed, also on a CUDA host
+
+
+def test_reduced_mode_on_a_cuda_host_imports_deepspeed_with_the_cpu_accelerator(tmp_path):
+    env, log = cuda_host_env(tmp_path)
+    out = tmp_path / "out"
+    proc = run_gpu_check(["--reduced", "--only", "syncs", "--out", str(out)], env=env,
+                         timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    imports = deepspeed_imports(log)
+    assert imports, "no process imported DeepSpeed (the version job should)"
+    assert all(entry["DS_ACCELERATOR"] == "cpu" for entry in imports), imports
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["info"]["ds_accelerator"] == "cpu"
+    assert report["info"]["orchestrator_imported_deepspeed"] is False
+
+
+def test_cli_train_with_device_cpu_on_a_cuda_host_imports_deepspeed_for_the_cpu(tmp_path):
+    """``vlcontrast train train.device=cpu`` on a GPU host: the entry point fixes the accelerator
+    before the training code can import DeepSpeed."""
+    env, log = cuda_host_env(tmp_path)
+    code = ("import vlcontrast.train\n"
+            "def train(config):\n"
+            "    import deepspeed\n"
+            "    from deepspeed.accelerator import get_accelerator\n"
+            "    print('accelerator', get_accelerator().device_name())\n"
+            "vlcontrast.train.train = train\n"
+            "from vlcontrast.cli import main\n"
+            f"main(['train', 'train.device=cpu', 'data.train=x', 'train.steps=1', "
+            f"'output_dir={tmp_path / 'run'}'])\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert "accelerator cpu" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert [e["DS_ACCELERATOR"] for e in deepspeed_imports(log)] == ["cpu"]
+
+
+def test_choosing_a_device_after_deepspeed_locked_another_is_an_error():
+    code = ("import deepspeed\n"
+            "from vlcontrast.distributed import choose_accelerator\n"
+            "from vlcontrast.errors import DeviceError\n"
+            "try:\n"
+            "    choose_accelerator('cuda')\n"
+            "except DeviceError as err:\n"
+            "    print('refused:', err)\n"
+            "else:\n"
+            "    print('accepted')\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env=clean_env(CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "refused:" in proc.stdout and "locked its accelerator to 'cpu'" in proc.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# throughput report
+
+
+def test_throughput_table_gives_both_ratios_and_the_differences():
+    table = groups.throughput_table({"RN50": {"vlcontrast": 900.0, "open_clip": 1000.0,
+                                              "ratio_shards": 0.9, "vlcontrast_synthetic": 1500.0,
+                                              "open_clip_synthetic": 1000.0,
+                                              "ratio_synthetic": 1.5}}, "batch 128")
+    assert "| RN50 | 900 | 1000 | 0.90x | 1500 | 1000 | 1.50x |" in table
+    assert "pinned webdataset loader" in table and "Left different" in table
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA
+
+
+@pytest.mark.cuda
+def test_chunked_losses_match_dense_on_cuda():
+    from bench.gpu_check.worker import job_losses
+
+    rows = job_losses({"device": "cuda", "batch": 1024})["rows"]
+    assert rows and all(status == "pass" for _, status, _, _ in rows), rows
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip on a machine without CUDA")
+def test_cuda_marked_tests_are_skipped_without_cuda():
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-rs",
+                           "tests/bench/test_gpu_check.py::test_chunked_losses_match_dense_on_cuda"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "1 skipped" in proc.stdout and "needs CUDA" in proc.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# end to end
+
+
+@pytest.mark.slow
+def test_reduced_check_runs_end_to_end_on_cpu(tmp_path):
+    out = tmp_path / "gpu_check"
+    proc = run_gpu_check(["--reduced", "--out", str(out)])
+    report = json.loads((out / "gpu_check.json").read_text())
+    rows = report["rows"]
+    failed = [r for r in rows if r["status"] == "fail"]
+    assert proc.returncode == 0 and not failed, (failed, proc.stdout[-3000:], proc.stderr[-3000:])
+    assert {r["section"] for r in rows} == set(GROUPS)
+    # Per-group wall time, in the run order, with the estimate beside it.
+    assert [g["group"] for g in report["groups"]] == list(GROUPS)
+    assert all(g["wall_s"] >= 0 and g["estimate_s"] > 0 for g in report["groups"])
+    # What needs CUDA is named as skipped, with the reason.
+    for section, case in (("losses", "pytest -m cuda"), ("syncs", "per step")):
+        (row,) = [r for r in rows if r["section"] == section and r["case"] == case]
+        assert row["status"] == "skip" and "needs CUDA" in row["detail"]
+    # The reduced matrix: both families, every precision, every ZeRO stage at least once.
+    matrix = [r["case"].split() for r in rows if r["section"] == "matrix"]
+    assert {c[0] for c in matrix} == {"RN", "ViT"}
+    assert {c[2] for c in matrix} == set(groups.precisions())
+    assert {c[3] for c in matrix} == {"zero0", "zero1", "zero2", "zero3"}
+    assert {c[4] if len(c) > 4 else "" for c in matrix} == {"", "uint8"}  # both image paths
+    ran = [r for r in rows if r["section"] == "matrix" and r["status"] == "pass"]
+    assert len(ran) >= 6  # only fp16 may be skipped on a CPU
+    from vlcontrast.losses import LOSSES
+
+    chunked = [r for r in rows if r["section"] == "losses" and "chunked vs dense" in r["detail"]]
+    assert len(chunked) == 2 * len(LOSSES) and all(r["status"] == "pass" for r in chunked)
+    # Throughput: shards and synthetic controls of both trainers, and both ratios.
+    (numbers,) = report["info"]["throughput"].values()
+    for key in ("vlcontrast", "open_clip", "vlcontrast_synthetic", "open_clip_synthetic",
+                "ratio_shards", "ratio_synthetic"):
+        assert numbers[key] > 0, key
+    # Memory: Inf-CL's table, one probe per (loss, batch).
+    memory = report["info"]["memory"]["table"]
+    assert set(memory) == {"infonce", "decl"}
+    # Every training in its own process, none in the orchestrator; checkpoints gone.
+    info = report["info"]
+    assert info["orchestrator_imported_deepspeed"] is False
+    trainings = (1 + 3 + len(matrix) + 4 + len(memory))  # decl run, resume, matrix, thr., memory
+    assert info["subprocesses"] == 1 + 1 + trainings  # + the version job and the loss job
+    assert not list((out / "runs").rglob("checkpoints")), "checkpoints left after their checks"
+    markdown = (out / "gpu_check.md").read_text()
+    assert "| group | case | status | detail | s |" in markdown
+    assert "| group | estimate on one H100 | wall here |" in markdown
+    assert "| syncs | per step | skip |" in markdown
+    assert markdown in proc.stdout
