@@ -117,22 +117,21 @@ def install_fixed_batches() -> None:
         raise RuntimeError("vlcontrast.train.loop._train_batches is gone: the synthetic-batch "
                            "control of bench/gpu_check needs the train loop's batch-stream hook")
 
-    def fixed(config, env, bundle, transform):
-        micro = config.data.batch_size
-        size = int(bundle.model_config.get("vision_cfg", {}).get("image_size", 224)) \
-            if isinstance(bundle.model_config, dict) else 224
-        one = transform(Image.new("RGB", (size, size), (120, 90, 60)))
-        generator = torch.Generator().manual_seed(0)
+    def fixed(data, seed, accum_steps, env, tokenizer, transform, needs_ids=False):
+        micro = data.batch_size
+        # The transform resizes and crops to the tower's input size, whatever the source size.
+        one = transform(Image.new("RGB", (256, 256), (120, 90, 60)))
+        generator = torch.Generator().manual_seed(seed)
         if one.dtype == torch.uint8:
             images = torch.randint(0, 256, (micro, *one.shape), dtype=torch.uint8,
                                    generator=generator)
         else:
             images = torch.randn((micro, *one.shape), generator=generator).to(one.dtype)
-        texts = bundle.tokenizer(["a photo of a striped red square near the road"] * micro)
-        id_space = max(config.data.id_space, micro * config.train.accum_steps)
+        texts = tokenizer(["a photo of a striped red square near the road"] * micro)
+        id_space = max(data.id_space, micro * accum_steps)
         pin = env.device.type == "cuda"
         batches = []
-        for k in range(config.train.accum_steps):
+        for k in range(accum_steps):
             ids = torch.arange(k * micro, (k + 1) * micro) % id_space
             batch = Batch(images, texts, ids)
             if pin:
