@@ -45,6 +45,10 @@ CASES = [
     ("decl-weighted-sample", "decl", {"schedule": "weighted", "u_mode": "sample", "gamma": 0.8}, 0,
      3),
     ("decl-momentum", "decl", {"estimator": "momentum", "schedule": "loss1"}, 0, 2),
+    ("sogclr", "sogclr", {"gamma": 0.6}, 0, 3),
+    ("fastclip-global-cosine", "fastclip", {"temperature": "global", "gamma_schedule": "cosine",
+                                            "gamma_decay_steps": 2, "gamma": 0.3}, 0, 3),
+    ("fastclip-sharded-chunked", "fastclip", {"gamma": 0.5, "shard_buffer": True}, 2, 3),
 ]
 RESUME_OPTIONS = {"gamma": 0.6, "shard_buffer": True, "schedule": "loss1"}
 
@@ -82,7 +86,7 @@ def run_case(name, options, chunk_size, steps, batches, state=None, first_step=1
         diagnostics = {key: float(value) for key, value in out.items() if key != "loss"}
         records.append((float(out["loss"].detach()), *grads, diagnostics))
     buffer = loss_fn.state_dict()["log_u"].cpu().clone() \
-        if name == "decl" and loss_fn.needs_sample_ids \
+        if name in ("decl", "sogclr", "fastclip") and loss_fn.needs_sample_ids \
         else None  # every rank calls state_dict(): it is a collective when sharded
     return records, buffer
 

@@ -20,7 +20,8 @@ EXPECTED_DEFAULTS = {
 
 def test_names():
     assert sorted(LOSSES) == sorted(
-        ["infonce", "dcl", "dclw", "decl", "debiased", "hcl", "bcl", "balanced", "siglip"])
+        ["infonce", "dcl", "dclw", "decl", "debiased", "hcl", "bcl", "balanced", "siglip",
+         "sogclr", "fastclip"])
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_DEFAULTS))
@@ -40,7 +41,7 @@ def test_build_every_loss_with_defaults_and_options(name):
     loss_fn = build_loss(name, chunk_size=4, id_space=10, **loss_option_defaults(name))
     assert isinstance(loss_fn, nn.Module) and loss_fn.chunk_size == 4
     assert loss_fn.uses_logit_bias == (name == "siglip")
-    assert loss_fn.needs_sample_ids == (name == "decl")
+    assert loss_fn.needs_sample_ids == (name in ("decl", "sogclr", "fastclip"))
     assert not loss_fn.needs_momentum_features
 
 
@@ -81,8 +82,10 @@ def test_id_space_reaches_only_losses_that_declare_it(monkeypatch):
         spy(cls)
     for name in LOSSES:
         build_loss(name, chunk_size=2, id_space=7)
-    assert received["decl"]["id_space"] == 7
-    assert all("id_space" not in kwargs for name, kwargs in received.items() if name != "decl")
+    buffered = ("decl", "sogclr", "fastclip")  # the losses with a per-sample buffer
+    assert all(received[name]["id_space"] == 7 for name in buffered)
+    assert all("id_space" not in kwargs for name, kwargs in received.items()
+               if name not in buffered)
     assert all(kwargs["chunk_size"] == 2 for kwargs in received.values())
 
 
