@@ -79,3 +79,27 @@ def test_every_option_is_documented():
 def test_scientific_notation_without_dot_is_a_number():
     config = load_config(None, ["train.steps=5", "optim.lr=2e-3"])
     assert config.optim.lr == pytest.approx(2e-3)
+
+
+def test_choices_are_literals_checked_from_the_type():
+    """train.precision, train.device, data.mode, deepspeed.zero_stage and the losses' choice
+    options (DeCL's estimator, FastCLIP's temperature) are Literal types: a wrong value is named
+    with its choices, whether it came from YAML, the command line or code."""
+    import typing
+
+    from vlcontrast.config import DataConfig, DeepSpeedConfig, TrainConfig
+
+    hints = {**typing.get_type_hints(TrainConfig), **typing.get_type_hints(DataConfig),
+             **typing.get_type_hints(DeepSpeedConfig)}
+    for key in ("precision", "device", "mode", "zero_stage"):
+        assert typing.get_origin(hints[key]) is typing.Literal, key
+    base = ["data.train=x", "train.steps=1"]
+    with pytest.raises(ConfigError, match="loss.estimator='bufer': must be one of buffer, momentum"):
+        load_config(None, base + ["loss.name=decl", "loss.estimator=bufer"])
+    with pytest.raises(ConfigError, match="loss.temperature='local': must be one of fixed, global"):
+        load_config(None, base + ["loss.name=fastclip", "loss.temperature=local"])
+    assert load_config(None, base + ["deepspeed.zero_stage=2"]).deepspeed.zero_stage == 2
+    config = load_config(None, base)
+    config.train.precision = "fp8"  # set in code, not parsed
+    with pytest.raises(ConfigError, match="train.precision='fp8': must be one of fp32"):
+        config.check()

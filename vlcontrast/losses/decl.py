@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
@@ -46,9 +47,10 @@ from vlcontrast.losses.base import (IMAGE_TO_TEXT, ContrastiveLoss, LogSumExp, P
                                     RowContext, negatives_logsumexp, row_dtype)
 from vlcontrast.losses.registry import register_loss
 
-ESTIMATORS = ("buffer", "momentum", "batch")
-U_MODES = ("mean", "sample")
-SCHEDULES = ("alternate", "weighted", "loss1", "loss2")
+Estimator = Literal["buffer", "momentum", "batch"]
+UMode = Literal["mean", "sample"]
+Schedule = Literal["alternate", "weighted", "loss1", "loss2"]
+ESTIMATORS, U_MODES, SCHEDULES = get_args(Estimator), get_args(UMode), get_args(Schedule)
 
 
 @dataclass(kw_only=True)
@@ -83,8 +85,9 @@ class DeCLLoss(ContrastiveLoss):
 
     name = "decl"
 
-    def __init__(self, estimator: str = "buffer", u_mode: str = "mean", gamma: float = 0.9,
-                 schedule: str = "alternate", lambda_c: float = 1.0, ema_decay: float = 0.999,
+    def __init__(self, estimator: Estimator = "buffer", u_mode: UMode = "mean", gamma: float = 0.9,
+                 schedule: Schedule = "alternate",
+                 lambda_c: float = 1.0, ema_decay: float = 0.999,
                  shard_buffer: bool = False, seed: int = 0, *, chunk_size: int = 0,
                  id_space: int = 0):
         super().__init__(chunk_size=chunk_size)
