@@ -276,13 +276,13 @@ def test_rollback_is_a_no_op_for_stateless_losses():
 def test_sharded_write_touches_only_owned_rows_and_rolls_back():
     """The sharded write path (no boolean indexing) on one process, as rank 1 of 2."""
     loss_fn = build_loss("decl", shard_buffer=True, id_space=10)
-    loss_fn._layout = (1, 2)  # rows 5..9 of the id space live here, at local rows 0..4
+    loss_fn.buffer.layout = (1, 2)  # rows 5..9 of the id space live here, at local rows 0..4
     loss_fn.log_u = torch.full((5, 2), -math.inf)
     loss_fn.log_u[1] = torch.tensor([0.5, 0.25])
     before = loss_fn.log_u.clone()
     ids = torch.tensor([0, 6, 9, 3, 6, 4])
     new = torch.arange(12, dtype=torch.float32).reshape(6, 2)
-    loss_fn._write(ids, new, loss_fn._lookup(ids))
+    loss_fn.buffer.write(ids, new, loss_fn.buffer.lookup(ids))
     expected = before.clone()
     expected[1] = new[4]  # id 6 twice: the last occurrence wins
     expected[4] = new[2]  # id 9
@@ -290,5 +290,5 @@ def test_sharded_write_touches_only_owned_rows_and_rolls_back():
     loss_fn.rollback()
     assert torch.equal(_bits(loss_fn.log_u), _bits(before))
     # A batch with no id of this shard writes nothing.
-    loss_fn._write(torch.tensor([0, 1, 2]), new[:3], torch.zeros(3, 2))
+    loss_fn.buffer.write(torch.tensor([0, 1, 2]), new[:3], torch.zeros(3, 2))
     assert torch.equal(_bits(loss_fn.log_u), _bits(before))

@@ -42,15 +42,36 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
-from vlcontrast.distributed import all_reduce_sum, gather_no_grad, get_rank, get_world_size
+from vlcontrast.distributed import gather_no_grad
 from vlcontrast.losses.base import (IMAGE_TO_TEXT, ContrastiveLoss, LogSumExp, PairBatch,
                                     RowContext, negatives_logsumexp, row_dtype)
+from vlcontrast.losses.buffer import SampleBuffer
 from vlcontrast.losses.registry import register_loss
 
 Estimator = Literal["buffer", "momentum", "batch"]
 UMode = Literal["mean", "sample"]
 Schedule = Literal["alternate", "weighted", "loss1", "loss2"]
 ESTIMATORS, U_MODES, SCHEDULES = get_args(Estimator), get_args(UMode), get_args(Schedule)
+
+
+@dataclass
+class DeCLStep:
+    """What one forward of DeCL computes once for the whole global batch (before any block).
+
+    ``weight``: ``lam_t``, the weight of ``loss_1``. ``estimator``: the one in use (``batch`` in
+    eval mode). ``ids`` and ``old_log_u`` (``buffer``): the global batch's sample ids and the
+    buffer's ``log u`` for them before this step, ``[N_global, 2]``. ``log_u`` (``momentum``): the
+    EMA towers' estimate for the local anchors. ``noise`` (``u_mode=sample``): ``E ~ Exp(1)``.
+    ``scale``: the logits' scale as the loss uses it (FastCLIP's temperature).
+    """
+
+    weight: float
+    estimator: str
+    ids: Tensor | None = None
+    old_log_u: Tensor | None = None
+    log_u: Tensor | None = None
+    noise: Tensor | None = None
+    scale: Tensor | None = None
 
 
 @dataclass(kw_only=True)
@@ -117,11 +138,8 @@ class DeCLLoss(ContrastiveLoss):
         # What the last forward changed, so that rollback() can undo exactly that: the buffer rows
         # it wrote with their previous values, the visit count and the draw counter before it.
         self._undo: dict | None = None
-        if self.needs_sample_ids:
-            self._layout = self._current_layout()
-            length = self._shard_length(self._layout[1])
-            self.register_buffer("log_u", torch.full((length, 2), -math.inf))
-            self.register_buffer("visited", torch.zeros((), dtype=torch.long))
+        self.buffer = (SampleBuffer(self, self.id_space, shard=self.shard_buffer, name=self.name)
+                       if self.needs_sample_ids else None)
 
     # ---- schedule and sampling --------------------------------------------------------------
 
@@ -161,107 +179,17 @@ class DeCLLoss(ContrastiveLoss):
 
     # ---- the buffer -------------------------------------------------------------------------
 
-    def _current_layout(self) -> tuple[int, int]:
-        return (get_rank(), get_world_size()) if self.shard_buffer else (0, 1)
-
-    def _shard_length(self, world_size: int) -> int:
-        return -(-self.id_space // world_size)
-
-    def _shard_start(self) -> int:
-        rank, world_size = self._layout
-        return rank * self._shard_length(world_size)
-
-    def _ensure_layout(self) -> None:
-        """Re-slice a buffer built before the process group existed (world size 1 then)."""
-        layout = self._current_layout()
-        if layout == self._layout:
-            return
-        if self._layout[1] != 1:
-            raise RuntimeError(f"decl: buffer sharded for {self._layout} but now running as "
-                               f"{layout}; save and reload the state_dict to change world size")
-        full = self.log_u
-        self._layout = layout
-        start, length = self._shard_start(), self._shard_length(layout[1])
-        shard = full.new_full((length, 2), -math.inf)
-        shard[:max(0, min(length, self.id_space - start))] = full[start:start + length]
-        self.log_u = shard
-
-    def full_buffer(self) -> Tensor:
-        """``log u`` over the whole id space, ``[id_space, 2]`` (a collective when sharded)."""
-        if self._layout[1] == 1:
-            return self.log_u
-        return gather_no_grad(self.log_u)[:self.id_space]
+    def rollback(self) -> None:
+        """Undo the last forward: the buffer rows it wrote and the ``sample`` draw counter."""
+        undo, self._undo = self._undo, None
+        if undo is not None:
+            self._unstepped_draws = undo["draws"]
+        if self.buffer is not None:
+            self.buffer.rollback()
 
     def buffer_coverage(self) -> Tensor:
-        """Fraction of the id space visited at least once (a 0-dim tensor on the buffer's device;
-        converting it to a number is the caller's choice, e.g. only when it is logged)."""
-        return self.visited.double() / max(1, self.id_space)
-
-    def _owned_rows(self, ids: Tensor) -> tuple[Tensor, Tensor]:
-        """``(owned, row)``: whether this rank's shard holds each id, and its row there (0 when
-        not owned). Computed without boolean indexing, whose data-dependent size would make the
-        host wait for the device."""
-        start = self._shard_start()
-        owned = (ids >= start) & (ids < start + self.log_u.shape[0])
-        return owned, torch.where(owned, ids - start, torch.zeros_like(ids))
-
-    def _lookup(self, ids: Tensor) -> Tensor:
-        if self._layout[1] == 1:
-            return self.log_u[ids]
-        owned, rows = self._owned_rows(ids)
-        values = torch.where(owned[:, None], self.log_u[rows], 0.0)
-        # Exactly one rank owns each id and the others add 0 (-inf + 0 stays -inf).
-        return all_reduce_sum(values)
-
-    def _write(self, ids: Tensor, new_log_u: Tensor, old_log_u: Tensor) -> None:
-        """Store ``new_log_u`` at ``ids``; a sample id seen twice in one global batch takes the
-        value of its last occurrence. Runs on the device with no host sync (no ``unique``, no
-        boolean indexing, no ``int()``): every write position gets a value, and positions that
-        land on one row carry the same value, so the scatter is deterministic."""
-        count = ids.shape[0]
-        positions = torch.arange(count, device=ids.device)
-        # A stable sort groups equal ids with their positions in order: the last of a run is the
-        # last occurrence. Each position then takes the position of its run's last element.
-        sorted_ids, order = torch.sort(ids, stable=True)
-        run_end = torch.ones(count, dtype=torch.bool, device=ids.device)
-        run_end[:-1] = sorted_ids[1:] != sorted_ids[:-1]
-        end_index = torch.where(run_end, positions, count)
-        end_index = end_index.flip(0).cummin(0).values.flip(0)  # the next run end at or after
-        last_position = torch.empty_like(order).scatter_(0, order, order[end_index])
-        values = new_log_u[last_position].to(self.log_u.dtype)
-        # One count per distinct id that had never been visited.
-        first_visits = (run_end & ~torch.isfinite(old_log_u[order, 0])).sum()
-        if self._layout[1] == 1:
-            rows = ids
-        else:
-            owned, rows = self._owned_rows(ids)
-            # An id of another shard writes nothing: it is redirected to the row (and value) of
-            # one owned position, or to row 0 with row 0's current value when none is owned.
-            anchor = torch.argmax(owned.to(torch.uint8))
-            anchor_owned = owned[anchor]
-            anchor_row = torch.where(anchor_owned, rows[anchor], torch.zeros_like(rows[anchor]))
-            anchor_value = torch.where(anchor_owned, values[anchor], self.log_u[0])
-            rows = torch.where(owned, rows, anchor_row)
-            values = torch.where(owned[:, None], values, anchor_value)
-        if self._undo is None:  # a write outside forward (tests, tools)
-            self._undo = {"draws": self._unstepped_draws}
-        self._undo.update(rows=rows, previous=self.log_u[rows],
-                          visited=self.visited.clone())
-        self.log_u.index_put_((rows,), values)
-        self.visited += first_visits
-
-    def rollback(self) -> None:
-        """Undo the last forward: restore the buffer rows it wrote (their previous values, read
-        before the write), the visit count and the ``sample`` draw counter."""
-        undo, self._undo = self._undo, None
-        if undo is None:
-            return
-        self._unstepped_draws = undo["draws"]
-        if "rows" in undo:
-            with torch.no_grad():
-                # Repeated rows carry the same previous value, so the restore is deterministic.
-                self.log_u.index_put_((undo["rows"],), undo["previous"])
-                self.visited.copy_(undo["visited"])
+        """Fraction of the id space visited at least once (a 0-dim tensor on the device)."""
+        return self.buffer.coverage()
 
     def _global_ids(self, batch: PairBatch) -> Tensor:
         if batch.sample_ids is None:
@@ -295,26 +223,21 @@ class DeCLLoss(ContrastiveLoss):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.needs_sample_ids and self._layout[1] > 1:
-            destination[prefix + "log_u"] = self.full_buffer()
+        if self.buffer is not None:
+            self.buffer.save_full(destination, prefix)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         key = prefix + "log_u"
-        if not (self.needs_sample_ids and key in state_dict):
+        if self.buffer is None or key not in state_dict:
             return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                                  missing_keys, unexpected_keys, error_msgs)
         full = state_dict[key]
-        if tuple(full.shape) != (self.id_space, 2):
-            error_msgs.append(f"decl: checkpoint buffer {key} has shape {tuple(full.shape)}, but "
-                              f"this loss has id_space {self.id_space} (expected "
-                              f"({self.id_space}, 2))")
+        try:
+            state_dict[key] = self.buffer.local_part(full, key)
+        except ValueError as error:
+            error_msgs.append(str(error))
             return
-        self._ensure_layout()
-        start, length = self._shard_start(), self.log_u.shape[0]
-        shard = full.new_full((length, 2), -math.inf)
-        shard[:max(0, min(length, self.id_space - start))] = full[start:start + length]
-        state_dict[key] = shard
         try:
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                           unexpected_keys, error_msgs)
@@ -323,18 +246,20 @@ class DeCLLoss(ContrastiveLoss):
 
     # ---- the loss ---------------------------------------------------------------------------
 
-    def prepare(self, batch: PairBatch) -> dict:
+    def prepare(self, batch: PairBatch) -> DeCLStep:
         self._undo = {"draws": self._unstepped_draws}
+        if self.buffer is not None:
+            self.buffer.undo = None  # only this forward's writes are undone by rollback()
         estimator = self.estimator if self.training else "batch"
-        state = {"lambda": self.schedule_weight(batch.step), "estimator": estimator}
+        state = DeCLStep(weight=self.schedule_weight(batch.step), estimator=estimator)
         if estimator == "buffer":
-            self._ensure_layout()
-            state["ids"] = self._global_ids(batch)
-            state["old_log_u"] = self._lookup(state["ids"])
+            self.buffer.ensure_layout()
+            state.ids = self._global_ids(batch)
+            state.old_log_u = self.buffer.lookup(state.ids)
         elif estimator == "momentum":
-            state["log_u"] = self.momentum_log_means(batch)
+            state.log_u = self.momentum_log_means(batch)
         if self.u_mode == "sample":
-            state["noise"] = self.exponential_noise(batch)
+            state.noise = self.exponential_noise(batch)
         return state
 
     @torch.no_grad()
@@ -361,15 +286,15 @@ class DeCLLoss(ContrastiveLoss):
             columns.append(torch.cat(parts) - math.log(batch.num_negatives))
         return torch.stack(columns, dim=1)
 
-    def row_context(self, batch: PairBatch, direction: str, state: dict) -> DeCLRows:
+    def row_context(self, batch: PairBatch, direction: str, state: DeCLStep) -> DeCLRows:
         column = 0 if direction == IMAGE_TO_TEXT else 1
         context = DeCLRows()
-        if state["estimator"] == "buffer":
-            context.old_log_u = batch.local_rows(state["old_log_u"])[:, column]
-        elif state["estimator"] == "momentum":
-            context.log_u = state["log_u"][:, column]
-        if "noise" in state:
-            context.noise = state["noise"][:, column]
+        if state.estimator == "buffer":
+            context.old_log_u = batch.local_rows(state.old_log_u)[:, column]
+        elif state.estimator == "momentum":
+            context.log_u = state.log_u[:, column]
+        if state.noise is not None:
+            context.noise = state.noise[:, column]
         return context
 
     def row_statistic(self) -> LogSumExp:
@@ -394,10 +319,10 @@ class DeCLLoss(ContrastiveLoss):
         return {"loss_1": u_times_mean - positive, "loss_2": negative - positive,
                 "log_u": log_u.detach(), "U": inverse_rate.detach()}
 
-    def reduce(self, batch: PairBatch, terms: list[dict[str, Tensor]], state: dict) -> dict:
+    def reduce(self, batch: PairBatch, terms: list[dict[str, Tensor]], state: DeCLStep) -> dict:
         loss_1 = torch.stack([t["loss_1"].mean() for t in terms]).mean()
         loss_2 = torch.stack([t["loss_2"].mean() for t in terms]).mean()
-        weight = state["lambda"]
+        weight = state.weight
         if weight == 1.0:
             loss = loss_1
         elif weight == 0.0:
@@ -407,9 +332,9 @@ class DeCLLoss(ContrastiveLoss):
         result = {"loss": loss, "loss_1": loss_1.detach(), "loss_2": loss_2.detach(),
                   "lambda": weight,
                   "U": torch.cat([t["U"] for t in terms]).detach().mean().float()}
-        if state["estimator"] == "buffer":
+        if state.estimator == "buffer":
             new_log_u = torch.stack([terms[0]["log_u"], terms[1]["log_u"]], dim=1).detach()
-            self._write(state["ids"], gather_no_grad(new_log_u), state["old_log_u"])
+            self.buffer.write(state.ids, gather_no_grad(new_log_u), state.old_log_u)
             result["buffer_coverage"] = self.buffer_coverage()
         return result
 

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from vlcontrast.distributed import gather_no_grad
 from vlcontrast.losses.base import PairBatch
-from vlcontrast.losses.decl import DeCLLoss, DeCLRows
+from vlcontrast.losses.decl import DeCLLoss, DeCLRows, DeCLStep
 from vlcontrast.losses.registry import register_loss
 
 TEMPERATURES = ("fixed", "global")
@@ -100,10 +100,10 @@ class FastCLIPLoss(DeCLLoss):
     def scale(self, batch: PairBatch) -> Tensor:
         return batch.logit_scale.detach() if self.temperature == "fixed" else batch.logit_scale
 
-    def prepare(self, batch: PairBatch) -> dict:
+    def prepare(self, batch: PairBatch) -> DeCLStep:
         self._gamma_now = self.gamma_at(batch.step)
         state = super().prepare(batch)
-        state["scale"] = self.scale(batch)
+        state.scale = self.scale(batch)
         return state
 
     def update_rule(self, log_u_old: Tensor, log_mean: Tensor) -> Tensor:
@@ -116,10 +116,11 @@ class FastCLIPLoss(DeCLLoss):
         usable = torch.isfinite(log_u_old) & torch.isfinite(blended)
         return torch.where(usable, blended, log_mean)
 
-    def row_context(self, batch: PairBatch, direction: str, state: dict) -> GlobalContrastiveRows:
+    def row_context(self, batch: PairBatch, direction: str,
+                    state: DeCLStep) -> GlobalContrastiveRows:
         base = super().row_context(batch, direction, state)
         return GlobalContrastiveRows(old_log_u=base.old_log_u, log_u=base.log_u,
-                                     tau=1.0 / state["scale"])
+                                     tau=1.0 / state.scale)
 
     def log_g(self, negative: Tensor, positive: Tensor, num_negatives: int) -> Tensor:
         """``log g_i`` from the rows' ``logsumexp_{j != i} L_ij`` and ``L_ii``."""
@@ -140,14 +141,14 @@ class FastCLIPLoss(DeCLLoss):
             surrogate = surrogate + tau * (log_u.detach() + self.rho)
         return {"loss": surrogate, "objective": (tau * log_u).detach(), "log_u": log_u.detach()}
 
-    def reduce(self, batch: PairBatch, terms: list[dict[str, Tensor]], state: dict) -> dict:
+    def reduce(self, batch: PairBatch, terms: list[dict[str, Tensor]], state: DeCLStep) -> dict:
         loss = torch.stack([t["loss"].mean() for t in terms]).mean()
         result = {"loss": loss,
                   "objective": torch.stack([t["objective"].mean() for t in terms]).mean(),
                   "gamma": self._gamma_now}
-        if state["estimator"] == "buffer":
+        if state.estimator == "buffer":
             new_log_u = torch.stack([terms[0]["log_u"], terms[1]["log_u"]], dim=1).detach()
-            self._write(state["ids"], gather_no_grad(new_log_u), state["old_log_u"])
+            self.buffer.write(state.ids, gather_no_grad(new_log_u), state.old_log_u)
             result["buffer_coverage"] = self.buffer_coverage()
         return result
 
