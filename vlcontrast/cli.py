@@ -115,7 +115,14 @@ def _cmd_prep(args) -> int:
                                     resize_mode=args.resize_mode,
                                     encode_quality=args.encode_quality,
                                     shard_size=args.shard_size,
-                                    max_image_pixels=args.max_image_pixels, **common)
+                                    max_image_pixels=args.max_image_pixels,
+                                    val_fraction=args.val_fraction, **common)
+            if args.val_fraction:
+                for split, part in report.items():
+                    print(f"{split}: {summary(part)}", file=sys.stderr)
+                print(json.dumps({split: {k: v for k, v in part.items() if k != "shards"}
+                                  for split, part in report.items()}, indent=2))
+                return 0
         elif args.what == "csv":
             from vlcontrast.data.prep.table import prepare_table
 
@@ -344,6 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --caption-from name: fields {name} (cleaned file name), "
                         "{category} (its folder), {path} (all folders), e.g. "
                         "'{name}, {category} clip art'")
+    folder.add_argument("--val-fraction", type=float, default=0.0,
+                        help="hold out about this fraction of the images (chosen per file by a "
+                             "hash of its path) and write OUT/train and OUT/val")
     folder.add_argument("--keep-author", action="store_true",
                         help="with --caption-from name: keep author names at the end of file "
                         "names (openclipart's title_first_last_01)")

@@ -205,12 +205,17 @@ class OptimConfig:
     """Global gradient-norm clip (0: off)."""
     min_lr: float = 0.0
     """Floor of the cosine schedule."""
+    temperature_lr: float = 0.0
+    """Peak learning rate of ``logit_scale`` and ``logit_bias`` (0: ``lr``), on the same schedule
+    (FastCLIP-v3's separate temperature rate, for ``loss.temperature=global``)."""
 
     def check(self) -> None:
         _require(self.lr > 0, "optim.lr", self.lr, "must be > 0")
         _require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be >= 0")
         _require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "must be >= 0")
         _require(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, "must be >= 0")
+        _require(self.temperature_lr >= 0, "optim.temperature_lr", self.temperature_lr,
+                 "must be >= 0 (0: the same rate as optim.lr)")
 
 
 @dataclass

@@ -215,3 +215,26 @@ def test_csv_of_urls_goes_through_img2dataset(tmp_path, image_server):
     assert report["table_skipped"] == {"empty_caption": 1}
     captions = sorted(m["txt"].decode() for _, m in samples(tmp_path / "out"))
     assert captions == ["a green photo", "a red photo, with a comma"]
+
+
+def test_prep_folder_val_fraction_holds_out_a_stable_hash_split(tmp_path):
+    from PIL import Image
+
+    from vlcontrast.data.prep.folder import held_out, prepare_folder
+    from vlcontrast.errors import DataPrepError
+
+    root = tmp_path / "art"
+    for i in range(40):
+        path = root / ("animals" if i % 2 else "plants") / f"thing_{i}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (8, 8), (i, 2 * i, 3 * i)).save(path)
+    report = prepare_folder(root, tmp_path / "out", caption_from="name", val_fraction=0.25,
+                            workers=1, progress=False)
+    expected_val = sum(held_out(p.relative_to(root).as_posix(), 0.25) for p in root.rglob("*.png"))
+    assert 0 < expected_val < 40
+    assert report["val"]["num_samples"] == expected_val
+    assert report["train"]["num_samples"] == 40 - expected_val
+    assert (tmp_path / "out" / "train" / "manifest.json").is_file()
+    assert (tmp_path / "out" / "val" / "manifest.json").is_file()
+    with pytest.raises(DataPrepError, match="--val-fraction=1.5"):
+        prepare_folder(root, tmp_path / "bad", caption_from="name", val_fraction=1.5)

@@ -49,6 +49,8 @@ CASES = [
     ("fastclip-global-cosine", "fastclip", {"temperature": "global", "gamma_schedule": "cosine",
                                             "gamma_decay_steps": 2, "gamma": 0.3}, 0, 3),
     ("fastclip-sharded-chunked", "fastclip", {"gamma": 0.5, "shard_buffer": True}, 2, 3),
+    ("fastclip-individual-sharded-chunked", "fastclip",
+     {"temperature": "individual", "gamma": 0.5, "tau_lr": 0.05, "shard_buffer": True}, 2, 3),
 ]
 RESUME_OPTIONS = {"gamma": 0.6, "shard_buffer": True, "schedule": "loss1"}
 

@@ -77,11 +77,11 @@ def reference_steps(steps, gammas, temperature="fixed", u=None):
     return records
 
 
-def assert_same_records(got, expected):
+def assert_same_records(got, expected, rtol=1e-6, atol=1e-9):
     for step, (a, b) in enumerate(zip(got, expected), start=1):
         for x, y in zip(a, b):
             # u is stored in float32 (the buffer), the reference keeps float64.
-            torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-9, msg=f"step {step}")
+            torch.testing.assert_close(x, y, rtol=rtol, atol=atol, msg=f"step {step}")
 
 
 CASES = [
@@ -181,8 +181,10 @@ def test_a_non_finite_u_is_reset_to_the_batch_estimate():
 def test_options_are_checked_with_the_fix():
     with pytest.raises(ValueError, match="gamma_schedule='cosine' needs gamma_decay_steps"):
         build_loss("fastclip", gamma_schedule="cosine")
-    with pytest.raises(ValueError, match="temperature='individual'"):
-        build_loss("fastclip", temperature="individual")
+    with pytest.raises(ValueError, match="tau_init=2.0 is outside"):
+        build_loss("fastclip", temperature="individual", tau_init=2.0)
+    with pytest.raises(ValueError, match="tau_min < tau_max"):
+        build_loss("fastclip", temperature="individual", tau_min=0.5, tau_max=0.1)
     with pytest.raises(ValueError, match="no option"):
         build_loss("sogclr", temperature="global")
 
@@ -203,3 +205,98 @@ def test_symmetric_under_swap_and_sensitive_to_pairing(name):
     torch.testing.assert_close(objective(text[permutation], image[permutation], ids[permutation]),
                                straight, rtol=1e-12, atol=1e-12)
     assert not torch.allclose(objective(image, text.roll(1, 0), ids), straight)
+
+
+# ---- individual temperatures (iSogCLR / FastCLIP-v2) ---------------------------------------------
+
+BETA_1, BETA_2, EPS = 0.9, 0.999, 1e-8
+
+
+def reference_individual_step(image, text, ids, state, gamma, rho, tau_lr, tau_init,
+                              tau_min=0.01, tau_max=1.0):
+    """One step with a temperature per sample and direction, written from the paper's formulas:
+    ``state[id][column] = [u, tau, m, v, visits]`` (Python floats), updated in place."""
+    terms = []
+    updates = {}
+    for column, (anchors, candidates) in enumerate(((image, text), (text, image))):
+        cosines = anchors @ candidates.T
+        n = cosines.shape[0]
+        surrogate = []
+        for i, sample in enumerate(ids):
+            u_old, tau, m, v, visits = state.get(sample, {}).get(column,
+                                                                 [None, tau_init, 0.0, 0.0, 0])
+            d = torch.cat([cosines[i, :i], cosines[i, i + 1:]]) - cosines[i, i]
+            g = torch.exp(d / tau).sum() / (n - 1)
+            estimate = float(g.detach())
+            u = estimate if u_old is None else (1 - gamma) * u_old + gamma * estimate
+            surrogate.append(tau * g / u)
+            # d/dtau [tau log g(tau)] with g estimated by u: log u + tau g'(tau) / u.
+            dg_dtau = float((torch.exp(d / tau) * (-d / tau ** 2)).sum().detach()) / (n - 1)
+            grad = min(5.0, max(-5.0, math.log(u) + rho + tau * dg_dtau / u))
+            m = BETA_1 * m + (1 - BETA_1) * grad
+            v = BETA_2 * v + (1 - BETA_2) * grad ** 2
+            visits += 1
+            step = (m / (1 - BETA_1 ** visits)) / (math.sqrt(v / (1 - BETA_2 ** visits)) + EPS)
+            new_tau = min(tau_max, max(tau_min, tau - tau_lr * step))
+            updates.setdefault(sample, {})[column] = [u, new_tau, m, v, visits]
+        terms.append(torch.stack(surrogate).mean())
+    for sample, columns in updates.items():
+        state.setdefault(sample, {}).update(columns)
+    return (terms[0] + terms[1]) / 2
+
+
+INDIVIDUAL = {"temperature": "individual", "gamma": 0.5, "tau_lr": 0.005, "rho": 0.5}
+
+
+@pytest.mark.parametrize("chunk_size", [0, 4])
+@pytest.mark.parametrize("tau_init", [0.0, 0.2])
+def test_individual_temperatures_follow_the_papers_update(tau_init, chunk_size):
+    steps = batches()
+    loss_fn = build_loss("fastclip", chunk_size=chunk_size, id_space=12, tau_init=tau_init,
+                         **INDIVIDUAL)
+    got = vlcontrast_steps(loss_fn, steps)
+    state: dict = {}
+    expected = []
+    for image, text, ids in steps:
+        image, text = image.clone().requires_grad_(), text.clone().requires_grad_()
+        loss = reference_individual_step(image, text, ids, state, 0.5, 0.5, 0.005,
+                                         tau_init or 1.0 / SCALE)
+        grads = torch.autograd.grad(loss, (image, text))
+        expected.append((loss.detach(), *grads, torch.zeros(())))
+    # The temperatures are stored in float32 (the buffer) and scale every logit of their row.
+    assert_same_records(got, expected, rtol=1e-5, atol=1e-8)
+    for sample, columns in state.items():  # the temperatures, moments and visits in the buffer
+        for column, (u, tau, m, v, visits) in columns.items():
+            row = loss_fn.log_u[sample].double()
+            torch.testing.assert_close(row[column].exp(), torch.tensor(u, dtype=torch.float64),
+                                       rtol=1e-6, atol=0)
+            torch.testing.assert_close(row[[2 + column, 4 + column, 6 + column, 8]],
+                                       torch.tensor([tau, m, v, visits], dtype=torch.float64),
+                                       rtol=1e-5, atol=1e-7)
+    taus = loss_fn.log_u[:, 2:4]
+    assert taus.std() > 0  # the temperatures moved apart, inside their bounds
+    assert ((taus > 0.01) & (taus < 1.0)).all()
+
+
+def test_individual_temperatures_resume_and_roll_back_exactly():
+    steps = batches()
+    straight = vlcontrast_steps(build_loss("fastclip", id_space=12, **INDIVIDUAL), steps)
+    first = build_loss("fastclip", id_space=12, **INDIVIDUAL)
+    vlcontrast_steps(first, steps[:2])
+    before = first.log_u.clone()
+    vlcontrast_steps(first, steps[2:3], first_step=3)  # a step that is then skipped
+    first.rollback()
+    assert torch.equal(first.log_u, before)
+    resumed = build_loss("fastclip", id_space=12, **INDIVIDUAL)
+    resumed.load_state_dict({key: value.clone() for key, value in first.state_dict().items()})
+    assert_same_records(vlcontrast_steps(resumed, steps[2:], first_step=3), straight[2:])
+
+
+def test_individual_temperatures_in_eval_mode_use_the_models_temperature():
+    image, text = references.random_pairs(6, 8, seed=9)
+    scale = torch.tensor(SCALE, dtype=torch.float64)
+    individual = build_loss("fastclip", id_space=12, **INDIVIDUAL).eval()
+    fixed = build_loss("fastclip", id_space=12, gamma=0.5).eval()
+    torch.testing.assert_close(individual(image, text, scale)["loss"],
+                               fixed(image, text, scale)["loss"])
+    assert not torch.isfinite(individual.log_u).any()  # nothing written in eval mode

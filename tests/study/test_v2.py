@@ -2,7 +2,7 @@
 step rules, batch sizes, settings, sweeps, comparisons, budget); v1's config and fingerprints are
 untouched; the clip-art split rule; the cells of each stage, their overrides and fingerprints;
 the choice on the validation split; the report's tested family, learns check, figure and
-recommendation from stand-in results; SigLIP's warm start; and one tiny real v2 study end to end
+recommendation from made-up results; SigLIP's warm start; and one tiny real v2 study end to end
 (a start, its feature cache, a sweep, the selection, final cells, the report, a rerun that runs
 nothing)."""
 
@@ -18,22 +18,15 @@ from vlcontrast.config import ConfigError, load_config
 from vlcontrast.study import cell_fingerprint, grid_cells, load_study_config
 from vlcontrast.study.cells import read_result
 
-from tests.study import helpers as study_v2_standins
-
 ROOT = Path(__file__).resolve().parents[2]
 V2 = ROOT / "configs" / "study" / "v2.yaml"
-
-
-@pytest.fixture
-def standins(monkeypatch):
-    study_v2_standins.register(monkeypatch)
 
 
 def _v2(**overrides):
     return load_study_config(V2, [f"{k}={v}" for k, v in overrides.items()])
 
 
-def test_the_v2_config_is_the_pre_registered_design(standins):
+def test_the_v2_config_is_the_pre_registered_design():
     from vlcontrast.study.design import arm_steps, arms, batch_steps, settings, warmup_steps
     from vlcontrast.study.report_v2 import planned_family_size
 
@@ -63,7 +56,7 @@ def test_the_v2_config_is_the_pre_registered_design(standins):
     assert config.starts.count >= 2
 
 
-def test_the_v2_plan_fits_the_budget(standins):
+def test_the_v2_plan_fits_the_budget():
     from vlcontrast.study.budget import study_cost
 
     config = _v2()
@@ -72,9 +65,11 @@ def test_the_v2_plan_fits_the_budget(standins):
     assert cost["parts"]["final"][0] == 9 * 2 * 9 * len(config.grid.seeds)
 
 
-def test_v2_needs_the_merged_losses_and_says_so():
+def test_a_setting_names_a_registered_loss_and_its_real_options():
     with pytest.raises(ConfigError, match="settings.sogclr.loss"):
-        load_study_config(V2)
+        load_study_config(V2, ["settings.sogclr.loss=sogclr2"])
+    with pytest.raises(ConfigError, match="gamma_schedule"):  # SogCLR's gamma is constant
+        load_study_config(V2, ["settings.sogclr.sweep.gamma_schedule=[constant,cosine]"])
 
 
 @pytest.mark.parametrize("change, message", [
@@ -85,7 +80,7 @@ def test_v2_needs_the_merged_losses_and_says_so():
     (["datasets.synthetic.test_seed=0"], "test_seed"),
     (["arms.samples.steps=10"], "set exactly one of steps and samples"),
 ])
-def test_bad_v2_configs_are_errors_naming_the_key(standins, change, message):
+def test_bad_v2_configs_are_errors_naming_the_key(change, message):
     with pytest.raises(ConfigError, match=message):
         load_study_config(V2, change)
 
@@ -124,7 +119,7 @@ def test_the_split_rule_is_a_function_of_the_file_name(tmp_path):
     assert all(after[k] == v for k, v in before.items())
 
 
-def test_v2_cells_overrides_and_fingerprints(standins):
+def test_v2_cells_overrides_and_fingerprints():
     from vlcontrast.study.design import (cell_fingerprint_v2, cell_overrides_v2, final_cells,
                                          selection_key, sweep_hyper_cells, sweep_lr_cells)
 
@@ -135,7 +130,7 @@ def test_v2_cells_overrides_and_fingerprints(standins):
     assert all(c.split == "val" and c.seed == 100 and c.start == 100 % 3 for c in lr_cells)
     chosen = {(c.dataset, c.setting, c.global_batch, c.steps): 1.0 for c in lr_cells}
     hyper = sweep_hyper_cells(config, chosen)
-    assert len(hyper) == 2 * 9 * (3 + 2 + 3 + 3 + 3)
+    assert len(hyper) == 2 * 9 * (3 + 2 + 1 + 3 + 3)  # grid combinations besides the default
     selected = {"chosen": {selection_key(c.dataset, c.setting, c.global_batch, c.steps):
                            {"lr_factor": 2.0, "options": c.options} for c in lr_cells}}
     finals = final_cells(config, selected)
@@ -169,7 +164,7 @@ def _fake_result(config, cell, value: float, zs: float = 0.3):
                                 "last": {"mean_R@1": value, "zeroshot/top1": zs}}))
 
 
-def _small(tmp_path, standins_unused=None, **extra):
+def _small(tmp_path, **extra):
     values = yaml.safe_load(V2.read_text())
     values.update({"output_dir": str(tmp_path / "runs"), "results_dir": str(tmp_path / "res" / "cells"),
                    "report_dir": str(tmp_path / "res")})
@@ -180,7 +175,7 @@ def _small(tmp_path, standins_unused=None, **extra):
     return load_study_config(path)
 
 
-def test_the_choice_is_made_on_validation_and_recorded(standins, tmp_path):
+def test_the_choice_is_made_on_validation_and_recorded(tmp_path):
     from vlcontrast.study.design import sweep_hyper_cells, sweep_lr_cells
     from vlcontrast.study.v2 import choose_lr, write_selection
 
@@ -200,7 +195,7 @@ def test_the_choice_is_made_on_validation_and_recorded(standins, tmp_path):
     assert json.loads(Path(config.sweep.selected).read_text())["chosen"].keys() == record["chosen"].keys()
 
 
-def test_report_family_learns_check_figure_and_recommendation(standins, tmp_path):
+def test_report_family_learns_check_figure_and_recommendation(tmp_path):
     from vlcontrast.study.design import final_cells, selection_key, sweep_lr_cells
     from vlcontrast.study.report_v2 import write_report_v2
 

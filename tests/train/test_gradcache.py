@@ -107,18 +107,22 @@ def _run(engine, loss_fn, batches, k):
 def _losses():
     from vlcontrast.losses import LOSSES
 
-    return sorted(LOSSES)
+    return sorted(LOSSES) + ["fastclip-individual"]
+
+
+VARIANTS = {"fastclip-individual": ("fastclip", {"temperature": "individual", "tau_lr": 0.01})}
 
 
 @pytest.mark.parametrize("name", _losses())
 def test_accumulated_micro_batches_give_the_large_batch_gradient(name, process_group, tiny_models):
     from vlcontrast.losses import build_loss
 
+    name, options = VARIANTS.get(name, (name, {}))
     model = tiny_models[name == "siglip"]
     # DeCL: two steps, so its alternating schedule and its buffer move between them.
     buffered = name in ("decl", "sogclr", "fastclip")
     batches = [_batch(seed) for seed in ((1, 2) if buffered else (1,))]
-    losses = {k: build_loss(name, id_space=1000).to(rank_device()) for k in (1, K)}
+    losses = {k: build_loss(name, id_space=1000, **options).to(rank_device()) for k in (1, K)}
     grads = {}
     for k, loss_fn in losses.items():
         grads[k], final_loss = _run(_engine(model, BATCH // k, k), loss_fn, batches, k)

@@ -90,12 +90,15 @@ class RowContext:
     """What one direction's anchor rows need besides their logits: per-anchor tensors ``[B_local]``.
 
     ``offset`` (optional) is added to every logit of row ``i`` before the statistic (SigLIP's bias);
-    the base applies it in dense and chunked mode and returns its gradient. A loss that needs more
+    the base applies it in dense and chunked mode and returns its gradient. ``row_scale``
+    (optional, no gradient) multiplies row ``i``'s logits, its positive included, on top of the
+    loss's scale: a temperature per anchor (FastCLIP's individual temperatures). A loss that needs more
     (DCLW's weights, DeCL's rate estimates) subclasses this dataclass with typed fields of its own
     and returns an instance from :meth:`ContrastiveLoss.row_context`.
     """
 
     offset: Tensor | None = None
+    row_scale: Tensor | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -315,6 +318,12 @@ class ContrastiveLoss(nn.Module):
         """
         statistic = self.row_statistic()
         rows = anchors.shape[0]
+        if context.row_scale is not None:
+            # Scaling the anchors scales their rows' logits: L_ij = r_i * s * <a_i, c_j>.
+            row_scale = context.row_scale.detach()
+            anchors = anchors * row_scale.to(anchors.dtype)[:, None]
+            if positive is not None:
+                positive = positive * row_scale.to(positive.dtype)
         if self.chunk_size == 0 or self.chunk_size >= rows:
             positives = torch.arange(first_positive, first_positive + rows, device=anchors.device)
             scaled = scale * anchors

@@ -15,6 +15,18 @@ estimator of FastCLIP and SogCLR. ``tau_d`` is ``tau`` detached. The bracket is 
 ``temperature="fixed"`` uses the model's ``logit_scale`` without gradient (set it with
 ``model.init_logit_scale``).
 
+``temperature="individual"`` (iSogCLR, FastCLIP-v2): a temperature ``tau_i`` per sample and
+direction, stored in the buffer beside ``u`` (so sharded, checkpointed and rolled back with it),
+starting at ``tau_init`` (0: the model's ``1 / logit_scale`` at the first visit). Row ``i``'s
+logits use ``tau_i``; the features' surrogate is ``tau_i * g_i / u_i`` (``tau_i`` a constant), and
+after the step ``tau_i`` takes one Adam step on the gradient of ``tau_i * log u_i + tau_i * rho``::
+
+    grad_i = log u_i + rho - (g_i / u_i) * (sum_j w_ij L_ij - L_ii)      w_i. = softmax over j != i
+
+clipped to ``[-5, 5]``, with Adam's moments per sample and direction (bias-corrected by the
+sample's own number of visits), learning rate ``tau_lr``, and ``tau_i`` kept in
+``[tau_min, tau_max]``. ``sum_j w_ij L_ij`` costs one extra no-grad matmul per direction.
+
 ``gamma_t``: constant, or FastCLIP's cosine decay from 1 to ``gamma`` over ``gamma_decay_steps``
 optimizer steps, ``gamma`` afterwards. ``u`` lives in the per-sample log-space buffer DeCL uses
 (replicated or sharded by id, checkpointed, restored by ``rollback`` on a skipped step); a
@@ -34,19 +46,32 @@ import torch
 from torch import Tensor
 
 from vlcontrast.distributed import gather_no_grad
-from vlcontrast.losses.base import PairBatch
+from vlcontrast.losses.base import IMAGE_TO_TEXT, PairBatch, fill_positives_, row_dtype
+from vlcontrast.losses.buffer import SampleBuffer
 from vlcontrast.losses.decl import DeCLLoss, DeCLRows, DeCLStep
 from vlcontrast.losses.registry import register_loss
 
-TEMPERATURES = ("fixed", "global")
+TEMPERATURES = ("fixed", "global", "individual")
+# Individual temperatures: the buffer's columns (per direction: i2t, t2i) and Adam's constants.
+LOG_U, TAU, MOMENT_1, MOMENT_2, VISITS = (0, 1), (2, 3), (4, 5), (6, 7), 8
+INDIVIDUAL_COLUMNS = 9
+TAU_BETAS = (0.9, 0.999)
+TAU_EPS = 1e-8
+TAU_GRAD_CLIP = 5.0
 GAMMA_SCHEDULES = ("constant", "cosine")
 
 
 @dataclass(kw_only=True)
 class GlobalContrastiveRows(DeCLRows):
-    """The rows of one direction: the buffer's old ``log u`` and the step's temperature."""
+    """The rows of one direction: the buffer's old ``log u`` and the step's temperature; with
+    individual temperatures also each row's Adam state (``moment_1``, ``moment_2``, ``visits``)
+    and ``mean_negative`` (``sum_j w_ij L_ij`` over the negatives, no gradient)."""
 
     tau: Tensor | None = None
+    moment_1: Tensor | None = None
+    moment_2: Tensor | None = None
+    visits: Tensor | None = None
+    mean_negative: Tensor | None = None
 
 
 @register_loss
@@ -60,10 +85,15 @@ class FastCLIPLoss(DeCLLoss):
             ``gamma_decay_steps`` optimizer steps).
         gamma_decay_steps: length of the cosine decay in optimizer steps (FastCLIP's
             ``gamma_decay_epochs`` times the steps per epoch).
-        temperature: ``fixed`` (the model's ``logit_scale``, not trained) or ``global`` (one
-            learnable temperature, FastCLIP-v3's objective with ``rho``).
-        rho: FastCLIP-v3's ``rho`` (global temperature only).
-        shard_buffer: shard ``u`` by sample id across ranks.
+        temperature: ``fixed`` (the model's ``logit_scale``, not trained), ``global`` (one
+            learnable temperature, FastCLIP-v3's objective with ``rho``; its learning rate is
+            ``optim.temperature_lr``) or ``individual`` (one per sample and direction, iSogCLR /
+            FastCLIP-v2, trained inside the loss with ``tau_lr``).
+        rho: the ``rho`` of the temperature's objective (global and individual).
+        tau_init: first temperature of every sample (individual; 0: ``1 / logit_scale``).
+        tau_lr: Adam learning rate of the individual temperatures.
+        tau_min, tau_max: bounds of the individual temperatures.
+        shard_buffer: shard ``u`` (and individual temperatures) by sample id across ranks.
     """
 
     name = "fastclip"
@@ -71,24 +101,44 @@ class FastCLIPLoss(DeCLLoss):
     def __init__(self, gamma: float = 0.8,
                  gamma_schedule: Literal["constant", "cosine"] = "constant",
                  gamma_decay_steps: int = 0,
-                 temperature: Literal["fixed", "global"] = "fixed", rho: float = 8.5,
+                 temperature: Literal["fixed", "global", "individual"] = "fixed",
+                 rho: float = 8.5, tau_init: float = 0.0, tau_lr: float = 0.01,
+                 tau_min: float = 0.01, tau_max: float = 1.0,
                  shard_buffer: bool = False, *, chunk_size: int = 0, id_space: int = 0):
         if gamma_schedule not in GAMMA_SCHEDULES:
             raise ValueError(f"{self.name}: gamma_schedule={gamma_schedule!r} is not one of "
                              f"{list(GAMMA_SCHEDULES)}")
         if temperature not in TEMPERATURES:
             raise ValueError(f"{self.name}: temperature={temperature!r} is not one of "
-                             f"{list(TEMPERATURES)} (per-sample temperatures are not built yet)")
+                             f"{list(TEMPERATURES)}")
         if gamma_schedule == "cosine" and gamma_decay_steps < 1:
             raise ValueError(f"{self.name}: gamma_schedule='cosine' needs gamma_decay_steps >= 1 "
                              f"(got {gamma_decay_steps})")
+        if not 0 < tau_min < tau_max:
+            raise ValueError(f"{self.name}: need 0 < tau_min < tau_max (got {tau_min}, {tau_max})")
+        if tau_init and not tau_min <= tau_init <= tau_max:
+            raise ValueError(f"{self.name}: tau_init={tau_init} is outside [tau_min, tau_max] = "
+                             f"[{tau_min}, {tau_max}] (0: start at the model's temperature)")
+        if tau_lr < 0:
+            raise ValueError(f"{self.name}: tau_lr must be >= 0, got {tau_lr}")
         super().__init__(estimator="buffer", u_mode="mean", gamma=gamma, schedule="loss1",
                          shard_buffer=shard_buffer, chunk_size=chunk_size, id_space=id_space)
         self.gamma_schedule = gamma_schedule
         self.gamma_decay_steps = int(gamma_decay_steps)
         self.temperature = temperature
         self.rho = float(rho)
+        self.tau_init, self.tau_lr = float(tau_init), float(tau_lr)
+        self.tau_min, self.tau_max = float(tau_min), float(tau_max)
         self._gamma_now = self.gamma
+        if temperature == "individual":
+            # u and the temperatures' state share one buffer: one look-up, one write, one undo.
+            self.buffer = SampleBuffer(self, self.id_space, columns=INDIVIDUAL_COLUMNS,
+                                       shard=self.shard_buffer, name=self.name)
+
+    @property
+    def individual(self) -> bool:
+        """Per-sample temperatures in use (training mode; eval uses the model's temperature)."""
+        return self.temperature == "individual" and self.training
 
     def gamma_at(self, step: int | None) -> float:
         """``gamma_t`` of 1-based optimizer step ``step`` (the floor when unknown)."""
@@ -97,8 +147,10 @@ class FastCLIPLoss(DeCLLoss):
         progress = min(1.0, (step - 1) / self.gamma_decay_steps)
         return self.gamma + (1 - self.gamma) * 0.5 * (1 + math.cos(math.pi * progress))
 
-    def scale(self, batch: PairBatch) -> Tensor:
-        return batch.logit_scale.detach() if self.temperature == "fixed" else batch.logit_scale
+    def scale(self, batch: PairBatch) -> Tensor | float:
+        if self.individual:
+            return 1.0  # each row's own 1 / tau_i, see row_context
+        return batch.logit_scale if self.temperature == "global" else batch.logit_scale.detach()
 
     def prepare(self, batch: PairBatch) -> DeCLStep:
         self._gamma_now = self.gamma_at(batch.step)
@@ -119,8 +171,43 @@ class FastCLIPLoss(DeCLLoss):
     def row_context(self, batch: PairBatch, direction: str,
                     state: DeCLStep) -> GlobalContrastiveRows:
         base = super().row_context(batch, direction, state)
-        return GlobalContrastiveRows(old_log_u=base.old_log_u, log_u=base.log_u,
-                                     tau=1.0 / state.scale)
+        if not (self.individual and state.estimator == "buffer"):
+            return GlobalContrastiveRows(old_log_u=base.old_log_u, log_u=base.log_u,
+                                         tau=1.0 / state.scale)
+        column = 0 if direction == IMAGE_TO_TEXT else 1
+        old = batch.local_rows(state.old_log_u)
+        tau = old[:, TAU[column]]
+        seen = torch.isfinite(tau) & torch.isfinite(old[:, MOMENT_1[column]]) \
+            & torch.isfinite(old[:, MOMENT_2[column]]) & torch.isfinite(old[:, VISITS])
+        first = (self.tau_init if self.tau_init
+                 else (1.0 / batch.logit_scale.detach().to(tau.dtype)).clamp(self.tau_min,
+                                                                             self.tau_max))
+        zeros = torch.zeros_like(tau)
+        tau = torch.where(seen, tau, first)
+        rows = GlobalContrastiveRows(
+            old_log_u=base.old_log_u, tau=tau, row_scale=1.0 / tau,
+            moment_1=torch.where(seen, old[:, MOMENT_1[column]], zeros),
+            moment_2=torch.where(seen, old[:, MOMENT_2[column]], zeros),
+            visits=torch.where(seen, old[:, VISITS], zeros))
+        rows.mean_negative = self.mean_negative_logit(batch, direction, rows.row_scale)
+        return rows
+
+    @torch.no_grad()
+    def mean_negative_logit(self, batch: PairBatch, direction: str, row_scale: Tensor) -> Tensor:
+        """``sum_{j != i} w_ij L_ij`` with ``w_i. = softmax_{j != i}(L_i.)`` for the local anchors
+        (blocks of ``chunk_size`` rows when chunked)."""
+        anchors, candidates = batch.anchors_and_candidates(direction)
+        positives = batch.positives()
+        rows_per_block = self.chunk_size or batch.local_size
+        parts = []
+        for start in range(0, batch.local_size, rows_per_block):
+            block = slice(start, start + rows_per_block)
+            scaled = anchors[block] * row_scale[block].to(anchors.dtype)[:, None]
+            logits = (scaled @ candidates.T).to(row_dtype(anchors.dtype))
+            # The positive's weight is exactly 0 (softmax of -inf), so its finite logit adds 0.
+            weights = torch.softmax(fill_positives_(logits.clone(), positives[block]), dim=1)
+            parts.append((weights * logits).sum(1))
+        return torch.cat(parts)
 
     def log_g(self, negative: Tensor, positive: Tensor, num_negatives: int) -> Tensor:
         """``log g_i`` from the rows' ``logsumexp_{j != i} L_ij`` and ``L_ii``."""
@@ -136,10 +223,32 @@ class FastCLIPLoss(DeCLLoss):
         log_u = log_u.to(log_g.dtype)
         tau = context.tau.to(log_g.dtype)
         # g / u = exp(log g - log u): bounded by 1/gamma_t, never overflows.
-        surrogate = tau.detach() * torch.exp(log_g - log_u)
+        ratio = torch.exp(log_g - log_u)
+        surrogate = tau.detach() * ratio
         if self.temperature == "global":
             surrogate = surrogate + tau * (log_u.detach() + self.rho)
-        return {"loss": surrogate, "objective": (tau * log_u).detach(), "log_u": log_u.detach()}
+        terms = {"loss": surrogate, "objective": (tau * log_u).detach(), "log_u": log_u.detach()}
+        if context.mean_negative is not None:
+            terms.update(self.temperature_step(context, log_u.detach(), ratio.detach(),
+                                               positive.detach()))
+        return terms
+
+    def temperature_step(self, rows: GlobalContrastiveRows, log_u: Tensor, ratio: Tensor,
+                         positive: Tensor) -> dict[str, Tensor]:
+        """One Adam step of each row's ``tau_i`` on ``d/d tau_i (tau_i log u_i + tau_i rho)``."""
+        dtype = log_u.dtype
+        tau = rows.tau.to(dtype)
+        grad = log_u + self.rho - ratio * (rows.mean_negative.to(dtype) - positive.to(dtype))
+        grad = grad.clamp(-TAU_GRAD_CLIP, TAU_GRAD_CLIP)
+        beta_1, beta_2 = TAU_BETAS
+        moment_1 = beta_1 * rows.moment_1.to(dtype) + (1 - beta_1) * grad
+        moment_2 = beta_2 * rows.moment_2.to(dtype) + (1 - beta_2) * grad * grad
+        visits = rows.visits.to(dtype) + 1
+        step = (moment_1 / (1 - beta_1 ** visits)) / (
+            torch.sqrt(moment_2 / (1 - beta_2 ** visits)) + TAU_EPS)
+        new_tau = (tau - self.tau_lr * step).clamp(self.tau_min, self.tau_max)
+        return {"tau": new_tau, "moment_1": moment_1, "moment_2": moment_2, "visits": visits,
+                "tau_used": tau}
 
     def reduce(self, batch: PairBatch, terms: list[dict[str, Tensor]], state: DeCLStep) -> dict:
         loss = torch.stack([t["loss"].mean() for t in terms]).mean()
@@ -147,8 +256,14 @@ class FastCLIPLoss(DeCLLoss):
                   "objective": torch.stack([t["objective"].mean() for t in terms]).mean(),
                   "gamma": self._gamma_now}
         if state.estimator == "buffer":
-            new_log_u = torch.stack([terms[0]["log_u"], terms[1]["log_u"]], dim=1).detach()
-            self.buffer.write(state.ids, gather_no_grad(new_log_u), state.old_log_u)
+            columns = [terms[0]["log_u"], terms[1]["log_u"]]
+            if "tau" in terms[0]:
+                for key in ("tau", "moment_1", "moment_2"):
+                    columns += [terms[0][key], terms[1][key]]
+                columns.append(terms[0]["visits"])
+                result["temperature"] = torch.cat([t["tau_used"] for t in terms]).mean()
+            new_rows = torch.stack([c.to(torch.float32) for c in columns], dim=1).detach()
+            self.buffer.write(state.ids, gather_no_grad(new_rows), state.old_log_u)
             result["buffer_coverage"] = self.buffer_coverage()
         return result
 

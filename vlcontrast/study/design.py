@@ -240,6 +240,9 @@ def cell_overrides_v2(config: StudyConfig, cell: Cell2) -> list[str]:
         "train.stop_at_step=0",
         "logging.progress=false",
     ] + [f"loss.{key}={_value_tag(value)}" for key, value in sorted(cell.options.items())]
+    if cell.options.get("gamma_schedule") == "cosine" and "gamma_decay_steps" not in cell.options:
+        # FastCLIP's cosine gamma decays over part of the run; here the first half of the cell.
+        grid_values.append(f"loss.gamma_decay_steps={max(1, cell.steps // 2)}")
     return (data_overrides_v2(config, cell.dataset, cell.split) + list(config.overrides)
             + grid_values + list(config.cell_overrides.get(cell.setting, [])))
 

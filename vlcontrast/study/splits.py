@@ -12,18 +12,18 @@ which the zero-shot evaluation reads as ImageFolders (category = class).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
+
+from vlcontrast.data.prep.folder import hash_fraction
 
 SPLIT_RULE_VERSION = 1
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
 
 
 def split_of(relative_path: str, val_fraction: float, test_fraction: float) -> str:
-    digest = hashlib.sha256(relative_path.replace(os.sep, "/").encode()).digest()
-    u = int.from_bytes(digest[:8], "big") / 2**64
+    u = hash_fraction(relative_path)  # the rule of ``prep folder --val-fraction``
     if u < test_fraction:
         return "test"
     if u < test_fraction + val_fraction:

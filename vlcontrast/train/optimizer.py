@@ -44,20 +44,32 @@ class FiniteCheckedAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
-def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+def parameter_groups(model: torch.nn.Module, weight_decay: float,
+                     temperature_lr: float = 0.0) -> list[dict[str, Any]]:
+    """AdamW's groups: no weight decay for gains, biases and the logits' scale and bias, decay for
+    the rest; with ``temperature_lr > 0`` the logits' scale and bias get a group of their own with
+    that peak learning rate (FastCLIP-v3 trains its global temperature at its own rate)."""
+
+    def temperature(name: str) -> bool:
+        return "logit_scale" in name or "logit_bias" in name
+
     def exempt(name: str, param: torch.nn.Parameter) -> bool:
         return (param.ndim < 2 or "bn" in name or "ln" in name or "bias" in name
-                or "logit_scale" in name or "logit_bias" in name)
+                or temperature(name))
 
     # Locked towers (requires_grad=False) never reach the optimizer: no moments, no master copy.
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise ConfigError("nothing to train: every parameter is locked (model.lock_image and "
                           "model.lock_text lock both towers, and logit_scale is frozen)")
+    own_rate = temperature_lr > 0
     decay = [p for n, p in named if not exempt(n, p)]
-    no_decay = [p for n, p in named if exempt(n, p)]
+    no_decay = [p for n, p in named if exempt(n, p) and not (own_rate and temperature(n))]
     groups = [{"params": no_decay, "weight_decay": 0.0},
               {"params": decay, "weight_decay": weight_decay}]
+    if own_rate:
+        groups.append({"params": [p for n, p in named if temperature(n)], "weight_decay": 0.0,
+                       "lr": temperature_lr})
     return [group for group in groups if group["params"]]
 
 
@@ -83,7 +95,8 @@ def build_optimizer(model: torch.nn.Module, optim: OptimConfig, total_steps: int
     optimizer_class = FiniteCheckedAdamW if finite_checked else torch.optim.AdamW
     # torch's fused AdamW: one pass over the parameters instead of a dozen; 8x faster per step
     # than the loop form on CPU.
-    optimizer = optimizer_class(parameter_groups(model, optim.weight_decay), lr=optim.lr,
+    groups = parameter_groups(model, optim.weight_decay, optim.temperature_lr)
+    optimizer = optimizer_class(groups, lr=optim.lr,
                                 betas=optim.betas, eps=optim.eps, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, cosine_with_warmup(optim.warmup_steps, total_steps, optim.min_lr / optim.lr))

@@ -19,12 +19,17 @@ order (hidden files and folders, and OUT itself, are left out). The caption of e
     (default ``"{name}, {category}"``; fields ``{name}``, ``{category}`` = the image's folder,
     ``{path}`` = every folder under DIR). See :func:`clean_name` for the cleaning rule.
 
+``--val-fraction F`` holds out about a fraction F of the images, chosen per file by
+:func:`held_out` (a hash of the image's path under DIR: the same on every machine and for any
+file order), and writes two shard sets, ``OUT/train`` and ``OUT/val``.
+
 Images are re-encoded by :func:`~.writer.encode_image` (shorter side to ``--image-size``, alpha on
 white); unreadable images, missing, empty or non-UTF-8 captions are skipped and counted.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -239,20 +244,36 @@ def render_name_caption(relative: str, template: str, *, strip_author: bool = Tr
     return " ".join(caption.split()).strip(" ,")
 
 
+def hash_fraction(relative_path: str) -> float:
+    """A number in [0, 1) from the SHA-256 of a path under DIR (``/``-separated)."""
+    digest = hashlib.sha256(relative_path.replace(os.sep, "/").encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def held_out(relative_path: str, fraction: float) -> bool:
+    """Whether ``--val-fraction fraction`` holds this image out (``hash_fraction < fraction``)."""
+    return hash_fraction(relative_path) < fraction
+
+
 def prepare_folder(root: str | os.PathLike, out: str | os.PathLike, *,
                    caption_from: str = "sidecar", templates: list[str] | None = None,
                    caption_template: str = DEFAULT_NAME_TEMPLATE, strip_author: bool = True,
                    image_size: int = DEFAULT_IMAGE_SIZE, resize_mode: str = "keep_ratio",
                    encode_quality: int = DEFAULT_QUALITY, shard_size: int = DEFAULT_SHARD_SIZE,
-                   max_image_pixels: int = MAX_IMAGE_PIXELS,
+                   max_image_pixels: int = MAX_IMAGE_PIXELS, val_fraction: float = 0.0,
                    workers: int | None = None, overwrite: bool = False, progress: bool = True
                    ) -> dict[str, Any]:
     """Convert a folder of images into shards in ``out``; returns the report (see
-    :func:`~.writer.write_shards`). All argument errors are raised before any image is read."""
+    :func:`~.writer.write_shards`), or ``{"train": report, "val": report}`` with
+    ``val_fraction`` (shards in ``out/train`` and ``out/val``). All argument errors are raised
+    before any image is read."""
     command = "prep folder"
     root = Path(root)
     if not root.is_dir():
         raise DataPrepError(f"{command}: {str(root)!r} is not a directory")
+    if not 0 <= val_fraction < 1:
+        raise DataPrepError(f"{command}: --val-fraction={val_fraction}: must be in [0, 1) "
+                            "(e.g. 0.1 holds out about 10% of the images)")
     if caption_from not in CAPTION_SOURCES:
         raise DataPrepError(f"{command}: --caption-from={caption_from!r}: must be one of "
                             f"{CAPTION_SOURCES}")
@@ -312,6 +333,36 @@ def prepare_folder(root: str | os.PathLike, out: str | os.PathLike, *,
             payloads[i] = [caption] if caption else "empty_caption"
 
     items = list(zip(relatives, payloads))
+    if val_fraction > 0:
+        parts = {"train": [item for item in items if not held_out(item[0], val_fraction)],
+                 "val": [item for item in items if held_out(item[0], val_fraction)]}
+        empty = [name for name, part in parts.items() if not part]
+        if empty:
+            raise DataPrepError(f"{command}: --val-fraction={val_fraction} leaves the {empty[0]} "
+                                f"split of {len(items)} images empty; choose a fraction between "
+                                f"{1 / len(items):.3g} and {1 - 1 / len(items):.3g}")
+        return {name: _write_folder_shards(root, Path(out) / name, part, settings,
+                                           caption_from=caption_from, templates=templates,
+                                           caption_template=caption_template,
+                                           strip_author=strip_author, image_size=image_size,
+                                           resize_mode=resize_mode,
+                                           encode_quality=encode_quality, shard_size=shard_size,
+                                           workers=workers, overwrite=overwrite,
+                                           progress=progress, command=command)
+                for name, part in parts.items()}
+    return _write_folder_shards(root, Path(out), items, settings, caption_from=caption_from,
+                                templates=templates, caption_template=caption_template,
+                                strip_author=strip_author, image_size=image_size,
+                                resize_mode=resize_mode, encode_quality=encode_quality,
+                                shard_size=shard_size, workers=workers, overwrite=overwrite,
+                                progress=progress, command=command)
+
+
+def _write_folder_shards(root: Path, out: Path, items: list, settings: dict[str, Any], *,
+                         caption_from: str, templates: list[str], caption_template: str,
+                         strip_author: bool, image_size: int, resize_mode: str,
+                         encode_quality: int, shard_size: int, workers: int | None,
+                         overwrite: bool, progress: bool, command: str) -> dict[str, Any]:
     jobs = [ShardJob(n, items[start:start + shard_size], settings)
             for n, start in enumerate(range(0, len(items), shard_size))]
     digest = fingerprint("folder", settings, items, shard_size)
