@@ -70,7 +70,7 @@ def test_cached_features_are_the_towers_output(start, tmp_path):
 
     tmp, data = start
     config = load_config(BASE, _overrides(tmp, data, "x", f"model.pretrained={tmp / 'start'}", *LIT))
-    summary = write_feature_cache(config, tmp_path / "f.pt")
+    summary = write_feature_cache(config.model, config.data, tmp_path / "f.pt")
     assert summary["samples"] == 192
     stored = torch.load(tmp_path / "f.pt", weights_only=True)
     assert torch.equal(stored["ids"], torch.sort(stored["ids"]).values)
@@ -97,7 +97,7 @@ def test_a_run_with_the_cache_trains_like_one_without(start):
     tmp, data = start
     pretrained = f"model.pretrained={tmp / 'start'}"
     config = load_config(BASE, _overrides(tmp, data, "x", pretrained, *LIT))
-    write_feature_cache(config, tmp / "features.pt")
+    write_feature_cache(config.model, config.data, tmp / "features.pt")
     _train(_overrides(tmp, data, "plain", pretrained, *LIT))
     _train(_overrides(tmp, data, "cached", pretrained, *LIT,
                       f"model.lock_image_features={tmp / 'features.pt'}"))
@@ -119,15 +119,15 @@ def test_a_cache_for_other_weights_or_an_augmented_run_is_refused(start, tmp_pat
 
     tmp, data = start
     config = load_config(BASE, _overrides(tmp, data, "x", f"model.pretrained={tmp / 'start'}", *LIT))
-    write_feature_cache(config, tmp_path / "f.pt")
+    write_feature_cache(config.model, config.data, tmp_path / "f.pt")
     other = load_config(BASE, _overrides(tmp, data, "x", f"model.pretrained={tmp / 'plain'}", *LIT))
     if (tmp / "plain").is_dir():
         with pytest.raises(ConfigError, match="image_tower_sha256"):
-            LockedImageFeatures(tmp_path / "f.pt", other)
+            LockedImageFeatures(tmp_path / "f.pt", other.model, other.data, "fp32")
     augmented = load_config(BASE, _overrides(tmp, data, "x", f"model.pretrained={tmp / 'start'}",
                                              *[o for o in LIT if "augment" not in o]))
     with pytest.raises(ConfigError, match="data.augment=false"):
-        LockedImageFeatures(tmp_path / "f.pt", augmented)
+        LockedImageFeatures(tmp_path / "f.pt", augmented.model, augmented.data, "fp32")
     with pytest.raises(ConfigError, match="applies only with model.lock_image=true"):
         load_config(BASE, _overrides(tmp, data, "x", f"model.lock_image_features={tmp_path}/f.pt"))
 

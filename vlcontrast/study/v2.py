@@ -115,6 +115,7 @@ def evaluate_start(config: StudyConfig, dataset: str, k: int) -> dict[str, dict[
 def ensure_starts(config: StudyConfig) -> None:
     """Train, record, evaluate and cache each starting checkpoint that is not done yet."""
     from vlcontrast.config import load_config
+    from vlcontrast.losses import LOSSES
     from vlcontrast.train.feature_cache import write_feature_cache
 
     from .design import cell_overrides_v2
@@ -153,7 +154,8 @@ def ensure_starts(config: StudyConfig) -> None:
                              if not o.startswith(("loss.", "model.lock_image_features=",
                                                   "model.pretrained="))]
                 run = load_config(config.base, overrides + [f"model.pretrained={run_dir}"])
-                write_feature_cache(run, cache)
+                write_feature_cache(run.model, run.data, cache, precision=run.train.precision,
+                                    siglip=LOSSES[run.loss.name].uses_logit_bias)
 
 
 # --------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from vlcontrast.config import DataConfig, ModelConfig
 from vlcontrast.errors import ConfigError
 
 FORMAT = 1
@@ -51,15 +52,14 @@ def tower_digest(weights: Path) -> str:
     return digest.hexdigest()
 
 
-def cache_key(config) -> dict[str, Any]:
+def cache_key(model: ModelConfig, data: DataConfig) -> dict[str, Any]:
     """What the cached features depend on: the image tower's starting weights, the model and its
     locking, the training shards and their manifest, and the transform."""
     from vlcontrast.checkpoints import resolve_weights
 
-    model = config.model
     weights = resolve_weights(model.pretrained) / "model.pt" if model.pretrained else None
     manifests = []
-    for part in str(config.data.train).split("::"):
+    for part in str(data.train).split("::"):
         path = Path(part.split("@")[0])
         folder = path if path.is_dir() else path.parent
         manifest = folder / "manifest.json"
@@ -70,15 +70,14 @@ def cache_key(config) -> dict[str, Any]:
         "image_tower_sha256": tower_digest(weights) if weights else None,
         "model": model.name,
         "lock_image_freeze_bn_stats": model.lock_image_freeze_bn_stats,
-        "train": str(config.data.train),
+        "train": str(data.train),
         "manifests": manifests,
         "transform": "preprocess_val",  # data.augment=false: open_clip's evaluation transform
     }
 
 
-def check_cacheable(config) -> None:
+def check_cacheable(model: ModelConfig, data: DataConfig, precision: str) -> None:
     """The run may use cached features only where they are the tower's exact output."""
-    model, data = config.model, config.data
     problems = []
     if not model.lock_image or model.lock_image_unlocked_groups:
         problems.append("needs model.lock_image=true with model.lock_image_unlocked_groups=0")
@@ -89,7 +88,7 @@ def check_cacheable(config) -> None:
         problems.append("needs data.augment=false (random crops change the features every epoch)")
     if data.normalize_on_device:
         problems.append("does not work with data.normalize_on_device=true")
-    if config.train.precision != "fp32":
+    if precision != "fp32":
         problems.append("is exact only in fp32 (train.precision=fp32)")
     if problems:
         raise ConfigError(f"model.lock_image_features={model.lock_image_features!r}: "
@@ -97,19 +96,19 @@ def check_cacheable(config) -> None:
 
 
 @torch.no_grad()
-def write_feature_cache(config, out: str | Path) -> dict[str, Any]:
-    """Embed every training sample of ``config.data.train`` with the locked tower of
-    ``config.model`` and write the cache to ``out``; returns its summary."""
+def write_feature_cache(model_cfg: ModelConfig, data: DataConfig, out: str | Path, *,
+                        precision: str = "fp32", siglip: bool = False) -> dict[str, Any]:
+    """Embed every training sample of ``data.train`` with the locked tower of ``model_cfg`` and
+    write the cache to ``out``; returns its summary. ``siglip``: build the model with a logit
+    bias, as the run's loss will (it does not change the image features)."""
     from vlcontrast.data.loader import build_train_loader
-    from vlcontrast.losses import LOSSES
     from vlcontrast.models import build_model
     from vlcontrast.train.batches import SeededTransform
 
-    check_cacheable(config)
-    model_cfg = config.model
-    bundle = build_model(model_cfg, siglip=LOSSES[config.loss.name].uses_logit_bias, device="cpu")
+    check_cacheable(model_cfg, data, precision)
+    bundle = build_model(model_cfg, siglip=siglip, device="cpu")
     model = bundle.model.eval()
-    data_cfg = type(config.data)(**{**vars(config.data), "batch_size": 1, "workers": 0,
+    data_cfg = type(data)(**{**vars(data), "batch_size": 1, "workers": 0,
                                     "shuffle_buffer": 0, "cache_mb": 0})
     loader = build_train_loader(data_cfg, SeededTransform(bundle.preprocess_val, 0, random=False),
                                 bundle.tokenizer, seed=0, rank=0, world_size=1)
@@ -132,9 +131,9 @@ def write_feature_cache(config, out: str | Path) -> dict[str, Any]:
     order = torch.argsort(all_ids)
     all_ids, all_features = all_ids[order], all_features[order].contiguous()
     if len(torch.unique(all_ids)) != len(all_ids):
-        raise ValueError(f"data.train={config.data.train!r}: sample ids are not unique; the "
+        raise ValueError(f"data.train={data.train!r}: sample ids are not unique; the "
                          "feature cache needs one id per sample")
-    key = cache_key(config)
+    key = cache_key(model_cfg, data)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
@@ -146,14 +145,14 @@ def write_feature_cache(config, out: str | Path) -> dict[str, Any]:
 class LockedImageFeatures:
     """The cached features of one run (see the module docstring)."""
 
-    def __init__(self, path: str | Path, config):
-        check_cacheable(config)
+    def __init__(self, path: str | Path, model: ModelConfig, data: DataConfig, precision: str):
+        check_cacheable(model, data, precision)
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"model.lock_image_features={str(path)!r}: file does not exist "
                               "(vlcontrast.train.feature_cache.write_feature_cache makes it)")
         stored = torch.load(path, map_location="cpu", weights_only=True)
-        expected = cache_key(config)
+        expected = cache_key(model, data)
         if stored.get("key") != expected:
             differs = sorted(k for k in expected if stored.get("key", {}).get(k) != expected[k])
             raise ConfigError(f"model.lock_image_features={str(path)!r}: made for another "

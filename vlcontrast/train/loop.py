@@ -195,7 +195,8 @@ def _locked_image_features(config: RunConfig, model, loss_fn):
     if getattr(loss_fn, "needs_momentum_features", False):
         raise ConfigError(f"model.lock_image_features: loss {config.loss.name!r} with momentum "
                           "towers embeds the images itself; turn the cache off")
-    features = LockedImageFeatures(config.model.lock_image_features, config)
+    features = LockedImageFeatures(config.model.lock_image_features, config.model, config.data,
+                                   config.train.precision)
     features.check_frozen(model)
     features.install(model)
     return features
