@@ -109,6 +109,12 @@ def test_folder_from_names_cleans_openclipart_titles_and_class_folders(tmp_path)
     assert tabby["txt"].decode() in ("a photo of a tabby cat.", "art of a tabby cat.")
     assert json.loads(tabby["json"])["captions"] == ["a photo of a tabby cat.",
                                                      "art of a tabby cat."]
+    # a zero-shot set as it is: CLIP_benchmark's class names and templates beside the shards
+    from vlcontrast.evaluation.datasets import resolve_zeroshot_data
+
+    zeroshot = resolve_zeroshot_data(str(tmp_path / "cls"))
+    assert list(zeroshot.classnames) == ["dog", "tabby cat"]
+    assert list(zeroshot.templates) == ["a photo of a {c}.", "art of a {c}."]
 
 
 def test_folder_errors_before_any_work(tmp_path):

@@ -348,7 +348,11 @@ def resolve_zeroshot_data(data_dir: str, classnames: str | Sequence[str] | None 
     names = read_list_file(classnames) if isinstance(classnames, (str, os.PathLike)) else classnames
     prompts = read_templates(templates) if isinstance(templates, (str, os.PathLike)) else templates
 
-    if (root / split / "nshards.txt").is_file():
+    # CLIP_benchmark's layout (ROOT/SPLIT/*.tar, nshards.txt), or shards directly in ROOT with
+    # the class names beside them (what ``prep folder --caption-from class`` writes).
+    flat = (not (root / split / "nshards.txt").is_file() and (root / "classnames.txt").is_file()
+            and any(root.glob("*.tar")))
+    if (root / split / "nshards.txt").is_file() or flat:
         if names is None:
             if not (root / "classnames.txt").is_file():
                 raise FileNotFoundError(f"{root}/classnames.txt missing (pass --classnames)")
@@ -358,8 +362,9 @@ def resolve_zeroshot_data(data_dir: str, classnames: str | Sequence[str] | None 
                 raise FileNotFoundError(f"{root}/zeroshot_classification_templates.txt missing "
                                         "(pass --templates)")
             prompts = read_templates(root / "zeroshot_classification_templates.txt")
-        return ZeroShotData("wds", str(root), list(names), list(prompts),
-                            shards=resolve_shards(str(root), split))
+        shards = (sorted(str(p) for p in root.glob("*.tar")) if flat
+                  else resolve_shards(str(root), split))
+        return ZeroShotData("wds", str(root), list(names), list(prompts), shards=shards)
 
     class_dirs = sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
     if not class_dirs:

@@ -13,7 +13,9 @@ order (hidden files and folders, and OUT itself, are left out). The caption of e
     an ImageFolder: the top-level folder under DIR is the class; captions are the templates
     (``--template``, repeatable, ``{c}`` for the class name; default three CLIP-style prompts).
     ``.txt`` holds one template chosen by the image's path, ``.json`` all of them, ``.cls`` the
-    class index (sorted class folders), so the shards also serve zero-shot evaluation.
+    class index (sorted class folders); ``classnames.txt`` and
+    ``zeroshot_classification_templates.txt`` beside the shards make them a zero-shot set as
+    they are (CLIP_benchmark's layout).
 ``name``
     the caption is built from the file name and its folder with ``--caption-template``
     (default ``"{name}, {category}"``; fields ``{name}``, ``{category}`` = the image's folder,
@@ -371,7 +373,7 @@ def _write_folder_shards(root: Path, out: Path, items: list, settings: dict[str,
     if caption_from == "class":
         extra["classnames"] = [clean_folder(c) for c in settings["classes"]]
         extra["templates"] = templates
-    return write_shards(out_path, jobs, _produce, digest=digest, source="folder",
+    report = write_shards(out_path, jobs, _produce, digest=digest, source="folder",
                         workers=workers, progress=progress, inputs=len(items),
                         folder=str(root.resolve()),
                         settings={"caption_from": caption_from, "image_size": image_size,
@@ -381,3 +383,12 @@ def _write_folder_shards(root: Path, out: Path, items: list, settings: dict[str,
                                       "strip_author": strip_author}
                                      if caption_from == "name" else {})},
                         **extra)
+    if caption_from == "class":
+        # CLIP_benchmark's layout: the shards are a zero-shot set as they are
+        # (vlcontrast eval zeroshot --data OUT).
+        for name, lines in (("classnames.txt", extra["classnames"]),
+                            ("zeroshot_classification_templates.txt", templates)):
+            tmp = out_path / (name + ".tmp")
+            tmp.write_text("".join(f"{line}\n" for line in lines))
+            tmp.replace(out_path / name)
+    return report
