@@ -15,7 +15,7 @@ from typing import Any
 
 from bench import openclip_launch
 from bench.gpu_check.jobs import JobRunner, tail
-from bench.gpu_check.plan import REPO, Settings, drop_checkpoints, matrix_cells
+from bench.gpu_check.plan import HOST_SYNCS_PER_STEP, REPO, Settings, drop_checkpoints, matrix_cells
 from bench.gpu_check.report import Report
 
 MAX_LOGIT_SCALE = math.log(100.0)
@@ -337,12 +337,14 @@ def check_syncs(ctx: Context) -> None:
     def count():
         short, long = 4, 12
         counts = {}
+        precision = "amp_bf16" if "amp_bf16" in precisions() else "fp32"
+        limit = HOST_SYNCS_PER_STEP[f"zero0_{precision}"]
         for steps in (short, long):
             name = f"syncs_{steps}"
             overrides = ctx.overrides(name, **{
                 "model.name": settings.models["ViT"], "train.steps": steps,
                 "train.log_every": steps, "eval.retrieval": "none",
-                "train.precision": "amp_bf16" if "amp_bf16" in precisions() else "fp32"})
+                "deepspeed.zero_stage": 0, "train.precision": precision})
             try:
                 result = ctx.train(name, overrides, count_syncs=True)
             finally:
@@ -351,10 +353,11 @@ def check_syncs(ctx: Context) -> None:
                 return "fail", f"{steps}-step run: {job_error(result)}"
             counts[steps] = result["sync_warnings"]
         per_step = (counts[long] - counts[short]) / (long - short)
-        ok = per_step <= 1.0
-        return ("pass" if ok else "fail"), (f"{per_step:.2f} host syncs per steady-state step "
-                                            f"({counts[short]} in {short} steps, {counts[long]} in "
-                                            f"{long}; at most 1 allowed)")
+        ok = per_step <= limit
+        return ("pass" if ok else "fail"), (
+            f"{per_step:.2f} host syncs per steady-state step at ZeRO 0 {precision} "
+            f"({counts[short]} in {short} steps, {counts[long]} in {long}; the documented "
+            f"{limit}: one flag read of vlcontrast's, one overflow read of its fp32 optimizer)")
 
     ctx.report.timed("syncs", "per step", count)
 

@@ -36,6 +36,8 @@ ZERO_1_2_BF16 = {INVALID_NORM: 1, MASK_NAN: 2, HAS_OVERFLOW: 1}
 CASES = {
     "zero0_fp32": ({"deepspeed__zero_stage": 0},
                    {"vlcontrast/train/step.py": 1, "vlcontrast/train/optimizer.py": 1}, {}),
+    "zero0_amp_bf16": ({"deepspeed__zero_stage": 0, "train__precision": "amp_bf16"},
+                       {"vlcontrast/train/step.py": 1, "vlcontrast/train/optimizer.py": 1}, {}),
     "zero1_amp_bf16": ({"deepspeed__zero_stage": 1, "train__precision": "amp_bf16"},
                        {"vlcontrast/train/step.py": 1}, {INVALID_NORM: 1, MASK_NAN: 2}),
     "zero2_bf16": ({"deepspeed__zero_stage": 2, "train__precision": "bf16"},
@@ -142,3 +144,13 @@ def test_host_synchronisations_per_step_are_the_documented_ones(synthetic_data, 
             # DeepSpeed's: the documented ones, and no synchronize (its throughput timer is off).
             theirs = {key: n for key, n in per_step.items() if key[1].startswith("deepspeed:")}
             assert theirs == deepspeed_expected, (case, theirs)
+
+
+def test_the_gpu_checks_sync_limits_are_these_counts():
+    """`make gpu-check`'s syncs group passes at the totals counted here, not at a number of its
+    own (bench/gpu_check/plan.py)."""
+    from bench.gpu_check.plan import HOST_SYNCS_PER_STEP
+
+    for case, total in HOST_SYNCS_PER_STEP.items():
+        _, ours, theirs = CASES[case]
+        assert sum(ours.values()) + sum(theirs.values()) == total, case
