@@ -200,10 +200,10 @@ def _write_record(task: str, checkpoint_dir, bundle, data, metrics: dict, out,
 
 
 def _load(checkpoint, device):
-    from vlcontrast.checkpoints import resolve_weights
+    from vlcontrast.checkpoints import resolve_model_files
     from vlcontrast.models import load_model_from_checkpoint
 
-    return resolve_weights(checkpoint), load_model_from_checkpoint(checkpoint, device=device)
+    return resolve_model_files(checkpoint), load_model_from_checkpoint(checkpoint, device=device)
 
 
 def run_retrieval_cli(checkpoint, data, out=None, batch_size: int = 256, workers: int = 4,
