@@ -25,8 +25,8 @@ from vlcontrast.evaluation.datasets import (build_retrieval_loader, build_zerosh
                                             resolve_zeroshot_data)
 from vlcontrast.evaluation.embed import embed_labelled_images, embed_retrieval, unwrap_model
 from vlcontrast.evaluation.retrieval import clip_validation_loss, retrieval_metrics
-from vlcontrast.evaluation.zeroshot import (build_zeroshot_classifier, zeroshot_logits,
-                                            zeroshot_metrics)
+from vlcontrast.evaluation.zeroshot import (ZeroShotMetrics, build_zeroshot_classifier,
+                                            zeroshot_logits)
 
 
 @contextmanager
@@ -131,16 +131,20 @@ def evaluate_zeroshot(model, preprocess, tokenizer, data_dir: str, classnames=No
             model, preprocess, loader.loader, device=device, progress=progress,
             total_batches=loader.num_batches)
 
-    def compute():
-        if features.shape[0] == 0:
-            raise ValueError(f"no decodable images in {data_dir!r}")
-        logits = zeroshot_logits(features.to(device), classifier)
-        result = zeroshot_metrics(logits, labels.to(logits.device))
-        result.update(num_images=int(features.shape[0]), num_classes=num_classes,
-                      num_templates=len(data.templates), num_skipped=skipped)
-        return result
-
-    return _share_from_rank0(compute, device)
+    # Every rank holds all features (gathered above); each scores every world-th image and
+    # torchmetrics sums the counts over the ranks.
+    if features.shape[0] == 0:
+        raise ValueError(f"no decodable images in {data_dir!r}")
+    if int(labels.min()) < 0 or int(labels.max()) >= num_classes:  # same on every rank
+        raise ValueError(f"{data_dir}: an image has label {int(labels.max())} but there are "
+                         f"{num_classes} class names; give one class name per label")
+    metrics = ZeroShotMetrics(num_classes, device=device, distributed=world > 1)
+    mine = slice(rank, None, world)
+    metrics.update(zeroshot_logits(features[mine].to(device), classifier), labels[mine].to(device))
+    result = metrics.compute()
+    result.update(num_images=int(features.shape[0]), num_classes=num_classes,
+                  num_templates=len(data.templates), num_skipped=skipped)
+    return result
 
 
 # ----------------------------------------------------------------------------------- CLI helpers
