@@ -15,15 +15,11 @@ __version__ = "0.1.0"
 __all__ = ["load"]
 
 
-def __getattr__(name: str):
-    """``vlcontrast.load`` imports torch and open_clip only when it is first used, so ``import
-    vlcontrast`` stays cheap."""
-    if name == "load":
-        from vlcontrast.inference import load
+def load(path, device=None):
+    """``(model, preprocess, tokenizer)`` of a run directory, checkpoint directory or export, with
+    open_clip's calling conventions (see :func:`vlcontrast.inference.model.load`).
 
-        return load
-    raise AttributeError(f"module 'vlcontrast' has no attribute {name!r}")
+    torch and open_clip are imported on the first call, so ``import vlcontrast`` stays cheap."""
+    from vlcontrast.inference.model import load as load_model
 
-
-def __dir__():
-    return sorted([*globals(), "load"])
+    return load_model(path, device)
