@@ -120,6 +120,21 @@ class RetrievalDecoder:
         return image, sample_captions(files)
 
 
+def preprocessed_image(files: dict[str, bytes], preprocess,
+                       max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
+    """A sample's image member decoded and transformed, or the reason it is skipped."""
+    image_bytes = find_image(files)
+    if image_bytes is None:
+        return "missing_image"
+    image = open_image(image_bytes, max_image_pixels)
+    if isinstance(image, str):
+        return image
+    try:
+        return preprocess(image)
+    except Exception:  # noqa: BLE001 - counted, as in training
+        return "transform_error"
+
+
 class ClassificationDecoder:
     """(key, files) -> (image tensor, label) from CLIP_benchmark's ``.cls``, or the reason."""
 
@@ -128,40 +143,22 @@ class ClassificationDecoder:
         self.max_image_pixels = max_image_pixels
 
     def __call__(self, key: str, files: dict[str, bytes]):
-        image_bytes = find_image(files)
-        if image_bytes is None:
+        if find_image(files) is None:
             return "missing_image"
         label = read_label(files)
         if isinstance(label, str):
             return label
-        image = open_image(image_bytes, self.max_image_pixels)
-        if isinstance(image, str):
-            return image
-        try:
-            return self.preprocess(image), label
-        except Exception:  # noqa: BLE001 - counted, as in training
-            return "transform_error"
+        image = preprocessed_image(files, self.preprocess, self.max_image_pixels)
+        return image if isinstance(image, str) else (image, label)
 
 
-class ImageDecoder:
+class ImageDecoder(ClassificationDecoder):
     """(key, files) -> (image tensor, the sample's key), or the reason: images of shards without
     asking for captions or labels (``vlcontrast embed --images SHARDS``)."""
 
-    def __init__(self, preprocess, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
-        self.preprocess = preprocess
-        self.max_image_pixels = max_image_pixels
-
     def __call__(self, key: str, files: dict[str, bytes]):
-        image_bytes = find_image(files)
-        if image_bytes is None:
-            return "missing_image"
-        image = open_image(image_bytes, self.max_image_pixels)
-        if isinstance(image, str):
-            return image
-        try:
-            return self.preprocess(image), key
-        except Exception:  # noqa: BLE001 - counted, as in training
-            return "transform_error"
+        image = preprocessed_image(files, self.preprocess, self.max_image_pixels)
+        return image if isinstance(image, str) else (image, key)
 
 
 @dataclass(frozen=True)
