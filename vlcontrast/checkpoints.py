@@ -31,6 +31,10 @@ from vlcontrast.errors import CheckpointError
 
 WEIGHTS_FILE = "model.pt"
 MODEL_CONFIG_FILE = "model_config.json"
+EXPORT_WEIGHTS_FILE = "open_clip_pytorch_model.bin"
+EXPORT_CONFIG_FILE = "open_clip_config.json"
+"""What ``vlcontrast export open_clip`` writes (beside ``<model_name>.json``); open_clip's own
+``local-dir:`` names."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -68,6 +72,25 @@ def resolve_weights(path: str | Path, what: str = "--checkpoint") -> Path:
         raise FileNotFoundError(f"{what} {str(path)!r}: no {WEIGHTS_FILE} there and no "
                                 "checkpoints/latest (expected a run directory or a checkpoint "
                                 "directory)")
+    return found
+
+
+def is_export(path: str | Path) -> bool:
+    """Whether ``path`` is an open_clip export (``vlcontrast export open_clip``'s directory)."""
+    return (Path(path) / EXPORT_WEIGHTS_FILE).is_file() and (Path(path) / EXPORT_CONFIG_FILE).is_file()
+
+
+def resolve_model_files(path: str | Path, what: str = "--checkpoint") -> Path:
+    """The directory holding a model's weights: an export as it is, else :func:`resolve_weights`
+    (run directory -> its latest checkpoint, a ``checkpoints/`` directory, a checkpoint); raises
+    ``FileNotFoundError`` naming ``what`` and the three accepted forms."""
+    if is_export(path):
+        return Path(path)
+    found = resolve_checkpoint(path, require=WEIGHTS_FILE)
+    if found is None:
+        raise FileNotFoundError(f"{what} {str(path)!r}: no {WEIGHTS_FILE}, no checkpoints/latest "
+                                f"and no {EXPORT_WEIGHTS_FILE} there (expected a run directory, a "
+                                "checkpoint directory or a `vlcontrast export open_clip` directory)")
     return found
 
 

@@ -25,7 +25,9 @@ from pathlib import Path
 
 import torch
 
-WEIGHTS_NAME = "open_clip_pytorch_model.bin"
+from vlcontrast.checkpoints import EXPORT_CONFIG_FILE, EXPORT_WEIGHTS_FILE
+
+WEIGHTS_NAME = EXPORT_WEIGHTS_FILE
 
 
 def export_open_clip(checkpoint, out_dir) -> dict:
@@ -53,7 +55,7 @@ def export_open_clip(checkpoint, out_dir) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     config_path = out / f"{bundle.model_name}.json"
     config_path.write_text(json.dumps(model_cfg, indent=2) + "\n")
-    open_clip_config = out / "open_clip_config.json"
+    open_clip_config = out / EXPORT_CONFIG_FILE
     open_clip_config.write_text(json.dumps({"model_cfg": model_cfg,
                                             "preprocess_cfg": preprocess_cfg}, indent=2) + "\n")
     weights = out / WEIGHTS_NAME

@@ -3,6 +3,7 @@ import json
 import pytest
 
 from tests.evaluation.helpers import write_clip_benchmark_wds, write_image_folder, write_retrieval_shards
+from vlcontrast.errors import ConfigError
 from vlcontrast.evaluation.datasets import (ROW_BITS, TarEvalDataset, build_retrieval_loader,
                                             plan_reading, read_templates, resolve_shards,
                                             resolve_zeroshot_data, sample_captions, shard_sizes)
@@ -137,8 +138,9 @@ def test_image_folder_with_classnames_and_templates_files(tmp_path):
     default = resolve_zeroshot_data(str(tmp_path / "data"))
     assert default.classnames == ["a dir", "b dir"]
     (tmp_path / "three.txt").write_text("x\ny\nz\n")
-    with pytest.raises(ValueError, match="3 class names for 2"):
+    with pytest.raises(ConfigError, match="three.txt: 3 class names, but the data has 2 classes") as err:
         resolve_zeroshot_data(str(tmp_path / "data"), str(tmp_path / "three.txt"))
+    assert "\n" not in str(err.value)
     (tmp_path / "bad.txt").write_text("a photo\n")
     with pytest.raises(ValueError, match="placeholder"):
         read_templates(tmp_path / "bad.txt")
@@ -150,6 +152,10 @@ def test_clip_benchmark_classification_layout(tmp_path):
     data = resolve_zeroshot_data(str(tmp_path))
     assert data.kind == "wds" and data.classnames == ["cat", "dog", "car"]
     assert data.templates == ["a {c}", "the {c}"] and len(data.shards) == 2
+    (tmp_path / "mine.txt").write_text("kitten\npuppy\n")
+    with pytest.raises(ConfigError, match=r"mine.txt: 2 class names, but the data has 3 classes "
+                       r"\(.*classnames.txt\)"):
+        resolve_zeroshot_data(str(tmp_path), str(tmp_path / "mine.txt"))
 
 
 def test_image_folder_reads_its_own_classnames_and_templates(tmp_path):

@@ -1,10 +1,11 @@
+import numpy as np
 import pytest
 import torch
 from open_clip import OPENAI_IMAGENET_TEMPLATES, build_zero_shot_classifier
 from sklearn.metrics import balanced_accuracy_score
 
 from vlcontrast.evaluation import build_zeroshot_classifier, zeroshot_metrics
-from vlcontrast.evaluation.zeroshot import true_class_ranks
+from vlcontrast.evaluation.zeroshot import ZeroShotMetrics, true_class_ranks
 
 CLASSNAMES = ["cat", "dog", "car", "tree", "boat", "house", "bird"]
 
@@ -64,24 +65,80 @@ def test_metrics_validate_inputs():
         zeroshot_metrics(torch.zeros(0, 3), torch.zeros(0, dtype=torch.long))
 
 
-def test_torchmetrics_is_neither_declared_nor_used():
-    """The decision on torchmetrics: not used, so not a dependency.
+def numpy_reference(logits: np.ndarray, labels: np.ndarray, k: int):
+    """Top-1, top-k and per-class recall counted in plain numpy: a class ranks above the true one
+    when its logit is higher, or equal at a lower index."""
+    true = logits[np.arange(len(labels)), labels][:, None]
+    index = np.arange(logits.shape[1])[None, :]
+    ranks = ((logits > true) | ((logits == true) & (index < labels[:, None]))).sum(axis=1)
+    support = np.bincount(labels, minlength=logits.shape[1])
+    hits = np.bincount(labels, weights=ranks == 0, minlength=logits.shape[1])
+    recall = np.divide(hits, support, out=np.zeros_like(hits), where=support > 0)
+    return (ranks == 0).mean(), (ranks < k).mean(), recall, support
 
-    Zero-shot metrics are computed once, on rank 0, from features gathered from every rank, so
-    they are exact under data parallelism without a metric-sync library. torchmetrics'
-    conventions also differ from the ones this project reports (and open_clip / CLIP_benchmark
-    use): ``MulticlassRecall(average="macro")`` counts a class absent from the labels as recall 0
-    instead of leaving it out (sklearn's ``balanced_accuracy_score``), and its top-k counts a class
-    tied with the true one as a hit. The metrics above are checked against sklearn and open_clip.
-    """
+
+@pytest.mark.parametrize("seed", range(6))
+def test_torchmetrics_counts_equal_a_numpy_reference(seed):
+    rng = np.random.default_rng(seed)
+    num_classes = int(rng.integers(3, 40))
+    labels = rng.integers(0, num_classes - 1, size=300)  # the last class never appears
+    logits = rng.normal(size=(300, num_classes)).astype(np.float32)
+    if seed % 2:  # coarse logits: many ties, at the true class and at the top-k boundary
+        logits = np.round(logits * 2) / 2
+    metrics = ZeroShotMetrics(num_classes, chunk_size=64)
+    metrics.update(torch.from_numpy(logits[:170]), torch.from_numpy(labels[:170]))
+    metrics.update(torch.from_numpy(logits[170:]), torch.from_numpy(labels[170:]))
+    top1, top5, recall, support = numpy_reference(logits, labels, min(5, num_classes))
+    ours_recall, ours_support = metrics.per_class_recall()
+    np.testing.assert_allclose(ours_recall.numpy(), recall, rtol=0, atol=1e-12)
+    np.testing.assert_array_equal(ours_support.numpy(), support)
+    result = metrics.compute()
+    assert result["top1"] == pytest.approx(top1)
+    assert result["top5"] == pytest.approx(top5)
+    assert result["mean_per_class_recall"] == pytest.approx(recall[support > 0].mean())
+    assert result == zeroshot_metrics(torch.from_numpy(logits), torch.from_numpy(labels))
+
+
+def test_torchmetrics_macro_average_would_count_absent_classes():
+    """Why the per-class mean is taken over present classes by us: torchmetrics' macro average
+    counts a class that is predicted but never true as recall 0 (sklearn leaves it out)."""
+    from torchmetrics.classification import MulticlassAccuracy
+
+    logits = torch.tensor([[2.0, 0.0, 0.0], [0.0, 0.0, 2.0], [0.0, 2.0, 0.0]])
+    labels = torch.tensor([0, 1, 1])  # class 2 never true, predicted once
+    macro = MulticlassAccuracy(num_classes=3, average="macro")(logits, labels)
+    assert float(macro) == pytest.approx((1 + 0.5 + 0) / 3)
+    assert zeroshot_metrics(logits, labels)["mean_per_class_recall"] == pytest.approx(0.75)
+    assert balanced_accuracy_score(labels.numpy(), logits.argmax(1).numpy()) == pytest.approx(0.75)
+
+
+def _distributed_counts(rank, world_size, logits, labels):
+    metrics = ZeroShotMetrics(logits.shape[1], distributed=True)
+    rows = slice(rank, None, world_size)
+    metrics.update(logits[rows], labels[rows])
+    return metrics.compute()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_torchmetrics_sums_counts_over_ranks(world_size):
+    from tests.distributed import run_distributed
+
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randn(2, 9, generator=generator).repeat(4, 1)[:7]  # 7 rows: uneven split
+    logits = torch.cat([logits, torch.randn(50, 9, generator=generator)])
+    labels = torch.randint(0, 9, (logits.shape[0],), generator=generator)
+    results = run_distributed(_distributed_counts, world_size, logits, labels)
+    single = zeroshot_metrics(logits, labels)
+    assert all(result == pytest.approx(single) for result in results)
+
+
+def test_torchmetrics_is_declared_and_pinned():
     import tomllib
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
     project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
-    declared = project["dependencies"] + [d for extra in project.get("optional-dependencies",
-                                                                   {}).values() for d in extra]
-    assert not [d for d in declared if d.lower().startswith("torchmetrics")]
-    users = [str(path) for path in (root / "vlcontrast").rglob("*.py")
-             if "torchmetrics" in path.read_text()]
-    assert users == []
+    assert [d for d in project["dependencies"] if d.startswith("torchmetrics>=")]
+    pins = (root / "requirements.lock").read_text().splitlines()
+    assert [p for p in pins if p.startswith("torchmetrics==")]
+    assert [p for p in pins if p.startswith("lightning-utilities==")]

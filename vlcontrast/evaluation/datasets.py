@@ -46,6 +46,7 @@ from vlcontrast.data.samples import (DEFAULT_MAX_IMAGE_PIXELS, IMAGE_EXTENSIONS,
 from vlcontrast.data.shards import read_sizes
 from vlcontrast.data.spec import DEFAULT_SPLIT, expand_spec
 from vlcontrast.data.tar_reader import SHARD_EVENTS, read_shard
+from vlcontrast.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,21 @@ class RetrievalDecoder:
         return image, sample_captions(files)
 
 
+def preprocessed_image(files: dict[str, bytes], preprocess,
+                       max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
+    """A sample's image member decoded and transformed, or the reason it is skipped."""
+    image_bytes = find_image(files)
+    if image_bytes is None:
+        return "missing_image"
+    image = open_image(image_bytes, max_image_pixels)
+    if isinstance(image, str):
+        return image
+    try:
+        return preprocess(image)
+    except Exception:  # noqa: BLE001 - counted, as in training
+        return "transform_error"
+
+
 class ClassificationDecoder:
     """(key, files) -> (image tensor, label) from CLIP_benchmark's ``.cls``, or the reason."""
 
@@ -127,19 +143,22 @@ class ClassificationDecoder:
         self.max_image_pixels = max_image_pixels
 
     def __call__(self, key: str, files: dict[str, bytes]):
-        image_bytes = find_image(files)
-        if image_bytes is None:
+        if find_image(files) is None:
             return "missing_image"
         label = read_label(files)
         if isinstance(label, str):
             return label
-        image = open_image(image_bytes, self.max_image_pixels)
-        if isinstance(image, str):
-            return image
-        try:
-            return self.preprocess(image), label
-        except Exception:  # noqa: BLE001 - counted, as in training
-            return "transform_error"
+        image = preprocessed_image(files, self.preprocess, self.max_image_pixels)
+        return image if isinstance(image, str) else (image, label)
+
+
+class ImageDecoder(ClassificationDecoder):
+    """(key, files) -> (image tensor, the sample's key), or the reason: images of shards without
+    asking for captions or labels (``vlcontrast embed --images SHARDS``)."""
+
+    def __call__(self, key: str, files: dict[str, bytes]):
+        image = preprocessed_image(files, self.preprocess, self.max_image_pixels)
+        return image if isinstance(image, str) else (image, key)
 
 
 @dataclass(frozen=True)
@@ -288,6 +307,26 @@ def build_retrieval_loader(shards: str | Sequence[str], preprocess, *, batch_siz
     return EvalLoader(_loader(dataset, batch_size, workers, collate_retrieval), num_batches, name)
 
 
+def build_image_shards_loader(shards: str | Sequence[str], preprocess, *, batch_size: int,
+                              workers: int = 0) -> EvalLoader:
+    """The images of shards in dataset order, one process: batches ``(images or None, sample
+    keys list[str], global keys [B], skipped)``; captions are not needed."""
+    paths = resolve_shards(shards)
+    dataset = TarEvalDataset(paths, ImageDecoder(preprocess))
+    name = shards if isinstance(shards, str) else ",".join(shards)
+    return EvalLoader(_loader(dataset, batch_size, workers, collate_retrieval), None, name)
+
+
+def build_image_files_loader(paths: Sequence[str | os.PathLike], preprocess, *, batch_size: int,
+                             workers: int = 0) -> EvalLoader:
+    """Image files in the given order, one process: batches ``(images or None, labels (all 0),
+    keys [B] = positions in ``paths``, skipped)``; unreadable files are skipped and counted as
+    zero-shot evaluation counts them."""
+    dataset = FolderEvalDataset([(str(path), 0) for path in paths], preprocess, 0, 1)
+    return EvalLoader(_loader(dataset, batch_size, workers, collate_classification),
+                      -(-len(dataset) // batch_size), "image files")
+
+
 # -------------------------------------------------------------------------------------- zero-shot
 
 def read_list_file(path: str | os.PathLike) -> list[str]:
@@ -302,13 +341,27 @@ def read_list_file(path: str | os.PathLike) -> list[str]:
 
 
 def read_templates(path: str | os.PathLike) -> list[str]:
-    templates = read_list_file(path)
+    """The prompt templates of a file (one per line, or a JSON list), each with ``{c}``."""
+    return check_templates(read_list_file(path), str(path))
+
+
+def check_templates(templates: Sequence[str], source: str) -> list[str]:
+    """``templates`` when every one holds the ``{c}`` placeholder, else a one-line error."""
     bad = [t for t in templates if "{c}" not in t]
     if bad:
-        raise ValueError(f"{path}: every template needs a {{c}} placeholder, e.g. not {bad[0]!r}")
+        raise ConfigError(f"{source}: template {bad[0]!r} has no {{c}} placeholder; every template "
+                          "needs one where the class name goes, e.g. 'a photo of a {c}.'")
     if not templates:
-        raise ValueError(f"{path}: no templates")
-    return templates
+        raise ConfigError(f"{source}: no templates; give one prompt per line with {{c}}, e.g. "
+                          "'a photo of a {c}.'")
+    return list(templates)
+
+
+def check_class_count(names: Sequence[str], expected: int, source, what: str) -> None:
+    """A one-line error when a class-name list does not have one name per class of the data."""
+    if len(names) != expected:
+        raise ConfigError(f"{source}: {len(names)} class names, but the data has {expected} "
+                          f"classes ({what}); give one name per class, in the classes' order")
 
 
 @dataclass
@@ -353,6 +406,10 @@ def resolve_zeroshot_data(data_dir: str, classnames: str | Sequence[str] | None 
     flat = (not (root / split / "nshards.txt").is_file() and (root / "classnames.txt").is_file()
             and any(root.glob("*.tar")))
     if (root / split / "nshards.txt").is_file() or flat:
+        if names is not None and (root / "classnames.txt").is_file():
+            check_class_count(names, len(read_list_file(root / "classnames.txt")),
+                              classnames if isinstance(classnames, (str, os.PathLike))
+                              else "--classnames", f"{root}/classnames.txt")
         if names is None:
             if not (root / "classnames.txt").is_file():
                 raise FileNotFoundError(f"{root}/classnames.txt missing (pass --classnames)")
@@ -379,8 +436,9 @@ def resolve_zeroshot_data(data_dir: str, classnames: str | Sequence[str] | None 
         names = list(IMAGENET_CLASSNAMES) if is_imagenet else [d.replace("_", " ") for d in class_dirs]
     if prompts is None:
         prompts = list(OPENAI_IMAGENET_TEMPLATES)
-    if len(names) != len(class_dirs):
-        raise ValueError(f"{len(names)} class names for {len(class_dirs)} class folders in {root}")
+    source = (classnames if isinstance(classnames, (str, os.PathLike)) else
+              root / "classnames.txt" if classnames is None else "--classnames")
+    check_class_count(names, len(class_dirs), source, f"class folders in {root}")
     return ZeroShotData("imagenet" if is_imagenet else "imagefolder", str(root), list(names),
                         list(prompts), samples=_folder_samples(root, class_dirs))
 

@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 
 from vlcontrast.distributed import all_gather_variable, get_rank, get_world_size
-from vlcontrast.evaluation.datasets import (build_retrieval_loader, build_zeroshot_loader,
-                                            resolve_zeroshot_data)
+from vlcontrast.evaluation.datasets import (ZeroShotData, build_retrieval_loader,
+                                            build_zeroshot_loader, resolve_zeroshot_data)
 from vlcontrast.evaluation.embed import embed_labelled_images, embed_retrieval, unwrap_model
 from vlcontrast.evaluation.retrieval import clip_validation_loss, retrieval_metrics
-from vlcontrast.evaluation.zeroshot import (build_zeroshot_classifier, zeroshot_logits,
-                                            zeroshot_metrics)
+from vlcontrast.evaluation.zeroshot import (ZeroShotMetrics, build_zeroshot_classifier,
+                                            zeroshot_logits)
 
 
 @contextmanager
@@ -103,20 +103,23 @@ def evaluate_retrieval(model, preprocess, tokenizer, shards: str | Sequence[str]
     return _share_from_rank0(compute, device)
 
 
-def evaluate_zeroshot(model, preprocess, tokenizer, data_dir: str, classnames=None,
+def evaluate_zeroshot(model, preprocess, tokenizer, data_dir, classnames=None,
                       templates=None, *, batch_size: int = 256, workers: int = 4, device="cpu",
                       split: str = "test", progress: bool = True) -> dict:
     """Zero-shot classification of an ImageNet val dir, an ImageFolder or a CLIP_benchmark wds set.
 
-    ``classnames`` / ``templates``: files or lists overriding the layout's own (see
-    ``datasets.resolve_zeroshot_data``). Each rank embeds a contiguous block of the classes' prompts
+    ``data_dir``: a directory, or its :class:`~vlcontrast.evaluation.datasets.ZeroShotData`
+    already resolved. ``classnames`` / ``templates``: files or lists overriding the layout's own
+    (see ``datasets.resolve_zeroshot_data``). Each rank embeds a contiguous block of the classes' prompts
     and every ``world``-th image; the classifier and features are gathered.
 
     Returns ``top1``, ``top5``, ``mean_per_class_recall``, ``num_images``, ``num_classes``,
     ``num_templates``, ``num_skipped``.
     """
     rank, world = get_rank(), get_world_size()
-    data = resolve_zeroshot_data(data_dir, classnames, templates, split=split)
+    data = (data_dir if isinstance(data_dir, ZeroShotData)
+            else resolve_zeroshot_data(data_dir, classnames, templates, split=split))
+    data_dir = data.root
     num_classes = len(data.classnames)
     first, last = rank * num_classes // world, (rank + 1) * num_classes // world
     loader = build_zeroshot_loader(data, preprocess, batch_size=batch_size, workers=workers,
@@ -131,16 +134,20 @@ def evaluate_zeroshot(model, preprocess, tokenizer, data_dir: str, classnames=No
             model, preprocess, loader.loader, device=device, progress=progress,
             total_batches=loader.num_batches)
 
-    def compute():
-        if features.shape[0] == 0:
-            raise ValueError(f"no decodable images in {data_dir!r}")
-        logits = zeroshot_logits(features.to(device), classifier)
-        result = zeroshot_metrics(logits, labels.to(logits.device))
-        result.update(num_images=int(features.shape[0]), num_classes=num_classes,
-                      num_templates=len(data.templates), num_skipped=skipped)
-        return result
-
-    return _share_from_rank0(compute, device)
+    # Every rank holds all features (gathered above); each scores every world-th image and
+    # torchmetrics sums the counts over the ranks.
+    if features.shape[0] == 0:
+        raise ValueError(f"no decodable images in {data_dir!r}")
+    if int(labels.min()) < 0 or int(labels.max()) >= num_classes:  # same on every rank
+        raise ValueError(f"{data_dir}: an image has label {int(labels.max())} but there are "
+                         f"{num_classes} class names; give one class name per label")
+    metrics = ZeroShotMetrics(num_classes, device=device, distributed=world > 1)
+    mine = slice(rank, None, world)
+    metrics.update(zeroshot_logits(features[mine].to(device), classifier), labels[mine].to(device))
+    result = metrics.compute()
+    result.update(num_images=int(features.shape[0]), num_classes=num_classes,
+                  num_templates=len(data.templates), num_skipped=skipped)
+    return result
 
 
 # ----------------------------------------------------------------------------------- CLI helpers
@@ -200,10 +207,10 @@ def _write_record(task: str, checkpoint_dir, bundle, data, metrics: dict, out,
 
 
 def _load(checkpoint, device):
-    from vlcontrast.checkpoints import resolve_weights
+    from vlcontrast.checkpoints import resolve_model_files
     from vlcontrast.models import load_model_from_checkpoint
 
-    return resolve_weights(checkpoint), load_model_from_checkpoint(checkpoint, device=device)
+    return resolve_model_files(checkpoint), load_model_from_checkpoint(checkpoint, device=device)
 
 
 def run_retrieval_cli(checkpoint, data, out=None, batch_size: int = 256, workers: int = 4,
@@ -222,11 +229,11 @@ def run_retrieval_cli(checkpoint, data, out=None, batch_size: int = 256, workers
 def run_zeroshot_cli(checkpoint, data, out=None, classnames=None, templates=None,
                      batch_size: int = 256, workers: int = 4, device: str | None = None) -> dict:
     """``vlcontrast eval zeroshot``: load CKPT, classify ``data`` zero-shot, write ``out`` JSON."""
+    resolved = resolve_zeroshot_data(data, classnames, templates)  # its errors before the model
     device = _setup_device(device)
     folder, bundle = _load(checkpoint, device)
-    metrics = evaluate_zeroshot(bundle.model, bundle.preprocess_val, bundle.tokenizer, data,
-                                classnames, templates, batch_size=batch_size, workers=workers,
-                                device=device)
+    metrics = evaluate_zeroshot(bundle.model, bundle.preprocess_val, bundle.tokenizer, resolved,
+                                batch_size=batch_size, workers=workers, device=device)
     return _write_record("zeroshot", folder, bundle, data, metrics, out,
                          {"classnames": str(classnames) if classnames else None,
                           "templates": str(templates) if templates else None,

@@ -9,10 +9,19 @@ Metrics use the same deterministic tie rule as retrieval (a class tied with the 
 ranked above it when its index is lower, i.e. ``argmax`` picks the first maximum): top-1, top-5
 (top-min(5, C) when there are fewer classes) and mean per-class recall (sklearn's
 ``balanced_accuracy_score``: the mean over classes present in ``labels`` of their top-1 recall).
+
+The counting is torchmetrics' (:class:`ZeroShotMetrics`): ``MulticlassAccuracy`` (micro) for
+top-1 and top-k, ``MulticlassStatScores`` per class for the recalls, with torchmetrics' own
+reduction over the ranks of a process group. Two conventions are kept on top of it: logits are
+replaced by their rank in the row first (ties broken by class index, so torchmetrics' ``topk``
+follows the rule above), and the per-class mean leaves out classes absent from the labels
+(``MulticlassAccuracy(average="macro")`` would count a class that is predicted but never true as
+recall 0).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Sequence, Union
 
 import torch
@@ -82,25 +91,77 @@ def true_class_ranks(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
     return higher + ((logits == true) & lower_index).sum(dim=1)
 
 
+def tie_broken_scores(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's classes scored ``C, C-1, ..., 1`` in descending logit order, ties in class-index
+    order: the same ranking as :func:`true_class_ranks`, without ties."""
+    order = torch.argsort(logits, dim=1, descending=True, stable=True)
+    scores = torch.arange(logits.shape[1], 0, -1, dtype=torch.float32, device=logits.device)
+    return torch.empty(logits.shape, dtype=torch.float32, device=logits.device).scatter_(
+        1, order, scores.expand_as(order).contiguous())
+
+
+class ZeroShotMetrics:
+    """Top-1, top-k and mean per-class recall counted by torchmetrics over batches of logits.
+
+    ``distributed=True``: every rank of the process group updates with its own rows and calls
+    :meth:`compute`; torchmetrics sums the counts over ranks, so every rank gets the numbers of
+    all rows. ``False``: this process's rows only (safe to call on one rank of a group).
+    """
+
+    def __init__(self, num_classes: int, *, top_k: int = 5, device="cpu",
+                 distributed: bool = False, chunk_size: int = 65536):
+        from torchmetrics.classification import MulticlassAccuracy, MulticlassStatScores
+
+        if num_classes < 1:
+            raise ValueError("ZeroShotMetrics: no classes")
+        self.num_classes, self.top_k = num_classes, min(top_k, num_classes)
+        self.chunk_size = chunk_size
+        common = dict(num_classes=num_classes, sync_on_compute=distributed, validate_args=False)
+        self.top1 = MulticlassAccuracy(top_k=1, average="micro", **common).to(device)
+        self.topk = MulticlassAccuracy(top_k=self.top_k, average="micro", **common).to(device)
+        self.per_class = MulticlassStatScores(top_k=1, average="none", **common).to(device)
+
+    def update(self, logits: torch.Tensor, labels) -> None:
+        labels = torch.as_tensor(labels, dtype=torch.long, device=logits.device)
+        if logits.ndim != 2 or logits.shape[1] != self.num_classes or \
+                labels.shape != (logits.shape[0],):
+            raise ValueError(f"logits must be [N, {self.num_classes}] and labels [N]; got "
+                             f"{tuple(logits.shape)} and {tuple(labels.shape)}")
+        if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= self.num_classes):
+            raise ValueError(f"labels must lie in [0, {self.num_classes})")
+        for start in range(0, logits.shape[0], self.chunk_size):
+            scores = tie_broken_scores(logits[start:start + self.chunk_size])
+            target = labels[start:start + self.chunk_size]
+            for metric in (self.top1, self.topk, self.per_class):
+                metric.update(scores.to(metric.device), target.to(metric.device))
+
+    def per_class_recall(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(recall [C], support [C])``: top-1 recall of each class (0 where it has no sample) and
+        its number of samples."""
+        with warnings.catch_warnings():  # a rank given no rows still takes part in the sum
+            warnings.filterwarnings("ignore", message=".*called before the ``update``")
+            stats = self.per_class.compute()      # [C, 5]: tp, fp, tn, fn, support
+        true_positives, support = stats[:, 0].double(), stats[:, 4].double()
+        return true_positives / support.clamp(min=1), support
+
+    def compute(self) -> dict[str, float]:
+        recall, support = self.per_class_recall()
+        if float(support.sum()) == 0:
+            raise ValueError("zeroshot_metrics: no samples")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*called before the ``update``")
+            return {"top1": float(self.top1.compute()),
+                    "top5": float(self.topk.compute()),
+                    "mean_per_class_recall": float(recall[support > 0].mean())}
+
+
 def zeroshot_metrics(logits: torch.Tensor, labels) -> dict[str, float]:
-    """``top1``, ``top5``, ``mean_per_class_recall`` of ``logits [N, C]`` against ``labels [N]``."""
-    labels = torch.as_tensor(labels, dtype=torch.long, device=logits.device)
-    if logits.ndim != 2 or labels.shape != (logits.shape[0],):
-        raise ValueError(f"logits must be [N, C] and labels [N]; got {tuple(logits.shape)} and "
-                         f"{tuple(labels.shape)}")
+    """``top1``, ``top5``, ``mean_per_class_recall`` of ``logits [N, C]`` against ``labels [N]``
+    (this process's rows; :class:`ZeroShotMetrics` with ``distributed=True`` sums over ranks)."""
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be [N, C] and labels [N]; got {tuple(logits.shape)}")
     if logits.shape[0] == 0:
         raise ValueError("zeroshot_metrics: no samples")
-    num_classes = logits.shape[1]
-    if int(labels.min()) < 0 or int(labels.max()) >= num_classes:
-        raise ValueError(f"labels must lie in [0, {num_classes})")
-    ranks = true_class_ranks(logits, labels)
-    correct = (ranks == 0).double()
-    per_class_hits = torch.zeros(num_classes, dtype=torch.float64, device=logits.device)
-    per_class_hits.index_add_(0, labels, correct)
-    per_class_count = torch.bincount(labels, minlength=num_classes).double()
-    present = per_class_count > 0
-    return {
-        "top1": float(correct.mean()),
-        "top5": float((ranks < min(5, num_classes)).double().mean()),
-        "mean_per_class_recall": float((per_class_hits[present] / per_class_count[present]).mean()),
-    }
+    metrics = ZeroShotMetrics(logits.shape[1], device=logits.device)
+    metrics.update(logits, labels)
+    return metrics.compute()

@@ -6,8 +6,9 @@ model name (``RN50``, ``ViT-B-32`` ...), a model config shipped in ``vlcontrast/
 ``configs/models/`` under the current directory; a Hugging Face text tower loads from a local
 directory (``model.hf_model_dir``). ``model.pretrained`` loads open_clip weights or a vlcontrast
 checkpoint, and ``model.lock_image``/``model.lock_text`` lock towers as open_clip does (LiT).
-:func:`load_model_from_checkpoint` rebuilds the model of a vlcontrast checkpoint for evaluation and
-export. Nothing here re-implements open_clip: it only resolves configs and registers them.
+:func:`load_model_from_checkpoint` rebuilds the model of a vlcontrast checkpoint (or of its open_clip
+export) for evaluation, export and :func:`vlcontrast.load`; open_clip's "initialized randomly"
+warning is silenced while a model whose weights come right after is built. Nothing here re-implements open_clip: it only resolves configs and registers them.
 """
 
 from __future__ import annotations
@@ -15,17 +16,21 @@ from __future__ import annotations
 import atexit
 import copy
 import json
+import logging
 import math
 import shutil
 import tempfile
 import warnings
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from vlcontrast.checkpoints import resolve_weights
+from vlcontrast.checkpoints import (EXPORT_CONFIG_FILE, EXPORT_WEIGHTS_FILE, MODEL_CONFIG_FILE,
+                                    WEIGHTS_FILE, is_export, resolve_model_files,
+                                    resolve_weights)
 
 PACKAGE_CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 """Model configs shipped with the package (``pyproject.toml`` package-data)."""
@@ -149,7 +154,8 @@ def build_model(model_cfg, *, siglip: bool = False, device: str | torch.device =
         kwargs["init_logit_bias"] = bias
     checkpoint = _vlcontrast_checkpoint(model_cfg.pretrained)
     open_clip_weights = None if checkpoint is not None else (model_cfg.pretrained or None)
-    with warnings.catch_warnings():
+    quiet = weights_loaded_afterwards() if checkpoint is not None else nullcontext()
+    with warnings.catch_warnings(), quiet:
         # open_clip lists colour jitter and grayscale as "unused" although it applies them;
         # ModelConfig.check refuses the options it would really drop.
         warnings.filterwarnings("ignore", message="Unused augmentation cfg items")
@@ -158,7 +164,7 @@ def build_model(model_cfg, *, siglip: bool = False, device: str | torch.device =
             pretrained_text=bool(model_cfg.hf_model_dir), aug_cfg=dict(model_cfg.augment) or None,
             **kwargs)
     if checkpoint is not None:
-        load_weights(model, checkpoint / "model.pt", f"model.pretrained={model_cfg.pretrained!r}",
+        load_weights(model, checkpoint / WEIGHTS_FILE, f"model.pretrained={model_cfg.pretrained!r}",
                      device)
     lock_towers(model, model_cfg)
     if model_cfg.grad_checkpointing:
@@ -256,19 +262,65 @@ def use_channels_last(model: torch.nn.Module) -> bool:
     return True
 
 
-def load_model_from_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> ModelBundle:
-    """Rebuild the model of a vlcontrast checkpoint (run dir -> latest) with its weights."""
+RANDOM_INIT_WARNING = "No pretrained weights loaded for model"
+"""The start of open_clip's ``create_model`` warning when it was given no ``pretrained`` weights
+("... Model initialized randomly."); misleading when vlcontrast loads weights right after."""
+
+
+class _DropRandomInitWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(RANDOM_INIT_WARNING)
+
+
+@contextmanager
+def weights_loaded_afterwards():
+    """Silence open_clip's "initialized randomly" warning (and only it) while a model is built
+    whose weights are loaded right after. open_clip logs it on the root logger."""
+    quiet = _DropRandomInitWarning()
+    root = logging.getLogger()
+    root.addFilter(quiet)
+    try:
+        yield
+    finally:
+        root.removeFilter(quiet)
+
+
+def _export_meta(folder: Path) -> dict[str, Any]:
+    """The ``model_config.json`` equivalent of an open_clip export: the model name is the stem of
+    its ``<model_name>.json`` (``export_open_clip`` writes exactly one besides
+    ``open_clip_config.json``), the config and logit initialisation from ``open_clip_config.json``."""
+    model_cfg = dict(json.loads((folder / EXPORT_CONFIG_FILE).read_text())["model_cfg"])
+    names = sorted(p.stem for p in folder.glob("*.json") if p.name != EXPORT_CONFIG_FILE)
+    return {"model_name": names[0] if len(names) == 1 else folder.name,
+            "model_cfg": model_cfg,
+            "init_logit_scale": model_cfg.pop("init_logit_scale", math.log(1 / 0.07)),
+            "init_logit_bias": model_cfg.pop("init_logit_bias", None)}
+
+
+def load_model_from_checkpoint(path: str | Path, device: str | torch.device = "cpu",
+                               what: str = "--checkpoint") -> ModelBundle:
+    """Rebuild a model with its weights, in eval mode, from a vlcontrast run directory (its
+    latest checkpoint), a checkpoint directory or a ``vlcontrast export open_clip`` directory.
+
+    ``what`` names the argument in errors. Either way the model is built from the stored open_clip
+    config and the weights are loaded with ``torch.load(weights_only=True)``, so all three give the
+    same model, transforms and tokenizer."""
     import open_clip
 
-    folder = resolve_weights(path)
-    meta = json.loads((folder / "model_config.json").read_text())
+    folder = resolve_model_files(path, what)
+    if is_export(folder):
+        meta, weights = _export_meta(folder), folder / EXPORT_WEIGHTS_FILE
+    else:
+        meta = json.loads((folder / MODEL_CONFIG_FILE).read_text())
+        weights = folder / WEIGHTS_FILE
     registered = _register_config(meta["model_name"], meta["model_cfg"])
     kwargs: dict[str, Any] = {"init_logit_scale": meta.get("init_logit_scale", math.log(1 / 0.07))}
     if meta.get("init_logit_bias") is not None:
         kwargs["init_logit_bias"] = meta["init_logit_bias"]
-    model, preprocess_train, preprocess_val = open_clip.create_model_and_transforms(
-        registered, device=device, output_dict=True, pretrained_text=False, **kwargs)
-    load_weights(model, folder / "model.pt", f"--checkpoint {str(path)!r}", device)
+    with weights_loaded_afterwards():
+        model, preprocess_train, preprocess_val = open_clip.create_model_and_transforms(
+            registered, device=device, output_dict=True, pretrained_text=False, **kwargs)
+    load_weights(model, weights, f"{what} {str(path)!r}", device)
     model.eval()
     tokenizer = open_clip.get_tokenizer(registered)
     return ModelBundle(model, preprocess_train, preprocess_val, tokenizer, meta["model_name"], meta)

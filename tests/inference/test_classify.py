@@ -1,0 +1,128 @@
+"""``vlcontrast classify``: the user's own images, zero-shot, against labels they name."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.evaluation.helpers import write_image_folder
+from tests.inference.helpers import (BROKEN, reference_image_features, reference_text_features,
+                                     run_cli)
+from vlcontrast.inference import DEFAULT_TEMPLATES, find_images, parse_labels
+from vlcontrast.errors import ConfigError
+
+LABELS = ["cat", "dog", "car", "tree"]
+
+
+def classify_json(capsys, run_dir, *args):
+    code, out, err = run_cli(capsys, "classify", "--checkpoint", str(run_dir), "--json",
+                             "--workers", "0", "--no-progress", *args)
+    assert code == 0, err
+    return json.loads(out), err
+
+
+def test_folder_with_an_unreadable_image_and_odd_names(trained, user_images, capsys):
+    folder, readable = user_images
+    result, err = classify_json(capsys, trained[1], "--labels", ",".join(LABELS), "--top-k", "3",
+                                str(folder))
+    assert [item["image"] for item in result["images"]] == [str(p) for p in readable]
+    assert result["num_images"] == 5 and result["num_skipped"] == 1
+    assert result["skipped"] == [str(folder / BROKEN)]
+    assert result["skipped_reasons"] == {"undecodable_image": 1}
+    assert "skipped 1 of 6 images (undecodable_image: 1)" in err and BROKEN in err
+    for item in result["images"]:
+        probs = [entry["prob"] for entry in item["top"]]
+        assert len(probs) == 3 and probs == sorted(probs, reverse=True)
+        assert len({entry["label"] for entry in item["top"]}) == 3
+        assert 0 < sum(probs) <= 1 + 1e-6
+
+
+def test_probabilities_equal_a_hand_computation(trained, user_images, tmp_path, capsys):
+    (model, preprocess, tokenizer), run_dir = trained
+    templates = ["a photo of a {c}.", "{c}, drawn badly", "my {c}"]
+    (tmp_path / "templates.txt").write_text("\n".join(templates) + "\n")
+    (tmp_path / "labels.txt").write_text("\n".join(LABELS) + "\n")
+    paths = user_images[1]
+    result, _ = classify_json(capsys, run_dir, "--labels-file", str(tmp_path / "labels.txt"),
+                              "--templates", str(tmp_path / "templates.txt"), "--top-k", "9",
+                              *map(str, paths[::-1]))
+    assert result["templates"] == templates
+    # By hand: each label's prompts embedded and normalised, averaged, normalised again; the
+    # softmax over labels of exp(logit_scale) * cosine.
+    classes = torch.stack([F.normalize(reference_text_features(
+        model, tokenizer, [t.replace("{c}", label) for t in templates]).mean(0), dim=0)
+        for label in LABELS])
+    images = reference_image_features(model, preprocess, paths[::-1])
+    expected = (model.logit_scale.detach().exp() * images @ classes.t()).softmax(dim=-1)
+    assert [item["image"] for item in result["images"]] == [str(p) for p in paths[::-1]]
+    for row, item in zip(expected, result["images"]):
+        assert len(item["top"]) == len(LABELS)  # --top-k larger than the labels: all of them
+        got = {entry["label"]: entry["prob"] for entry in item["top"]}
+        for label, prob in zip(LABELS, row.tolist()):
+            assert got[label] == pytest.approx(prob, abs=1e-5)
+        assert item["top"][0]["label"] == LABELS[int(row.argmax())]
+
+
+def test_default_templates_and_table_output(trained, user_images, capsys):
+    code, out, err = run_cli(capsys, "classify", "--checkpoint", str(trained[1]), "--labels",
+                             "cat, dog ,car", "--top-k", "2", "--workers", "0", "--no-progress",
+                             str(user_images[1][0]), str(user_images[1][3]))
+    assert code == 0, err
+    lines = out.strip().splitlines()
+    assert lines[0].split() == ["image", "top", "1", "top", "2"]
+    assert len(lines) == 3 and str(user_images[1][3]) in lines[2]
+    assert all(line.count("(0.") + line.count("(1.0") == 2 for line in lines[1:])
+    assert err == ""  # nothing skipped, no progress, no open_clip warning
+    assert len(DEFAULT_TEMPLATES) == 7 and all("{c}" in t for t in DEFAULT_TEMPLATES)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--labels", " , "], "--labels: 0 label(s); zero-shot classification needs at least two"),
+    (["--labels", "cat,dog,Cat"], "label 'Cat' is given twice; give each label once"),
+    (["--labels", "cat,dog", "--labels-file", "x.txt"], "give one of them, not both"),
+    (["--labels", "cat,dog", "--templates", "TEMPLATES"], "template 'a photo' has no {c} "
+     "placeholder"),
+    (["--labels", "cat,dog", "--top-k", "0"], "--top-k 0: must be at least 1"),
+    (["--labels-file", "missing.txt"], "--labels-file 'missing.txt': no such file"),
+])
+def test_bad_input_is_a_one_line_error_before_the_model(tmp_path, user_images, capsys, args,
+                                                        message):
+    (tmp_path / "templates.txt").write_text("a photo\n")
+    args = [str(tmp_path / "templates.txt") if a == "TEMPLATES" else a for a in args]
+    # A checkpoint that does not exist: the error must come from the inputs, before any loading.
+    code, out, err = run_cli(capsys, "classify", "--checkpoint", str(tmp_path / "no_run"), *args,
+                             str(user_images[0]))
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("vlcontrast: error: ") and message in err
+
+
+def test_no_images_found(tmp_path, capsys):
+    (tmp_path / "empty" / "sub").mkdir(parents=True)
+    (tmp_path / "empty" / "readme.txt").write_text("x")
+    code, _, err = run_cli(capsys, "classify", "--checkpoint", str(tmp_path), "--labels", "a,b",
+                           str(tmp_path / "empty"))
+    assert code == 2 and err.count("\n") == 1
+    assert "no images found in" in err and ".gif" in err
+    with pytest.raises(ConfigError, match="'nope' does not exist"):
+        find_images(["nope"])
+
+
+def test_labels_file_and_find_images_order(tmp_path, user_images):
+    (tmp_path / "labels.json").write_text(json.dumps(["a cat", "a dog"]))
+    assert parse_labels(labels_file=tmp_path / "labels.json") == ["a cat", "a dog"]
+    folder, readable = user_images
+    found = find_images([folder, readable[0]])  # a file named twice is taken once
+    assert found == [*readable[:2], folder / BROKEN, *readable[2:]]  # notes.txt is no image
+    assert find_images([readable[3], folder / "nested"]) == [readable[3], readable[2],
+                                                             readable[4]]
+
+
+def test_eval_zeroshot_class_names_file_of_the_wrong_length(trained, tmp_path, capsys):
+    write_image_folder(tmp_path / "data", ["a_dir", "b_dir"], per_class=1)
+    (tmp_path / "three.txt").write_text("x\ny\nz\n")
+    code, out, err = run_cli(capsys, "eval", "zeroshot", "--checkpoint", str(tmp_path / "no_run"),
+                             "--data", str(tmp_path / "data"), "--classnames",
+                             str(tmp_path / "three.txt"), "--device", "cpu")
+    assert code == 2 and err.count("\n") == 1
+    assert f"{tmp_path / 'three.txt'}: 3 class names, but the data has 2 classes" in err

@@ -1,0 +1,126 @@
+"""Zero-shot classification of the user's own images against labels they name.
+
+Each label's prompts (``template`` with ``{c}`` replaced) are embedded, normalised, averaged and
+normalised again (open_clip's zero-shot classifier, :func:`vlcontrast.evaluation.zeroshot.
+build_zeroshot_classifier`); an image's probabilities are the softmax over labels of
+``exp(logit_scale) * cosine(image, label)``, the model's own trained temperature.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from vlcontrast.errors import ConfigError
+
+DEFAULT_TEMPLATES = ("itap of a {c}.", "a bad photo of the {c}.", "a origami {c}.",
+                     "a photo of the large {c}.", "a {c} in a video game.", "art of the {c}.",
+                     "a photo of the small {c}.")
+"""CLIP's seven-prompt ImageNet ensemble (open_clip's ``SIMPLE_IMAGENET_TEMPLATES``)."""
+
+
+def parse_labels(labels: str | None = None, labels_file: str | os.PathLike | None = None
+                 ) -> list[str]:
+    """The class labels from ``--labels "cat,dog"`` or ``--labels-file`` (one per line, or a JSON
+    list); one-line errors for none, both, or a duplicate."""
+    from vlcontrast.evaluation.datasets import read_list_file
+
+    if labels and labels_file:
+        raise ConfigError("--labels and --labels-file: give one of them, not both")
+    if labels_file:
+        if not Path(labels_file).is_file():
+            raise ConfigError(f"--labels-file {str(labels_file)!r}: no such file; give a file "
+                              "with one label per line")
+        names, source = read_list_file(labels_file), f"--labels-file {str(labels_file)!r}"
+    else:
+        names = [part.strip() for part in (labels or "").split(",") if part.strip()]
+        source = "--labels"
+    if len(names) < 2:
+        raise ConfigError(f"{source}: {len(names)} label(s); zero-shot classification needs at least "
+                          "two, e.g. --labels \"cat,dog,car\" or --labels-file labels.txt")
+    seen: set[str] = set()
+    for name in names:
+        if name.lower() in seen:
+            raise ConfigError(f"{source}: label {name!r} is given twice; give each label once")
+        seen.add(name.lower())
+    return names
+
+
+@dataclass
+class Classification:
+    """Top-k labels per readable image, and the images that could not be read."""
+    paths: list[Path]
+    labels: list[str]
+    templates: list[str]
+    kept: list[int]                 # indices into paths, one per row of top_labels/top_probs
+    top_labels: torch.Tensor        # [N_kept, k] label indices, most probable first
+    top_probs: torch.Tensor         # [N_kept, k]
+    probs: torch.Tensor             # [N_kept, C] every label's probability
+    skipped: list[int]
+    reasons: dict[str, int]
+
+    def to_dict(self) -> dict:
+        return {
+            "labels": self.labels,
+            "templates": self.templates,
+            "images": [{"image": str(self.paths[index]),
+                        "top": [{"label": self.labels[int(c)], "prob": float(p)}
+                                for c, p in zip(classes, probs)]}
+                       for index, classes, probs in zip(self.kept, self.top_labels,
+                                                        self.top_probs)],
+            "num_images": len(self.kept),
+            "num_skipped": len(self.skipped),
+            "skipped": [str(self.paths[index]) for index in self.skipped],
+            "skipped_reasons": self.reasons,
+        }
+
+
+@torch.no_grad()
+def classify(model, preprocess, tokenizer, paths: Sequence[Path], labels: Sequence[str], *,
+             templates: Sequence[str] = DEFAULT_TEMPLATES, top_k: int = 5, device="cpu",
+             batch_size: int = 64, workers: int = 0, progress: bool = True) -> Classification:
+    """Classify the images at ``paths`` among ``labels`` (see the module docstring)."""
+    from vlcontrast.evaluation.datasets import check_templates
+    from vlcontrast.evaluation.embed import unwrap_model
+    from vlcontrast.evaluation.zeroshot import build_zeroshot_classifier
+    from vlcontrast.inference.images import embed_image_files, skipped_summary
+
+    templates = check_templates(list(templates), "--templates")
+    if top_k < 1:
+        raise ConfigError(f"--top-k {top_k}: must be at least 1")
+    model = unwrap_model(model)
+    model.eval()
+    classifier = build_zeroshot_classifier(model, tokenizer, list(labels), templates,
+                                           device=device, batch_size=batch_size)
+    images = embed_image_files(model, preprocess, paths, device=device, batch_size=batch_size,
+                               workers=workers, progress=progress)
+    if not images.kept:
+        raise ConfigError(f"none of the {len(paths)} images could be read ("
+                          f"{skipped_summary(paths, images)}); check the files")
+    scale = model.logit_scale.detach().float().exp().reshape(())
+    logits = scale.to(device) * images.features.to(device) @ classifier
+    probs = logits.softmax(dim=-1).cpu()
+    top = probs.topk(min(top_k, len(labels)), dim=-1)
+    return Classification(list(paths), list(labels), templates, images.kept, top.indices,
+                          top.values, probs, images.skipped, images.reasons)
+
+
+def format_classification(result: Classification, as_json: bool = False) -> str:
+    """A table (one image per row: its top labels with probabilities) or the JSON document."""
+    if as_json:
+        return json.dumps(result.to_dict(), indent=2)
+    names = [str(result.paths[index]) for index in result.kept]
+    width = min(max(len("image"), *(len(n) for n in names)), 60)
+    k = result.top_labels.shape[1]
+    header = f"{'image':<{width}}  " + "  ".join(f"top {i + 1}" for i in range(k))
+    lines = [header]
+    for name, classes, probs in zip(names, result.top_labels, result.top_probs):
+        shown = name if len(name) <= width else "..." + name[-(width - 3):]
+        cells = [f"{result.labels[int(c)]} ({float(p):.3f})" for c, p in zip(classes, probs)]
+        lines.append(f"{shown:<{width}}  " + "  ".join(cells))
+    return "\n".join(lines)

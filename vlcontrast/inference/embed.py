@@ -1,0 +1,156 @@
+"""Embeddings of images (files, folders or webdataset shards) or texts, L2-normalised float32,
+written atomically as ``.npy`` plus an ids sidecar (``OUT.ids.txt``, one id per row) or as one
+parquet file (columns ``id`` and ``embedding``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from vlcontrast.errors import ConfigError
+
+FORMATS = (".npy", ".parquet")
+
+
+@dataclass
+class Embeddings:
+    """Row ``i`` of ``vectors`` is the embedding of ``ids[i]``."""
+    vectors: np.ndarray             # [N, D] float32, unit rows
+    ids: list[str]
+    skipped: list[str] = field(default_factory=list)
+    reasons: dict[str, int] = field(default_factory=dict)
+
+
+def ids_path(out: str | os.PathLike) -> Path:
+    """The sidecar of a ``.npy`` output: ``OUT.ids.txt``."""
+    return Path(f"{out}.ids.txt")
+
+
+def check_output(out: str | os.PathLike) -> Path:
+    """``--out`` checked before any work: a known format, pyarrow present for parquet."""
+    out = Path(out)
+    if out.suffix.lower() not in FORMATS:
+        raise ConfigError(f"--out {str(out)!r}: unknown format {out.suffix or '(none)'!r}; end it "
+                          "in .npy (with OUT.ids.txt beside it) or .parquet")
+    if out.suffix.lower() == ".parquet" and importlib.util.find_spec("pyarrow") is None:
+        raise ConfigError(f"--out {str(out)!r}: writing parquet needs pyarrow; pip install pyarrow "
+                          "(or write .npy)")
+    if out.is_dir():
+        raise ConfigError(f"--out {str(out)!r} is a directory; name a file")
+    return out
+
+
+def read_texts(path: str | os.PathLike) -> list[str]:
+    """The non-empty lines of a text file, stripped."""
+    if not Path(path).is_file():
+        raise ConfigError(f"--texts {str(path)!r}: no such file; give a file with one text per line")
+    texts = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines()
+             if line.strip()]
+    if not texts:
+        raise ConfigError(f"--texts {str(path)!r}: no texts; give a file with one text per line")
+    return texts
+
+
+@torch.no_grad()
+def embed_texts(model, tokenizer, texts: Sequence[str], *, device="cpu", batch_size: int = 256,
+                progress: bool = True) -> Embeddings:
+    """Encode ``texts`` in batches; ids are the texts themselves."""
+    from vlcontrast.evaluation.embed import encode_in_lockstep, encode_texts, unwrap_model
+
+    model = unwrap_model(model)
+    batches = (texts[i:i + batch_size] for i in range(0, len(texts), batch_size))
+    parts = [encode_texts(model, tokenizer(list(batch)), device).cpu()
+             for batch in encode_in_lockstep(batches, device, progress=progress,
+                                             total=-(-len(texts) // batch_size),
+                                             description="embed texts", synchronize=False)]
+    return Embeddings(torch.cat(parts).numpy(), list(texts))
+
+
+@torch.no_grad()
+def embed_images(model, preprocess, *, paths: Sequence[Path] | None = None, shards=None,
+                 device="cpu", batch_size: int = 256, workers: int = 0,
+                 progress: bool = True) -> Embeddings:
+    """Encode image files (ids: their paths) or the images of webdataset shards in the one shard
+    grammar (ids: the samples' keys). Unreadable images are skipped and counted."""
+    from vlcontrast.evaluation.embed import unwrap_model
+
+    model = unwrap_model(model)
+    if paths is not None:
+        from vlcontrast.inference.images import embed_image_files
+
+        found = embed_image_files(model, preprocess, paths, device=device, batch_size=batch_size,
+                                  workers=workers, progress=progress)
+        if not found.kept:
+            raise ConfigError(f"--images: none of the {len(paths)} images could be read "
+                              f"({found.reasons}); check the files")
+        return Embeddings(found.features.numpy(), [str(paths[i]) for i in found.kept],
+                          [str(paths[i]) for i in found.skipped], found.reasons)
+    return _embed_shard_images(model, preprocess, shards, device=device, batch_size=batch_size,
+                               workers=workers, progress=progress)
+
+
+def _embed_shard_images(model, preprocess, shards, *, device, batch_size, workers,
+                        progress) -> Embeddings:
+    from vlcontrast.evaluation.datasets import build_image_shards_loader
+    from vlcontrast.evaluation.embed import encode_images, encode_in_lockstep, model_dtype
+
+    loader = build_image_shards_loader(shards, preprocess, batch_size=batch_size, workers=workers)
+    dtype = model_dtype(model)
+    parts, ids, reasons = [], [], {}
+    for images, keys, _, skipped in encode_in_lockstep(loader.loader, device, progress=progress,
+                                                       description="embed images",
+                                                       synchronize=False):
+        for reason, n in skipped.reasons.items():
+            reasons[reason] = reasons.get(reason, 0) + n
+        if images is not None:
+            parts.append(encode_images(model, images, device, dtype).cpu())
+            ids.extend(keys)
+    if not parts:
+        raise ConfigError(f"--images {loader.name!r}: no readable image in these shards "
+                          f"({reasons}); check them with `vlcontrast prep check`")
+    return Embeddings(torch.cat(parts).numpy(), ids, [], reasons)
+
+
+def _temporary(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def write_embeddings(embeddings: Embeddings, out: str | os.PathLike) -> list[Path]:
+    """Write ``.npy`` + ``OUT.ids.txt``, or ``.parquet``; each file goes to a temporary name in
+    the same folder first and is renamed into place, so no half-written file is ever left under
+    its name. Returns the paths written."""
+    out = check_output(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    vectors = np.ascontiguousarray(embeddings.vectors, dtype=np.float32)
+    if len(embeddings.ids) != vectors.shape[0]:
+        raise ValueError(f"{len(embeddings.ids)} ids for {vectors.shape[0]} embeddings")
+    written: list[tuple[Path, Path]] = []
+    try:
+        if out.suffix.lower() == ".parquet":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            column = pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)),
+                                                       vectors.shape[1])
+            table = pa.table({"id": pa.array(embeddings.ids, pa.string()), "embedding": column})
+            written.append((_temporary(out), out))
+            pq.write_table(table, written[-1][0])
+        else:
+            written.append((_temporary(out), out))
+            with open(written[-1][0], "wb") as handle:
+                np.save(handle, vectors)
+            sidecar = ids_path(out)
+            written.append((_temporary(sidecar), sidecar))
+            written[-1][0].write_text("".join(f"{i}\n" for i in embeddings.ids), encoding="utf-8")
+        for temporary, final in written:
+            os.replace(temporary, final)
+    finally:
+        for temporary, _ in written:
+            temporary.unlink(missing_ok=True)
+    return [final for _, final in written]

@@ -1,0 +1,86 @@
+"""The user's own images: files and folders (searched recursively) -> an ordered list of image
+paths, and their L2-normalised embeddings through the evaluation reader (unreadable files are
+skipped and counted under the training loader's reason names)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from vlcontrast.errors import ConfigError
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
+"""Suffixes (any case) of the files taken from a folder; a file named on its own is always tried."""
+
+
+def find_images(inputs: Sequence[str | os.PathLike], what: str = "IMAGES") -> list[Path]:
+    """Image files named in ``inputs`` (files as given; folders recursively, sorted), each once."""
+    if not inputs:
+        raise ConfigError(f"{what}: no images given; name image files or folders holding them")
+    found: list[Path] = []
+    for item in inputs:
+        path = Path(item)
+        if path.is_dir():
+            for folder, dirs, names in os.walk(path, followlinks=True):
+                dirs.sort()
+                found.extend(Path(folder) / name for name in sorted(names)
+                             if name.lower().endswith(IMAGE_SUFFIXES) and not name.startswith("."))
+        elif path.is_file():
+            found.append(path)
+        else:
+            raise ConfigError(f"{what}: {str(path)!r} does not exist; name image files or folders "
+                              "holding them")
+    unique = list(dict.fromkeys(found))
+    if not unique:
+        raise ConfigError(f"{what}: no images found in {', '.join(map(str, inputs))} (looked for "
+                          f"{' '.join(IMAGE_SUFFIXES)}, any case, in sub-folders too); name image "
+                          "files or folders holding them")
+    return unique
+
+
+@dataclass
+class ImageFeatures:
+    """Embeddings of the readable images among ``paths``; ``kept`` indexes ``paths``."""
+    features: torch.Tensor                 # [N_kept, D], float32, unit rows, on the CPU
+    kept: list[int]
+    skipped: list[int]                     # indices into paths of the unreadable images
+    reasons: dict[str, int] = field(default_factory=dict)   # skipped images per reason
+
+
+@torch.no_grad()
+def embed_image_files(model, preprocess, paths: Sequence[Path], *, device, batch_size: int = 64,
+                      workers: int = 0, progress: bool = True) -> ImageFeatures:
+    """Encode image files in batches (a progress bar on a terminal, plain lines in a log)."""
+    from vlcontrast.evaluation.datasets import build_image_files_loader
+    from vlcontrast.evaluation.embed import embed_labelled_images
+
+    loader = build_image_files_loader(paths, preprocess, batch_size=batch_size, workers=workers)
+    reasons: dict[str, int] = {}
+
+    def counted(batches):
+        for batch in batches:
+            for reason, n in batch[3].reasons.items():
+                reasons[reason] = reasons.get(reason, 0) + n
+            yield batch
+
+    keys, features, _, _ = embed_labelled_images(model, preprocess, counted(loader.loader),
+                                                 device=device, progress=progress,
+                                                 total_batches=loader.num_batches)
+    kept = keys.tolist()
+    kept_set = set(kept)
+    skipped = [index for index in range(len(paths)) if index not in kept_set]
+    return ImageFeatures(features, kept, skipped, reasons)
+
+
+def skipped_summary(paths: Sequence[Path], result: ImageFeatures, limit: int = 3) -> str:
+    """``skipped 2 of 10 images (undecodable_image: 2): a.png, b.jpg`` or an empty string."""
+    if not result.skipped:
+        return ""
+    why = ", ".join(f"{reason}: {n}" for reason, n in sorted(result.reasons.items()))
+    names = ", ".join(str(paths[i]) for i in result.skipped[:limit])
+    more = f" and {len(result.skipped) - limit} more" if len(result.skipped) > limit else ""
+    return (f"skipped {len(result.skipped)} of {len(paths)} images ({why}): {names}{more}")

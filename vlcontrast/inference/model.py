@@ -1,0 +1,57 @@
+"""``vlcontrast.load``: a trained model with open_clip's calling conventions, on the device asked for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from vlcontrast.errors import DeviceError
+
+
+def resolve_device(device: str | torch.device | None = None) -> torch.device:
+    """``None``/``"auto"``: CUDA when a GPU is usable, else the CPU; ``"cpu"``, ``"cuda"``,
+    ``"cuda:N"`` as given, with a one-line error when that GPU is not there."""
+    if device is None or str(device) in ("", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        chosen = torch.device(device)
+    except RuntimeError:
+        raise DeviceError(f"device={str(device)!r}: not a device; use auto, cpu, cuda or "
+                          "cuda:N") from None
+    if chosen.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (chosen.index or 0) >= count:
+            raise DeviceError(f"device={str(device)!r}: this process sees {count} usable CUDA "
+                              "device(s); use device='cpu' (or auto)")
+    return chosen
+
+
+def load_bundle(path: str | Path, device=None, what: str = "vlcontrast.load"):
+    """The :class:`~vlcontrast.models.ModelBundle` of a run directory (its latest checkpoint), a
+    checkpoint directory or a ``vlcontrast export open_clip`` directory, in eval mode."""
+    from vlcontrast.models import load_model_from_checkpoint
+
+    return load_model_from_checkpoint(path, device=resolve_device(device), what=what)
+
+
+def load(path: str | Path, device: str | torch.device | None = None):
+    """``(model, preprocess, tokenizer)`` of a trained model, as open_clip hands them out.
+
+    ``path``: a run directory (its latest checkpoint), a checkpoint directory or a
+    ``vlcontrast export open_clip`` directory. ``device``: ``None`` (CUDA when available, else the
+    CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. The model is in eval mode; call it as an open_clip
+    model::
+
+        model, preprocess, tokenizer = vlcontrast.load("runs/mine")
+        image = model.encode_image(preprocess(pil_image).unsqueeze(0))
+        text = model.encode_text(tokenizer(["a cat", "a dog"]))
+        # normalise both, then model.logit_scale.exp() * image @ text.T are the logits
+
+    ``preprocess`` is the evaluation transform (open_clip's ``preprocess_val``); ``model(images,
+    texts)`` returns open_clip's default tuple (normalised image and text features, the
+    exponentiated logit scale).
+    """
+    bundle = load_bundle(path, device)
+    bundle.model.output_dict = False
+    return bundle.model, bundle.preprocess_val, bundle.tokenizer
