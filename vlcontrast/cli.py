@@ -203,6 +203,11 @@ def _cmd_classify(args) -> int:
                       batch_size=args.batch_size, workers=args.workers,
                       progress=not args.no_progress)
     print(format_classification(result, as_json=args.json))
+    if args.figure:
+        from vlcontrast.inference.classify import plot_classification
+
+        print(f"vlcontrast classify: figure {plot_classification(result, args.figure)}",
+              file=sys.stderr)
     if result.skipped:
         print(f"vlcontrast classify: {skipped_summary(paths, result)}", file=sys.stderr)
     return 0
@@ -529,6 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
     classify_cmd.add_argument("--templates", default=None, help="one prompt per line with {c} "
                               "(default: CLIP's seven-prompt ensemble)")
     classify_cmd.add_argument("--top-k", type=int, default=5, help="labels shown per image")
+    classify_cmd.add_argument("--figure", default="",
+                              help="also draw the first 12 images with their top-3 labels (PNG)")
     classify_cmd.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     embed_cmd = sub.add_parser(

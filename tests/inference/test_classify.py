@@ -126,3 +126,18 @@ def test_eval_zeroshot_class_names_file_of_the_wrong_length(trained, tmp_path, c
                              str(tmp_path / "three.txt"), "--device", "cpu")
     assert code == 2 and err.count("\n") == 1
     assert f"{tmp_path / 'three.txt'}: 3 class names, but the data has 2 classes" in err
+
+
+def test_figure_draws_the_images_with_their_top_labels(trained, user_images, tmp_path, capsys):
+    from PIL import Image
+
+    figure = tmp_path / "fig" / "top3.png"
+    code, out, err = run_cli(capsys, "classify", "--checkpoint", str(trained[1]), "--labels",
+                             "cat,dog,car", "--workers", "0", "--no-progress", "--figure",
+                             str(figure), str(user_images[1][0]), str(user_images[1][3]))
+    assert code == 0, err
+    assert f"figure {figure}" in err
+    with Image.open(figure) as image:
+        width, height = image.size
+    assert width > 500 and height > 200  # a 4-column grid with one row of two images
+    assert not list(figure.parent.glob("*.tmp.png"))

@@ -124,3 +124,41 @@ def format_classification(result: Classification, as_json: bool = False) -> str:
         cells = [f"{result.labels[int(c)]} ({float(p):.3f})" for c, p in zip(classes, probs)]
         lines.append(f"{shown:<{width}}  " + "  ".join(cells))
     return "\n".join(lines)
+
+
+def plot_classification(result: Classification, out: str | os.PathLike, *, limit: int = 12,
+                        columns: int = 4, top: int = 3) -> Path:
+    """A grid of the first ``limit`` classified images, each titled with its ``top`` labels and
+    their probabilities (PNG, written atomically)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    shown = list(zip(result.kept, result.top_labels, result.top_probs))[:limit]
+    if not shown:
+        raise ConfigError("--figure: no image was classified, nothing to draw")
+    rows = -(-len(shown) // columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(3.2 * columns, 3.6 * rows),
+                                squeeze=False)
+    for axis in axes.flat:
+        axis.axis("off")
+    for axis, (index, classes, probs) in zip(axes.flat, shown):
+        with Image.open(result.paths[index]) as image:
+            image = image.convert("RGBA")
+            background = Image.new("RGBA", image.size, "white")
+            axis.imshow(Image.alpha_composite(background, image).convert("RGB"))
+        lines = [f"{result.labels[int(c)]} {float(p):.0%}" for c, p in
+                 list(zip(classes, probs))[:top]]
+        axis.set_title("\n".join(lines), fontsize=9, loc="left")
+        axis.text(0.0, -0.04, Path(result.paths[index]).name[:40], transform=axis.transAxes,
+                  fontsize=7, va="top", color="0.4")
+    figure.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp.png")
+    figure.savefig(tmp, dpi=90)
+    plt.close(figure)
+    tmp.replace(out)
+    return out
