@@ -165,7 +165,8 @@ def _cmd_eval(args) -> int:
     if args.what == "retrieval":
         runner.run_retrieval_cli(args.checkpoint, args.data, args.out, batch_size=args.batch_size,
                                  workers=args.workers, max_samples=args.max_samples,
-                                 device=args.device)
+                                 device=args.device, image_key=args.image_key,
+                                 caption_key=args.caption_key)
     elif args.what == "zeroshot":
         runner.run_zeroshot_cli(args.checkpoint, args.data, args.out, classnames=args.classnames,
                                 templates=args.templates, batch_size=args.batch_size,
@@ -506,6 +507,11 @@ def build_parser() -> argparse.ArgumentParser:
         add_run_options(p)
         if name == "retrieval":
             p.add_argument("--max-samples", type=int, default=0, help="0: all")
+            p.add_argument("--image-key", default="",
+                           help="image members, as data.image_key (default: jpg;jpeg;png;webp)")
+            p.add_argument("--caption-key", default="",
+                           help="caption members, as data.caption_key, e.g. json:caption "
+                                "(default: .txt lines, or the .json's captions/caption)")
         else:
             p.add_argument("--classnames", default=None, help="one class name per line")
             p.add_argument("--templates", default=None, help="one prompt per line with {c}")

@@ -45,6 +45,62 @@ def test_evaluate_retrieval_equals_metrics_on_direct_embeddings(tmp_path, tiny, 
     assert model.training is False
 
 
+def _rewrite_members(source, target, rewrite):
+    """Copy shards, passing each sample's members through ``rewrite(members) -> members``."""
+    import tarfile
+
+    target.mkdir()
+    for shard in sorted(source.glob("*.tar")):
+        samples: dict = {}
+        with tarfile.open(shard) as archive:
+            for member in archive.getmembers():
+                key, ext = member.name.split(".", 1)
+                samples.setdefault(key, {})[ext] = archive.extractfile(member).read()
+        with tarfile.open(target / shard.name, "w") as archive:
+            for key, members in samples.items():
+                for ext, data in rewrite(members).items():
+                    info = tarfile.TarInfo(f"{key}.{ext}")
+                    info.size = len(data)
+                    archive.addfile(info, io.BytesIO(data))
+
+
+def test_retrieval_reads_the_members_training_reads(tmp_path, tiny):
+    """``data.caption_key``/``data.image_key`` reach the retrieval evaluation (training's own
+    evaluation and ``eval retrieval --caption-key``), and captions only in the ``.json`` are read
+    by default instead of being skipped."""
+    from vlcontrast.data.samples import Members
+
+    model, preprocess, tokenizer = tiny
+    captions = write_retrieval_shards(tmp_path / "plain", 9, per_shard=5)
+    expected = evaluate_retrieval(model, preprocess, tokenizer, str(tmp_path / "plain"),
+                                  batch_size=4, workers=0, progress=False)
+
+    def custom(members):  # the caption in a .json field of its own, the image as .png
+        meta = json.loads(members["json"])
+        return {"png": members["jpg"], "json": json.dumps({"title": meta["caption"]}).encode()}
+
+    _rewrite_members(tmp_path / "plain", tmp_path / "custom", custom)
+    with pytest.raises(ValueError, match=r"\(9 skipped\).*data.caption_key"):
+        # no .txt, no known .json field: every caption missing, and the error says what to set
+        evaluate_retrieval(model, preprocess, tokenizer, str(tmp_path / "custom"), batch_size=4,
+                           workers=0, progress=False)
+    got = evaluate_retrieval(model, preprocess, tokenizer, str(tmp_path / "custom"), batch_size=4,
+                             workers=0, progress=False,
+                             members=Members.parse("png", "json:title"))
+    assert got["num_skipped"] == 0 and got["num_texts"] == len(captions)
+    for key in ("image_to_text_R@1", "text_to_image_R@1", "val_loss"):
+        assert got[key] == pytest.approx(expected[key]), key
+
+    def json_only(members):  # no .txt: the .json's caption is the caption
+        return {k: v for k, v in members.items() if k != "txt"}
+
+    _rewrite_members(tmp_path / "plain", tmp_path / "json-only", json_only)
+    got = evaluate_retrieval(model, preprocess, tokenizer, str(tmp_path / "json-only"),
+                             batch_size=4, workers=0, progress=False)
+    assert got["num_skipped"] == 0
+    assert got["text_to_image_R@1"] == pytest.approx(expected["text_to_image_R@1"])
+
+
 def test_evaluate_retrieval_restores_training_mode_and_honours_max_samples(tmp_path, tiny):
     model, preprocess, tokenizer = tiny
     write_retrieval_shards(tmp_path, 12, per_shard=5)

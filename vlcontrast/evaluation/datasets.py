@@ -40,9 +40,9 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-from vlcontrast.data.samples import (DEFAULT_MAX_IMAGE_PIXELS, IMAGE_EXTENSIONS,  # noqa: F401
-                                     find_image, inspect_sample, open_image, read_json,
-                                     read_label)
+from vlcontrast.data.samples import (DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MEMBERS,  # noqa: F401
+                                     IMAGE_EXTENSIONS, Members, find_image, inspect_sample,
+                                     open_image, read_json, read_label)
 from vlcontrast.data.shards import read_sizes
 from vlcontrast.data.spec import DEFAULT_SPLIT, expand_spec
 from vlcontrast.data.tar_reader import SHARD_EVENTS, read_shard
@@ -105,19 +105,29 @@ class RetrievalDecoder:
     """(key, files) -> (image tensor, captions), or the reason the sample is skipped (the
     training loader's checks); a class so loader workers can pickle it."""
 
-    def __init__(self, preprocess, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
+    def __init__(self, preprocess, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+                 members: Members = DEFAULT_MEMBERS):
         self.preprocess = preprocess
         self.max_image_pixels = max_image_pixels
+        self.members = members
 
     def __call__(self, key: str, files: dict[str, bytes]):
-        sample = inspect_sample(key, files, max_image_pixels=self.max_image_pixels)
+        if self.members == DEFAULT_MEMBERS:
+            # The default layout: every caption the sample has (a .json list, or .txt lines).
+            captions = sample_captions(files)
+            keys = Members(DEFAULT_MEMBERS.image, ("txt", "json:captions", "json:caption"))
+        else:  # data.caption_key / data.image_key: the members training reads
+            keys, captions = self.members, None
+        sample = inspect_sample(key, files, max_image_pixels=self.max_image_pixels, keys=keys)
         if isinstance(sample, str):
             return sample
+        if captions is None:
+            captions = [sample.caption] if isinstance(sample.caption, str) else list(sample.caption)
         try:
             image = self.preprocess(sample.image)
         except Exception:  # noqa: BLE001 - counted, as in training
             return "transform_error"
-        return image, sample_captions(files)
+        return image, captions
 
 
 def preprocessed_image(files: dict[str, bytes], preprocess,
@@ -291,14 +301,16 @@ class EvalLoader:
 def build_retrieval_loader(shards: str | Sequence[str], preprocess, *, batch_size: int,
                            workers: int = 0, rank: int = 0, world_size: int = 1,
                            max_samples: int = 0,
-                           max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> EvalLoader:
+                           max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+                           members: Members = DEFAULT_MEMBERS) -> EvalLoader:
     paths = resolve_shards(shards)
     limits = sizes = None
     if max_samples and max_samples > 0:
         sizes = shard_sizes(paths)
         limits = row_limits_for(sizes, max_samples)
 
-    dataset = TarEvalDataset(paths, RetrievalDecoder(preprocess, max_image_pixels), rank=rank,
+    dataset = TarEvalDataset(paths, RetrievalDecoder(preprocess, max_image_pixels, members),
+                             rank=rank,
                              world_size=world_size, row_limits=limits)
     num_batches = None
     if sizes is not None:

@@ -68,7 +68,8 @@ def _model_logit_scale(model) -> float | None:
 def evaluate_retrieval(model, preprocess, tokenizer, shards: str | Sequence[str], *,
                        batch_size: int = 256, workers: int = 4, device="cpu",
                        max_samples: int = 0, logit_scale: float | None = None,
-                       chunk_size: int = 4096, progress: bool = True) -> dict:
+                       chunk_size: int = 4096, progress: bool = True,
+                       members=None) -> dict:
     """Image-text retrieval on webdataset shards (see ``datasets.py`` for layouts).
 
     ``logit_scale`` is the multiplier for the validation loss (already exponentiated); by default
@@ -76,11 +77,18 @@ def evaluate_retrieval(model, preprocess, tokenizer, shards: str | Sequence[str]
     consecutive batches of ``batch_size`` (image, first caption) pairs in dataset order, so it does
     not depend on the number of ranks; it is reported as ``val_loss`` with ``val_loss_batch_size``.
 
+    ``members``: the image and caption members to read (a :class:`~vlcontrast.data.samples.
+    Members`, from ``data.image_key``/``data.caption_key``); default: the image as training
+    finds it and every caption of ``.txt`` lines or the ``.json``'s ``captions``/``caption``.
+
     Returns ``retrieval_metrics`` keys plus ``val_loss``, ``val_loss_batch_size``, ``num_skipped``.
     """
     rank, world = get_rank(), get_world_size()
+    from vlcontrast.data.samples import DEFAULT_MEMBERS
+
     loader = build_retrieval_loader(shards, preprocess, batch_size=batch_size, workers=workers,
-                                    rank=rank, world_size=world, max_samples=max_samples)
+                                    rank=rank, world_size=world, max_samples=max_samples,
+                                    members=members or DEFAULT_MEMBERS)
     with _eval_mode(model):
         embeddings = embed_retrieval(model, preprocess, tokenizer, loader.loader, device=device,
                                      progress=progress, total_batches=loader.num_batches)
@@ -88,7 +96,10 @@ def evaluate_retrieval(model, preprocess, tokenizer, shards: str | Sequence[str]
 
     def compute():
         if embeddings.image_features.shape[0] == 0:
-            raise ValueError(f"no decodable retrieval samples in {loader.name!r}")
+            raise ValueError(f"no decodable retrieval samples in {loader.name!r} "
+                             f"({embeddings.skipped} skipped); `vlcontrast prep check` names the "
+                             "reasons; captions or images under other members need "
+                             "data.caption_key / data.image_key (eval retrieval --caption-key)")
         compute_device = torch.device(device)
         images = embeddings.image_features.to(compute_device)
         texts = embeddings.text_features.to(compute_device)
@@ -214,13 +225,18 @@ def _load(checkpoint, device):
 
 
 def run_retrieval_cli(checkpoint, data, out=None, batch_size: int = 256, workers: int = 4,
-                      max_samples: int = 0, device: str | None = None) -> dict:
-    """``vlcontrast eval retrieval``: load CKPT (run dir -> latest), evaluate, write ``out`` JSON."""
+                      max_samples: int = 0, device: str | None = None, image_key: str = "",
+                      caption_key: str = "") -> dict:
+    """``vlcontrast eval retrieval``: load CKPT (run dir -> latest), evaluate, write ``out`` JSON.
+    ``image_key``/``caption_key``: as ``data.image_key``/``data.caption_key`` (empty: default)."""
+    from vlcontrast.data.samples import Members
+
+    members = Members.parse(image_key, caption_key) if (image_key or caption_key) else None
     device = _setup_device(device)
     folder, bundle = _load(checkpoint, device)
     metrics = evaluate_retrieval(bundle.model, bundle.preprocess_val, bundle.tokenizer, data,
                                  batch_size=batch_size, workers=workers, device=device,
-                                 max_samples=max_samples)
+                                 max_samples=max_samples, members=members)
     return _write_record("retrieval", folder, bundle, data, metrics, out,
                          {"num_texts": metrics["num_texts"], "batch_size": batch_size,
                           "max_samples": max_samples})

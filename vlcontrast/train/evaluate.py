@@ -43,8 +43,9 @@ class Evaluator:
     """
 
     def __init__(self, config: EvalConfig, *, val_shards: str = "", workers: int = 0,
-                 precision: Precision = Precision()):
+                 precision: Precision = Precision(), members=None):
         self.config = config
+        self.members = members  # data.image_key / data.caption_key, for the retrieval shards
         self.workers = workers
         self.precision = precision
         retrieval = config.retrieval or val_shards
@@ -84,7 +85,8 @@ class Evaluator:
                                                  self.retrieval_shards,
                                                  batch_size=config.batch_size,
                                                  workers=self.workers, device=device,
-                                                 max_samples=config.max_samples)
+                                                 max_samples=config.max_samples,
+                                                 members=self.members)
                     results.update({f"retrieval/{k}": v for k, v in metrics.items()
                                     if isinstance(v, (int, float))})
                 if config.zeroshot:

@@ -34,6 +34,7 @@ import yaml
 from vlcontrast import distributed as dist_utils
 from vlcontrast import checkpoints as ckpt
 from vlcontrast.config import DataConfig, RunConfig, to_dict
+from vlcontrast.data.samples import Members
 from vlcontrast.data.loader import build_train_loader
 from vlcontrast.data.sources import check_ids_available
 from vlcontrast.data.transforms import split_normalization
@@ -67,7 +68,8 @@ def train(config: RunConfig) -> dict[str, Any]:
                                       device=config.train.device)
     precision = Precision(config.train.precision)
     evaluator = Evaluator(config.eval, val_shards=config.data.val, workers=config.data.workers,
-                          precision=precision)
+                          precision=precision,
+                          members=Members.parse(config.data.image_key, config.data.caption_key))
     preflight(config, evaluator)
     device, dtype = env.device, precision.parameter_dtype
     needs_ids = build_loss(config.loss.name, id_space=1, **config.loss.options).needs_sample_ids
