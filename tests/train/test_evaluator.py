@@ -32,6 +32,23 @@ def test_check_names_the_key(tmp_path):
         Evaluator(EvalConfig(), val_shards=str(tmp_path / "{0..1}.tar")).check()
 
 
+def test_check_resolves_the_zero_shot_set_before_training(tmp_path):
+    """A folder that is no zero-shot set (shards without their class names, say) or whose class
+    names do not fit is refused by the check, before any step, with the key and the reason."""
+    shards = tmp_path / "classes"
+    shards.mkdir()
+    (shards / "00000.tar").write_bytes(b"")
+    with pytest.raises(ConfigError, match="eval.zeroshot=.*no class sub-folders"):
+        Evaluator(EvalConfig(zeroshot=str(shards))).check()
+    folder = tmp_path / "folder"
+    for name in ("cat", "dog"):
+        (folder / name).mkdir(parents=True)
+    (tmp_path / "names.txt").write_text("cat\ndog\nbird\n")
+    with pytest.raises(ConfigError, match="eval.zeroshot=.*3 class names"):
+        Evaluator(EvalConfig(zeroshot=str(folder), classnames=str(tmp_path / "names.txt"))).check()
+    Evaluator(EvalConfig(zeroshot=str(folder))).check()  # a plain ImageFolder passes
+
+
 @pytest.mark.parametrize("precision,expected", [("fp32", False), ("amp_bf16", True)])
 def test_evaluation_runs_under_the_training_autocast(monkeypatch, precision, expected):
     """amp_bf16 trains under bf16 autocast; evaluating in fp32 outside it would be 2-3x slower on

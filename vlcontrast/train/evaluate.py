@@ -53,8 +53,11 @@ class Evaluator:
         self.retrieval_key = "eval.retrieval" if config.retrieval else "data.val"
 
     def check(self) -> None:
-        """Every evaluation path exists and every shard spec parses (reads no shard)."""
+        """Every evaluation path exists and every shard spec parses (reads no shard); the
+        zero-shot set's layout, class names and templates resolve (lists its files, opens no
+        image), so a bad set stops the run before training, not after it."""
         from vlcontrast.data.spec import check_spec
+        from vlcontrast.evaluation.datasets import resolve_zeroshot_data
 
         if self.retrieval_shards:
             check_spec(self.retrieval_key, self.retrieval_shards)
@@ -64,6 +67,13 @@ class Evaluator:
             value = getattr(self.config, key)
             if value and not Path(value).is_file():
                 raise ConfigError(f"eval.{key}={value!r}: file does not exist")
+        if self.config.zeroshot:
+            try:
+                resolve_zeroshot_data(self.config.zeroshot,
+                                      classnames=self.config.classnames or None,
+                                      templates=self.config.templates or None)
+            except (FileNotFoundError, ValueError) as error:
+                raise ConfigError(f"eval.zeroshot={self.config.zeroshot!r}: {error}") from None
 
     def should_evaluate(self, step: int, total_steps: int) -> bool:
         """Periodic evaluation inside the loop (the final one runs after it)."""
