@@ -49,7 +49,7 @@ def test_the_tutorials_commands_on_a_small_drawn_corpus(tmp_path):
     corpus = tmp_path / "png"
     draw_corpus(corpus)
     run("prep", "folder", str(corpus), "data/art", "--caption-from", "name", "--caption-template",
-        "{name}, {category} clip art", "--val-fraction", "0.25", "--image-size", "32",
+        "{name}, {path} clip art", "--val-fraction", "0.25", "--image-size", "32",
         "--workers", "1", "--no-progress", cwd=tmp_path)
     run("prep", "folder", str(corpus), "data/art-classes", "--caption-from", "class",
         "--template", "clip art of a {c}.", "--val-fraction", "0.25", "--image-size", "32",
