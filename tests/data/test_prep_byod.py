@@ -244,3 +244,28 @@ def test_prep_folder_val_fraction_holds_out_a_stable_hash_split(tmp_path):
     assert (tmp_path / "out" / "val" / "manifest.json").is_file()
     with pytest.raises(DataPrepError, match="--val-fraction=1.5"):
         prepare_folder(root, tmp_path / "bad", caption_from="name", val_fraction=1.5)
+
+
+def test_transparency_is_white_in_every_reader_as_in_the_converters():
+    """A transparent PNG read straight from a webdataset (training, evaluation, classify, embed)
+    looks as the converters write it: transparency on white, not on black."""
+    import io
+
+    from PIL import Image
+
+    from vlcontrast.data.prep.writer import encode_image
+    from vlcontrast.data.samples import open_image
+
+    art = Image.new("RGBA", (32, 32), (0, 0, 0, 0))
+    art.paste((200, 0, 0, 255), (8, 8, 24, 24))
+    palette = art.convert("P")  # palette transparency too
+    for image in (art, palette, art.convert("LA")):
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        decoded = open_image(buffer.getvalue())
+        assert decoded.mode == "RGB"
+        assert decoded.getpixel((0, 0)) == (255, 255, 255), image.mode
+        written = encode_image(buffer.getvalue(), image_size=32, resize_mode="no")
+        converted = Image.open(io.BytesIO(written)).convert("RGB")
+        assert all(abs(a - b) <= 3 for a, b in zip(converted.getpixel((0, 0)), (255, 255, 255)))
+    assert open_image(buffer.getvalue()).getpixel((16, 16)) != (255, 255, 255)

@@ -66,8 +66,8 @@ def _rewrite_members(source, target, rewrite):
 
 def test_retrieval_reads_the_members_training_reads(tmp_path, tiny):
     """``data.caption_key``/``data.image_key`` reach the retrieval evaluation (training's own
-    evaluation and ``eval retrieval --caption-key``), and captions only in the ``.json`` are read
-    by default instead of being skipped."""
+    evaluation and ``eval retrieval --caption-key``), so that shards whose captions are elsewhere
+    than ``.txt`` evaluate as they train."""
     from vlcontrast.data.samples import Members
 
     model, preprocess, tokenizer = tiny
@@ -91,12 +91,13 @@ def test_retrieval_reads_the_members_training_reads(tmp_path, tiny):
     for key in ("image_to_text_R@1", "text_to_image_R@1", "val_loss"):
         assert got[key] == pytest.approx(expected[key]), key
 
-    def json_only(members):  # no .txt: the .json's caption is the caption
+    def json_only(members):  # no .txt: the .json's caption, read as training reads it
         return {k: v for k, v in members.items() if k != "txt"}
 
     _rewrite_members(tmp_path / "plain", tmp_path / "json-only", json_only)
     got = evaluate_retrieval(model, preprocess, tokenizer, str(tmp_path / "json-only"),
-                             batch_size=4, workers=0, progress=False)
+                             batch_size=4, workers=0, progress=False,
+                             members=Members.parse("", "json:caption"))
     assert got["num_skipped"] == 0
     assert got["text_to_image_R@1"] == pytest.approx(expected["text_to_image_R@1"])
 

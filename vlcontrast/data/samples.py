@@ -208,10 +208,26 @@ def read_sample_id(key: str, members: dict[str, bytes], rule: IdRule) -> int | s
     return sample_id
 
 
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB, with any transparency (RGBA, LA, palette transparency) composited on white and 16-bit
+    grey scaled to 8 bits: the one rule of the converters and of every reader, so that a
+    transparent PNG looks the same in training, evaluation, ``classify`` and ``embed``."""
+    if image.mode == "P" and "transparency" in image.info:
+        image = image.convert("RGBA")
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        image = Image.alpha_composite(background, rgba)
+    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
+        image = image.point(lambda v: v / 256).convert("L")
+    return image.convert("RGB")
+
+
 def open_image(image_bytes: bytes, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
                ) -> Image.Image | str:
-    """The decoded RGB image, or ``decompression_bomb`` / ``undecodable_image``. The pixel count
-    is read from the header, before anything is decoded."""
+    """The decoded RGB image (transparency on white, :func:`to_rgb`), or ``decompression_bomb`` /
+    ``undecodable_image``. The pixel count is read from the header, before anything is
+    decoded."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -219,7 +235,7 @@ def open_image(image_bytes: bytes, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIX
             width, height = image.size
             if width * height > max_image_pixels:
                 return "decompression_bomb"
-            return image.convert("RGB")
+            return to_rgb(image)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         return "decompression_bomb"
     except Exception:  # noqa: BLE001 - PIL raises many types for broken files

@@ -112,16 +112,15 @@ class RetrievalDecoder:
         self.members = members
 
     def __call__(self, key: str, files: dict[str, bytes]):
-        if self.members == DEFAULT_MEMBERS:
-            # The default layout: every caption the sample has (a .json list, or .txt lines).
-            captions = sample_captions(files)
-            keys = Members(DEFAULT_MEMBERS.image, ("txt", "json:captions", "json:caption"))
-        else:  # data.caption_key / data.image_key: the members training reads
-            keys, captions = self.members, None
-        sample = inspect_sample(key, files, max_image_pixels=self.max_image_pixels, keys=keys)
+        # The members training reads, so that both skip and count the same samples.
+        default = self.members == DEFAULT_MEMBERS
+        sample = inspect_sample(key, files, max_image_pixels=self.max_image_pixels,
+                                keys=self.members)
         if isinstance(sample, str):
             return sample
-        if captions is None:
+        if default:  # every caption the sample has (a .json list, or the .txt's lines)
+            captions = sample_captions(files)
+        else:  # data.caption_key / data.image_key: the members training reads
             captions = [sample.caption] if isinstance(sample.caption, str) else list(sample.caption)
         try:
             image = self.preprocess(sample.image)

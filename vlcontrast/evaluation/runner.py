@@ -78,8 +78,9 @@ def evaluate_retrieval(model, preprocess, tokenizer, shards: str | Sequence[str]
     not depend on the number of ranks; it is reported as ``val_loss`` with ``val_loss_batch_size``.
 
     ``members``: the image and caption members to read (a :class:`~vlcontrast.data.samples.
-    Members`, from ``data.image_key``/``data.caption_key``); default: the image as training
-    finds it and every caption of ``.txt`` lines or the ``.json``'s ``captions``/``caption``.
+    Members`, from ``data.image_key``/``data.caption_key``), the same as training reads, so both
+    skip the same samples; default: the image as training finds it, the ``.txt`` (its lines, or
+    the ``.json``'s ``captions`` list when there is one, are the sample's captions).
 
     Returns ``retrieval_metrics`` keys plus ``val_loss``, ``val_loss_batch_size``, ``num_skipped``.
     """

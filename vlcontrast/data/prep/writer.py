@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterable, Iterator
 from vlcontrast.errors import DataPrepError
 
 from ..naming import key_stride, list_shards, make_key, shard_name
+from ..samples import to_rgb
 from ..shards import (MANIFEST_FILE, SIZES_FILE, _write_json, build_manifest, write_manifest,
                       write_sizes)
 
@@ -97,16 +98,7 @@ def encode_image(data: bytes, *, image_size: int = DEFAULT_IMAGE_SIZE,
                     image.draft("RGB", (int(image.width * scale) + 1,
                                         int(image.height * scale) + 1))
             image.load()
-            image = ImageOps.exif_transpose(image)
-            if image.mode == "P" and "transparency" in image.info:
-                image = image.convert("RGBA")
-            if image.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
-                rgba = image.convert("RGBA")
-                background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-                image = Image.alpha_composite(background, rgba)
-            if image.mode in ("I;16", "I;16B", "I;16L", "I"):
-                image = image.point(lambda v: v / 256).convert("L")
-            image = image.convert("RGB")
+            image = to_rgb(ImageOps.exif_transpose(image))
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         return "decompression_bomb"
     except Exception:  # noqa: BLE001 - PIL raises many types for broken files
