@@ -64,6 +64,22 @@ def test_open_clip_conventions(trained, user_images):
     assert float(scale) == pytest.approx(1 / 0.07, rel=1e-5)
 
 
+def test_preprocess_puts_transparency_on_white_as_training_does(trained):
+    """A transparent PNG through ``load``'s preprocess equals its white-background version: the
+    model sees what the converters wrote in training, not open_clip's black."""
+    from PIL import Image
+
+    _, preprocess, _ = vlcontrast.load(trained[1], device="cpu")
+    art = Image.new("RGBA", (40, 40), (0, 0, 0, 0))
+    art.paste((0, 90, 200, 255), (10, 10, 30, 30))
+    white = Image.new("RGB", (40, 40), (255, 255, 255))
+    white.paste((0, 90, 200), (10, 10, 30, 30))
+    torch.testing.assert_close(preprocess(art), preprocess(white))
+    import pickle
+
+    pickle.dumps(preprocess)  # data loader workers can take it
+
+
 def test_import_vlcontrast_stays_cheap():
     code = ("import sys, vlcontrast; from vlcontrast import load; "
             "assert 'torch' not in sys.modules and 'open_clip' not in sys.modules; print('ok')")

@@ -27,6 +27,24 @@ def resolve_device(device: str | torch.device | None = None) -> torch.device:
     return chosen
 
 
+class WhiteBackground:
+    """A transform that first flattens transparency on white (:func:`vlcontrast.data.samples.
+    to_rgb`, the rule of the converters and of every reader) and then applies ``transform``:
+    open_clip's own ``convert("RGB")`` would put a transparent PNG on black, unlike what the
+    model saw in training. A class, so data loader workers can pickle it."""
+
+    def __init__(self, transform):
+        self.transform = transform
+
+    def __call__(self, image):
+        from vlcontrast.data.samples import to_rgb
+
+        return self.transform(to_rgb(image))
+
+    def __repr__(self) -> str:
+        return f"WhiteBackground({self.transform!r})"
+
+
 def load_bundle(path: str | Path, device=None, what: str = "vlcontrast.load"):
     """The :class:`~vlcontrast.models.ModelBundle` of a run directory (its latest checkpoint), a
     checkpoint directory or a ``vlcontrast export open_clip`` directory, in eval mode."""
@@ -48,10 +66,11 @@ def load(path: str | Path, device: str | torch.device | None = None):
         text = model.encode_text(tokenizer(["a cat", "a dog"]))
         # normalise both, then model.logit_scale.exp() * image @ text.T are the logits
 
-    ``preprocess`` is the evaluation transform (open_clip's ``preprocess_val``); ``model(images,
+    ``preprocess`` is the evaluation transform (open_clip's ``preprocess_val``) after transparency
+    is put on white, as in training (:class:`WhiteBackground`); ``model(images,
     texts)`` returns open_clip's default tuple (normalised image and text features, the
     exponentiated logit scale).
     """
     bundle = load_bundle(path, device)
     bundle.model.output_dict = False
-    return bundle.model, bundle.preprocess_val, bundle.tokenizer
+    return bundle.model, WhiteBackground(bundle.preprocess_val), bundle.tokenizer
