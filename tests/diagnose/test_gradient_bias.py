@@ -183,6 +183,10 @@ def test_cli_writes_the_report(tiny, tmp_path, capsys):
     assert main(args) == 0
     report = json.loads((out / "gradient_bias.json").read_text())
     assert report["num_samples"] == 16 and report["decl_gamma"] == 0.5
+    # IEEE fp32 and deterministic cuDNN, set before anything is computed and recorded
+    assert report["numerics"] == {"float32_matmul_precision": "highest",
+                                  "cudnn_allow_tf32": False, "cudnn_deterministic": True,
+                                  "cudnn_benchmark": False}
     rows = report["rows"]
     assert [(r["estimator"], r["batch_size"]) for r in rows] == [
         (name, size) for name in ("infonce", "decl_loss1", "decl_loss1_fixed", "decl_loss2")

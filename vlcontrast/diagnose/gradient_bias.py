@@ -178,6 +178,20 @@ def measure(estimators: list[Estimator], features: Features, settings: GradientB
     return rows
 
 
+def exact_numerics() -> dict[str, object]:
+    """IEEE fp32 matmuls and convolutions (no TF32) and deterministic cuDNN: the diagnostic
+    compares gradients at a precision a training run does not need. Returns the settings as
+    recorded in the report."""
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    return {"float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+            "cudnn_deterministic": torch.backends.cudnn.deterministic,
+            "cudnn_benchmark": torch.backends.cudnn.benchmark}
+
+
 def run_gradient_bias(settings: GradientBiasSettings) -> dict:
     """Run the diagnostic and write its report under ``settings.out``; returns the report."""
     from vlcontrast.diagnose.report import write_report
@@ -193,6 +207,7 @@ def run_gradient_bias(settings: GradientBiasSettings) -> dict:
     # Option and name errors surface here, before the checkpoint and data are read.
     expand_losses(settings.losses, settings.num_samples, settings.chunk_size,
                   settings.loss_options)
+    numerics = exact_numerics()  # before any model or feature is computed
     started = time.perf_counter()
     bundle = load_model_from_checkpoint(folder, device=device)
     model = bundle.model.eval()
@@ -213,6 +228,7 @@ def run_gradient_bias(settings: GradientBiasSettings) -> dict:
         "settings": {**asdict(settings), "losses": list(settings.losses),
                      "batch_sizes": list(settings.batch_sizes), "device": device},
         "checkpoint": str(folder),
+        "numerics": numerics,
         "model_name": bundle.model_name,
         "num_samples": features.size,
         "skipped_samples": skipped,
