@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import (StudyConfig, StudyDataset, StudySetting, arm_steps, arms, datasets, settings,
+from .config import (StudyConfig, StudySetting, arm_steps, arms, datasets, settings,
                      warmup_steps)
 
 STAGES = ("sweep-lr", "sweep-hyper", "final")
