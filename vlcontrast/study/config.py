@@ -148,7 +148,7 @@ class StudyConfig:
     against ``infonce`` (e.g. ``[[decl, dcl]]``: does DeCL's buffer beat DCL's mini-batch
     estimate?). Both must be in ``grid.losses``; they change the report only, not the cells."""
     datasets: dict[str, Any] = field(default_factory=dict)
-    """Study v2: name -> dataset (:class:`vlcontrast.study.design.StudyDataset`). Non-empty makes
+    """Study v2: name -> dataset (:class:`StudyDataset`). Non-empty makes
     this a v2 study: cells per dataset, arm, setting, batch and seed, in stages (sweep on the
     validation split, then final seeds on the test split). Empty: a v1 study (``data``)."""
     arms: dict[str, Any] = field(default_factory=dict)
