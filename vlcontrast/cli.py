@@ -494,7 +494,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def add_run_options(p):
         p.add_argument("--batch-size", type=int, default=256)
-        p.add_argument("--workers", type=int, default=4, help="data loader processes")
+        p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
+                       help="data loader processes (default: 4, or the CPU count if smaller)")
         p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
 
     for name in ("retrieval", "zeroshot"):
