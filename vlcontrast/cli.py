@@ -120,12 +120,6 @@ def _cmd_prep(args) -> int:
                                     shard_size=args.shard_size,
                                     max_image_pixels=args.max_image_pixels,
                                     val_fraction=args.val_fraction, **common)
-            if args.val_fraction:
-                for split, part in report.items():
-                    print(f"{split}: {summary(part)}", file=sys.stderr)
-                print(json.dumps({split: {k: v for k, v in part.items() if k != "shards"}
-                                  for split, part in report.items()}, indent=2))
-                return 0
         elif args.what == "csv":
             from vlcontrast.data.prep.table import prepare_table
 
@@ -134,12 +128,19 @@ def _cmd_prep(args) -> int:
                                    image_size=args.image_size, resize_mode=args.resize_mode,
                                    encode_quality=args.encode_quality,
                                    shard_size=args.shard_size,
-                                   max_image_pixels=args.max_image_pixels, **common)
+                                   max_image_pixels=args.max_image_pixels,
+                                   val_fraction=args.val_fraction, **common)
         else:
             from vlcontrast.data.prep.wds import prepare_wds
 
             report = prepare_wds(args.shards, args.out, caption_key=args.caption_key,
                                  image_key=args.image_key, decode=not args.no_decode, **common)
+        if set(report) == {"train", "val"}:  # --val-fraction: two shard sets
+            for split, part in report.items():
+                print(f"{split}: {summary(part)}", file=sys.stderr)
+            print(json.dumps({split: {k: v for k, v in part.items() if k != "shards"}
+                              for split, part in report.items()}, indent=2))
+            return 0
         if "skipped" in report:
             print(summary(report), file=sys.stderr)
         print(json.dumps({k: v for k, v in report.items() if k != "shards"}, indent=2))
@@ -454,6 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "to the table's folder) or http(s) URLs")
     table.add_argument("--caption-key", default="title", help="column of captions")
     table.add_argument("--sep", default=None, help="separator (default ',' for .csv, else tab)")
+    table.add_argument("--val-fraction", type=float, default=0.0,
+                       help="local paths: hold out about this fraction of the images (by a hash "
+                            "of each path) and write OUT/train and OUT/val")
     add_image_options(table, 1000)
     add_writer_options(table)
     rekey = prep_sub.add_parser(

@@ -269,3 +269,27 @@ def test_transparency_is_white_in_every_reader_as_in_the_converters():
         converted = Image.open(io.BytesIO(written)).convert("RGB")
         assert all(abs(a - b) <= 3 for a, b in zip(converted.getpixel((0, 0)), (255, 255, 255)))
     assert open_image(buffer.getvalue()).getpixel((16, 16)) != (255, 255, 255)
+
+
+def test_prep_csv_val_fraction_splits_local_images_by_the_folder_rule(tmp_path, capsys):
+    from vlcontrast.data.prep.folder import held_out
+
+    lines = ["filepath,title"]
+    for i in range(30):
+        image_file(tmp_path / "imgs" / f"p{i}.jpg")
+        lines.append(f"imgs/p{i}.jpg,picture number {i}")
+    lines.append("imgs/p0.jpg,a second caption")        # merged with its image, same split
+    (tmp_path / "data.csv").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    assert cli.main(["prep", "csv", str(tmp_path / "data.csv"), str(out), "--val-fraction",
+                     "0.3", "--no-progress", "--workers", "1"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    expected_val = sum(held_out(f"imgs/p{i}.jpg", 0.3) for i in range(30))
+    assert 0 < expected_val < 30
+    assert printed["val"]["num_samples"] == expected_val
+    assert printed["train"]["num_samples"] == 30 - expected_val
+    for split in ("train", "val"):
+        assert (out / split / "manifest.json").is_file()
+    (tmp_path / "urls.csv").write_text("filepath,title\nhttp://h/a.jpg,x\n")
+    with pytest.raises(DataPrepError, match="--val-fraction works on local paths"):
+        prepare_table(tmp_path / "urls.csv", tmp_path / "o4", val_fraction=0.1, progress=False)

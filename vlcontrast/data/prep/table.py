@@ -117,12 +117,17 @@ def prepare_table(table: str | os.PathLike, out: str | os.PathLike, *, image_key
                   caption_key: str = "title", sep: str | None = None,
                   image_size: int = DEFAULT_IMAGE_SIZE, resize_mode: str = "keep_ratio",
                   encode_quality: int = DEFAULT_QUALITY, shard_size: int = DEFAULT_SHARD_SIZE,
-                  max_image_pixels: int = MAX_IMAGE_PIXELS,
+                  max_image_pixels: int = MAX_IMAGE_PIXELS, val_fraction: float = 0.0,
                   workers: int | None = None, overwrite: bool = False, progress: bool = True,
                   url_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Convert a CSV/TSV of images and captions into shards in ``out``; returns the report."""
+    """Convert a CSV/TSV of images and captions into shards in ``out``; returns the report, or
+    ``{"train": report, "val": report}`` with ``val_fraction`` (local paths only: each image is
+    held out by the hash of its path as written in the table, the rule of ``prep folder``)."""
     command = "prep csv"
     path = Path(table)
+    if not 0 <= val_fraction < 1:
+        raise DataPrepError(f"{command}: --val-fraction={val_fraction}: must be in [0, 1) "
+                            "(e.g. 0.1 holds out about 10% of the images)")
     sep = default_separator(path) if sep is None else sep.encode().decode("unicode_escape")
     if len(sep) != 1:
         raise DataPrepError(f"{command}: --sep={sep!r}: must be one character (',' or '\\t')")
@@ -136,6 +141,9 @@ def prepare_table(table: str | os.PathLike, out: str | os.PathLike, *, image_key
             line = rows[urls.index(False) if urls[0] else urls.index(True)][0]
             raise DataPrepError(f"{command}: {path}:{line}: the {image_key!r} column mixes URLs "
                                 "and local paths; split the table into one of each")
+        if val_fraction:
+            raise DataPrepError(f"{command}: --val-fraction works on local paths; for URLs, "
+                                "download first (without it), then split the shards' list")
         return _prepare_urls(path, out, rows, skipped, image_size=image_size,
                              resize_mode=resize_mode, encode_quality=encode_quality,
                              overwrite=overwrite, **(url_options or {}))
@@ -150,6 +158,34 @@ def prepare_table(table: str | os.PathLike, out: str | os.PathLike, *, image_key
     items = [(image, captions, line) for image, (captions, line) in merged.items()]
     settings = {"name": path.name, "image_size": image_size, "resize_mode": resize_mode,
                 "quality": encode_quality, "max_pixels": max_image_pixels}
+    common = dict(image_key=image_key, caption_key=caption_key, sep=sep,
+                  encode_quality=encode_quality, shard_size=shard_size, workers=workers,
+                  overwrite=overwrite, progress=progress, command=command)
+    if val_fraction > 0:
+        from .folder import held_out
+
+        written = {line: image for line, image, _ in rows}  # as the table spells it
+        parts = {"train": [i for i in items if not held_out(written[i[2]], val_fraction)],
+                 "val": [i for i in items if held_out(written[i[2]], val_fraction)]}
+        empty = [name for name, part in parts.items() if not part]
+        if empty:
+            raise DataPrepError(f"{command}: --val-fraction={val_fraction} leaves the {empty[0]} "
+                                f"split of {len(items)} images empty; choose another fraction")
+        # The rows the reader skipped are reported once, with the training split.
+        return {name: _write_table_shards(path, Path(out) / name, part, rows, settings,
+                                          skipped if name == "train" else {},
+                                          examples if name == "train" else {}, **common)
+                for name, part in parts.items()}
+    return _write_table_shards(path, Path(out), items, rows, settings, skipped, examples,
+                               **common)
+
+
+def _write_table_shards(path: Path, out: Path, items: list, rows: list, settings: dict[str, Any],
+                        skipped: dict[str, int], examples: dict, *, image_key: str,
+                        caption_key: str, sep: str, encode_quality: int, shard_size: int,
+                        workers: int | None, overwrite: bool, progress: bool,
+                        command: str) -> dict[str, Any]:
+    image_size, resize_mode = settings["image_size"], settings["resize_mode"]
     jobs = [ShardJob(n, items[start:start + shard_size], settings)
             for n, start in enumerate(range(0, len(items), shard_size))]
     digest = fingerprint("csv", settings, items, shard_size)
