@@ -226,7 +226,8 @@ def test_csv_of_urls_goes_through_img2dataset(tmp_path, image_server):
 def test_prep_folder_val_fraction_holds_out_a_stable_hash_split(tmp_path):
     from PIL import Image
 
-    from vlcontrast.data.prep.folder import held_out, prepare_folder
+    from vlcontrast.data.prep.folder import prepare_folder
+    from vlcontrast.data.prep.writer import held_out
     from vlcontrast.errors import DataPrepError
 
     root = tmp_path / "art"
@@ -272,7 +273,7 @@ def test_transparency_is_white_in_every_reader_as_in_the_converters():
 
 
 def test_prep_csv_val_fraction_splits_local_images_by_the_folder_rule(tmp_path, capsys):
-    from vlcontrast.data.prep.folder import held_out
+    from vlcontrast.data.prep.writer import held_out
 
     lines = ["filepath,title"]
     for i in range(30):

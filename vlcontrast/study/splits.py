@@ -16,7 +16,7 @@ import json
 import os
 from pathlib import Path
 
-from vlcontrast.data.prep.folder import hash_fraction
+from vlcontrast.data.prep.writer import hash_fraction
 
 SPLIT_RULE_VERSION = 1
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")

@@ -22,7 +22,7 @@ order (hidden files and folders, and OUT itself, are left out). The caption of e
     ``{path}`` = every folder under DIR). See :func:`clean_name` for the cleaning rule.
 
 ``--val-fraction F`` holds out about a fraction F of the images, chosen per file by
-:func:`held_out` (a hash of the image's path under DIR: the same on every machine and for any
+:func:`~.writer.held_out` (a hash of the image's path under DIR: the same on every machine and for any
 file order), and writes two shard sets, ``OUT/train`` and ``OUT/val``.
 
 Images are re-encoded by :func:`~.writer.encode_image` (shorter side to ``--image-size``, alpha on
@@ -31,7 +31,7 @@ white); unreadable images, missing, empty or non-UTF-8 captions are skipped and 
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import json
 import os
 import re
@@ -42,7 +42,8 @@ from typing import Any, Iterator
 from vlcontrast.errors import DataPrepError
 
 from .writer import (DEFAULT_IMAGE_SIZE, DEFAULT_QUALITY, MAX_IMAGE_PIXELS, ShardJob, Skip,
-                     check_image_options, encode_image, fingerprint, prepare_out, write_shards)
+                     check_image_options, check_val_fraction, encode_image, fingerprint,
+                     prepare_out, split_items, write_shards)
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 CAPTION_SOURCES = ("sidecar", "class", "name")
@@ -246,17 +247,6 @@ def render_name_caption(relative: str, template: str, *, strip_author: bool = Tr
     return " ".join(caption.split()).strip(" ,")
 
 
-def hash_fraction(relative_path: str) -> float:
-    """A number in [0, 1) from the SHA-256 of a path under DIR (``/``-separated)."""
-    digest = hashlib.sha256(relative_path.replace(os.sep, "/").encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64
-
-
-def held_out(relative_path: str, fraction: float) -> bool:
-    """Whether ``--val-fraction fraction`` holds this image out (``hash_fraction < fraction``)."""
-    return hash_fraction(relative_path) < fraction
-
-
 def prepare_folder(root: str | os.PathLike, out: str | os.PathLike, *,
                    caption_from: str = "sidecar", templates: list[str] | None = None,
                    caption_template: str = DEFAULT_NAME_TEMPLATE, strip_author: bool = True,
@@ -273,9 +263,7 @@ def prepare_folder(root: str | os.PathLike, out: str | os.PathLike, *,
     root = Path(root)
     if not root.is_dir():
         raise DataPrepError(f"{command}: {str(root)!r} is not a directory")
-    if not 0 <= val_fraction < 1:
-        raise DataPrepError(f"{command}: --val-fraction={val_fraction}: must be in [0, 1) "
-                            "(e.g. 0.1 holds out about 10% of the images)")
+    check_val_fraction(val_fraction, command)
     if caption_from not in CAPTION_SOURCES:
         raise DataPrepError(f"{command}: --caption-from={caption_from!r}: must be one of "
                             f"{CAPTION_SOURCES}")
@@ -335,32 +323,20 @@ def prepare_folder(root: str | os.PathLike, out: str | os.PathLike, *,
             payloads[i] = [caption] if caption else "empty_caption"
 
     items = list(zip(relatives, payloads))
+    write = functools.partial(_write_folder_shards, root, settings=settings,
+                              caption_from=caption_from, templates=templates,
+                              caption_template=caption_template, strip_author=strip_author,
+                              image_size=image_size, resize_mode=resize_mode,
+                              encode_quality=encode_quality, shard_size=shard_size,
+                              workers=workers, overwrite=overwrite, progress=progress,
+                              command=command)
     if val_fraction > 0:
-        parts = {"train": [item for item in items if not held_out(item[0], val_fraction)],
-                 "val": [item for item in items if held_out(item[0], val_fraction)]}
-        empty = [name for name, part in parts.items() if not part]
-        if empty:
-            raise DataPrepError(f"{command}: --val-fraction={val_fraction} leaves the {empty[0]} "
-                                f"split of {len(items)} images empty; choose a fraction between "
-                                f"{1 / len(items):.3g} and {1 - 1 / len(items):.3g}")
-        return {name: _write_folder_shards(root, Path(out) / name, part, settings,
-                                           caption_from=caption_from, templates=templates,
-                                           caption_template=caption_template,
-                                           strip_author=strip_author, image_size=image_size,
-                                           resize_mode=resize_mode,
-                                           encode_quality=encode_quality, shard_size=shard_size,
-                                           workers=workers, overwrite=overwrite,
-                                           progress=progress, command=command)
-                for name, part in parts.items()}
-    return _write_folder_shards(root, Path(out), items, settings, caption_from=caption_from,
-                                templates=templates, caption_template=caption_template,
-                                strip_author=strip_author, image_size=image_size,
-                                resize_mode=resize_mode, encode_quality=encode_quality,
-                                shard_size=shard_size, workers=workers, overwrite=overwrite,
-                                progress=progress, command=command)
+        parts = split_items(items, lambda item: item[0], val_fraction, command)
+        return {name: write(Path(out) / name, part) for name, part in parts.items()}
+    return write(Path(out), items)
 
 
-def _write_folder_shards(root: Path, out: Path, items: list, settings: dict[str, Any], *,
+def _write_folder_shards(root: Path, out: Path, items: list, *, settings: dict[str, Any],
                          caption_from: str, templates: list[str], caption_template: str,
                          strip_author: bool, image_size: int, resize_mode: str,
                          encode_quality: int, shard_size: int, workers: int | None,

@@ -28,8 +28,8 @@ from typing import Any, Iterator
 from vlcontrast.errors import DataPrepError
 
 from .writer import (DEFAULT_IMAGE_SIZE, DEFAULT_QUALITY, MAX_EXAMPLES, MAX_IMAGE_PIXELS,
-                     ShardJob, Skip, check_image_options, encode_image, fingerprint, prepare_out,
-                     write_shards)
+                     ShardJob, Skip, check_image_options, check_val_fraction, encode_image,
+                     fingerprint, prepare_out, split_items, write_shards)
 
 DEFAULT_SHARD_SIZE = 1000
 _URL = re.compile(r"^https?://", re.IGNORECASE)
@@ -125,9 +125,7 @@ def prepare_table(table: str | os.PathLike, out: str | os.PathLike, *, image_key
     held out by the hash of its path as written in the table, the rule of ``prep folder``)."""
     command = "prep csv"
     path = Path(table)
-    if not 0 <= val_fraction < 1:
-        raise DataPrepError(f"{command}: --val-fraction={val_fraction}: must be in [0, 1) "
-                            "(e.g. 0.1 holds out about 10% of the images)")
+    check_val_fraction(val_fraction, command)
     sep = default_separator(path) if sep is None else sep.encode().decode("unicode_escape")
     if len(sep) != 1:
         raise DataPrepError(f"{command}: --sep={sep!r}: must be one character (',' or '\\t')")
@@ -162,15 +160,8 @@ def prepare_table(table: str | os.PathLike, out: str | os.PathLike, *, image_key
                   encode_quality=encode_quality, shard_size=shard_size, workers=workers,
                   overwrite=overwrite, progress=progress, command=command)
     if val_fraction > 0:
-        from .folder import held_out
-
         written = {line: image for line, image, _ in rows}  # as the table spells it
-        parts = {"train": [i for i in items if not held_out(written[i[2]], val_fraction)],
-                 "val": [i for i in items if held_out(written[i[2]], val_fraction)]}
-        empty = [name for name, part in parts.items() if not part]
-        if empty:
-            raise DataPrepError(f"{command}: --val-fraction={val_fraction} leaves the {empty[0]} "
-                                f"split of {len(items)} images empty; choose another fraction")
+        parts = split_items(items, lambda item: written[item[2]], val_fraction, command)
         # The rows the reader skipped are reported once, with the training split.
         return {name: _write_table_shards(path, Path(out) / name, part, rows, settings,
                                           skipped if name == "train" else {},

@@ -306,3 +306,35 @@ def summary(report: dict[str, Any]) -> str:
     if report.get("shards_done_before"):
         parts.append(f"{report['shards_done_before']} shards kept from an earlier run")
     return f"prep: {', '.join(parts)} -> {report['out_dir']} ({report['seconds']} s)"
+
+
+def hash_fraction(relative_path: str) -> float:
+    """A number in [0, 1) from the SHA-256 of a path (``/``-separated)."""
+    digest = hashlib.sha256(relative_path.replace(os.sep, "/").encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def held_out(relative_path: str, fraction: float) -> bool:
+    """Whether ``--val-fraction fraction`` holds this image out (``hash_fraction < fraction``)."""
+    return hash_fraction(relative_path) < fraction
+
+
+def check_val_fraction(val_fraction: float, command: str) -> None:
+    if not 0 <= val_fraction < 1:
+        raise DataPrepError(f"{command}: --val-fraction={val_fraction}: must be in [0, 1) "
+                            "(e.g. 0.1 holds out about 10% of the images)")
+
+
+def split_items(items: list, path_of: Callable[[Any], str], val_fraction: float,
+                command: str) -> dict[str, list]:
+    """``{"train": [...], "val": [...]}`` by :func:`held_out` of each item's path; a one-line
+    error when either side would be empty."""
+    parts: dict[str, list] = {"train": [], "val": []}
+    for item in items:
+        parts["val" if held_out(path_of(item), val_fraction) else "train"].append(item)
+    empty = [name for name, part in parts.items() if not part]
+    if empty:
+        raise DataPrepError(f"{command}: --val-fraction={val_fraction} leaves the {empty[0]} "
+                            f"split of {len(items)} images empty; choose a fraction between "
+                            f"{1 / len(items):.3g} and {1 - 1 / len(items):.3g}")
+    return parts
