@@ -91,16 +91,26 @@ def test_cached_features_are_the_towers_output(start, tmp_path):
     assert torch.equal(stored["features"][index], direct)
 
 
-def test_a_run_with_the_cache_trains_like_one_without(start):
-    from vlcontrast.train.feature_cache import write_feature_cache
+def test_a_run_with_the_cache_trains_like_one_without(start, monkeypatch):
+    from vlcontrast.train.feature_cache import LockedImageFeatures, write_feature_cache
 
     tmp, data = start
     pretrained = f"model.pretrained={tmp / 'start'}"
     config = load_config(BASE, _overrides(tmp, data, "x", pretrained, *LIT))
     write_feature_cache(config.model, config.data, tmp / "features.pt")
     _train(_overrides(tmp, data, "plain", pretrained, *LIT))
+    swapped_in = []
+    swap = LockedImageFeatures.swap
+
+    def spy(self, micro_batches):
+        swapped_in.extend(batch.images.shape for batch in micro_batches)
+        return swap(self, micro_batches)
+
+    monkeypatch.setattr(LockedImageFeatures, "swap", spy)
     _train(_overrides(tmp, data, "cached", pretrained, *LIT,
                       f"model.lock_image_features={tmp / 'features.pt'}"))
+    # the loader never resized an image that the cache replaces: placeholders came in
+    assert swapped_in and all(shape[1:] == (0,) for shape in swapped_in)
     plain, cached = _losses(tmp / "plain"), _losses(tmp / "cached")
     assert len(plain) == len(cached) == 6
     assert plain == pytest.approx(cached, rel=1e-5, abs=1e-6)

@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from vlcontrast.train.metrics import read_metrics
 from .config import StudyConfig
 from .grid import (Cell, cell_command, cell_fingerprint, cell_learning_rate, pretrain_command,
                    pretrain_dir)
+from .warm import fork_cell, kill_group
 
 METRICS = ("zeroshot/top1", "zeroshot/top5", "retrieval/text_to_image_R@1",
            "retrieval/image_to_text_R@1", "retrieval/text_to_image_R@5",
@@ -108,7 +108,7 @@ def summarise_run(run_dir: Path, global_batch: int) -> dict[str, Any]:
     }
 
 
-_LIVE: dict[int, subprocess.Popen] = {}
+_LIVE: dict[int, Any] = {}
 """Cell processes running now (by pid), so the study can kill them all when it is stopped."""
 _LIVE_LOCK = threading.Lock()
 
@@ -118,10 +118,7 @@ def kill_running_cells() -> None:
     with _LIVE_LOCK:
         procs = list(_LIVE.values())
     for proc in procs:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_group(proc.pid)
         proc.wait()
 
 
@@ -160,19 +157,23 @@ def _run_training(config: StudyConfig, run_dir: Path, command: list[str]) -> dic
     start = time.perf_counter()
     status = "ok"
     with open(stdout_path, "w") as stdout, open(stderr_path, "w") as stderr:
-        # Own session: a timeout kills torchrun and all its workers, not just the launcher.
-        proc = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env,
-                                start_new_session=True)
+        # Forked from the warm server (study/warm.py) when it can be, else a fresh interpreter;
+        # either way in its own session: a timeout kills torchrun and all its workers too.
+        proc: Any = (fork_cell(command, env, str(stdout_path), str(stderr_path))
+                     if config.launcher == "fork" else None)
+        if proc is None:
+            proc = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env,
+                                    start_new_session=True)
         with _LIVE_LOCK:
             _LIVE[proc.pid] = proc
         try:
             returncode = proc.wait(timeout=config.cell_timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_group(proc.pid)
             returncode = proc.wait()
             status = "timeout"
         except BaseException:  # Ctrl-C: do not leave a training job behind
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_group(proc.pid)
             proc.wait()
             raise
         finally:

@@ -142,6 +142,12 @@ def write_feature_cache(model_cfg: ModelConfig, data: DataConfig, out: str | Pat
     return {"path": str(out), "samples": len(all_ids), "dim": all_features.shape[1], "key": key}
 
 
+def image_placeholder(image) -> torch.Tensor:
+    """The training transform under a feature cache: the decoded image is dropped (``swap``
+    puts the stored feature in its place), saving the resize and normalisation of every sample."""
+    return torch.empty(0)
+
+
 class LockedImageFeatures:
     """The cached features of one run (see the module docstring)."""
 

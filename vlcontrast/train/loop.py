@@ -80,6 +80,12 @@ def train(config: RunConfig) -> dict[str, Any]:
     bundle = build_model(config.model, siglip=LOSSES[config.loss.name].uses_logit_bias,
                          device=device)
     transform, normalizer = train_transform(config.data, bundle)
+    if config.model.lock_image_features:
+        # Training never sees the images: each is still decoded (a corrupt one is skipped and
+        # counted as before), but not transformed; the cached feature takes its place.
+        from vlcontrast.train.feature_cache import image_placeholder
+
+        transform = image_placeholder
     data = _train_batches(config.data, config.seed, config.train.accum_steps, env,
                           bundle.tokenizer, transform, needs_ids)
     loss_fn = build_loss(config.loss.name, chunk_size=config.loss.chunk_size,
