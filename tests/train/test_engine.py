@@ -148,3 +148,45 @@ def test_locked_towers_under_16_bit_parameters_are_refused_with_the_fix():
                 load_config(None, ["data.train=x", "train.steps=1", lock,
                                    f"train.precision={precision}"])
         load_config(None, ["data.train=x", "train.steps=1", lock, "train.precision=amp_bf16"])
+
+
+def _one_rank_steps(rank, world_size, precisions):
+    """Weights after 3 steps with DeepSpeed's gradient all-reduce as built and forced on."""
+    from vlcontrast.train.engine import build_engine
+
+    out = {}
+    for precision in precisions:
+        for stage in (0, 1):
+            for force in (False, True):
+                torch.manual_seed(0)
+                model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(),
+                                            torch.nn.Linear(8, 2))
+                config = _config(deepspeed__zero_stage=stage, train__precision=precision,
+                                 data__batch_size=2, optim__warmup_steps=1)
+                engine, _ = build_engine(model, optim=config.optim, train=config.train,
+                                         deepspeed=config.deepspeed, micro_batch_size=2,
+                                         total_steps=10, world_size=world_size)
+                built = engine.enable_backward_allreduce
+                if force:
+                    engine.enable_backward_allreduce = True
+                for step in range(3):
+                    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(step))
+                    engine.backward(engine(x.to(next(engine.module.parameters()).dtype))
+                                    .float().pow(2).sum())
+                    engine.step()
+                weights = [p.detach().float().tolist() for p in engine.module.parameters()]  # plain lists
+                out[(precision, stage, force)] = (built, weights)
+    return out
+
+
+def test_one_rank_without_zero_skips_deepspeeds_all_reduce_with_the_same_weights():
+    """On one rank the all-reduce returns the gradients it was given: skipping it (a quarter of a
+    small model's step) changes no bit; ZeRO keeps it, its optimizer reduces through it."""
+    precisions = ("fp32", "bf16")
+    (outcome,) = run_distributed(_one_rank_steps, 1, precisions, timeout=300)
+    for precision in precisions:
+        built, skipped = outcome[(precision, 0, False)]
+        _, reduced = outcome[(precision, 0, True)]
+        assert built is False, precision
+        assert skipped == reduced, precision
+        assert outcome[(precision, 1, False)][0] is True, precision
