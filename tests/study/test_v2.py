@@ -195,6 +195,55 @@ def test_the_choice_is_made_on_validation_and_recorded(tmp_path):
     assert json.loads(Path(config.sweep.selected).read_text())["chosen"].keys() == record["chosen"].keys()
 
 
+def test_a_winning_edge_extends_the_lr_sweep_until_it_is_inside_or_the_limit(tmp_path):
+    from vlcontrast.study.design import sweep_lr_cells, tried_lr_factors
+    from vlcontrast.study.v2 import choose_lr, write_selection
+
+    config = _small(tmp_path)
+    config.sweep.extend_edges = 2
+    # validation score by factor: dcl keeps rising (stops at the limit, an edge); infonce peaks
+    # at 4 (one extension, inside); siglip is best at the smallest (extends downwards)
+    curves = {"dcl": {0.5: .1, 1.0: .2, 2.0: .3, 4.0: .4, 8.0: .5, 16.0: .6},
+              "infonce": {0.5: .1, 1.0: .2, 2.0: .3, 4.0: .35, 8.0: .2},
+              "siglip": {0.25: .25, 0.5: .3, 1.0: .2, 2.0: .1}}
+    seen = 0
+    while True:  # the stage's rounds: run (fake) what is asked, then look again
+        todo = [c for c in sweep_lr_cells(config) if c.setting in curves
+                and not (config.results_path / f"{c.name}.json").is_file()]
+        if not todo:
+            break
+        for cell in todo:
+            _fake_result(config, cell, curves[cell.setting][cell.lr_factor])
+        seen += len(todo)
+    key = ("synthetic", "dcl", 16, 500)
+    assert tried_lr_factors(config, *key)[0] == [0.5, 1.0, 2.0, 4.0, 8.0]
+    assert tried_lr_factors(config, "synthetic", "infonce", 16, 500)[0] == [0.5, 1.0, 2.0, 4.0, 8.0]
+    assert tried_lr_factors(config, "synthetic", "siglip", 16, 500)[0] == [0.5, 1.0, 2.0, 0.25]
+    chosen = choose_lr(config)
+    assert chosen[key] == 8.0 and chosen[("synthetic", "infonce", 16, 500)] == 4.0
+    assert chosen[("synthetic", "siglip", 16, 500)] == 0.5
+    trainings = 2 * 9  # datasets x distinct trainings
+    assert seen == trainings * (5 + 5 + 4)
+    # the record keeps every factor tried and flags the edge that stayed one
+    for cell in sweep_lr_cells(config):  # the other settings, so that the selection settles
+        if cell.setting not in curves:
+            _fake_result(config, cell, 0.1)
+    record = write_selection(config)["chosen"]
+    dcl, infonce = record["synthetic/dcl/b16/n500"], record["synthetic/infonce/b16/n500"]
+    assert dcl["lr_at_edge"] is True and set(dcl["lr_candidates"]) == {"0.5", "1", "2", "4", "8"}
+    assert infonce["lr_at_edge"] is False
+
+
+def test_without_extensions_the_sweep_is_the_listed_factors(tmp_path):
+    from vlcontrast.study.design import sweep_lr_cells
+
+    config = _small(tmp_path)
+    config.sweep.extend_edges = 0
+    for cell in sweep_lr_cells(config):
+        _fake_result(config, cell, cell.lr_factor)  # the largest always wins
+    assert {c.lr_factor for c in sweep_lr_cells(config)} == {0.5, 1.0, 2.0}
+
+
 def test_report_family_learns_check_figure_and_recommendation(tmp_path):
     from vlcontrast.study.design import final_cells, selection_key, sweep_lr_cells
     from vlcontrast.study.report_v2 import write_report_v2

@@ -78,6 +78,9 @@ class StudySweep:
     """Seeds of the sweep cells; they must not be final seeds."""
     lr_factors: list[float] = field(default_factory=lambda: [0.5, 1.0, 2.0])
     """Learning rates tried: these factors times the study's lr rule at each batch size."""
+    extend_edges: int = 0
+    """Factors that may be added past an edge: when the best factor is the largest (smallest)
+    tried, the sweep also tries it x2 (/2), up to this many times per training."""
     metric: str = "mean_R@1"
     """Validation metric that chooses (last evaluation; ties go to the earlier candidate)."""
     selected: str = ""
@@ -390,6 +393,8 @@ def check_v2(config: StudyConfig) -> None:
                 setting.warm_start, "must be '' or 'siglip'")
     require(config.sweep.lr_factors and all(f > 0 for f in config.sweep.lr_factors),
             "sweep.lr_factors", config.sweep.lr_factors, "positive factors")
+    require(isinstance(config.sweep.extend_edges, int) and config.sweep.extend_edges >= 0,
+            "sweep.extend_edges", config.sweep.extend_edges, "a count >= 0")
     require(not set(config.sweep.seeds) & set(config.grid.seeds), "sweep.seeds", config.sweep.seeds,
             "must differ from the final seeds (grid.seeds): a setting chosen on a seed's validation "
             "score would carry that seed's luck into the test")

@@ -4,9 +4,9 @@ cells of each stage (docs/loss-study-v2.md).
 A v2 study config (``datasets:`` non-empty) has three kinds of training cells:
 
 * ``sweep-lr``: every (dataset, arm, setting, batch) at each learning-rate factor of
-  ``sweep.lr_factors`` (times the study's lr rule), at the setting's reference options (its
-  ``options`` and the first value of each swept option), sweep seeds, evaluated on the
-  **validation** split;
+  ``sweep.lr_factors`` (times the study's lr rule), extended past an edge that wins
+  (``sweep.extend_edges``), at the setting's reference options (its ``options`` and the first
+  value of each swept option), sweep seeds, evaluated on the **validation** split;
 * ``sweep-hyper``: the setting's other option combinations at the learning rate chosen in
   ``sweep-lr``, same seeds and split;
 * ``final``: the chosen setting (``selected``, a committed JSON written by the select stage) at
@@ -117,15 +117,56 @@ def _cell(config: StudyConfig, dataset: str, stage: str, setting_name: str, sett
     return cell
 
 
+def sweep_score(config: StudyConfig, cell: Cell2) -> float | None:
+    """A finished sweep cell's ``sweep.metric`` at its last evaluation (validation split)."""
+    result = read_result_v2(config, cell) if is_finished_v2(config, cell) else None
+    value = (result or {}).get("last", {}).get(config.sweep.metric)
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def tried_lr_factors(config: StudyConfig, dataset: str, name: str, size: int, steps: int,
+                     arm_names: tuple[str, ...] = ()) -> tuple[list[float], dict[float, float] | None]:
+    """One training's learning-rate sweep so far: (the factors it tries, their mean validation
+    scores over the sweep seeds once it is settled, else None).
+
+    It starts with ``sweep.lr_factors``. While the best factor is the largest (smallest) tried and
+    fewer than ``sweep.extend_edges`` factors were added, the next one, x2 (/2), joins it. Ties go
+    to the factor listed first, so an edge tied with an inner factor does not extend."""
+    setting = settings(config)[name]
+    factors = list(config.sweep.lr_factors)
+    while True:
+        means = {}
+        for factor in factors:
+            scores = [sweep_score(config, _cell(config, dataset, "sweep-lr", name, setting,
+                                                reference_options(setting), size, steps, factor,
+                                                seed, arm_names, f"lr{factor:g}"))
+                      for seed in config.sweep.seeds]
+            if any(score is None for score in scores):
+                return factors, None
+            means[factor] = sum(scores) / len(scores)  # type: ignore[arg-type]
+        best = max(factors, key=lambda f: (means[f], -factors.index(f)))
+        if len(factors) < 2 or len(factors) - len(config.sweep.lr_factors) >= config.sweep.extend_edges:
+            return factors, means
+        if best == max(factors):
+            factors.append(best * 2)
+        elif best == min(factors):
+            factors.append(best / 2)
+        else:
+            return factors, means
+
+
 def sweep_lr_cells(config: StudyConfig) -> list[Cell2]:
+    """Every training's sweep cells so far: ``sweep.lr_factors`` and the edge extensions its
+    finished cells call for (``tried_lr_factors``)."""
     out = []
     all_settings = settings(config)
-    for seed in config.sweep.seeds:
-        for dataset in config.datasets:
-            for (size, steps), arm_names in batch_steps(config).items():
-                for name in config.grid.losses:
-                    setting = all_settings[name]
-                    for factor in config.sweep.lr_factors:
+    for dataset in config.datasets:
+        for (size, steps), arm_names in batch_steps(config).items():
+            for name in config.grid.losses:
+                setting = all_settings[name]
+                factors, _ = tried_lr_factors(config, dataset, name, size, steps, arm_names)
+                for factor in factors:
+                    for seed in config.sweep.seeds:
                         out.append(_cell(config, dataset, "sweep-lr", name, setting,
                                          reference_options(setting), size, steps, factor, seed,
                                          arm_names, f"lr{factor:g}"))

@@ -27,9 +27,10 @@ from typing import Any
 from .cells import _run_training, _write_json, kill_running_cells, model_digest, summarise_run
 from .config import StudyConfig
 from .design import (Cell2, batch_steps, cell_command_v2, cell_fingerprint_v2, datasets,
-                     features_path, final_cells, is_finished_v2, option_grid, read_result_v2,
+                     features_path, final_cells, is_finished_v2, option_grid,
                      read_selected, result_path_v2, selected_path, selection_key, settings,
-                     split_paths, start_command, start_dir, sweep_hyper_cells, sweep_lr_cells)
+                     split_paths, start_command, start_dir, sweep_hyper_cells, sweep_lr_cells,
+                     sweep_score, tried_lr_factors)
 
 STAGES = ("prepare", "sweep", "final", "report", "all")
 
@@ -201,34 +202,33 @@ def run_cells(config: StudyConfig, cells: list[Cell2]) -> list[str]:
     return failed
 
 
+def run_lr_sweep(config: StudyConfig) -> None:
+    """The ``sweep-lr`` cells, in rounds: each round's results may call for edge extensions
+    (``sweep.extend_edges``), which the next round runs. Stops when nothing is left or a round
+    finishes none of its cells."""
+    while True:
+        cells = sweep_lr_cells(config)
+        todo = [cell for cell in cells if not is_finished_v2(config, cell)]
+        if not todo or len(run_cells(config, cells)) == len(todo):
+            return
+
+
 # --------------------------------------------------------------------------------------------
 # selection
 
 
-def _score(result: dict[str, Any] | None, metric: str) -> float | None:
-    if result is None:
-        return None
-    value = result.get("last", {}).get(metric)
-    return float(value) if isinstance(value, (int, float)) else None
-
-
 def choose_lr(config: StudyConfig) -> dict[tuple, float]:
     """{(dataset, setting, batch, steps): lr factor} with the best mean validation score over the
-    sweep seeds, where every candidate has a result; ties: the earlier factor."""
-    by_key: dict[tuple, dict[float, list[float]]] = {}
-    complete: dict[tuple, bool] = {}
-    for cell in sweep_lr_cells(config):
-        key = (cell.dataset, cell.setting, cell.global_batch, cell.steps)
-        score = _score(read_result_v2(config, cell) if is_finished_v2(config, cell) else None,
-                       config.sweep.metric)
-        complete[key] = complete.get(key, True) and score is not None
-        if score is not None:
-            by_key.setdefault(key, {}).setdefault(cell.lr_factor, []).append(score)
+    sweep seeds, for every training whose sweep (edge extensions included) is settled; ties: the
+    factor tried first."""
     out = {}
-    for key, scores in by_key.items():
-        if complete[key]:
-            means = {f: sum(v) / len(v) for f, v in scores.items()}
-            out[key] = max(config.sweep.lr_factors, key=lambda f: (means[f], -config.sweep.lr_factors.index(f)))
+    for dataset in config.datasets:
+        for (size, steps), arm_names in batch_steps(config).items():
+            for name in config.grid.losses:
+                factors, means = tried_lr_factors(config, dataset, name, size, steps, arm_names)
+                if means is not None:
+                    out[(dataset, name, size, steps)] = max(
+                        factors, key=lambda f: (means[f], -factors.index(f)))
     return out
 
 
@@ -237,6 +237,7 @@ def write_selection(config: StudyConfig) -> dict[str, Any]:
     and write the record (``selected``); entries whose sweep is unfinished are left out."""
     chosen_lr = choose_lr(config)
     hyper = sweep_hyper_cells(config, chosen_lr)
+    lr_cells = sweep_lr_cells(config)
     all_settings = settings(config)
     chosen: dict[str, Any] = {}
     for (dataset, name, size, steps), factor in chosen_lr.items():
@@ -246,13 +247,12 @@ def write_selection(config: StudyConfig) -> dict[str, Any]:
             scores = []
             for seed in config.sweep.seeds:
                 if options == option_grid(setting)[0]:
-                    cells = [c for c in sweep_lr_cells(config) if (c.dataset, c.setting, c.global_batch,
+                    cells = [c for c in lr_cells if (c.dataset, c.setting, c.global_batch,
                              c.steps, c.lr_factor, c.seed) == (dataset, name, size, steps, factor, seed)]
                 else:
                     cells = [c for c in hyper if (c.dataset, c.setting, c.global_batch, c.steps,
                              c.seed) == (dataset, name, size, steps, seed) and c.options == options]
-                scores += [s for c in cells if is_finished_v2(config, c)
-                           and (s := _score(read_result_v2(config, c), config.sweep.metric)) is not None]
+                scores += [s for c in cells if (s := sweep_score(config, c)) is not None]
             candidates.append({"options": options,
                                "val": sum(scores) / len(scores) if scores else None,
                                "n": len(scores)})
@@ -260,11 +260,10 @@ def write_selection(config: StudyConfig) -> dict[str, Any]:
             continue  # the hyper sweep of this entry is not finished
         best = max(range(len(candidates)), key=lambda i: (candidates[i]["val"], -i))
         lr_scores = {}
-        for c in sweep_lr_cells(config):
+        for c in lr_cells:
             if (c.dataset, c.setting, c.global_batch, c.steps) == (dataset, name, size, steps):
-                lr_scores.setdefault(f"{c.lr_factor:g}", []).append(
-                    _score(read_result_v2(config, c), config.sweep.metric))
-        factors = config.sweep.lr_factors
+                lr_scores.setdefault(f"{c.lr_factor:g}", []).append(sweep_score(config, c))
+        factors = [float(f) for f in lr_scores]
         chosen[selection_key(dataset, name, size, steps)] = {
             "lr_factor": factor, "options": candidates[best]["options"],
             "val": candidates[best]["val"], "lr_candidates": lr_scores, "candidates": candidates,
@@ -292,7 +291,7 @@ def run_study_v2(config: StudyConfig, stage: str = "all", command: str = "") -> 
         prepare_datasets(config)
         ensure_starts(config)
     if stage in ("sweep", "all"):
-        run_cells(config, sweep_lr_cells(config))
+        run_lr_sweep(config)
         run_cells(config, sweep_hyper_cells(config, choose_lr(config)))
         write_selection(config)
     if stage in ("final", "all"):
