@@ -56,13 +56,23 @@ def test_the_v2_config_is_the_pre_registered_design():
     assert config.starts.count >= 2
 
 
-def test_the_v2_plan_fits_the_budget():
-    from vlcontrast.study.budget import study_cost
+def test_the_v2_plan_counts_every_cell_and_says_when_it_is_over_budget():
+    from vlcontrast.study.budget import cell_seconds, study_cost
+    from vlcontrast.study.v2 import plan_text
 
     config = _v2()
     cost = study_cost(config)
-    assert cost["wall_hours"] <= config.budget_hours
     assert cost["parts"]["final"][0] == 9 * 2 * 9 * len(config.grid.seeds)
+    assert cost["parts"]["sweep-lr"][0] == 9 * 2 * 9 * len(config.sweep.lr_factors)
+    # one final seed: every (dataset, training, setting) once, at the model's price
+    per_seed = sum(cell_seconds(b, n, size) * 9 for size in (20000, 8100 * 0.7)
+                   for (b, n) in [(16, 500), (16, 8000), (32, 500), (32, 4000), (64, 500),
+                                  (64, 2000), (256, 500), (1024, 500), (1024, 125)])
+    assert cost["final_core_hours_per_seed"] * 3600 == pytest.approx(per_seed, rel=0.02)
+    text = plan_text(config)
+    assert ("OVER BUDGET" in text) == (cost["wall_hours"] > config.budget_hours)
+    config.budget_hours = 100
+    assert "OVER BUDGET" not in plan_text(config)
 
 
 def test_a_setting_names_a_registered_loss_and_its_real_options():

@@ -318,4 +318,10 @@ def plan_text(config: StudyConfig) -> str:
         lines.append(f"  {part}: {cells} cells, {seconds / 3600:.2f} core-hours")
     lines.append(f"  total {cost['core_hours']:.2f} core-hours = {cost['wall_hours']:.2f} h on "
                  f"{config.parallel} core(s); budget {config.budget_hours or '-'} h")
+    if config.sweep.extend_edges:
+        lines.append(f"  not counted: up to {config.sweep.extend_edges} edge extension(s) per "
+                     "training's lr sweep, and their hyper sweeps")
+    if config.budget_hours and cost["wall_hours"] > config.budget_hours:
+        lines.append(f"  OVER BUDGET by {cost['wall_hours'] - config.budget_hours:.2f} h "
+                     f"({cost['wall_hours'] / config.budget_hours - 1:.0%})")
     return "\n".join(lines)
