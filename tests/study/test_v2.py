@@ -129,11 +129,11 @@ def test_the_split_rule_is_a_function_of_the_file_name(tmp_path):
     assert all(after[k] == v for k, v in before.items())
 
 
-def test_v2_cells_overrides_and_fingerprints():
+def test_v2_cells_overrides_and_fingerprints(tmp_path):
     from vlcontrast.study.design import (cell_fingerprint_v2, cell_overrides_v2, final_cells,
                                          selection_key, sweep_hyper_cells, sweep_lr_cells)
 
-    config = _v2()
+    config = _v2(results_dir=tmp_path)  # no results yet: no edge extensions
     lr_cells = sweep_lr_cells(config)
     assert len(lr_cells) == 2 * 9 * 9 * 3
     assert len({c.name for c in lr_cells}) == len(lr_cells)

@@ -25,8 +25,12 @@ import threading
 from typing import Any
 
 PRELOAD = ("torch", "open_clip", "vlcontrast.cli", "vlcontrast.train.loop", "vlcontrast.models",
-           "vlcontrast.evaluation", "vlcontrast.losses")
-"""Modules the server imports once. Never ``deepspeed`` (it chooses its accelerator on import)."""
+           "vlcontrast.evaluation", "vlcontrast.losses", "torchmetrics.classification",
+           "matplotlib")
+"""Modules the server imports once: the trainer, and what a cell imports later on (torchmetrics
+for the zero-shot evaluation, several seconds with its scipy imports; matplotlib for the loss
+curve, which picks its Agg backend itself). Never ``deepspeed``: it chooses its accelerator on
+import."""
 
 SERVER_ENV = ("OMP_NUM_THREADS",)
 """Variables the server must already have, because libraries read them when they load (OpenMP
