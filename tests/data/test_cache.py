@@ -157,3 +157,41 @@ def test_sample_cache_holds_only_complete_segments():
 def test_negative_cache_size_is_refused_by_name():
     with pytest.raises(ConfigError, match=r"data\.cache_mb"):
         load_config(None, ["data.train=x", "train.steps=1", "data.cache_mb=-1"])
+
+
+def test_a_feature_cache_placeholder_decodes_no_image_and_keeps_the_same_batches(tmp_path,
+                                                                                 monkeypatch):
+    """Under model.lock_image_features the loader opens no image; a sample the cache lacks (its
+    image failed when the cache was written) is skipped like a bad image, so the ids and
+    captions of every batch are those of the decoding loader."""
+    from vlcontrast.train.feature_cache import ImagePlaceholder
+
+    make_shards(tmp_path, [10, 10, 10], defects={(0, 1): "undecodable", (2, 5): "undecodable"})
+    pattern = str(tmp_path / "{00000..00002}.tar")
+
+    def cfg(cache_mb=0):
+        return config(pattern, batch_size=2, workers=0, num_samples=30, id_space=50000,
+                      cache_mb=cache_mb)
+
+    decoded_bad = []
+    decoded, _ = epochs(cfg(), PREPROCESS, n=2,
+                        probe=lambda loader: decoded_bad.append(dict(loader.bad_samples)))
+    good = {i for epoch in decoded for ids, _, _ in epoch for i in ids}
+    opened = []
+    real_open = samples_module.open_image
+    monkeypatch.setattr(samples_module, "open_image",
+                        lambda *a, **kw: opened.append(1) or real_open(*a, **kw))
+    for cache_mb in (0, 64):
+        placeholder = SeededTransform(ImagePlaceholder(torch.tensor(sorted(good))), seed=7,
+                                      random=False)
+        bad = []
+        out, _ = epochs(cfg(cache_mb), placeholder, n=2,
+                        probe=lambda loader: bad.append(dict(loader.bad_samples)))
+        assert [[(ids, texts) for ids, texts, _ in e] for e in out] == \
+               [[(ids, texts) for ids, texts, _ in e] for e in decoded]
+        assert all(images.shape == (2, 0) for e in out for _, _, images in e)
+        # counted where the decoding loader counted its bad images, under the cache's reason
+        assert [b.get("not_in_feature_cache") for b in bad] == \
+               [b.get("undecodable_image") for b in decoded_bad]
+        assert not any(b.get("undecodable_image") for b in bad)
+    assert opened == []

@@ -53,8 +53,10 @@ LABEL_REASONS = ("missing_label",)
 """Why a classification sample is skipped (zero-shot shards)."""
 SAMPLE_REASONS = ("missing_image", "undecodable_image", "decompression_bomb", "missing_caption",
                   "empty_caption", "caption_not_utf8", "no_sample_id", "sample_id_out_of_range",
-                  "transform_error", "missing_samples")
-"""Per-sample reasons of the training loader: each counts samples and enters the bad-sample rate."""
+                  "transform_error", "not_in_feature_cache", "missing_samples")
+"""Per-sample reasons of the training loader: each counts samples and enters the bad-sample rate.
+``not_in_feature_cache``: under ``model.lock_image_features`` images are not decoded, and a sample
+the cache does not hold (its image failed when the cache was written) is skipped instead."""
 SHARD_REASONS = SHARD_EVENTS
 """Per-shard events: each counts shard reads that ended early (their lost rows are counted as
 ``missing_samples`` when the shard's size is known)."""

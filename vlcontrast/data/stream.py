@@ -169,6 +169,9 @@ def decode(numbered: Iterable[tuple[int, Row]], shard_set: ShardSet, tally: Tall
     offered to ``cache``; rows it served (:class:`Kept`) skip what was done to them already.
     A sample with several captions gets one per epoch (:func:`choose_caption`)."""
     required = getattr(shard_set, "ids_required", True)
+    # A transform with ``image_ids`` (train.feature_cache.ImagePlaceholder) stands for stored
+    # features: images are not decoded, and only those samples are kept.
+    image_ids = getattr(preprocess, "image_ids", None)
     for position, (shard, row, key, members) in numbered:
         if isinstance(members, Kept):
             result = members.value
@@ -176,7 +179,11 @@ def decode(numbered: Iterable[tuple[int, Row]], shard_set: ShardSet, tally: Tall
             result = inspect_sample(key, members,
                                     ids=IdRule(shard_set.id_offsets[shard], shard_set.id_space,
                                                required),
-                                    max_image_pixels=max_image_pixels, keys=keys)
+                                    max_image_pixels=max_image_pixels, keys=keys,
+                                    decode_image=image_ids is None)
+            if (image_ids is not None and isinstance(result, Inspected)
+                    and result.sample_id not in image_ids):
+                result = "not_in_feature_cache"
             if cache is not None:
                 if cache.after_transform and isinstance(result, Inspected):
                     result = transform_sample(result, preprocess)

@@ -5,15 +5,17 @@ cell on the other core (``vlc-rn-micro`` at 32 px, fp32, 1 thread):
 
     CELL_FIXED_S + DECODE_S x min(samples, training set) + steps x (STEP_S + SAMPLE_S x B)
 
-the fork from the warm launcher, set-up, the final evaluation and exit; the first epoch's reading,
-decoding and tokenising (later epochs come from the loader's ``data.cache_mb`` cache); the
-text-tower step (forward, backward, AdamW over the 1.6 M text parameters, most of them the token
-embedding) and its per-sample part. Measured 2026-11-25 by ``bench/study_cell_cost.py`` with the
-study paused: 14.0 ms per step at B = 16, 15.7 at 64, 33.8 at 256 and 114.5 at 1,024 (fit
-10.0 ms + 0.102 ms x B); first-epoch data 0.5-0.85 ms per sample; a 10-step cell 4.7 s alone.
-The first model (7 s fixed, 0.4 ms per sample, 8.5 ms + 0.066 ms x B) had been measured on parts
-of a step and under-counted whole cells by 2.3-3.3x against the first 45 sweep cells' wall times.
-Stateful losses (SogCLR, FastCLIP) cost a few ms more per step than the model's InfoNCE.
+the fork from the warm launcher, set-up, the final evaluation and exit; the first epoch's reading
+and tokenising (no image is decoded under the feature cache; later epochs come from the loader's
+``data.cache_mb`` cache); the text-tower step (forward, backward, AdamW over the 1.6 M text
+parameters, most of them the token embedding) and its per-sample part. Measured 2026-11-25 by
+two runs of ``bench/study_cell_cost.py`` with the study stopped, their mean: 13.9 ms per step at
+B = 16, 15.3 at 64, 36.0 at 256 and 127 at 1,024 (fit 9.1 ms + 0.114 ms x B; the two runs differ
+by up to 20% at B = 1,024); first-epoch data 0.36-0.56 ms per sample; a 10-step cell 3.5 s alone
+(4.5 s charged: two at once). The first model (7 s fixed, 0.4 ms per sample, 8.5 ms + 0.066 ms x
+B) had been measured on parts of a step and under-counted whole cells by 2.3-3.3x against the
+first 45 sweep cells' wall times. Stateful losses (SogCLR, FastCLIP) cost a few ms more per step
+than the model's InfoNCE.
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ from typing import Any
 
 from .config import StudyConfig
 
-CELL_FIXED_S = 6.0
-DECODE_S = 0.0006
-STEP_S = 0.0100
-SAMPLE_S = 0.000102
+CELL_FIXED_S = 4.5
+DECODE_S = 0.0004
+STEP_S = 0.0091
+SAMPLE_S = 0.000114
 START_SAMPLE_S = 0.0005
 """Both towers trained (the starting checkpoints): per sample, decoding included."""
 CACHE_SAMPLE_S = 0.0005

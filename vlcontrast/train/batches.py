@@ -31,6 +31,8 @@ class SeededTransform:
         self.seed = seed
         self.random = random  # False: a deterministic transform (data.augment=false), not seeded
         self.epoch = 0
+        # The loader decodes no image for a transform that names the samples it stands for.
+        self.image_ids = getattr(transform, "image_ids", None)
 
     def __call__(self, image):
         if not self.random:

@@ -142,10 +142,18 @@ def write_feature_cache(model_cfg: ModelConfig, data: DataConfig, out: str | Pat
     return {"path": str(out), "samples": len(all_ids), "dim": all_features.shape[1], "key": key}
 
 
-def image_placeholder(image) -> torch.Tensor:
-    """The training transform under a feature cache: the decoded image is dropped (``swap``
-    puts the stored feature in its place), saving the resize and normalisation of every sample."""
-    return torch.empty(0)
+class ImagePlaceholder:
+    """The training transform under a feature cache. The loader decodes no image for it
+    (``image_ids``: the samples the cache holds; any other is skipped and counted as
+    ``not_in_feature_cache``), and ``swap`` later puts each sample's stored feature in the place
+    of the empty tensor it returns. The batches are the ones decoding would give: the cache holds
+    exactly the samples whose image decoded and transformed when it was written."""
+
+    def __init__(self, image_ids: torch.Tensor):
+        self.image_ids = frozenset(image_ids.tolist())
+
+    def __call__(self, image) -> torch.Tensor:
+        return torch.empty(0)
 
 
 class LockedImageFeatures:
@@ -165,6 +173,10 @@ class LockedImageFeatures:
                               f"run ({', '.join(differs)} differ); rebuild it")
         self.ids: torch.Tensor = stored["ids"]
         self.features: torch.Tensor = stored["features"]
+
+    def placeholder(self) -> ImagePlaceholder:
+        """The training transform that stands for these features (no image decoded)."""
+        return ImagePlaceholder(self.ids)
 
     def lookup(self, sample_ids: torch.Tensor) -> torch.Tensor:
         """The stored features of ``sample_ids`` (``[B, D]``); every id must be in the cache."""

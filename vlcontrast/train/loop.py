@@ -80,17 +80,16 @@ def train(config: RunConfig) -> dict[str, Any]:
     bundle = build_model(config.model, siglip=LOSSES[config.loss.name].uses_logit_bias,
                          device=device)
     transform, normalizer = train_transform(config.data, bundle)
-    if config.model.lock_image_features:
-        # Training never sees the images: each is still decoded (a corrupt one is skipped and
-        # counted as before), but not transformed; the cached feature takes its place.
-        from vlcontrast.train.feature_cache import image_placeholder
-
-        transform = image_placeholder
+    features = _locked_image_features(config, bundle.model)
+    if features is not None:  # training never sees the images: none is decoded
+        transform = features.placeholder()
     data = _train_batches(config.data, config.seed, config.train.accum_steps, env,
                           bundle.tokenizer, transform, needs_ids)
     loss_fn = build_loss(config.loss.name, chunk_size=config.loss.chunk_size,
                          id_space=data.id_space, **config.loss.options).to(device)
-    features = _locked_image_features(config, bundle.model, loss_fn)
+    if features is not None and getattr(loss_fn, "needs_momentum_features", False):
+        raise ConfigError(f"model.lock_image_features: loss {config.loss.name!r} with momentum "
+                          "towers embeds the images itself; turn the cache off")
     global_batch = config.data.batch_size * env.world_size * config.train.accum_steps
     total_steps = config.train.steps or max(1, math.ceil(config.train.epochs * data.steps_per_epoch))
     engine, checkpoint_bytes = _build_engine(bundle.model, config, total_steps, env)
@@ -193,16 +192,13 @@ def _train_batches(data: DataConfig, seed: int, accum_steps: int, env, tokenizer
     return TrainBatches(build, augment, accum_steps)
 
 
-def _locked_image_features(config: RunConfig, model, loss_fn):
+def _locked_image_features(config: RunConfig, model):
     """``model.lock_image_features``: the cached features, with ``model.encode_image`` taught to
     pass them through (vlcontrast/train/feature_cache.py); None when off."""
     if not config.model.lock_image_features:
         return None
     from vlcontrast.train.feature_cache import LockedImageFeatures
 
-    if getattr(loss_fn, "needs_momentum_features", False):
-        raise ConfigError(f"model.lock_image_features: loss {config.loss.name!r} with momentum "
-                          "towers embeds the images itself; turn the cache off")
     features = LockedImageFeatures(config.model.lock_image_features, config.model, config.data,
                                    config.train.precision)
     features.check_frozen(model)
