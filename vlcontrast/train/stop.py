@@ -35,7 +35,10 @@ class StopSignal:
         return self.received is not None
 
     def reason(self, any_rank_signalled: bool) -> str | None:
-        """Why to stop: this rank's signal, another rank's, or None."""
-        if self.received is not None:
-            return f"signal {self.received}"
-        return "a signal to another rank" if any_rank_signalled else None
+        """Why to stop (this rank's signal, another rank's), or None: decided by the agreed flag
+        alone. A signal that lands after this step's flag reduction is this rank's news only; it
+        travels in the next step's reduction, and every rank stops there. Reading it now would
+        stop this rank one step before the others, which wait for it in their next collective."""
+        if not any_rank_signalled:
+            return None
+        return f"signal {self.received}" if self.received is not None else "a signal to another rank"
