@@ -8,6 +8,8 @@ where the per-cell results and the report are written. Unknown keys and wrong ty
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -312,8 +314,19 @@ class StudySetting:
 
 
 def _parse(cls, values: dict[str, Any], prefix: str):
+    """``values`` as a ``cls``, parsed once per distinct content (the study's stages ask for the
+    same settings thousands of times); the result is shared, so treat it as read-only."""
     try:
-        return _from_dict(cls, values or {}, prefix)
+        text = json.dumps(values or {}, sort_keys=True)
+    except TypeError:  # not JSON (a YAML date, say): parsed each time, and errors name it
+        return _parse_text.__wrapped__(cls, values or {}, prefix)
+    return _parse_text(cls, text, prefix)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_text(cls, text: str | dict[str, Any], prefix: str):
+    try:
+        return _from_dict(cls, json.loads(text) if isinstance(text, str) else text, prefix)
     except ConfigError as err:
         raise ConfigError(f"study {err}") from None
 
