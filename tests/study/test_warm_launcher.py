@@ -26,6 +26,8 @@ def test_only_single_process_train_commands_are_forked():
     assert warm.train_argv([python, "-m", "vlcontrast.cli", "train", "--nproc=4"]) is None
     assert warm.train_argv([python, "-m", "vlcontrast.cli", "eval"]) is None
     assert warm.train_argv(["true"]) is None
+    # another interpreter (another environment) runs other code: not forked from this one
+    assert warm.train_argv(["/opt/other/python", "-m", "vlcontrast.cli", "train"]) is None
 
 
 def test_the_server_never_imports_deepspeed():
@@ -61,7 +63,12 @@ def _rows(run: Path) -> list[dict]:
 
 @pytest.mark.parametrize("loss", ["infonce", "sogclr"])
 def test_a_forked_cell_equals_a_fresh_interpreter_bit_for_bit(world, tmp_path, monkeypatch, loss):
+    from vlcontrast.study import cells
+
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    forked = []
+    monkeypatch.setattr(cells, "fork_cell",
+                        lambda *a, **k: forked.append(warm.fork_cell(*a, **k)) or forked[-1])
     runs = {}
     for launcher in ("subprocess", "fork"):
         config = StudyConfig(output_dir=str(tmp_path), threads=1, launcher=launcher,
@@ -70,6 +77,7 @@ def test_a_forked_cell_equals_a_fresh_interpreter_bit_for_bit(world, tmp_path, m
         record = _run_training(config, out, _command(world, out, 6, loss))
         assert record["status"] == "ok", record.get("error")
         runs[launcher] = _rows(out)
+    assert len(forked) == 1 and isinstance(forked[0], warm.ForkedCell)  # the fork path ran
     assert any(r["kind"] == "eval" for r in runs["fork"])
     assert runs["fork"] == runs["subprocess"]
 

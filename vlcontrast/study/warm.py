@@ -43,8 +43,10 @@ _SERVER_ENV: dict[str, str | None] = {}
 
 def train_argv(command: list[str]) -> list[str] | None:
     """The ``vlcontrast.cli`` arguments of a single-process ``[python, -m, vlcontrast.cli, train,
-    ...]`` command; None for anything else (torchrun, other programs), which keeps a subprocess."""
-    if len(command) < 4 or command[1:4] != ["-m", "vlcontrast.cli", "train"]:
+    ...]`` command run by this interpreter; None for anything else (torchrun, another Python,
+    other programs), which keeps a subprocess."""
+    if (len(command) < 4 or command[1:4] != ["-m", "vlcontrast.cli", "train"]
+            or os.path.realpath(command[0]) != os.path.realpath(sys.executable)):
         return None
     argv = command[3:]
     for i, arg in enumerate(argv):
