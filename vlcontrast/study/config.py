@@ -319,14 +319,18 @@ def _parse(cls, values: dict[str, Any], prefix: str):
     try:
         text = json.dumps(values or {}, sort_keys=True)
     except TypeError:  # not JSON (a YAML date, say): parsed each time, and errors name it
-        return _parse_text.__wrapped__(cls, values or {}, prefix)
-    return _parse_text(cls, text, prefix)
+        return _parse_values(cls, values or {}, prefix)
+    return _parse_json(cls, text, prefix)
 
 
 @functools.lru_cache(maxsize=4096)
-def _parse_text(cls, text: str | dict[str, Any], prefix: str):
+def _parse_json(cls, text: str, prefix: str):
+    return _parse_values(cls, json.loads(text), prefix)
+
+
+def _parse_values(cls, values: dict[str, Any], prefix: str):
     try:
-        return _from_dict(cls, json.loads(text) if isinstance(text, str) else text, prefix)
+        return _from_dict(cls, values, prefix)
     except ConfigError as err:
         raise ConfigError(f"study {err}") from None
 

@@ -119,8 +119,10 @@ def _cell(config: StudyConfig, dataset: str, stage: str, setting_name: str, sett
 
 def sweep_score(config: StudyConfig, cell: Cell2) -> float | None:
     """A finished sweep cell's ``sweep.metric`` at its last evaluation (validation split)."""
-    result = read_result_v2(config, cell) if is_finished_v2(config, cell) else None
-    value = (result or {}).get("last", {}).get(config.sweep.metric)
+    result = read_result_v2(config, cell)  # read once: finished = the fingerprint matches
+    if result is None or result.get("fingerprint") != cell_fingerprint_v2(config, cell):
+        return None
+    value = result.get("last", {}).get(config.sweep.metric)
     return float(value) if isinstance(value, (int, float)) else None
 
 
