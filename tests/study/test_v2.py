@@ -352,3 +352,69 @@ def test_a_tiny_v2_study_end_to_end(tmp_path, monkeypatch):
 
     monkeypatch.setattr(v2, "run_cell_v2", lambda *a, **k: pytest.fail("reran a finished cell"))
     run_study_v2(config, "all")
+
+
+def _sha(path):
+    import hashlib
+
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def test_a_kept_start_is_restored_bit_for_bit_never_retrained(tmp_path, monkeypatch):
+    """The first prepare trains the start and writes its committed copy (weights and feature
+    cache); a new session (no run directory) restores it without training, and a run directory or
+    cache that differs from the copy (a start rebuilt on another CPU) is replaced by it."""
+    import torch
+
+    import vlcontrast.study.v2 as v2
+    from vlcontrast.study.design import features_path, kept_start_dir, start_dir
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    values = {
+        "output_dir": str(tmp_path / "runs"), "results_dir": str(tmp_path / "res" / "cells"),
+        "report_dir": str(tmp_path / "res"), "base": str(ROOT / "configs" / "study" / "cell-v2.yaml"),
+        "parallel": 1, "threads": 1, "cell_timeout_s": 300,
+        "datasets": {"syn": {"kind": "synthetic", "dir": str(tmp_path / "data"), "test_seed": 5,
+                             "generate": {"train": 64, "val": 16, "seed": 4, "image_size": 32,
+                                          "shard_size": 64, "zeroshot_per_class": 2,
+                                          "workers": 1}}},
+        "starts": {"count": 1, "overrides": ["data.batch_size=32", "train.steps=2",
+                                             "optim.warmup_steps=1", "eval.batch_size=64"]},
+        "overrides": ["model.lock_image=true", "model.lock_image_freeze_bn_stats=true"],
+        "arms": {"steps": {"steps": 2}}, "lr": 4e-3,
+        "grid": {"global_batch_sizes": [8], "losses": ["infonce", "siglip"], "seeds": [0]},
+        "settings": {"infonce": {"loss": "infonce"}, "siglip": {"loss": "siglip", "warm_start": "siglip"}},
+        "sweep": {"seeds": [100], "lr_factors": [1.0], "selected": str(tmp_path / "res" / "selected.json")},
+        "comparisons": [["siglip", "infonce"]],
+    }
+    path = tmp_path / "v2.yaml"
+    path.write_text(yaml.safe_dump(values))
+    config = load_study_config(path)
+    v2.run_study_v2(config, "prepare")
+    kept, run_dir, cache = (kept_start_dir(config, "syn", 0), start_dir(config, "syn", 0),
+                            features_path(config, "syn", 0))
+    record = json.loads((config.results_path / "starts" / "syn-k0.json").read_text())
+    assert _sha(kept / "model.pt") == record["digest"] == v2.model_digest(run_dir)
+    assert _sha(kept / "features.pt") == _sha(cache)
+    assert record["host"]["machine"] and record["kept"] == str(kept)
+    warm = torch.load(start_dir(config, "syn", 0, "siglip") / "model.pt", weights_only=True)
+
+    # a new session: nothing under output_dir; the start must come back without training
+    import shutil
+
+    shutil.rmtree(tmp_path / "runs")
+    monkeypatch.setattr(v2, "_run_training", lambda *a, **k: pytest.fail("retrained a kept start"))
+    v2.run_study_v2(config, "prepare")
+    assert v2.model_digest(run_dir) == record["digest"] and _sha(cache) == _sha(kept / "features.pt")
+    rewarm = torch.load(start_dir(config, "syn", 0, "siglip") / "model.pt", weights_only=True)
+    assert all(torch.equal(warm[key], rewarm[key]) for key in warm)
+    assert json.loads((config.results_path / "starts" / "syn-k0.json").read_text()) == record
+
+    # another build of the start (other bits) and a stale cache are replaced by the kept copy
+    weights = v2.resolve_weights_dir(run_dir)
+    state = torch.load(weights / "model.pt", weights_only=True)
+    state = {key: value + 1e-3 if value.is_floating_point() else value for key, value in state.items()}
+    torch.save(state, weights / "model.pt")
+    cache.write_bytes(b"stale")
+    v2.run_study_v2(config, "prepare")
+    assert v2.model_digest(run_dir) == record["digest"] and _sha(cache) == _sha(kept / "features.pt")

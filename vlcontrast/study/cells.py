@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import shutil
 import statistics
 import subprocess
@@ -187,6 +188,24 @@ def _run_training(config: StudyConfig, run_dir: Path, command: list[str]) -> dic
     if status != "ok":
         record["error"] = stderr_path.read_text(errors="replace")[-config.stderr_tail:]
     return record
+
+
+def host_cpu() -> dict[str, Any]:
+    """The CPU a start or cell ran on: its model name and the vector and matrix instruction-set
+    extensions, which decide the kernels oneDNN and MKL run and so the bits a run produces."""
+    info: dict[str, Any] = {"machine": platform.machine(), "model": platform.processor()}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return info
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and value.strip():
+            info["model"] = value.strip()
+        elif key.strip() == "flags":
+            info["isa"] = sorted(f for f in value.split() if f.startswith(("avx", "amx", "fma")))
+            break
+    return info
 
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:

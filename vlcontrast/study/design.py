@@ -230,6 +230,15 @@ def features_path(config: StudyConfig, dataset: str, k: int) -> Path:
     return Path(config.output_dir) / "features" / f"{dataset}-k{k}.pt"
 
 
+def kept_start_dir(config: StudyConfig, dataset: str, k: int) -> Path:
+    """The committed copy of start k, beside its record: its weights (``model.pt``,
+    ``model_config.json``, ``config.yaml``, ``results.json``) and the locked tower's feature cache
+    (``features.pt``). Training a start again on another CPU gives other bits (oneDNN and MKL pick
+    kernels by instruction set), so a new session restores the start from here instead, and every
+    cell begins from the same bits on any machine."""
+    return config.results_path / "starts" / f"{dataset}-k{k}"
+
+
 def split_paths(config: StudyConfig, dataset: str) -> dict[str, Any]:
     """train shards; for ``val`` and ``test``: (retrieval shards, zero-shot folder, templates)."""
     data = datasets(config)[dataset]

@@ -16,6 +16,7 @@ once ``results_dir`` and the ``selected`` file are committed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -24,10 +25,11 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
-from .cells import _run_training, _write_json, kill_running_cells, model_digest, summarise_run
+from .cells import (_run_training, _write_json, host_cpu, kill_running_cells, model_digest,
+                    summarise_run)
 from .config import StudyConfig
 from .design import (Cell2, batch_steps, cell_command_v2, cell_fingerprint_v2, datasets,
-                     features_path, final_cells, is_finished_v2, option_grid,
+                     features_path, final_cells, is_finished_v2, kept_start_dir, option_grid,
                      read_selected, result_path_v2, selected_path, selection_key, settings,
                      split_paths, start_command, start_dir, sweep_hyper_cells, sweep_lr_cells,
                      sweep_score, tried_lr_factors)
@@ -113,8 +115,51 @@ def evaluate_start(config: StudyConfig, dataset: str, k: int) -> dict[str, dict[
     return out
 
 
+KEPT_FILES = ("model.pt", "model_config.json", "config.yaml")
+KEPT_CHECKPOINT = "step_kept"
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def resolve_weights_dir(run_dir: Path) -> Path:
+    from vlcontrast.checkpoints import resolve_weights
+
+    return resolve_weights(str(run_dir))
+
+
+def keep_start(run_dir: Path, kept: Path) -> None:
+    """Copy a trained start's weights and results into its committed folder ``kept``."""
+    folder = resolve_weights_dir(run_dir)
+    kept.mkdir(parents=True, exist_ok=True)
+    for name in KEPT_FILES:
+        if (folder / name).is_file():
+            shutil.copy(folder / name, kept / name)
+    shutil.copy(run_dir / "results.json", kept / "results.json")
+
+
+def restore_start(kept: Path, run_dir: Path) -> None:
+    """Make ``run_dir`` a run directory whose latest checkpoint is the committed start ``kept``
+    (the same bytes), replacing whatever was there."""
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    folder = run_dir / "checkpoints" / KEPT_CHECKPOINT
+    folder.mkdir(parents=True)
+    for name in KEPT_FILES:
+        if (kept / name).is_file():
+            shutil.copy(kept / name, folder / name)
+    (run_dir / "checkpoints" / "latest").write_text(KEPT_CHECKPOINT)
+    shutil.copy(kept / "results.json", run_dir / "results.json")
+
+
 def ensure_starts(config: StudyConfig) -> None:
-    """Train, record, evaluate and cache each starting checkpoint that is not done yet."""
+    """Restore (or, the first time, train and keep) each starting checkpoint, record and
+    evaluate it, and make its SigLIP warm start and its locked-tower feature cache.
+
+    A start with a committed copy (:func:`kept_start_dir`) is restored from it bit for bit, and a
+    run directory or feature cache that differs from the copy is replaced, so cells never mix two
+    builds of one start. Without a copy the start is trained and the copy written, to commit."""
     from vlcontrast.config import load_config
     from vlcontrast.losses import LOSSES
     from vlcontrast.train.feature_cache import write_feature_cache
@@ -124,32 +169,50 @@ def ensure_starts(config: StudyConfig) -> None:
     for dataset in config.datasets:
         for k in range(config.starts.count):
             run_dir = start_dir(config, dataset, k)
+            warm = start_dir(config, dataset, k, "siglip")
+            cache = features_path(config, dataset, k)
+            kept = kept_start_dir(config, dataset, k)
             record_path = config.results_path / "starts" / f"{dataset}-k{k}.json"
             stored = json.loads(record_path.read_text()) if record_path.is_file() else None
-            if not ((run_dir / "results.json").is_file() and (run_dir / "checkpoints").is_dir()):
+            trained = (run_dir / "results.json").is_file() and (run_dir / "checkpoints").is_dir()
+            if (kept / "model.pt").is_file():
+                if not trained or model_digest(run_dir) != _sha256(kept / "model.pt"):
+                    print(f"study: start {dataset}-k{k} restored from {kept}", file=sys.stderr,
+                          flush=True)
+                    restore_start(kept, run_dir)
+                    shutil.rmtree(warm, ignore_errors=True)
+                    cache.unlink(missing_ok=True)
+            elif not trained:
                 print(f"study: training start {dataset}-k{k}", file=sys.stderr, flush=True)
                 record = _run_training(config, run_dir, start_command(config, dataset, k))
                 if record["status"] != "ok":
                     raise RuntimeError(f"study: start {dataset}-k{k} failed; see {run_dir}/stderr.log"
                                        f"\n{record.get('error', '')}")
             digest = model_digest(run_dir)
+            if not (kept / "model.pt").is_file():
+                keep_start(run_dir, kept)
             if stored is None or stored.get("digest") != digest:
                 fresh = {"digest": digest, "command": start_command(config, dataset, k)[1:],
+                         "kept": str(kept), "host": host_cpu(),
                          "metrics": evaluate_start(config, dataset, k)}
                 if stored is not None:
-                    fresh["digest_changed"] = {"earlier": stored.get("digest"), "now": digest}
+                    fresh["digest_changed"] = {"earlier": stored.get("digest"), "now": digest,
+                                               "earlier_record": stored}
                     print(f"study: WARNING start {dataset}-k{k} rebuilt with another digest "
                           f"({stored.get('digest', '')[:12]} -> {digest[:12]}): its cells are not "
                           "exact reruns", file=sys.stderr, flush=True)
                 _write_json(record_path, fresh)
             if any(s.warm_start == "siglip" for s in settings(config).values()):
-                warm = start_dir(config, dataset, k, "siglip")
                 if not (warm / "model.pt").is_file():
                     write_siglip_start(run_dir, warm, config.starts.siglip_logit_scale,
                                        config.starts.siglip_logit_bias)
-            cache = features_path(config, dataset, k)
+            if (kept / "features.pt").is_file():
+                if not cache.is_file() or _sha256(cache) != _sha256(kept / "features.pt"):
+                    cache.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy(kept / "features.pt", cache)
+                continue
             if not cache.is_file():
-                probe = Cell2(dataset, "final", config.grid.losses[0], "infonce", {}, 
+                probe = Cell2(dataset, "final", config.grid.losses[0], "infonce", {},
                               config.grid.global_batch_sizes[0], 1, 1e-3, 1.0, k, k, (), Path("x"))
                 overrides = [o for o in cell_overrides_v2(config, probe)
                              if not o.startswith(("loss.", "model.lock_image_features=",
@@ -157,10 +220,16 @@ def ensure_starts(config: StudyConfig) -> None:
                 run = load_config(config.base, overrides + [f"model.pretrained={run_dir}"])
                 write_feature_cache(run.model, run.data, cache, precision=run.train.precision,
                                     siglip=LOSSES[run.loss.name].uses_logit_bias)
+            shutil.copy(cache, kept / "features.pt")
 
 
 # --------------------------------------------------------------------------------------------
 # cells
+
+
+def _start_digest(config: StudyConfig, dataset: str, k: int) -> str | None:
+    path = config.results_path / "starts" / f"{dataset}-k{k}.json"
+    return json.loads(path.read_text()).get("digest") if path.is_file() else None
 
 
 def run_cell_v2(config: StudyConfig, cell: Cell2) -> dict[str, Any]:
@@ -173,6 +242,7 @@ def run_cell_v2(config: StudyConfig, cell: Cell2) -> dict[str, Any]:
                   "start": cell.start, "split": cell.split, "arms": list(cell.arms),
                   "lr": cell.lr, "lr_factor": cell.lr_factor,
                   "fingerprint": cell_fingerprint_v2(config, cell), "wall_s": record["wall_s"],
+                  "start_digest": _start_digest(config, cell.dataset, cell.start), "host": host_cpu(),
                   **summarise_run(cell.run_dir, cell.global_batch)}
         _write_json(result_path_v2(config, cell), result)
     (cell.run_dir / "study_cell.json").write_text(json.dumps(record, indent=2))
