@@ -151,3 +151,26 @@ def test_the_starting_checkpoint_rebuilds_bit_for_bit(start):
     _train(_overrides(tmp, data, "start-again", "seed=0", "model.init_logit_bias=-10"))
 
     assert model_digest(tmp / "start") == model_digest(tmp / "start-again")
+
+
+def test_the_cache_key_names_what_the_shards_hold_not_where_they_came_from(start, tmp_path):
+    """A converter's source folder or table (an absolute path of one machine) is not part of the
+    key: the same shards in a checkout elsewhere keep their cache. Another shard count is."""
+    import shutil
+
+    from vlcontrast.train.feature_cache import cache_key
+
+    tmp, data = start
+    keys = []
+    for name, change in (("here", {"folder": "/work/a/images"}), ("there", {"folder": "/b/images"}),
+                         ("table", {"table": "/c/list.csv"}), ("fewer", {"num_samples": 1})):
+        train = tmp_path / name / "train"
+        shutil.copytree(data / "train", train)
+        manifest = json.loads((train / "manifest.json").read_text())
+        (train / "manifest.json").write_text(json.dumps({**manifest, **change}))
+        config = load_config(BASE, _overrides(tmp, data, "x", f"model.pretrained={tmp / 'start'}",
+                                              *LIT, f"data.train={train}"))
+        keys.append(cache_key(config.model, config.data)["manifests"])
+    here, there, table, fewer = keys
+    assert here == there == table and len(here) == 1
+    assert fewer != here

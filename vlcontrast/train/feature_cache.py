@@ -34,7 +34,12 @@ import torch.nn.functional as F
 from vlcontrast.config import DataConfig, ModelConfig
 from vlcontrast.errors import ConfigError
 
-FORMAT = 1
+FORMAT = 2  # 2: manifests hashed without the converter's source location (SOURCE_LOCATION_KEYS)
+
+# Where a converter read its input (``prep folder``'s folder, ``prep csv``'s table): absolute paths
+# of one machine, not what the shards hold, so left out of the key. A checkout elsewhere, with the
+# same shards, keeps its caches.
+SOURCE_LOCATION_KEYS = ("folder", "table")
 CHUNK = 256
 """Images embedded per forward pass when the cache is built."""
 
@@ -52,6 +57,14 @@ def tower_digest(weights: Path) -> str:
     return digest.hexdigest()
 
 
+def manifest_digest(path: Path) -> str:
+    """sha256 of a shard folder's ``manifest.json`` without its source location."""
+    manifest = json.loads(path.read_text())
+    for key in SOURCE_LOCATION_KEYS:
+        manifest.pop(key, None)
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def cache_key(model: ModelConfig, data: DataConfig) -> dict[str, Any]:
     """What the cached features depend on: the image tower's starting weights, the model and its
     locking, the training shards and their manifest, and the transform."""
@@ -64,7 +77,7 @@ def cache_key(model: ModelConfig, data: DataConfig) -> dict[str, Any]:
         folder = path if path.is_dir() else path.parent
         manifest = folder / "manifest.json"
         if manifest.is_file():
-            manifests.append(hashlib.sha256(manifest.read_bytes()).hexdigest()[:16])
+            manifests.append(manifest_digest(manifest))
     return {
         "format": FORMAT,
         "image_tower_sha256": tower_digest(weights) if weights else None,
