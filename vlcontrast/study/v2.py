@@ -30,7 +30,7 @@ from .cells import (_run_training, _write_json, host_cpu, kill_running_cells, mo
 from .config import StudyConfig
 from .design import (Cell2, batch_steps, cell_command_v2, cell_fingerprint_v2, datasets,
                      features_path, final_cells, is_finished_v2, kept_start_dir, option_grid,
-                     read_selected, result_path_v2, selected_path, selection_key, settings,
+                     read_result_v2, read_selected, result_path_v2, selected_path, selection_key, settings,
                      split_paths, start_command, start_dir, sweep_hyper_cells, sweep_lr_cells,
                      sweep_score, tried_lr_factors)
 
@@ -394,4 +394,41 @@ def plan_text(config: StudyConfig) -> str:
     if config.budget_hours and cost["wall_hours"] > config.budget_hours:
         lines.append(f"  OVER BUDGET by {cost['wall_hours'] - config.budget_hours:.2f} h "
                      f"({cost['wall_hours'] / config.budget_hours - 1:.0%})")
-    return "\n".join(lines)
+    return "\n".join(lines + progress_lines(config, cost))
+
+
+def progress_lines(config: StudyConfig, cost: dict[str, Any]) -> list[str]:
+    """Where a running or resumed study stands, from the result files: cells done per stage,
+    machine time spent (the finished cells' wall time, one core each) and left by the cost model.
+    Cells not known yet (hyper sweeps waiting for their lr sweep, finals waiting for
+    ``selected``) are priced at their part's planned mean."""
+    from .budget import cell_seconds, train_size
+
+    sizes = {dataset: train_size(config, dataset) for dataset in config.datasets}
+    known = {"sweep-lr": sweep_lr_cells(config),
+             "sweep-hyper": sweep_hyper_cells(config, choose_lr(config)),
+             "final": final_cells(config, read_selected(config))}
+    lines = ["progress (result files in results_dir):"]
+    spent = left = 0.0
+    finished_total = 0
+    for part, cells in known.items():
+        planned, planned_s = cost["parts"][part]
+        finished, todo_s = [], 0.0
+        for cell in cells:
+            result = read_result_v2(config, cell)
+            if result is not None and result.get("fingerprint") == cell_fingerprint_v2(config, cell):
+                finished.append(result)
+            else:
+                todo_s += cell_seconds(cell.global_batch, cell.steps, sizes[cell.dataset])
+        waiting = max(0, planned - len(cells))
+        todo_s += waiting * planned_s / max(1, planned)
+        spent += sum(float(r.get("wall_s", 0.0)) for r in finished)
+        left += todo_s
+        finished_total += len(finished)
+        more = f", {waiting} more not known yet" if waiting else ""
+        lines.append(f"  {part}: {len(finished)} of {len(cells)} known cells done{more}; "
+                     f"{todo_s / 3600:.2f} core-hours left by the model")
+    lines.append(f"  spent {spent / 3600:.2f} core-hours in {finished_total} cells; left "
+                 f"{left / 3600:.2f} core-hours = {left / 3600 / max(1, config.parallel):.2f} h on "
+                 f"{config.parallel} core(s)")
+    return lines
