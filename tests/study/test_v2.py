@@ -335,7 +335,16 @@ def test_a_tiny_v2_study_end_to_end(tmp_path, monkeypatch):
     path = tmp_path / "v2.yaml"
     path.write_text(yaml.safe_dump(values))
     config = load_study_config(path)
+    from vlcontrast.study.v2 import plan_text
+
+    before = plan_text(config)
+    assert "sweep-lr: 0 of 2 known cells done" in before
+    assert "final: 0 of 0 known cells done, 4 more not known yet" in before
     run_study_v2(config, "all")
+    after = plan_text(config)
+    assert "sweep-lr: 2 of 2 known cells done" in after and "final: 4 of 4 known cells done" in after
+    walls = [json.loads(f.read_text())["wall_s"] for f in config.results_path.rglob("*-s*.json")]
+    assert len(walls) == 6 and f"spent {sum(walls) / 3600:.2f} core-hours in 6 cells; left 0.00" in after
     start = json.loads((tmp_path / "res" / "cells" / "starts" / "syn-k0.json").read_text())
     assert set(start["metrics"]) == {"val", "test"}
     selected = read_selected(config)
