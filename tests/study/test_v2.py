@@ -306,13 +306,9 @@ def test_siglip_warm_start_changes_only_the_temperature_and_bias(tmp_path):
     assert torch.equal(warm["visual.w"], state["visual.w"]) and torch.equal(warm["text.w"], state["text.w"])
 
 
-def test_a_tiny_v2_study_end_to_end(tmp_path, monkeypatch):
-    """One synthetic dataset, one start, one batch size shared by both arms, two settings
-    (SigLIP with its warm start), one lr factor, two final seeds: every stage for real."""
-    from vlcontrast.study.v2 import read_selected, run_study_v2
-    from vlcontrast.study.design import final_cells
-
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+def _tiny_study(tmp_path, **changes):
+    """A study of one small synthetic dataset, one start, batch 8, InfoNCE and SigLIP (with its
+    warm start), one lr factor: every stage runs for real in seconds."""
     values = {
         "output_dir": str(tmp_path / "runs"), "results_dir": str(tmp_path / "res" / "cells"),
         "report_dir": str(tmp_path / "res"), "base": str(ROOT / "configs" / "study" / "cell-v2.yaml"),
@@ -331,10 +327,21 @@ def test_a_tiny_v2_study_end_to_end(tmp_path, monkeypatch):
         "settings": {"infonce": {"loss": "infonce"}, "siglip": {"loss": "siglip", "warm_start": "siglip"}},
         "sweep": {"seeds": [100], "lr_factors": [1.0], "selected": str(tmp_path / "res" / "selected.json")},
         "comparisons": [["siglip", "infonce"]],
+        **changes,
     }
     path = tmp_path / "v2.yaml"
     path.write_text(yaml.safe_dump(values))
-    config = load_study_config(path)
+    return load_study_config(path)
+
+
+def test_a_tiny_v2_study_end_to_end(tmp_path, monkeypatch):
+    """One synthetic dataset, one start, one batch size shared by both arms, two settings
+    (SigLIP with its warm start), one lr factor, two final seeds: every stage for real."""
+    from vlcontrast.study.v2 import read_selected, run_study_v2
+    from vlcontrast.study.design import final_cells
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    config = _tiny_study(tmp_path)
     from vlcontrast.study.v2 import plan_text
 
     before = plan_text(config)
@@ -379,26 +386,7 @@ def test_a_kept_start_is_restored_bit_for_bit_never_retrained(tmp_path, monkeypa
     from vlcontrast.study.design import features_path, kept_start_dir, start_dir
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    values = {
-        "output_dir": str(tmp_path / "runs"), "results_dir": str(tmp_path / "res" / "cells"),
-        "report_dir": str(tmp_path / "res"), "base": str(ROOT / "configs" / "study" / "cell-v2.yaml"),
-        "parallel": 1, "threads": 1, "cell_timeout_s": 300,
-        "datasets": {"syn": {"kind": "synthetic", "dir": str(tmp_path / "data"), "test_seed": 5,
-                             "generate": {"train": 64, "val": 16, "seed": 4, "image_size": 32,
-                                          "shard_size": 64, "zeroshot_per_class": 2,
-                                          "workers": 1}}},
-        "starts": {"count": 1, "overrides": ["data.batch_size=32", "train.steps=2",
-                                             "optim.warmup_steps=1", "eval.batch_size=64"]},
-        "overrides": ["model.lock_image=true", "model.lock_image_freeze_bn_stats=true"],
-        "arms": {"steps": {"steps": 2}}, "lr": 4e-3,
-        "grid": {"global_batch_sizes": [8], "losses": ["infonce", "siglip"], "seeds": [0]},
-        "settings": {"infonce": {"loss": "infonce"}, "siglip": {"loss": "siglip", "warm_start": "siglip"}},
-        "sweep": {"seeds": [100], "lr_factors": [1.0], "selected": str(tmp_path / "res" / "selected.json")},
-        "comparisons": [["siglip", "infonce"]],
-    }
-    path = tmp_path / "v2.yaml"
-    path.write_text(yaml.safe_dump(values))
-    config = load_study_config(path)
+    config = _tiny_study(tmp_path, parallel=1)
     v2.run_study_v2(config, "prepare")
     kept, run_dir, cache = (kept_start_dir(config, "syn", 0), start_dir(config, "syn", 0),
                             features_path(config, "syn", 0))
