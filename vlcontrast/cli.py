@@ -327,7 +327,8 @@ def _cmd_diagnose(args) -> int:
             checkpoint=args.checkpoint, data=args.data, out=args.out, losses=names(args.losses),
             batch_sizes=sizes, num_samples=args.num_samples,
             batches_per_size=args.batches_per_size, min_replicates=args.min_replicates,
-            parameters=not args.no_parameters, parameter_groups=args.parameter_groups,
+            parameters=not args.no_parameters, lock_image=args.lock_image,
+            parameter_groups=args.parameter_groups,
             parameter_batches=args.parameter_batches, chunk_size=args.chunk_size,
             loss_options=options, seed=args.seed, device=args.device, workers=args.workers)
         report = run_gradient_bias(settings)
@@ -615,6 +616,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="single batches pushed back for the parameter-space variance")
     bias.add_argument("--no-parameters", action="store_true",
                       help="skip the tower-parameter gradient (features only)")
+    bias.add_argument("--lock-image", action="store_true",
+                      help="parameter gradient over the text tower only (a locked-image run)")
     bias.add_argument("--chunk-size", type=int, default=512,
                       help="rows per block of the chunked losses and samples per tower forward")
     bias.add_argument("--option", action="append", default=[],

@@ -13,12 +13,13 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from vlcontrast.diagnose.estimators import (DeCLBufferEstimator, Features, expand_losses,
+from vlcontrast.diagnose.estimators import (BufferEstimator, DeCLBufferEstimator, Features,
+                                            expand_losses,
                                             full_log_means)
 from vlcontrast.diagnose.montecarlo import (DETECTION_FACTOR, compare, estimate_cell,
                                             replicate_count)
 
-ALL_LOSSES = ("infonce", "dcl", "dclw", "decl", "debiased", "siglip")
+ALL_LOSSES = ("infonce", "dcl", "dclw", "decl", "debiased", "siglip", "sogclr", "fastclip")
 
 
 def random_features(size: int, dim: int = 8, scale: float = 5.0, noise: float = 0.8,
@@ -43,7 +44,7 @@ def test_full_batch_has_no_bias_for_every_loss():
     estimators = expand_losses(ALL_LOSSES, 40, chunk_size=16)  # g_N through the chunked losses
     assert [e.name for e in estimators] == ["infonce", "dcl", "dclw", "decl_loss1",
                                             "decl_loss1_fixed", "decl_loss2", "debiased",
-                                            "siglip", "siglip_rescaled"]
+                                            "siglip", "siglip_rescaled", "sogclr", "fastclip"]
     for estimator in estimators:
         statistics, cell = measure(estimator, features, 40, replicates=2)
         # float64 features; DeCL keeps log u in float32, hence the looser bound.
@@ -95,6 +96,39 @@ def test_decl_buffer_reaches_its_fixed_point():
     # At a small batch the steady state is noisy, and centred on the fixed point.
     info = live.begin(features, 4, torch.Generator().manual_seed(0))
     assert info["buffer_log_error"] > 1e-3
+
+
+def test_sogclr_and_fastclip_rows_are_buffer_estimators_measured_at_a_fixed_state():
+    """SogCLR's and FastCLIP's moving average is warmed to its steady state like DeCL's. With
+    gamma = 1 the average is the batch itself and the batch gradient is tau times DCL's (an
+    independent implementation; the global objective is tau log g); FastCLIP's temperature modes and cosine schedule reduce to a fixed
+    temperature and the floor gamma, which is SogCLR's gradient at that gamma."""
+    features = random_features(32)
+    indices = torch.tensor([3, 7, 11, 19, 25, 30])
+    dcl = expand_losses(["dcl"], 32, chunk_size=0)[0]
+    tau = 1 / float(features.logit_scale)
+    options = {"sogclr": {"gamma": 1.0}, "fastclip": {"gamma": 1.0}}
+    for row in expand_losses(["sogclr", "fastclip"], 32, chunk_size=0, options=options):
+        assert isinstance(row, BufferEstimator) and not row.fixed and row.name in options
+        row.begin(features, 8, torch.Generator().manual_seed(0))
+        assert torch.allclose(row.batch_gradient(features, indices),
+                              tau * dcl.batch_gradient(features, indices), atol=1e-6), row.name
+    sogclr, fastclip = expand_losses(
+        ["sogclr", "fastclip"], 32, chunk_size=0,
+        options={"sogclr": {"gamma": 0.5}, "fastclip": {"gamma": 0.5, "temperature": "individual",
+                                                         "gamma_schedule": "cosine",
+                                                         "gamma_decay_steps": 100}})
+    assert (fastclip.loss.temperature, fastclip.loss.gamma_schedule) == ("fixed", "constant")
+    for row in (sogclr, fastclip):
+        info = row.begin(features, 32, torch.Generator().manual_seed(0))  # B = N: u = m exactly
+        assert info["warmup_epochs"] == row.warmup_epochs(0.5) and info["buffer_log_error"] < 1e-6
+        row.begin(features, 8, torch.Generator().manual_seed(1))
+    assert torch.allclose(sogclr.loss.log_u, fastclip.loss.log_u)
+    assert torch.allclose(sogclr.batch_gradient(features, indices),
+                          fastclip.batch_gradient(features, indices), atol=1e-9)
+    # the full-data target is the global objective's gradient: tau times DCL's over all N
+    assert torch.allclose(sogclr.full_gradient(features), tau * dcl.full_gradient(features),
+                          atol=1e-6)
 
 
 def test_statistics_and_detection_rule():
@@ -201,3 +235,32 @@ def test_cli_writes_the_report(tiny, tmp_path, capsys):
 
     assert main(args[:-2] + ["--batch-sizes", "4,17", "--out", str(out)]) == 2
     assert "17 is outside [2, --num-samples=16]" in capsys.readouterr().err
+
+
+def test_lock_image_pushes_back_through_the_text_tower_only(tiny, tmp_path):
+    """--lock-image measures the parameter gradient a locked-image run trains: the text tower's
+    parameters only, all of them, and the bias is still measured there."""
+    from tests.evaluation.helpers import write_clip_benchmark_wds, write_fake_checkpoint
+    from vlcontrast.cli import main
+    from vlcontrast.diagnose.pushback import NON_TOWER_PARAMETERS
+
+    run = tmp_path / "run"
+    write_fake_checkpoint(run, tiny[0])
+    write_clip_benchmark_wds(tmp_path / "data", num_samples=20, per_shard=8, task="retrieval")
+    reports = {}
+    for lock in (False, True):
+        out = tmp_path / f"out-{lock}"
+        assert main(["diagnose", "gradient-bias", "--checkpoint", str(run), "--data",
+                     str(tmp_path / "data"), "--losses", "sogclr", "--batch-sizes", "4",
+                     "--num-samples", "16", "--batches-per-size", "4", "--min-replicates", "2",
+                     "--parameter-groups", "2", "--parameter-batches", "2", "--chunk-size", "10",
+                     "--out", str(out)] + (["--lock-image"] if lock else [])) == 0
+        reports[lock] = json.loads((out / "gradient_bias.json").read_text())
+    text = sum(p.numel() for name, p in tiny[0].named_parameters()
+               if not name.startswith("visual.") and name not in NON_TOWER_PARAMETERS)
+    assert reports[True]["tower_parameters"] == text < reports[False]["tower_parameters"]
+    assert reports[True]["settings"]["lock_image"] is True
+    assert reports[True]["buffer_gamma"] == {"sogclr": 0.9}
+    locked, both = reports[True]["rows"][0], reports[False]["rows"][0]
+    assert locked["feature_relative_bias"] == both["feature_relative_bias"]  # same draws
+    assert locked["parameter_relative_bias"] != both["parameter_relative_bias"] > 0

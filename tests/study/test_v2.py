@@ -415,3 +415,34 @@ def test_a_kept_start_is_restored_bit_for_bit_never_retrained(tmp_path, monkeypa
     cache.write_bytes(b"stale")
     v2.run_study_v2(config, "prepare")
     assert v2.model_digest(run_dir) == record["digest"] and _sha(cache) == _sha(kept / "features.pt")
+
+
+def test_the_bias_figure_reads_each_datasets_csvs_and_maps_settings_to_their_rows(tmp_path):
+    """``gradient_bias_csv`` is a glob with ``{dataset}``; DeCL is drawn at its buffer step's
+    row and both FastCLIPs at the fastclip row; a setting without a measured row is left out."""
+    from vlcontrast.study.report_v2 import Tested, bias_csvs, plot_bias_against_gain, read_bias
+    from vlcontrast.study.stats import paired_comparison
+
+    config = _v2()
+    for dataset, rows in (("synthetic", [("infonce", 16, 0.3), ("decl_loss1", 16, 0.2),
+                                         ("fastclip", 16, 0.1), ("fastclip", 1024, 0.01)]),
+                          ("clipart", [("dcl", 16, 0.5)])):
+        folder = tmp_path / dataset / "siglip"
+        folder.mkdir(parents=True)
+        lines = ["estimator,batch_size,feature_relative_bias,parameter_relative_bias"]
+        lines += [f"{name},{size},0.9,{value}" for name, size, value in rows]
+        (folder / "gradient_bias.csv").write_text("\n".join(lines) + "\n")
+    config.gradient_bias_csv = str(tmp_path / "{dataset}" / "**" / "gradient_bias.csv")
+    paths = bias_csvs(config, "synthetic")
+    assert len(paths) == 1 and read_bias(paths)[("fastclip", 1024)] == 0.01
+
+    def tested(candidate, size, arms=("steps",)):
+        return Tested("synthetic", candidate, "infonce", size, 500, arms,
+                      paired_comparison([0.2, 0.25, 0.22], [0.2, 0.21, 0.2]))
+
+    family = [tested("decl", 16), tested("fastclip-global", 16), tested("fastclip-individual", 16),
+              tested("fastclip-global", 1024, ("samples",)), tested("dclw", 16),
+              tested("dcl", 32)]
+    drawn = plot_bias_against_gain(config, family, paths, tmp_path / "bias.png")
+    assert drawn == 4  # dclw has no row, dcl none at 32
+    assert (tmp_path / "bias.png").read_bytes().startswith(b"\x89PNG")

@@ -21,6 +21,15 @@ in its steady state at batch size ``B`` (see :class:`DeCLBufferEstimator`; updat
 in training). ``decl_loss1_fixed``: the same loss with the buffer held at its fixed point
 ``u_i = m_i`` over all ``N`` samples (the limit ``gamma -> 0``), the setting in which DeCL's loss
 is decomposable. ``decl_loss2``: the smoothing step (equal to DCL by construction).
+
+SogCLR and FastCLIP keep the same per-sample moving average ``u_i`` (their losses extend DeCL's
+buffer estimator), so their rows ``sogclr`` and ``fastclip`` are measured the same way as
+``decl_loss1``: the buffer in its steady state at ``B``, updated before use. At one fixed model
+state FastCLIP's temperature modes give one gradient for the features (``global`` moves only the
+temperature; ``individual`` starts every ``tau_i`` at ``1 / logit_scale`` and moves them after
+each step), so the ``fastclip`` row is measured with the temperature held at the checkpoint's
+(``temperature="fixed"``), and with ``gamma`` constant at its floor, the value a cosine
+schedule settles on.
 """
 
 from __future__ import annotations
@@ -35,7 +44,12 @@ from torch.nn import functional as F
 from vlcontrast.losses import LOSSES, build_loss
 
 # The losses `--losses` accepts by default and the report rows each one expands to.
-DEFAULT_LOSSES = ("infonce", "dcl", "dclw", "decl", "debiased", "siglip")
+DEFAULT_LOSSES = ("infonce", "dcl", "dclw", "decl", "debiased", "siglip", "sogclr", "fastclip")
+# Losses whose batch estimate reads a per-sample moving average (measured in its steady state).
+BUFFER_LOSSES = ("sogclr", "fastclip")
+# FastCLIP options that do not apply at one fixed model state (module docstring).
+FASTCLIP_FIXED_STATE = {"temperature": "fixed", "gamma_schedule": "constant"}
+FASTCLIP_DROPPED = ("gamma_decay_steps", "rho", "tau_init", "tau_lr", "tau_min", "tau_max")
 
 # The buffer counts as warmed up once the initial state's weight in every entry is below this.
 WARMUP_TOLERANCE = 1e-6
@@ -140,8 +154,9 @@ class SigLIPRescaledEstimator(Estimator):
         return loss_gradient(self.loss, features, indices, objective)
 
 
-class DeCLBufferEstimator(Estimator):
-    """DeCL with its per-sample buffer (``estimator="buffer"``), the buffer in its steady state.
+class BufferEstimator(Estimator):
+    """A loss with a per-sample buffer (DeCL's ``estimator="buffer"``, SogCLR, FastCLIP), the
+    buffer in its steady state.
 
     ``live`` (``decl_loss1``): the buffer evolves during the measurement exactly
     as in training (each batch updates its members' entries before using them). Before the first
@@ -162,7 +177,7 @@ class DeCLBufferEstimator(Estimator):
 
     def __init__(self, name: str, loss, *, fixed: bool):
         super().__init__(name, loss)
-        if loss.estimator != "buffer":
+        if getattr(loss, "estimator", None) != "buffer":
             raise ValueError(f"{name}: the diagnostic measures DeCL's buffer estimator; "
                              f"decl.estimator={loss.estimator!r} is not supported here")
         self.fixed = fixed
@@ -230,14 +245,18 @@ class DeCLBufferEstimator(Estimator):
 
     @torch.no_grad()
     def buffer_log_error(self, features: Features) -> float:
-        """Mean ``|log u_i - log m_i|`` over samples and directions (``m`` over all ``N``)."""
-        reference = full_log_means(features, self.loss.chunk_size or features.size)
+        """Mean ``|log u_i - log m_i|`` over samples and directions (``m`` over all ``N``; for
+        SogCLR and FastCLIP the mean of ``exp(c_ij - c_ii)``, what their ``u`` tracks)."""
+        reference = full_log_means(features, self.loss.chunk_size or features.size,
+                                   relative_to_positive=self.loss.name in BUFFER_LOSSES)
         return float((self.loss.log_u.double() - reference).abs().mean())
 
 
 @torch.no_grad()
-def full_log_means(features: Features, chunk_size: int) -> Tensor:
-    """``log m_i`` over all ``N - 1`` negatives for both directions, ``[N, 2]``, in row blocks."""
+def full_log_means(features: Features, chunk_size: int, *,
+                   relative_to_positive: bool = False) -> Tensor:
+    """``log m_i`` over all ``N - 1`` negatives for both directions, ``[N, 2]``, in row blocks;
+    ``relative_to_positive``: of ``exp(s_ij - s_ii)`` (SogCLR's and FastCLIP's ``g_i``)."""
     size = features.size
     scale = features.logit_scale
     columns = []
@@ -246,8 +265,10 @@ def full_log_means(features: Features, chunk_size: int) -> Tensor:
         for start in range(0, size, chunk_size):
             logits = (scale * anchors[start:start + chunk_size]) @ candidates.T
             rows = torch.arange(logits.shape[0], device=logits.device)
+            positive = logits[rows, rows + start].double()
             logits[rows, rows + start] = -math.inf
-            parts.append(torch.logsumexp(logits.double(), dim=1) - math.log(size - 1))
+            log_mean = torch.logsumexp(logits.double(), dim=1) - math.log(size - 1)
+            parts.append(log_mean - positive if relative_to_positive else log_mean)
         columns.append(torch.cat(parts))
     return torch.stack(columns, dim=1)
 
@@ -276,10 +297,17 @@ def expand_losses(losses, size: int, chunk_size: int,
                                **{**own, "gamma": FIXED_BUFFER_GAMMA})
             live_2 = build_loss("decl", chunk_size=chunk_size, id_space=size, schedule="loss2",
                                 **own)
-            estimators += [DeCLBufferEstimator("decl_loss1", live_1, fixed=False),
-                           DeCLBufferEstimator("decl_loss1_fixed", fixed, fixed=True),
+            estimators += [BufferEstimator("decl_loss1", live_1, fixed=False),
+                           BufferEstimator("decl_loss1_fixed", fixed, fixed=True),
                            # loss_2 never reads the buffer: no warm-up needed.
                            Estimator("decl_loss2", live_2)]
+        elif name in BUFFER_LOSSES:
+            if name == "fastclip":
+                for key in FASTCLIP_DROPPED:
+                    own.pop(key, None)
+                own.update(FASTCLIP_FIXED_STATE)
+            estimators.append(BufferEstimator(name, build_loss(name, chunk_size=chunk_size,
+                                                               id_space=size, **own), fixed=False))
         elif name == "siglip":
             estimators += [Estimator("siglip", build_loss(name, chunk_size=chunk_size, **own)),
                            SigLIPRescaledEstimator("siglip_rescaled",
@@ -290,3 +318,6 @@ def expand_losses(losses, size: int, chunk_size: int,
                 raise ValueError(f"{name}: losses that need momentum towers are not supported")
             estimators.append(Estimator(name, loss))
     return estimators
+
+
+DeCLBufferEstimator = BufferEstimator  # the name before SogCLR and FastCLIP were measured

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from vlcontrast.diagnose.estimators import (DEFAULT_LOSSES, SIGLIP_DEFAULT_BIAS, Estimator,
-                                            Features, expand_losses)
+from vlcontrast.diagnose.estimators import (DEFAULT_LOSSES, SIGLIP_DEFAULT_BIAS, BufferEstimator,
+                                            Estimator, Features, expand_losses)
 from vlcontrast.diagnose.montecarlo import compare, estimate_cell, replicate_count, spread
 from vlcontrast.diagnose.pushback import TowerPushback, encode_pairs
 
@@ -50,6 +50,9 @@ class GradientBiasSettings:
     """At least this many replicates (passes over the ``N`` samples) per batch size."""
     parameters: bool = True
     """Also measure the gradient w.r.t. the tower parameters."""
+    lock_image: bool = False
+    """Measure the parameter gradient over the text tower only, as a locked-image (LiT) run
+    trains it: the image tower's parameters are frozen before the pushback."""
     parameter_groups: int = 4
     """Replicates are split into this many groups; their pushed-back means give the
     parameter-space Monte-Carlo error."""
@@ -219,6 +222,10 @@ def run_gradient_bias(settings: GradientBiasSettings) -> dict:
                                settings.loss_options)
     for estimator in estimators:
         estimator.loss.to(device)
+    if settings.lock_image:
+        for name, parameter in model.named_parameters():
+            if name.startswith("visual."):
+                parameter.requires_grad_(False)
     pushback = (TowerPushback(model, images, tokens, chunk_size=settings.chunk_size)
                 if settings.parameters else None)
     with Progress(len(estimators) * len(settings.batch_sizes), "gradient-bias",
@@ -237,6 +244,8 @@ def run_gradient_bias(settings: GradientBiasSettings) -> dict:
         "tower_parameters": pushback.num_parameters if pushback is not None else None,
         "decl_gamma": next((float(e.loss.gamma) for e in estimators
                             if e.name == "decl_loss1"), None),
+        "buffer_gamma": {e.name: float(e.loss.gamma) for e in estimators
+                         if isinstance(e, BufferEstimator) and not e.fixed},
         "seconds": round(time.perf_counter() - started, 1),
         "rows": rows,
     }

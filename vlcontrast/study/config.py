@@ -173,8 +173,9 @@ class StudyConfig:
     secondary_metrics: list[str] = field(default_factory=lambda: ["zeroshot/top1"])
     """Study v2: reported with intervals and paired differences, outside the tested family."""
     gradient_bias_csv: str = ""
-    """Study v2: a ``vlcontrast diagnose gradient-bias`` CSV; the report then plots each setting's
-    measured gradient bias against its gain over InfoNCE. Empty: no such figure."""
+    """Study v2: ``vlcontrast diagnose gradient-bias`` CSVs, a glob pattern in which ``{dataset}``
+    stands for each dataset's name; the report then plots each setting's measured gradient bias
+    against its gain over InfoNCE, one figure per dataset. Empty: no such figure."""
     budget_hours: float = 0.0
     """Study v2: the machine time the study may take (both cores); ``--plan`` checks the
     estimate against it. 0: no check."""

@@ -297,40 +297,72 @@ def plot_dataset(config, rows, dataset: str, out_png: Path) -> None:
     plt.close(fig)
 
 
-def plot_bias_against_gain(config, family: list[Tested], bias_csv: str | Path, out_png: Path,
+# The gradient-bias row that measures each setting (``vlcontrast diagnose gradient-bias``): DeCL's
+# step with the buffer, and FastCLIP's estimator at a fixed state for both temperature modes.
+BIAS_ROWS = {"decl": "decl_loss1", "fastclip-global": "fastclip", "fastclip-individual": "fastclip"}
+
+
+def bias_csvs(config: StudyConfig, dataset: str) -> list[Path]:
+    """The gradient-bias CSVs of ``dataset``: ``gradient_bias_csv`` with ``{dataset}`` filled in,
+    a glob pattern (``**`` included)."""
+    import glob
+
+    if not config.gradient_bias_csv:
+        return []
+    pattern = config.gradient_bias_csv.replace("{dataset}", dataset)
+    return [Path(p) for p in sorted(glob.glob(pattern, recursive=True))]
+
+
+def read_bias(paths) -> dict[tuple[str, int], float]:
+    """{(row, batch size): relative parameter-space bias} over the CSVs, a later file's row
+    replacing an earlier one's."""
+    bias: dict[tuple[str, int], float] = {}
+    for path in paths:
+        with open(path) as handle:
+            for row in csv.DictReader(handle):
+                value = row.get("parameter_relative_bias") or row.get("feature_relative_bias")
+                if value not in (None, ""):
+                    bias[(row["estimator"], int(row["batch_size"]))] = float(value)
+    return bias
+
+
+def plot_bias_against_gain(config, family: list[Tested], bias_csv, out_png: Path,
                            names: dict[str, str] | None = None) -> int:
-    """Measured relative gradient bias (``vlcontrast diagnose gradient-bias`` CSV, parameter space)
-    of each setting and batch against its paired gain over InfoNCE; returns the points drawn."""
+    """Measured relative gradient bias (``vlcontrast diagnose gradient-bias`` CSVs, parameter
+    space) of each setting and batch against its paired gain over InfoNCE, one point per tested
+    comparison (circles: the step-matched arm's trainings; squares: compute-matched only);
+    returns the points drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = names or {}
-    bias: dict[tuple[str, int], float] = {}
-    with open(bias_csv) as handle:
-        for row in csv.DictReader(handle):
-            bias[(row["estimator"], int(row["batch_size"]))] = float(row["parameter_relative_bias"])
-    fig, ax = plt.subplots(figsize=(6.0, 4.2))
-    drawn = 0
+    names = BIAS_ROWS if names is None else names
+    paths = [bias_csv] if isinstance(bias_csv, (str, Path)) else list(bias_csv)
+    bias = read_bias(paths)
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    drawn, labelled = 0, set()
     for index, setting in enumerate(config.grid.losses):
-        pts = [(bias[(names.get(setting, setting), t.global_batch)], t) for t in family
-               if t.candidate == setting and t.baseline == BASELINE
-               and (names.get(setting, setting), t.global_batch) in bias]
-        if not pts:
-            continue
-        d = [t.result.difference for _, t in pts]
-        ax.errorbar([b for b, _ in pts], [100 * x.mean for x in d],
-                    yerr=[100 * x.half_width for x in d], fmt="o", ms=4, capsize=2,
-                    color=f"C{index % 10}", label=setting)
-        drawn += len(pts)
+        row = names.get(setting, setting)
+        for marker, in_steps in (("o", True), ("s", False)):
+            pts = [(bias[(row, t.global_batch)], t) for t in family
+                   if t.candidate == setting and t.baseline == BASELINE
+                   and ("steps" in t.arms) == in_steps and (row, t.global_batch) in bias]
+            if not pts:
+                continue
+            d = [t.result.difference for _, t in pts]
+            ax.errorbar([b for b, _ in pts], [100 * x.mean for x in d],
+                        yerr=[100 * x.half_width for x in d], fmt=marker, ms=4, capsize=2,
+                        color=f"C{index % 10}", label=None if setting in labelled else setting)
+            labelled.add(setting)
+            drawn += len(pts)
     ax.axhline(0, color="gray", lw=0.8)
     ax.set_xscale("log")
-    ax.set_xlabel("relative gradient bias (parameters)")
+    ax.set_xlabel("relative gradient bias, text-tower parameters (log)")
     ax.set_ylabel(f"gain over {BASELINE}, {config.primary_metric} (points)")
     ax.grid(alpha=0.3)
     if drawn:
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
@@ -365,9 +397,14 @@ def write_report_v2(config: StudyConfig, command: str = "") -> str:
             text += learns_table(config, rows, dataset, arm)
             text += family_table(config, family, dataset, arm)
     text += ["## Which loss at which batch size\n", recommendation(config, family)]
-    if getattr(config, "gradient_bias_csv", "") and Path(config.gradient_bias_csv).is_file():
-        if plot_bias_against_gain(config, family, config.gradient_bias_csv, out / "bias_gain.png"):
-            text.append("![gradient bias against gain](bias_gain.png)\n")
+    for dataset in config.datasets:
+        paths = bias_csvs(config, dataset)
+        png = out / f"bias_gain-{dataset}.png"
+        if paths and plot_bias_against_gain(config, [t for t in family if t.dataset == dataset],
+                                            paths, png):
+            text.append(f"## Gradient bias against gain: {dataset}\n\n"
+                        f"Measured by `vlcontrast diagnose gradient-bias` ({', '.join(map(str, paths))}).\n\n"
+                        f"![gradient bias against gain, {dataset}]({png.name})\n")
     (out / "recommendation.md").write_text(recommendation(config, family))
     with open(out / "comparisons.csv", "w", newline="") as handle:
         writer = csv.writer(handle)
