@@ -446,3 +446,29 @@ def test_the_bias_figure_reads_each_datasets_csvs_and_maps_settings_to_their_row
     drawn = plot_bias_against_gain(config, family, paths, tmp_path / "bias.png")
     assert drawn == 4  # dclw has no row, dcl none at 32
     assert (tmp_path / "bias.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_bias_table_in_the_design_doc_is_what_the_committed_csvs_say():
+    """docs/loss-study-v2.md quotes the measured gradient bias: every number in its table is the
+    committed CSV's parameter-space bias (3 significant digits), and n.d. where not detected."""
+    import csv
+
+    root = ROOT / "results" / "loss-study-v2" / "gradient-bias"
+    measured = {}
+    for path in root.rglob("gradient_bias.csv"):
+        dataset = path.relative_to(root).parts[0]
+        for row in csv.DictReader(path.open()):
+            value = (f"{float(row['parameter_relative_bias']):.3g}"
+                     if row["parameter_detected"] == "True" else "n.d.")
+            measured[(dataset, row["estimator"], int(row["batch_size"]))] = value
+    text = (ROOT / "docs" / "loss-study-v2.md").read_text()
+    lines = text[text.index("### Gradient bias at the starts"):].splitlines()
+    header = next(line for line in lines if line.startswith("| row |"))
+    columns = [c.strip().split(" B=") for c in header.strip("|").split("|")[1:]]
+    rows = [line for line in lines if line.startswith("| `")]
+    assert len(rows) == 7
+    for line in rows:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        name = cells[0].strip("`")
+        for (dataset, size), quoted in zip(columns, cells[1:]):
+            assert quoted == measured[(dataset, name, int(size))], (name, dataset, size)
