@@ -363,6 +363,10 @@ def test_a_tiny_v2_study_end_to_end(tmp_path, monkeypatch):
         assert result["split"] == "test" and sorted(result["arms"]) == ["samples", "steps"]
     report = (tmp_path / "res" / "study.md").read_text()
     assert "siglip − infonce" in report
+    # the tuning section: the lr sweep figure and the chosen factor of each setting
+    assert (tmp_path / "res" / "sweeps-syn.png").read_bytes().startswith(b"\x89PNG")
+    assert "![lr sweeps, syn](sweeps-syn.png)" in report
+    assert "| infonce | ×1 |" in report and "| siglip | ×1 |" in report
     # a rerun finds everything done: no cell runs (the training entry point is never called)
     import vlcontrast.study.v2 as v2
 
@@ -472,3 +476,20 @@ def test_the_bias_table_in_the_design_doc_is_what_the_committed_csvs_say():
         name = cells[0].strip("`")
         for (dataset, size), quoted in zip(columns, cells[1:]):
             assert quoted == measured[(dataset, name, int(size))], (name, dataset, size)
+
+
+def test_the_tuning_table_flags_an_edge_and_names_only_swept_options():
+    from vlcontrast.study.report_v2 import tuning_table
+
+    config = _v2()
+    chosen = {"synthetic/debiased/b16/n500": {"lr_factor": 0.125, "lr_at_edge": True,
+                                              "options": {"tau_plus": 0.05}},
+              "synthetic/fastclip-global/b1024/n125": {
+                  "lr_factor": 2.0, "lr_at_edge": False,
+                  "options": {"temperature": "global", "gamma": 0.5, "gamma_schedule": "cosine"}}}
+    lines = tuning_table(config, "synthetic", chosen)
+    debiased = next(line for line in lines if line.startswith("| debiased |"))
+    assert debiased.split("|")[2].strip() == "×0.125 ⚑ (tau_plus=0.05)"
+    fastclip = next(line for line in lines if line.startswith("| fastclip-global |"))
+    assert fastclip.split("|")[-2].strip() == "×2 (gamma=0.5, gamma_schedule=cosine)"
+    assert fastclip.split("|")[2].strip() == "—"

@@ -297,6 +297,111 @@ def plot_dataset(config, rows, dataset: str, out_png: Path) -> None:
     plt.close(fig)
 
 
+def sweep_curves(config: StudyConfig, dataset: str) -> dict[tuple[int, int], dict[str, dict[float, float]]]:
+    """{(batch, steps): {setting: {lr factor: mean validation score over the sweep seeds}}} of
+    the finished ``sweep-lr`` cells (the reference options), edge extensions included."""
+    from .design import _cell, reference_options, settings, sweep_score, tried_lr_factors
+
+    all_settings = settings(config)
+    out: dict[tuple[int, int], dict[str, dict[float, float]]] = {}
+    for (size, steps), arm_names in batch_steps(config).items():
+        for name in config.grid.losses:
+            setting = all_settings[name]
+            factors, _ = tried_lr_factors(config, dataset, name, size, steps, arm_names)
+            for factor in factors:
+                scores = [sweep_score(config, _cell(config, dataset, "sweep-lr", name, setting,
+                                                    reference_options(setting), size, steps,
+                                                    factor, seed, arm_names, f"lr{factor:g}"))
+                          for seed in config.sweep.seeds]
+                scores = [v for v in scores if v is not None]
+                if scores:
+                    out.setdefault((size, steps), {}).setdefault(name, {})[factor] = (
+                        sum(scores) / len(scores))
+    return out
+
+
+def plot_sweeps(config: StudyConfig, dataset: str, out_png: Path,
+                chosen: dict[str, Any] | None = None) -> int:
+    """The learning-rate sweeps of one dataset: a panel per training (batch, steps), validation
+    score against the lr factor per setting, the chosen factor filled (``selected``), the others
+    hollow. Returns the points drawn."""
+    import math
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .design import selection_key
+
+    curves = sweep_curves(config, dataset)
+    chosen = chosen or {}
+    trainings = list(batch_steps(config))
+    cols = min(3, len(trainings))
+    rows = math.ceil(len(trainings) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
+    drawn = 0
+    for index, (size, steps) in enumerate(trainings):
+        ax = axes[index // cols][index % cols]
+        for n, name in enumerate(config.grid.losses):
+            points = sorted(curves.get((size, steps), {}).get(name, {}).items())
+            if not points:
+                continue
+            color = f"C{n % 10}"
+            ax.plot([f for f, _ in points], [100 * v for _, v in points], lw=1, color=color,
+                    marker="o", ms=3, mfc="none", label=name if index == 0 else None)
+            entry = chosen.get(selection_key(dataset, name, size, steps))
+            if entry is not None and entry["lr_factor"] in dict(points):
+                ax.plot([entry["lr_factor"]], [100 * dict(points)[entry["lr_factor"]]], "o",
+                        ms=5, color=color)
+            drawn += len(points)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"B = {size}, {steps} steps", fontsize=9)
+        ax.set_xlabel("lr factor (x the rule)", fontsize=8)
+        ax.set_ylabel(f"val {config.sweep.metric} (%)", fontsize=8)
+        ax.grid(alpha=0.3)
+    for index in range(len(trainings), rows * cols):
+        axes[index // cols][index % cols].axis("off")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 5), fontsize=7)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return drawn
+
+
+def tuning_table(config: StudyConfig, dataset: str, chosen: dict[str, Any]) -> list[str]:
+    """The chosen lr factor (and swept options) of each setting and training; ⚑: still best at
+    an edge of the tried factors."""
+    from .design import selection_key
+
+    trainings = list(batch_steps(config))
+    lines = [f"#### Tuning choices, {dataset} (validation split; ⚑ best at an edge after the "
+             "extensions)\n",
+             "| setting | " + " | ".join(f"B={b}, {n} st." for b, n in trainings) + " |",
+             "|---|" + "---|" * len(trainings)]
+    for name in config.grid.losses:
+        cells = []
+        for size, steps in trainings:
+            entry = chosen.get(selection_key(dataset, name, size, steps))
+            if entry is None:
+                cells.append("—")
+                continue
+            options = ", ".join(f"{k}={v}" for k, v in sorted(entry["options"].items())
+                                if k in settings_sweep_keys(config, name))
+            flag = " ⚑" if entry.get("lr_at_edge") else ""
+            cells.append(f"×{entry['lr_factor']:g}{flag}" + (f" ({options})" if options else ""))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def settings_sweep_keys(config: StudyConfig, name: str) -> set[str]:
+    from .design import settings
+
+    return set(settings(config)[name].sweep)
+
+
 # The gradient-bias row that measures each setting (``vlcontrast diagnose gradient-bias``): DeCL's
 # step with the buffer, and FastCLIP's estimator at a fixed state for both temperature modes.
 BIAS_ROWS = {"decl": "decl_loss1", "fastclip-global": "fastclip", "fastclip-individual": "fastclip"}
@@ -396,6 +501,14 @@ def write_report_v2(config: StudyConfig, command: str = "") -> str:
                 text += metric_table(config, rows, dataset, arm, metric)
             text += learns_table(config, rows, dataset, arm)
             text += family_table(config, family, dataset, arm)
+    chosen = (read_selected(config) or {}).get("chosen", {})
+    text.append("## Tuning\n\nEach setting's learning-rate sweep at its reference options "
+                "(validation split, sweep seeds); the filled point is the chosen factor.\n")
+    for dataset in config.datasets:
+        png = out / f"sweeps-{dataset}.png"
+        if plot_sweeps(config, dataset, png, chosen):
+            text.append(f"![lr sweeps, {dataset}]({png.name})\n")
+        text += tuning_table(config, dataset, chosen)
     text += ["## Which loss at which batch size\n", recommendation(config, family)]
     for dataset in config.datasets:
         paths = bias_csvs(config, dataset)
