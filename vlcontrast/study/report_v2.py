@@ -249,6 +249,18 @@ def recommendation(config, family: list[Tested]) -> str:
 # figures
 
 
+def _save_with_legend(fig, axes, out_png: Path, *, top: float, dpi: int) -> None:
+    """One legend for the figure (the first panel's lines) above the panels, then the PNG."""
+    import matplotlib.pyplot as plt
+
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 5), fontsize=7)
+    fig.tight_layout(rect=(0, 0, 1, top))
+    fig.savefig(out_png, dpi=dpi)
+    plt.close(fig)
+
+
 def plot_dataset(config, rows, dataset: str, out_png: Path) -> None:
     """Rows: primary and first secondary metric; columns: arms. One line per setting with its
     interval band; the starting checkpoints' mean as a dotted line."""
@@ -289,12 +301,7 @@ def plot_dataset(config, rows, dataset: str, out_png: Path) -> None:
             ax.set_xlabel("global batch size")
             ax.set_ylabel(f"{TITLES.get(metric, metric)} (%)", fontsize=8)
             ax.grid(alpha=0.3)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    if handles:
-        fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 5), fontsize=7)
-    fig.tight_layout(rect=(0, 0, 1, 0.92))
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
+    _save_with_legend(fig, axes, out_png, top=0.92, dpi=110)
 
 
 def sweep_curves(config: StudyConfig, dataset: str) -> dict[tuple[int, int], dict[str, dict[float, float]]]:
@@ -362,12 +369,7 @@ def plot_sweeps(config: StudyConfig, dataset: str, out_png: Path,
         ax.grid(alpha=0.3)
     for index in range(len(trainings), rows * cols):
         axes[index // cols][index % cols].axis("off")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    if handles:
-        fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 5), fontsize=7)
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
-    fig.savefig(out_png, dpi=100)
-    plt.close(fig)
+    _save_with_legend(fig, axes, out_png, top=0.93, dpi=100)
     return drawn
 
 
