@@ -174,3 +174,29 @@ def test_the_cache_key_names_what_the_shards_hold_not_where_they_came_from(start
     here, there, table, fewer = keys
     assert here == there == table and len(here) == 1
     assert fewer != here
+
+
+def test_runs_sharing_a_feature_cache_share_their_zero_shot_image_features(start, tmp_path,
+                                                                           monkeypatch):
+    """The first run under model.lock_image_features keeps its zero-shot image features beside
+    the cache (<cache>.eval/); the next run reads them, opens no zero-shot image, and writes the
+    same metrics bit for bit."""
+    import vlcontrast.evaluation.runner as runner
+    from vlcontrast.train.feature_cache import write_feature_cache
+
+    tmp, data = start
+    pretrained = f"model.pretrained={tmp / 'start'}"
+    features = tmp_path / "features.pt"
+    config = load_config(BASE, _overrides(tmp, data, "x", pretrained, *LIT))
+    write_feature_cache(config.model, config.data, features)
+    run = [pretrained, *LIT, f"model.lock_image_features={features}"]
+    _train(_overrides(tmp_path, data, "first", *run))
+    assert len(list((tmp_path / "features.pt.eval").glob("zeroshot-*.pt"))) == 1
+    monkeypatch.setattr(runner, "build_zeroshot_loader",
+                        lambda *a, **k: pytest.fail("the second run opened the zero-shot images"))
+    _train(_overrides(tmp_path, data, "second", *run))
+    first = json.loads((tmp_path / "first" / "results.json").read_text())["metrics"]
+    second = json.loads((tmp_path / "second" / "results.json").read_text())["metrics"]
+    assert any(key.startswith("zeroshot/") for key in first)
+    assert {k: v for k, v in first.items() if not k.startswith("time")} == \
+        {k: v for k, v in second.items() if not k.startswith("time")}

@@ -23,7 +23,8 @@ import torch.distributed as dist
 from vlcontrast.distributed import all_gather_variable, get_rank, get_world_size
 from vlcontrast.evaluation.datasets import (ZeroShotData, build_retrieval_loader,
                                             build_zeroshot_loader, resolve_zeroshot_data)
-from vlcontrast.evaluation.embed import embed_labelled_images, embed_retrieval, unwrap_model
+from vlcontrast.evaluation.embed import (embed_labelled_images, embed_retrieval, model_dtype,
+                                        unwrap_model)
 from vlcontrast.evaluation.retrieval import clip_validation_loss, retrieval_metrics
 from vlcontrast.evaluation.zeroshot import (ZeroShotMetrics, build_zeroshot_classifier,
                                             zeroshot_logits)
@@ -117,13 +118,17 @@ def evaluate_retrieval(model, preprocess, tokenizer, shards: str | Sequence[str]
 
 def evaluate_zeroshot(model, preprocess, tokenizer, data_dir, classnames=None,
                       templates=None, *, batch_size: int = 256, workers: int = 4, device="cpu",
-                      split: str = "test", progress: bool = True) -> dict:
+                      split: str = "test", progress: bool = True,
+                      image_cache: str | Path | None = None) -> dict:
     """Zero-shot classification of an ImageNet val dir, an ImageFolder or a CLIP_benchmark wds set.
 
     ``data_dir``: a directory, or its :class:`~vlcontrast.evaluation.datasets.ZeroShotData`
     already resolved. ``classnames`` / ``templates``: files or lists overriding the layout's own
     (see ``datasets.resolve_zeroshot_data``). Each rank embeds a contiguous block of the classes' prompts
     and every ``world``-th image; the classifier and features are gathered.
+
+    ``image_cache``: a file that keeps the image features between runs of one process whose image
+    tower does not change (:mod:`vlcontrast.evaluation.image_cache`); ignored with several ranks.
 
     Returns ``top1``, ``top5``, ``mean_per_class_recall``, ``num_images``, ``num_classes``,
     ``num_templates``, ``num_skipped``.
@@ -134,17 +139,31 @@ def evaluate_zeroshot(model, preprocess, tokenizer, data_dir, classnames=None,
     data_dir = data.root
     num_classes = len(data.classnames)
     first, last = rank * num_classes // world, (rank + 1) * num_classes // world
-    loader = build_zeroshot_loader(data, preprocess, batch_size=batch_size, workers=workers,
-                                   rank=rank, world_size=world)
+
+    def embed() -> tuple[torch.Tensor, torch.Tensor, int]:
+        loader = build_zeroshot_loader(data, preprocess, batch_size=batch_size, workers=workers,
+                                       rank=rank, world_size=world)
+        _, features, labels, skipped = embed_labelled_images(
+            model, preprocess, loader.loader, device=device, progress=progress,
+            total_batches=loader.num_batches)
+        return features, labels, skipped
+
     with _eval_mode(model):
         clip = unwrap_model(model)
         local = build_zeroshot_classifier(clip, tokenizer, data.classnames[first:last],
                                           data.templates, device=device, batch_size=batch_size,
                                           progress=progress, synchronize=True)
         classifier = all_gather_variable(local.t().contiguous()).t().contiguous()
-        _, features, labels, skipped = embed_labelled_images(
-            model, preprocess, loader.loader, device=device, progress=progress,
-            total_batches=loader.num_batches)
+        if image_cache and world == 1:
+            from vlcontrast.evaluation.image_cache import cache_key, cached_image_features
+
+            key = cache_key(clip, data, preprocess, batch_size=batch_size, dtype=model_dtype(clip))
+            # Iterating the loader draws its base seed from the global RNG and a cache hit does
+            # not iterate it: hit and miss both leave the RNG as they found it.
+            with torch.random.fork_rng(devices=[]):
+                features, labels, skipped, _ = cached_image_features(image_cache, key, embed)
+        else:
+            features, labels, skipped = embed()
 
     # Every rank holds all features (gathered above); each scores every world-th image and
     # torchmetrics sums the counts over the ranks.

@@ -411,6 +411,9 @@ def progress_lines(config: StudyConfig, cost: dict[str, Any]) -> list[str]:
     lines = ["progress (result files in results_dir):"]
     spent = left = 0.0
     finished_total = 0
+    here = host_cpu()
+    pace_model = pace_wall = 0.0
+    pace_cells = 0
     for part, cells in known.items():
         planned, planned_s = cost["parts"][part]
         finished, todo_s = [], 0.0
@@ -418,6 +421,10 @@ def progress_lines(config: StudyConfig, cost: dict[str, Any]) -> list[str]:
             result = read_result_v2(config, cell)
             if result is not None and result.get("fingerprint") == cell_fingerprint_v2(config, cell):
                 finished.append(result)
+                if result.get("host") == here:  # the pace of this CPU, from its own cells
+                    pace_model += cell_seconds(cell.global_batch, cell.steps, sizes[cell.dataset])
+                    pace_wall += float(result.get("wall_s", 0.0))
+                    pace_cells += 1
             else:
                 todo_s += cell_seconds(cell.global_batch, cell.steps, sizes[cell.dataset])
         waiting = max(0, planned - len(cells))
@@ -431,4 +438,8 @@ def progress_lines(config: StudyConfig, cost: dict[str, Any]) -> list[str]:
     lines.append(f"  spent {spent / 3600:.2f} core-hours in {finished_total} cells; left "
                  f"{left / 3600:.2f} core-hours = {left / 3600 / max(1, config.parallel):.2f} h on "
                  f"{config.parallel} core(s)")
+    if pace_cells and pace_model > 0:
+        pace = pace_wall / pace_model
+        lines.append(f"  this CPU's pace: {pace:.2f} x the model over its {pace_cells} cells here; "
+                     f"left at that pace {left * pace / 3600 / max(1, config.parallel):.2f} h")
     return lines

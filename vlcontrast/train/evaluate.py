@@ -43,8 +43,11 @@ class Evaluator:
     """
 
     def __init__(self, config: EvalConfig, *, val_shards: str = "", workers: int = 0,
-                 precision: Precision = Precision(), members=None):
+                 precision: Precision = Precision(), members=None, image_cache_dir: str = ""):
         self.config = config
+        # A frozen image tower shared by many runs (model.lock_image_features): the zero-shot
+        # image features are kept in this folder between runs (evaluation/image_cache.py).
+        self.image_cache_dir = image_cache_dir
         self.members = members  # data.image_key / data.caption_key, for the retrieval shards
         self.workers = workers
         self.precision = precision
@@ -74,6 +77,16 @@ class Evaluator:
                                       templates=self.config.templates or None)
             except (FileNotFoundError, ValueError) as error:
                 raise ConfigError(f"eval.zeroshot={self.config.zeroshot!r}: {error}") from None
+
+    def _image_cache(self) -> Path | None:
+        """The zero-shot image-feature file of this set, or None (no cache folder)."""
+        if not (self.image_cache_dir and self.config.zeroshot):
+            return None
+        import hashlib
+        import os
+
+        name = hashlib.sha256(os.path.realpath(self.config.zeroshot).encode()).hexdigest()[:16]
+        return Path(self.image_cache_dir) / f"zeroshot-{name}.pt"
 
     def should_evaluate(self, step: int, total_steps: int) -> bool:
         """Periodic evaluation inside the loop (the final one runs after it)."""
@@ -105,7 +118,8 @@ class Evaluator:
                                                 classnames=config.classnames or None,
                                                 templates=config.templates or None,
                                                 batch_size=config.batch_size,
-                                                workers=self.workers, device=device)
+                                                workers=self.workers, device=device,
+                                                image_cache=self._image_cache())
                     results.update({f"zeroshot/{k}": v for k, v in metrics.items()
                                     if isinstance(v, (int, float))})
         finally:

@@ -69,7 +69,8 @@ def train(config: RunConfig) -> dict[str, Any]:
     precision = Precision(config.train.precision)
     evaluator = Evaluator(config.eval, val_shards=config.data.val, workers=config.data.workers,
                           precision=precision,
-                          members=Members.parse(config.data.image_key, config.data.caption_key))
+                          members=Members.parse(config.data.image_key, config.data.caption_key),
+                          image_cache_dir=_image_cache_dir(config))
     preflight(config, evaluator)
     device, dtype = env.device, precision.parameter_dtype
     needs_ids = build_loss(config.loss.name, id_space=1, **config.loss.options).needs_sample_ids
@@ -190,6 +191,14 @@ def _train_batches(data: DataConfig, seed: int, accum_steps: int, env, tokenizer
                               rank=env.rank, world_size=env.world_size, device=env.device,
                               needs_sample_ids=needs_ids)
     return TrainBatches(build, augment, accum_steps)
+
+
+def _image_cache_dir(config: RunConfig) -> str:
+    """Under ``model.lock_image_features`` the image tower is the start's, frozen, in every run
+    that shares the feature cache: its zero-shot image features are kept beside that cache
+    (``<cache>.eval/``) for the next run (evaluation/image_cache.py checks the tower's weights)."""
+    features = config.model.lock_image_features
+    return f"{features}.eval" if features else ""
 
 
 def _locked_image_features(config: RunConfig, model):
