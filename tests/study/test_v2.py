@@ -352,7 +352,7 @@ def test_a_tiny_v2_study_end_to_end(tmp_path, monkeypatch):
     assert "sweep-lr: 2 of 2 known cells done" in after and "final: 4 of 4 known cells done" in after
     walls = [json.loads(f.read_text())["wall_s"] for f in config.results_path.rglob("*-s*.json")]
     assert len(walls) == 6 and f"spent {sum(walls) / 3600:.2f} core-hours in 6 cells; left 0.00" in after
-    assert "this CPU's pace:" in after and "over its 6 cells here" in after  # cells record their CPU
+    assert "this CPU's pace:" in after and "over its last 6 cells here" in after  # cells record their CPU
     start = json.loads((tmp_path / "res" / "cells" / "starts" / "syn-k0.json").read_text())
     assert set(start["metrics"]) == {"val", "test"}
     selected = read_selected(config)

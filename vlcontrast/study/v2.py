@@ -397,6 +397,10 @@ def plan_text(config: StudyConfig) -> str:
     return "\n".join(lines + progress_lines(config, cost))
 
 
+PACE_CELLS = 50
+"""``--plan``'s pace: the most recent cells of this CPU (code and load change over a session)."""
+
+
 def progress_lines(config: StudyConfig, cost: dict[str, Any]) -> list[str]:
     """Where a running or resumed study stands, from the result files: cells done per stage,
     machine time spent (the finished cells' wall time, one core each) and left by the cost model.
@@ -412,8 +416,7 @@ def progress_lines(config: StudyConfig, cost: dict[str, Any]) -> list[str]:
     spent = left = 0.0
     finished_total = 0
     here = host_cpu()
-    pace_model = pace_wall = 0.0
-    pace_cells = 0
+    paced: list[tuple[float, float, float]] = []  # (written at, model s, wall s) on this CPU
     for part, cells in known.items():
         planned, planned_s = cost["parts"][part]
         finished, todo_s = [], 0.0
@@ -422,9 +425,9 @@ def progress_lines(config: StudyConfig, cost: dict[str, Any]) -> list[str]:
             if result is not None and result.get("fingerprint") == cell_fingerprint_v2(config, cell):
                 finished.append(result)
                 if result.get("host") == here:  # the pace of this CPU, from its own cells
-                    pace_model += cell_seconds(cell.global_batch, cell.steps, sizes[cell.dataset])
-                    pace_wall += float(result.get("wall_s", 0.0))
-                    pace_cells += 1
+                    paced.append((result_path_v2(config, cell).stat().st_mtime,
+                                  cell_seconds(cell.global_batch, cell.steps, sizes[cell.dataset]),
+                                  float(result.get("wall_s", 0.0))))
             else:
                 todo_s += cell_seconds(cell.global_batch, cell.steps, sizes[cell.dataset])
         waiting = max(0, planned - len(cells))
@@ -438,8 +441,10 @@ def progress_lines(config: StudyConfig, cost: dict[str, Any]) -> list[str]:
     lines.append(f"  spent {spent / 3600:.2f} core-hours in {finished_total} cells; left "
                  f"{left / 3600:.2f} core-hours = {left / 3600 / max(1, config.parallel):.2f} h on "
                  f"{config.parallel} core(s)")
-    if pace_cells and pace_model > 0:
-        pace = pace_wall / pace_model
-        lines.append(f"  this CPU's pace: {pace:.2f} x the model over its {pace_cells} cells here; "
-                     f"left at that pace {left * pace / 3600 / max(1, config.parallel):.2f} h")
+    recent = sorted(paced)[-PACE_CELLS:]
+    if recent and sum(m for _, m, _ in recent) > 0:
+        pace = sum(w for _, _, w in recent) / sum(m for _, m, _ in recent)
+        lines.append(f"  this CPU's pace: {pace:.2f} x the model over its last {len(recent)} "
+                     f"cells here; left at that pace "
+                     f"{left * pace / 3600 / max(1, config.parallel):.2f} h")
     return lines
