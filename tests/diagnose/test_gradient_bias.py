@@ -13,8 +13,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from vlcontrast.diagnose.estimators import (BufferEstimator, DeCLBufferEstimator, Features,
-                                            expand_losses,
+from vlcontrast.diagnose.estimators import (BufferEstimator, Features, expand_losses,
                                             full_log_means)
 from vlcontrast.diagnose.montecarlo import (DETECTION_FACTOR, compare, estimate_cell,
                                             replicate_count)
@@ -85,7 +84,7 @@ def test_decl_with_converged_buffer_is_unbiased():
 def test_decl_buffer_reaches_its_fixed_point():
     features = random_features(32)
     live = expand_losses(["decl"], 32, chunk_size=0)[0]
-    assert isinstance(live, DeCLBufferEstimator) and not live.fixed
+    assert isinstance(live, BufferEstimator) and not live.fixed
     assert live.warmup_epochs(0.9) == 6 and live.warmup_epochs(1.0) == 1
     assert 0.5 ** live.warmup_epochs(0.5) < 1e-6 <= 0.5 ** (live.warmup_epochs(0.5) - 1)
     assert live.decorrelation_epochs(0.9) == 0 and live.decorrelation_epochs(0.5) == 3

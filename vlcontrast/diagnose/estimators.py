@@ -17,7 +17,7 @@ multiplies the batch's negative part by ``(N-1)/(B-1)``, which makes the (pairwi
 loss an unbiased estimate of the full one: a control whose bias must vanish at every ``B``.
 
 DeCL gives three rows. ``decl_loss1``: the step with the buffer estimate, with DeCL's own buffer
-in its steady state at batch size ``B`` (see :class:`DeCLBufferEstimator`; updated before use, as
+in its steady state at batch size ``B`` (see :class:`BufferEstimator`; updated before use, as
 in training). ``decl_loss1_fixed``: the same loss with the buffer held at its fixed point
 ``u_i = m_i`` over all ``N`` samples (the limit ``gamma -> 0``), the setting in which DeCL's loss
 is decomposable. ``decl_loss2``: the smoothing step (equal to DCL by construction).
@@ -177,9 +177,10 @@ class BufferEstimator(Estimator):
 
     def __init__(self, name: str, loss, *, fixed: bool):
         super().__init__(name, loss)
-        if getattr(loss, "estimator", None) != "buffer":
-            raise ValueError(f"{name}: the diagnostic measures DeCL's buffer estimator; "
-                             f"decl.estimator={loss.estimator!r} is not supported here")
+        estimator = getattr(loss, "estimator", None)
+        if estimator != "buffer":
+            raise ValueError(f"{name}: the diagnostic measures a per-sample buffer estimator; "
+                             f"{loss.name}.estimator={estimator!r} is not supported here")
         self.fixed = fixed
         self._fixed_buffer: Tensor | None = None
 
@@ -319,5 +320,3 @@ def expand_losses(losses, size: int, chunk_size: int,
             estimators.append(Estimator(name, loss))
     return estimators
 
-
-DeCLBufferEstimator = BufferEstimator  # the name before SogCLR and FastCLIP were measured

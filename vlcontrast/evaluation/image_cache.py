@@ -25,14 +25,21 @@ import torch
 FORMAT = 1
 
 
-def tower_digest(visual: torch.nn.Module) -> str:
-    """sha256 over the image tower's parameters and buffers (names, shapes, dtypes, bytes)."""
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over named tensors in name order (name, shape, dtype, bytes; bf16 as fp32). The
+    image tower's identity here and in the training feature cache (train/feature_cache.py)."""
     digest = hashlib.sha256()
-    for name, tensor in sorted(visual.state_dict().items()):
-        tensor = tensor.detach().to("cpu").contiguous()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().to("cpu").contiguous()
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
         digest.update((tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy().tobytes())
     return digest.hexdigest()
+
+
+def tower_digest(visual: torch.nn.Module) -> str:
+    """:func:`tensors_digest` of the image tower's parameters and buffers, named as in the
+    model's state dict (``visual.*``)."""
+    return tensors_digest({f"visual.{name}": t for name, t in visual.state_dict().items()})
 
 
 def set_digest(data) -> str:

@@ -11,6 +11,8 @@ session has none) and a committed ``results_dir`` carries the study across sessi
 
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
 import json
 import os
@@ -191,6 +193,12 @@ def _run_training(config: StudyConfig, run_dir: Path, command: list[str]) -> dic
 
 
 def host_cpu() -> dict[str, Any]:
+    """:func:`_read_host_cpu`, read once per process (a copy each call)."""
+    return copy.deepcopy(_read_host_cpu())
+
+
+@functools.cache
+def _read_host_cpu() -> dict[str, Any]:
     """The CPU a start or cell ran on: its model name and the vector and matrix instruction-set
     extensions, which decide the kernels oneDNN and MKL run and so the bits a run produces."""
     info: dict[str, Any] = {"machine": platform.machine(), "model": platform.processor()}

@@ -119,8 +119,8 @@ def _cell(config: StudyConfig, dataset: str, stage: str, setting_name: str, sett
 
 def sweep_score(config: StudyConfig, cell: Cell2) -> float | None:
     """A finished sweep cell's ``sweep.metric`` at its last evaluation (validation split)."""
-    result = read_result_v2(config, cell)  # read once: finished = the fingerprint matches
-    if result is None or result.get("fingerprint") != cell_fingerprint_v2(config, cell):
+    result = finished_result(config, cell)
+    if result is None:
         return None
     value = result.get("last", {}).get(config.sweep.metric)
     return float(value) if isinstance(value, (int, float)) else None
@@ -346,9 +346,16 @@ def read_result_v2(config: StudyConfig, cell: Cell2) -> dict[str, Any] | None:
         return None
 
 
-def is_finished_v2(config: StudyConfig, cell: Cell2) -> bool:
+def finished_result(config: StudyConfig, cell: Cell2) -> dict[str, Any] | None:
+    """The cell's result when it is finished (its fingerprint matches), read once; else None."""
     result = read_result_v2(config, cell)
-    return result is not None and result.get("fingerprint") == cell_fingerprint_v2(config, cell)
+    if result is None or result.get("fingerprint") != cell_fingerprint_v2(config, cell):
+        return None
+    return result
+
+
+def is_finished_v2(config: StudyConfig, cell: Cell2) -> bool:
+    return finished_result(config, cell) is not None
 
 
 def selected_path(config: StudyConfig) -> Path:

@@ -422,18 +422,19 @@ def bias_csvs(config: StudyConfig, dataset: str) -> list[Path]:
 
 def read_bias(paths) -> dict[tuple[str, int], float]:
     """{(row, batch size): relative parameter-space bias} over the CSVs, a later file's row
-    replacing an earlier one's."""
+    replacing an earlier one's; rows measured without parameters (``--no-parameters``) are left
+    out, since the figure's axis is the parameter-space bias."""
     bias: dict[tuple[str, int], float] = {}
     for path in paths:
         with open(path) as handle:
             for row in csv.DictReader(handle):
-                value = row.get("parameter_relative_bias") or row.get("feature_relative_bias")
-                if value not in (None, ""):
-                    bias[(row["estimator"], int(row["batch_size"]))] = float(value)
+                if row.get("parameter_relative_bias"):
+                    bias[(row["estimator"], int(row["batch_size"]))] = float(
+                        row["parameter_relative_bias"])
     return bias
 
 
-def plot_bias_against_gain(config, family: list[Tested], bias_csv, out_png: Path,
+def plot_bias_against_gain(config, family: list[Tested], bias_csvs: list[Path], out_png: Path,
                            names: dict[str, str] | None = None) -> int:
     """Measured relative gradient bias (``vlcontrast diagnose gradient-bias`` CSVs, parameter
     space) of each setting and batch against its paired gain over InfoNCE, one point per tested
@@ -445,8 +446,7 @@ def plot_bias_against_gain(config, family: list[Tested], bias_csv, out_png: Path
     import matplotlib.pyplot as plt
 
     names = BIAS_ROWS if names is None else names
-    paths = [bias_csv] if isinstance(bias_csv, (str, Path)) else list(bias_csv)
-    bias = read_bias(paths)
+    bias = read_bias(bias_csvs)
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     drawn, labelled = 0, set()
     for index, setting in enumerate(config.grid.losses):

@@ -30,7 +30,7 @@ from .cells import (_run_training, _write_json, host_cpu, kill_running_cells, mo
 from .config import StudyConfig
 from .design import (Cell2, batch_steps, cell_command_v2, cell_fingerprint_v2, datasets,
                      features_path, final_cells, is_finished_v2, kept_start_dir, option_grid,
-                     read_result_v2, read_selected, result_path_v2, selected_path, selection_key, settings,
+                     finished_result, read_selected, result_path_v2, selected_path, selection_key, settings,
                      split_paths, start_command, start_dir, sweep_hyper_cells, sweep_lr_cells,
                      sweep_score, tried_lr_factors)
 
@@ -421,8 +421,8 @@ def progress_lines(config: StudyConfig, cost: dict[str, Any]) -> list[str]:
         planned, planned_s = cost["parts"][part]
         finished, todo_s = [], 0.0
         for cell in cells:
-            result = read_result_v2(config, cell)
-            if result is not None and result.get("fingerprint") == cell_fingerprint_v2(config, cell):
+            result = finished_result(config, cell)
+            if result is not None:
                 finished.append(result)
                 if result.get("host") == here:  # the pace of this CPU, from its own cells
                     paced.append((result_path_v2(config, cell).stat().st_mtime,

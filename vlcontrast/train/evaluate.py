@@ -10,6 +10,8 @@ collective, and evaluation runs on every rank anyway), and released afterwards.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import os
 from pathlib import Path
 
 import torch
@@ -82,9 +84,6 @@ class Evaluator:
         """The zero-shot image-feature file of this set, or None (no cache folder)."""
         if not (self.image_cache_dir and self.config.zeroshot):
             return None
-        import hashlib
-        import os
-
         name = hashlib.sha256(os.path.realpath(self.config.zeroshot).encode()).hexdigest()[:16]
         return Path(self.image_cache_dir) / f"zeroshot-{name}.pt"
 

@@ -47,14 +47,10 @@ CHUNK = 256
 def tower_digest(weights: Path) -> str:
     """sha256 over the image tower's tensors (``visual.*``) of a ``model.pt``: the cache does not
     depend on the text tower, the temperature or the bias (SigLIP's warm start changes those)."""
+    from vlcontrast.evaluation.image_cache import tensors_digest
+
     state = torch.load(weights, map_location="cpu", weights_only=True)
-    digest = hashlib.sha256()
-    for name in sorted(k for k in state if k.startswith("visual.")):
-        tensor = state[name].contiguous()
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-        digest.update(tensor.numpy().tobytes() if tensor.dtype != torch.bfloat16
-                      else tensor.float().numpy().tobytes())
-    return digest.hexdigest()
+    return tensors_digest({k: v for k, v in state.items() if k.startswith("visual.")})
 
 
 def manifest_digest(path: Path) -> str:
