@@ -179,8 +179,10 @@ def test_the_cache_key_names_what_the_shards_hold_not_where_they_came_from(start
 def test_runs_sharing_a_feature_cache_share_their_zero_shot_image_features(start, tmp_path,
                                                                            monkeypatch):
     """The first run under model.lock_image_features keeps its zero-shot image features beside
-    the cache (<cache>.eval/); the next run reads them, opens no zero-shot image, and writes the
-    same metrics bit for bit."""
+    the cache (<cache>.eval/) and its training rows (<cache>.rows/); the next run reads them,
+    opens no zero-shot image and no training shard, and writes the same losses and metrics bit
+    for bit."""
+    import vlcontrast.data.stream as stream
     import vlcontrast.evaluation.runner as runner
     from vlcontrast.train.feature_cache import write_feature_cache
 
@@ -189,12 +191,16 @@ def test_runs_sharing_a_feature_cache_share_their_zero_shot_image_features(start
     features = tmp_path / "features.pt"
     config = load_config(BASE, _overrides(tmp, data, "x", pretrained, *LIT))
     write_feature_cache(config.model, config.data, features)
-    run = [pretrained, *LIT, f"model.lock_image_features={features}"]
+    run = [pretrained, *LIT, f"model.lock_image_features={features}", "data.cache_mb=64"]
     _train(_overrides(tmp_path, data, "first", *run))
     assert len(list((tmp_path / "features.pt.eval").glob("zeroshot-*.pt"))) == 1
+    assert len(list((tmp_path / "features.pt.rows").glob("rows-*.pt"))) == 1
     monkeypatch.setattr(runner, "build_zeroshot_loader",
                         lambda *a, **k: pytest.fail("the second run opened the zero-shot images"))
+    monkeypatch.setattr(stream, "read_shard",
+                        lambda *a, **k: pytest.fail("the second run read a training shard"))
     _train(_overrides(tmp_path, data, "second", *run))
+    assert _losses(tmp_path / "first") == _losses(tmp_path / "second")
     first = json.loads((tmp_path / "first" / "results.json").read_text())["metrics"]
     second = json.loads((tmp_path / "second" / "results.json").read_text())["metrics"]
     assert any(key.startswith("zeroshot/") for key in first)

@@ -37,6 +37,7 @@ from .samples import (DEFAULT_MAX_IMAGE_PIXELS, IMAGE_EXTENSIONS, SAMPLE_REASONS
                       Members, bad_rate_error, decode_sample)
 from .sources import ShardSet, resolve_shard_set
 from .spec import Source, expand_source, parse_spec
+from .row_snapshot import load_or_build
 from .stream import MIN_EXAMINED_FOR_RATE, CachedTokenizer, SlotStream
 from .tar_reader import group_members, read_shard, split_name
 
@@ -277,13 +278,15 @@ def build_train_loader(data_cfg: Any, preprocess: Callable, tokenizer: Callable,
                        rank: int, world_size: int, epoch: int = 0,
                        resume_state: dict | None = None,
                        device: torch.device | str | None = None,
-                       needs_sample_ids: bool = False) -> TrainLoader:
+                       needs_sample_ids: bool = False, row_snapshot_dir: str = "") -> TrainLoader:
     """The training loader of one rank. ``resume_state`` (a :meth:`TrainLoader.state_dict`, or
     ``{"ranks": [...]}`` from :meth:`TrainLoader.gather_state_dict`) overrides ``epoch``.
     ``device``: where the batches go (pinned memory for CUDA; see :func:`dataloader_options`).
     ``needs_sample_ids``: the loss keeps per-sample state, so every sample needs a numeric id
     (checked from the tar headers, the id space found; see :mod:`.sources`). Otherwise numeric
-    ids are used where present and a sample without one gets id -1."""
+    ids are used where present and a sample without one gets id -1. ``row_snapshot_dir``: where
+    the rows of an image-free stream (a transform with ``image_ids``, i.e. a feature cache) are
+    kept between runs (:mod:`.row_snapshot`); used with ``data.cache_mb`` only."""
     if hasattr(data_cfg, "check"):
         data_cfg.check()
     shard_set = resolve_shard_set(data_cfg, needs_sample_ids=needs_sample_ids)
@@ -302,14 +305,22 @@ def build_train_loader(data_cfg: Any, preprocess: Callable, tokenizer: Callable,
                           f"{global_batch})")
     if workers > 0:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    cache_bytes = int(getattr(data_cfg, "cache_mb", 0)) << 20
+    members = Members.parse(getattr(data_cfg, "image_key", ""), getattr(data_cfg, "caption_key", ""))
+    image_ids = getattr(preprocess, "image_ids", None)
+    snapshot = None
+    if row_snapshot_dir and image_ids is not None and cache_bytes > 0:
+        snapshot = load_or_build(row_snapshot_dir, shard_set, members, image_ids, tokenizer)
+    cached_tokenizer = CachedTokenizer(tokenizer)
+    if snapshot is not None:
+        cached_tokenizer.remember(snapshot.token_rows())
     stream = SlotStream(
         shard_set, mode=data_cfg.mode, seed=seed, rank=rank, world_size=world_size,
         num_workers=slots_per_rank, batch_size=data_cfg.batch_size, steps_per_epoch=steps,
         shuffle_buffer=int(data_cfg.shuffle_buffer), preprocess=preprocess,
-        tokenizer=CachedTokenizer(tokenizer),
+        tokenizer=cached_tokenizer,
         max_bad_fraction=float(data_cfg.max_bad_fraction),
         max_image_pixels=int(getattr(data_cfg, "max_image_pixels", 0) or DEFAULT_MAX_IMAGE_PIXELS),
-        cache_bytes=int(getattr(data_cfg, "cache_mb", 0)) << 20,
-        keys=Members.parse(getattr(data_cfg, "image_key", ""), getattr(data_cfg, "caption_key", "")))
+        cache_bytes=cache_bytes, keys=members, snapshot=snapshot)
     return TrainLoader(stream, workers=workers, shard_set=shard_set, epoch=epoch,
                        resume_state=resume_state, device=device)

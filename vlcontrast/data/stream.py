@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NamedTuple
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
@@ -34,6 +34,8 @@ from vlcontrast.errors import LoaderError
 from .samples import (DEFAULT_MEMBERS, NO_ID, IdRule, Inspected, Members, bad_items,
                       bad_rate_error, count, inspect_sample, transform_sample)
 from .sources import ShardSet
+if TYPE_CHECKING:
+    from .row_snapshot import RowSnapshot
 from .tar_reader import read_shard
 
 logger = logging.getLogger(__name__)
@@ -236,6 +238,14 @@ class CachedTokenizer:
                 rows[text] = fresh[text].clone()  # not a view: the batch's storage may go
         return torch.stack([rows[t] if t in rows else fresh[t] for t in texts]).long()
 
+    def remember(self, rows: dict[str, torch.Tensor]) -> None:
+        """Take token rows computed earlier (a :class:`~.row_snapshot.RowSnapshot`), up to
+        ``max_entries``; they must be what this tokenizer gives for those texts."""
+        for text, ids in rows.items():
+            if len(self._rows) >= self.max_entries:
+                break
+            self._rows.setdefault(text, ids.to(torch.int32))
+
     def __len__(self) -> int:
         return len(self._rows)
 
@@ -257,7 +267,7 @@ class SlotStream(IterableDataset):
                  num_workers: int, batch_size: int, steps_per_epoch: int, shuffle_buffer: int,
                  preprocess: Callable, tokenizer: Callable, max_bad_fraction: float,
                  max_image_pixels: int, cache_bytes: int = 0,
-                 keys: Members = DEFAULT_MEMBERS):
+                 keys: Members = DEFAULT_MEMBERS, snapshot: "RowSnapshot | None" = None):
         super().__init__()
         self.keys = keys
         self.shard_set = shard_set
@@ -278,6 +288,11 @@ class SlotStream(IterableDataset):
         self.cache = (SampleCache(cache_bytes,
                                   after_transform=getattr(preprocess, "random", True) is False)
                       if cache_bytes > 0 else None)
+        if self.cache is not None and snapshot is not None:
+            # Rows decoded by an earlier run (data/row_snapshot.py): the first epoch is served
+            # from memory too. Served or read, a row gives the same sample.
+            for shard, row, key, value in snapshot.rows(preprocess, self.cache.after_transform):
+                self.cache.keep(shard, row, key, value)
         # [epoch, start position per worker..., batches already handed out per worker...], set by
         # TrainLoader before each epoch's iterator; shared memory reaches persistent workers.
         self._shared = torch.zeros(1 + 2 * num_workers, dtype=torch.long).share_memory_()

@@ -85,7 +85,7 @@ def train(config: RunConfig) -> dict[str, Any]:
     if features is not None:  # training never sees the images: none is decoded
         transform = features.placeholder()
     data = _train_batches(config.data, config.seed, config.train.accum_steps, env,
-                          bundle.tokenizer, transform, needs_ids)
+                          bundle.tokenizer, transform, needs_ids, _row_snapshot_dir(config))
     loss_fn = build_loss(config.loss.name, chunk_size=config.loss.chunk_size,
                          id_space=data.id_space, **config.loss.options).to(device)
     if features is not None and getattr(loss_fn, "needs_momentum_features", False):
@@ -181,16 +181,25 @@ def train_transform(data: DataConfig, bundle):
 
 
 def _train_batches(data: DataConfig, seed: int, accum_steps: int, env, tokenizer,
-                   transform, needs_ids: bool = False) -> TrainBatches:
+                   transform, needs_ids: bool = False, row_snapshot_dir: str = "") -> TrainBatches:
     """This rank's batch stream, augmented with ``transform`` by (seed, epoch, image);
-    ``needs_ids``: the loss keeps per-sample state, so every sample must carry a numeric id."""
+    ``needs_ids``: the loss keeps per-sample state, so every sample must carry a numeric id;
+    ``row_snapshot_dir``: see :func:`_row_snapshot_dir`."""
     augment = SeededTransform(transform, seed, random=data.augment)
     # The training device, not "is there CUDA": a CPU run on a GPU host pins nothing and opens no
     # CUDA context.
     build = functools.partial(build_train_loader, data, augment, tokenizer, seed=seed,
                               rank=env.rank, world_size=env.world_size, device=env.device,
-                              needs_sample_ids=needs_ids)
+                              needs_sample_ids=needs_ids, row_snapshot_dir=row_snapshot_dir)
     return TrainBatches(build, augment, accum_steps)
+
+
+def _row_snapshot_dir(config: RunConfig) -> str:
+    """Under ``model.lock_image_features`` no training image is decoded, and the shards' rows
+    (captions, ids, token ids) are kept beside the cache (``<cache>.rows/``) for the next run that
+    reads the same shards (data/row_snapshot.py checks the shard files)."""
+    features = config.model.lock_image_features
+    return f"{features}.rows" if features else ""
 
 
 def _image_cache_dir(config: RunConfig) -> str:
