@@ -158,3 +158,22 @@ def test_a_resumed_run_with_the_snapshot_continues_exactly(shards, tmp_path):
     state = loader.state_dict()
     resumed = build_train_loader(cfg, placeholder(good), Tokenizer(), resume_state=state, **build)
     assert head + [b.sample_ids.tolist() for b in resumed] == whole
+
+
+def test_the_file_round_trips_reasons_single_and_several_captions(tmp_path):
+    snapshot = row_snapshot.RowSnapshot(
+        shard=[0, 0, 1], row=[0, 1, 0], key=["000000000", "000000001", "000010000"],
+        value=["empty_caption", ("a dog", 1), (("a cat", "the cat"), 10000)],
+        captions=["a dog", "a cat", "the cat"], tokens=torch.arange(6, dtype=torch.int32).view(3, 2))
+    key = {"format": row_snapshot.FORMAT, "shards": []}
+    path = tmp_path / "rows.pt"
+    row_snapshot._save(path, key, snapshot)
+    loaded = row_snapshot._load(path, key)
+    for field in ("shard", "row", "key", "value", "captions"):
+        assert getattr(loaded, field) == getattr(snapshot, field), field
+    assert torch.equal(loaded.tokens, snapshot.tokens)
+    assert isinstance(loaded.value[2][0], tuple)
+    assert row_snapshot._load(path, {**key, "shards": [["x"]]}) is None  # another key: a miss
+    kept = list(loaded.rows(lambda image: torch.zeros(1), after_transform=True))
+    assert kept[0][3] == "empty_caption" and kept[2][3][1:] == (("a cat", "the cat"), 10000)
+    assert torch.equal(kept[1][3][0], torch.zeros(1))

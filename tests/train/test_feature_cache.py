@@ -179,9 +179,9 @@ def test_the_cache_key_names_what_the_shards_hold_not_where_they_came_from(start
 def test_runs_sharing_a_feature_cache_share_their_zero_shot_image_features(start, tmp_path,
                                                                            monkeypatch):
     """The first run under model.lock_image_features keeps its zero-shot image features beside
-    the cache (<cache>.eval/) and its training rows (<cache>.rows/); the next run reads them,
-    opens no zero-shot image and no training shard, and writes the same losses and metrics bit
-    for bit."""
+    the cache (<cache>.eval/), its retrieval image features (the same folder) and its training
+    rows (<cache>.rows/); the next run reads them, opens no zero-shot image, no retrieval shard
+    and no training shard, and writes the same losses and metrics bit for bit."""
     import vlcontrast.data.stream as stream
     import vlcontrast.evaluation.runner as runner
     from vlcontrast.train.feature_cache import write_feature_cache
@@ -195,6 +195,11 @@ def test_runs_sharing_a_feature_cache_share_their_zero_shot_image_features(start
     _train(_overrides(tmp_path, data, "first", *run))
     assert len(list((tmp_path / "features.pt.eval").glob("zeroshot-*.pt"))) == 1
     assert len(list((tmp_path / "features.pt.rows").glob("rows-*.pt"))) == 1
+    assert len(list((tmp_path / "features.pt.eval").glob("retrieval-*.pt"))) == 1
+    import vlcontrast.evaluation.embed as embed
+
+    monkeypatch.setattr(embed, "encode_retrieval_images",
+                        lambda *a, **k: pytest.fail("the second run embedded retrieval images"))
     monkeypatch.setattr(runner, "build_zeroshot_loader",
                         lambda *a, **k: pytest.fail("the second run opened the zero-shot images"))
     monkeypatch.setattr(stream, "read_shard",

@@ -107,14 +107,18 @@ class RetrievalEmbeddings:
     skipped: int                   # samples that could not be decoded (all ranks)
 
 
+RetrievalBatch = tuple  # (image features [B, D] or None, captions list[list[str]], keys [B], skipped)
+
+
 @torch.no_grad()
-def embed_retrieval(model, preprocess, tokenizer, loader, *, device, progress=False,
-                    total_batches=None) -> RetrievalEmbeddings:
-    """Encode batches ``(images [B,3,H,W], captions list[list[str]], keys [B], skipped)``."""
+def encode_retrieval_images(model, preprocess, tokenizer, loader, *, device, progress=False,
+                            total_batches=None) -> Iterator[RetrievalBatch]:
+    """Each batch ``(images [B,3,H,W], captions list[list[str]], keys [B], skipped)`` of
+    ``loader`` with its images encoded: ``(image features or None, captions, keys, skipped)``.
+    A rank out of data, or a batch whose images all failed, runs dummy image and text passes
+    (lock step) and yields nothing, or ``None`` features to count what it skipped."""
     model = unwrap_model(model)
     dtype = model_dtype(model)
-    image_parts, key_parts, text_parts, text_key_parts, text_pos_parts = [], [], [], [], []
-    skipped = 0
     for batch in encode_in_lockstep(loader, device, progress=progress, total=total_batches,
                                     description="embed retrieval"):
         if batch is None:
@@ -122,13 +126,34 @@ def embed_retrieval(model, preprocess, tokenizer, loader, *, device, progress=Fa
             encode_texts(model, text_dummy(tokenizer, device), device)
             continue
         images, captions, keys, batch_skipped = batch
-        skipped += int(batch_skipped)
         if images is None:
             # Everything in this batch failed to decode; still take part in the forward passes.
             encode_images(model, image_dummy(preprocess, device, dtype), device, dtype)
             encode_texts(model, text_dummy(tokenizer, device), device)
+            yield None, [], keys, int(batch_skipped)
             continue
-        image_parts.append(encode_images(model, images, device, dtype).cpu())
+        yield encode_images(model, images, device, dtype).cpu(), captions, keys, int(batch_skipped)
+
+
+@torch.no_grad()
+def embed_retrieval(model, preprocess, tokenizer, loader, *, device, progress=False,
+                    total_batches=None, encoded: Iterable[RetrievalBatch] | None = None
+                    ) -> RetrievalEmbeddings:
+    """Encode batches ``(images [B,3,H,W], captions list[list[str]], keys [B], skipped)``.
+    ``encoded``: the batches with their images already encoded (:func:`encode_retrieval_images`,
+    e.g. kept from an earlier run by :mod:`~vlcontrast.evaluation.image_cache`); ``loader`` is
+    not read then. The texts are encoded batch by batch either way."""
+    model = unwrap_model(model)
+    if encoded is None:
+        encoded = encode_retrieval_images(model, preprocess, tokenizer, loader, device=device,
+                                          progress=progress, total_batches=total_batches)
+    image_parts, key_parts, text_parts, text_key_parts, text_pos_parts = [], [], [], [], []
+    skipped = 0
+    for features, captions, keys, batch_skipped in encoded:
+        skipped += int(batch_skipped)
+        if features is None:
+            continue
+        image_parts.append(features)
         key_parts.append(keys)
         flat = [text for texts in captions for text in texts]
         text_parts.append(encode_texts(model, tokenizer(flat), device).cpu())

@@ -70,7 +70,7 @@ def evaluate_retrieval(model, preprocess, tokenizer, shards: str | Sequence[str]
                        batch_size: int = 256, workers: int = 4, device="cpu",
                        max_samples: int = 0, logit_scale: float | None = None,
                        chunk_size: int = 4096, progress: bool = True,
-                       members=None) -> dict:
+                       members=None, image_cache: str | Path | None = None) -> dict:
     """Image-text retrieval on webdataset shards (see ``datasets.py`` for layouts).
 
     ``logit_scale`` is the multiplier for the validation loss (already exponentiated); by default
@@ -83,17 +83,43 @@ def evaluate_retrieval(model, preprocess, tokenizer, shards: str | Sequence[str]
     skip the same samples; default: the image as training finds it, the ``.txt`` (its lines, or
     the ``.json``'s ``captions`` list when there is one, are the sample's captions).
 
+    ``image_cache``: a file that keeps the image features (with the captions and keys) between
+    runs of one process whose image tower does not change
+    (:mod:`vlcontrast.evaluation.image_cache`); ignored with several ranks.
+
     Returns ``retrieval_metrics`` keys plus ``val_loss``, ``val_loss_batch_size``, ``num_skipped``.
     """
     rank, world = get_rank(), get_world_size()
     from vlcontrast.data.samples import DEFAULT_MEMBERS
 
+    members = members or DEFAULT_MEMBERS
     loader = build_retrieval_loader(shards, preprocess, batch_size=batch_size, workers=workers,
                                     rank=rank, world_size=world, max_samples=max_samples,
-                                    members=members or DEFAULT_MEMBERS)
+                                    members=members)
     with _eval_mode(model):
-        embeddings = embed_retrieval(model, preprocess, tokenizer, loader.loader, device=device,
-                                     progress=progress, total_batches=loader.num_batches)
+        if image_cache and world == 1:
+            from vlcontrast.evaluation.datasets import resolve_shards
+            from vlcontrast.evaluation.embed import encode_retrieval_images
+            from vlcontrast.evaluation.image_cache import cached_retrieval_images, retrieval_key
+
+            clip = unwrap_model(model)
+            key = retrieval_key(clip, resolve_shards(shards), preprocess, batch_size=batch_size,
+                                dtype=model_dtype(clip), max_samples=max_samples, members=members)
+
+            def encode():
+                return list(encode_retrieval_images(model, preprocess, tokenizer, loader.loader,
+                                                    device=device, progress=progress,
+                                                    total_batches=loader.num_batches))
+
+            # As for zero-shot: hit and miss both leave the global RNG as they found it.
+            with torch.random.fork_rng(devices=[]):
+                encoded, _ = cached_retrieval_images(image_cache, key, encode)
+            embeddings = embed_retrieval(model, preprocess, tokenizer, None, device=device,
+                                         encoded=encoded)
+        else:
+            embeddings = embed_retrieval(model, preprocess, tokenizer, loader.loader,
+                                         device=device, progress=progress,
+                                         total_batches=loader.num_batches)
         scale = logit_scale if logit_scale is not None else _model_logit_scale(model)
 
     def compute():

@@ -87,6 +87,14 @@ class Evaluator:
         name = hashlib.sha256(os.path.realpath(self.config.zeroshot).encode()).hexdigest()[:16]
         return Path(self.image_cache_dir) / f"zeroshot-{name}.pt"
 
+    def _retrieval_cache(self) -> Path | None:
+        """The retrieval image-feature file of these shards, or None (no cache folder)."""
+        if not (self.image_cache_dir and self.retrieval_shards):
+            return None
+        spec = self.retrieval_shards
+        name = hashlib.sha256(f"{os.getcwd()}\n{spec}".encode()).hexdigest()[:16]
+        return Path(self.image_cache_dir) / f"retrieval-{name}.pt"
+
     def should_evaluate(self, step: int, total_steps: int) -> bool:
         """Periodic evaluation inside the loop (the final one runs after it)."""
         every = self.config.every
@@ -108,7 +116,8 @@ class Evaluator:
                                                  batch_size=config.batch_size,
                                                  workers=self.workers, device=device,
                                                  max_samples=config.max_samples,
-                                                 members=self.members)
+                                                 members=self.members,
+                                                 image_cache=self._retrieval_cache())
                     results.update({f"retrieval/{k}": v for k, v in metrics.items()
                                     if isinstance(v, (int, float))})
                 if config.zeroshot:
