@@ -117,7 +117,8 @@ def install_fixed_batches() -> None:
         raise RuntimeError("vlcontrast.train.loop._train_batches is gone: the synthetic-batch "
                            "control of bench/gpu_check needs the train loop's batch-stream hook")
 
-    def fixed(data, seed, accum_steps, env, tokenizer, transform, needs_ids=False):
+    def fixed(data, seed, accum_steps, env, tokenizer, transform, needs_ids=False,
+              row_snapshot_dir=""):
         micro = data.batch_size
         # The transform resizes and crops to the tower's input size, whatever the source size.
         one = transform(Image.new("RGB", (256, 256), (120, 90, 60)))

@@ -85,7 +85,8 @@ def train(config: RunConfig) -> dict[str, Any]:
     if features is not None:  # training never sees the images: none is decoded
         transform = features.placeholder()
     data = _train_batches(config.data, config.seed, config.train.accum_steps, env,
-                          bundle.tokenizer, transform, needs_ids, _row_snapshot_dir(config))
+                          bundle.tokenizer, transform, needs_ids,
+                          row_snapshot_dir=_row_snapshot_dir(config))
     loss_fn = build_loss(config.loss.name, chunk_size=config.loss.chunk_size,
                          id_space=data.id_space, **config.loss.options).to(device)
     if features is not None and getattr(loss_fn, "needs_momentum_features", False):
