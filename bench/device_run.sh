@@ -19,7 +19,13 @@ $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 $PY -c "import deepspeed, open_clip, open_clip_train.main, webdataset, braceexpand, ftfy, pydantic" || exit 2
 CHECK_OUT=${GPU_CHECK_OUT:-/tmp/gpu_check}
-$PY -m bench.gpu_check --out "$CHECK_OUT" --only "$WANT" "$@"
+# GPU_CHECK_TIMEOUT=SECONDS stops the check in time for the copy below to run (the report is
+# rewritten after every group, so the groups that ended come back).
+if [ -n "${GPU_CHECK_TIMEOUT:-}" ]; then
+    timeout --signal=TERM --kill-after=10 "$GPU_CHECK_TIMEOUT" $PY -m bench.gpu_check --out "$CHECK_OUT" --only "$WANT" "$@"
+else
+    $PY -m bench.gpu_check --out "$CHECK_OUT" --only "$WANT" "$@"
+fi
 rc=$?
 if [ -n "${OUT:-}" ]; then
     cp "$CHECK_OUT"/gpu_check.md "$CHECK_OUT"/gpu_check.json "$CHECK_OUT"/tracebacks.txt "$OUT"/ 2>/dev/null

@@ -19,5 +19,8 @@ towers at 32 px, 2 steps, a diagonal of the precision x ZeRO matrix; ``--reduced
 ``tests/bench/test_gpu_check.py`` runs it inside ``make test``.
 """
 
-GROUPS = ("syncs", "losses", "resume", "matrix", "throughput", "memory")
-"""In the order they run, cheapest signal first."""
+GROUPS = ("syncs", "losses", "resume", "matrix-rn", "matrix-vit", "throughput", "memory")
+"""In the order they run, cheapest signal first. The precision x ZeRO matrix is one group per
+tower family so that each fits one device call (``--only matrix`` names both)."""
+
+ALIASES = {"matrix": ("matrix-rn", "matrix-vit")}

@@ -4,6 +4,7 @@ run's checks are done."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -15,7 +16,8 @@ from typing import Any
 
 from bench import openclip_launch
 from bench.gpu_check.jobs import JobRunner, tail
-from bench.gpu_check.plan import HOST_SYNCS_PER_STEP, REPO, Settings, drop_checkpoints, matrix_cells
+from bench.gpu_check.plan import (HOST_SYNCS_PER_STEP, REPO, Settings, drop_checkpoints, matrix_cells,
+                                  matrix_group)
 from bench.gpu_check.report import Report
 
 MAX_LOGIT_SCALE = math.log(100.0)
@@ -134,10 +136,11 @@ def steady_median(values: list[tuple[int, float]], steps: int) -> float:
 # matrix
 
 
-def check_matrix(ctx: Context) -> None:
+def check_matrix(ctx: Context, group: str) -> None:
+    """The cells of one tower family (``group`` is ``matrix-rn`` or ``matrix-vit``)."""
     report, settings = ctx.report, ctx.settings
     families = shipped_families()
-    missing = sorted(set(families) - set(settings.models))
+    missing = sorted(f for f in set(families) - set(settings.models) if matrix_group(f) == group)
     for family in missing:
         report.add("matrix", family, "fail", f"no representative tower for family {family!r} "
                    f"(shipped configs use {families[family]}): add one to bench/gpu_check/plan.py")
@@ -145,8 +148,12 @@ def check_matrix(ctx: Context) -> None:
     cells = matrix_cells(sorted(set(families) & set(settings.models)), precisions(),
                          settings.reduced, has_device_normalization())
     for family, precision, stage, uint8 in cells:
+        if matrix_group(family) != group:
+            continue
         model = settings.models[family]
         case = f"{family} {Path(model).stem} {precision} zero{stage}" + (" uint8" if uint8 else "")
+        if settings.matrix_cases and not any(want in case for want in settings.matrix_cases):
+            continue
 
         def cell(model=model, precision=precision, stage=stage, case=case, uint8=uint8):
             import torch
@@ -544,5 +551,7 @@ def check_memory(ctx: Context) -> None:
     ctx.report.tables["Memory (largest global batch per loss)"] = "\n".join(lines)
 
 
-GROUP_FUNCTIONS = {"matrix": check_matrix, "losses": check_losses, "resume": check_resume,
+GROUP_FUNCTIONS = {"matrix-rn": functools.partial(check_matrix, group="matrix-rn"),
+                   "matrix-vit": functools.partial(check_matrix, group="matrix-vit"),
+                   "losses": check_losses, "resume": check_resume,
                    "syncs": check_syncs, "throughput": check_throughput, "memory": check_memory}

@@ -36,6 +36,10 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--memory-losses", default="",
                         help="comma list: the memory group probes only these losses (default all; "
                              "split the group over two device calls if it nears their 10 minutes)")
+    parser.add_argument("--cases", default="",
+                        help="comma list: the matrix group runs only the cells whose case name "
+                             "contains one of these (e.g. 'RN50 fp32 zero1,ViT-B-32 fp16'), to "
+                             "rerun a failed cell without the whole group")
     parser.add_argument("--plan", action="store_true",
                         help="print the plan (groups, estimates, disk budget) and exit")
     args = parser.parse_args(argv)
@@ -68,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     settings = settings_for(reduced, out, workers=args.workers or None)
+    if args.cases:
+        settings.matrix_cases = tuple(x.strip() for x in args.cases.split(",") if x.strip())
     if args.memory_losses:
         settings.memory_losses = tuple(x.strip() for x in args.memory_losses.split(",") if x.strip())
     families = sorted(set(checks.shipped_families()) & set(settings.models))
@@ -118,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         report.groups.append(GroupTime(group, round(estimates[group], 1), round(wall, 1)))
         print(f"[gpu-check] group {group}: {human_s(wall)} (estimate ~{human_s(estimates[group])})",
               flush=True)
+        # Written after every group too: a run stopped by a time limit keeps the groups it ended.
+        report.write(out)
     report.info["total_s"] = round(time.perf_counter() - start, 1)
     report.info["subprocesses"] = len(jobs.launched)
     # The orchestrator never trains: DeepSpeed must not be in this process.

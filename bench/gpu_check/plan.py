@@ -10,7 +10,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.gpu_check import GROUPS
+from bench.gpu_check import ALIASES, GROUPS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -68,6 +68,8 @@ class Settings:
     memory_sizes: tuple[int, ...]
     memory_micro: int
     memory_losses: tuple[str, ...] = ()
+    matrix_cases: tuple[str, ...] = ()
+    """Run only the matrix cells whose case name contains one of these (empty: all)."""
     models: dict[str, str] = field(default_factory=dict)
     memory_model: str = ""
 
@@ -105,6 +107,11 @@ def settings_for(reduced: bool, out: Path, workers: int | None = None) -> Settin
                     memory_model=str(memory_model))
 
 
+def matrix_group(family: str) -> str:
+    """The group that runs a tower family's matrix cells: ``matrix-rn``, ``matrix-vit``."""
+    return f"matrix-{family.lower()}"
+
+
 def matrix_cells(families: list[str], precisions: tuple[str, ...], reduced: bool,
                  uint8_supported: bool = True) -> list[tuple[str, str, int, bool]]:
     """(family, precision, ZeRO stage, uint8 images) cells.
@@ -130,11 +137,15 @@ def matrix_cells(families: list[str], precisions: tuple[str, ...], reduced: bool
 # time: estimates per group on one H100 (no GPU was at hand when these were written; the check
 # prints the measured wall time per group next to them)
 
-START_S = 15.0
-"""One training subprocess on the GPU before its first step: Python, torch, open_clip and
-DeepSpeed imports (~6 s), CUDA context (~2 s), model build and DeepSpeed engine (~3 s, ZeRO-3
-more), loader workers and the first batch (~2 s), cuDNN autotuning; plus the final checkpoint."""
+START_S = 28.0
+"""One training subprocess on the GPU apart from its steps, evaluation and checkpoint: measured on
+an H200 on 2026-11-27 (bench/results/gpu_check/): Python with torch, open_clip and DeepSpeed
+imported from the carried wheels (~9 s), then 19-22 s of CUDA context, model build, DeepSpeed
+engine, loader workers and first batch for a ViT-B-32 job (the first estimate, 15 s, was half)."""
 ZERO3_EXTRA_S = 5.0
+FAMILY_EXTRA_S = {"RN50": 10.0}
+"""cuDNN's autotuning of the ResNet convolutions: the first RN50 cell of each precision took
+20-30 s longer than the next one on the H200 (averaged over the 4 cells of a precision)."""
 STEP_S = {"RN50": 0.06, "ViT-B-32": 0.05}
 """Seconds per step at batch 128, amp_bf16, 224 px, on one H100 (a 16-sample matrix step costs
 about the fixed part of these)."""
@@ -154,15 +165,17 @@ def estimate_seconds(group: str, precisions: tuple[str, ...], families: list[str
     ckpt = {m: FULL_PARAMETERS.get(m, 1e6) * BYTES_PER_PARAMETER / WRITE_BYTES_PER_S
             for m in FULL_MODELS.values()}
     vit = FULL_MODELS["ViT"]
-    if group == "matrix":
+    if group.startswith("matrix-"):
         total = 0.0
         for family, _precision, stage, _uint8 in matrix_cells(families, precisions, False):
+            if matrix_group(family) != group:
+                continue
             model = FULL_MODELS.get(family, vit)
             total += START_S + (ZERO3_EXTRA_S if stage == 3 else 0) + EVAL_S + ckpt[model] \
-                + FULL_MATRIX_STEPS * STEP_S.get(model, 0.05)
+                + FULL_MATRIX_STEPS * STEP_S.get(model, 0.05) + FAMILY_EXTRA_S.get(model, 0.0)
         return total
-    if group == "losses":  # pytest -m cuda (~60 s), the loss/EMA worker, one DeCL run
-        return 60.0 + (START_S + 10.0) + (START_S + ckpt[vit])
+    if group == "losses":  # pytest -m cuda (~15 s), the loss/EMA worker, one DeCL run
+        return 15.0 + (START_S + 10.0) + (START_S + ckpt[vit])
     if group == "resume":  # full, again, stopped, resumed; 6 steps each
         return 4 * (START_S + ckpt[vit] + 6 * STEP_S[vit])
     if group == "syncs":  # 4 and 12 steps under sync debug mode
@@ -233,7 +246,7 @@ def disk_budget(settings: Settings, groups: tuple[str, ...], out: Path) -> DiskB
     ``resume`` group's stopped run and its resumed continuation, while retention swaps them); one
     for every other group."""
     models = set()
-    if {"matrix", "throughput"} & set(groups):
+    if {"matrix-rn", "matrix-vit", "throughput"} & set(groups):
         models |= set(settings.models.values()) | set(settings.throughput_models.values())
     if {"resume", "syncs", "losses"} & set(groups):
         models.add(settings.models["ViT"])
@@ -260,9 +273,11 @@ def drop_checkpoints(run_dir: Path) -> int:
 
 def parse_groups(text: str) -> tuple[str, ...]:
     wanted = [s.strip() for s in text.split(",") if s.strip()]
+    wanted = [g for name in wanted for g in ALIASES.get(name, (name,))]
     unknown = sorted(set(wanted) - set(GROUPS))
     if unknown:
-        raise ValueError(f"unknown group(s) {unknown}; valid: {', '.join(GROUPS)}")
+        aliases = ", ".join(f"{name} = {' + '.join(members)}" for name, members in ALIASES.items())
+        raise ValueError(f"unknown group(s) {unknown}; valid: {', '.join(GROUPS)} ({aliases})")
     return tuple(g for g in GROUPS if g in wanted)
 
 

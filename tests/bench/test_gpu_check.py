@@ -70,7 +70,9 @@ def test_precision_list_comes_from_the_config():
 
 
 def test_groups_run_in_the_documented_order_whatever_the_order_asked():
-    assert plan.parse_groups("memory, syncs,matrix") == ("syncs", "matrix", "memory")
+    assert plan.parse_groups("memory, syncs,matrix") == ("syncs", "matrix-rn", "matrix-vit",
+                                                          "memory")
+    assert plan.parse_groups("matrix-vit") == ("matrix-vit",)
     assert plan.parse_groups(",".join(GROUPS)) == GROUPS
     assert GROUPS[:2] == ("syncs", "losses")  # the cheapest signal first
 
@@ -141,7 +143,8 @@ def test_each_training_and_probe_is_its_own_subprocess(tmp_path, monkeypatch):
 
     monkeypatch.setattr(loop, "train", no_training_here)
     ctx = _context(tmp_path)
-    groups.check_matrix(ctx)
+    groups.check_matrix(ctx, "matrix-rn")
+    groups.check_matrix(ctx, "matrix-vit")
     cells = plan.matrix_cells(sorted(set(groups.shipped_families()) & set(ctx.settings.models)),
                               groups.precisions(), True)
     assert len(ctx.jobs.launched) == len(cells)
@@ -153,6 +156,22 @@ def test_each_training_and_probe_is_its_own_subprocess(tmp_path, monkeypatch):
     ctx.jobs.launched.clear()
     groups.check_throughput(ctx)  # vlcontrast shards and synthetic, open_clip shards and synthetic
     assert len(ctx.jobs.launched) == 4 * len(ctx.settings.throughput_models)
+
+
+def test_each_matrix_group_runs_its_family_and_cases_pick_single_cells(tmp_path):
+    ctx = _context(tmp_path)
+    groups.check_matrix(ctx, "matrix-rn")
+    assert ctx.jobs.launched and all(name.startswith("matrix_RN_") for name in ctx.jobs.launched)
+    ctx.jobs.launched.clear()
+    groups.check_matrix(ctx, "matrix-vit")
+    assert ctx.jobs.launched and all(name.startswith("matrix_ViT_") for name in ctx.jobs.launched)
+    # --cases: rerun one failed cell without its group (substring of the case name).
+    first = ctx.jobs.launched[0].removeprefix("matrix_").replace("_", " ")
+    ctx.jobs.launched.clear()
+    ctx.settings.matrix_cases = (first,)
+    groups.check_matrix(ctx, "matrix-rn")
+    groups.check_matrix(ctx, "matrix-vit")
+    assert ctx.jobs.launched == ["matrix_" + first.replace(" ", "_")]
 
 
 def test_an_oom_probe_stops_that_loss_at_the_larger_batches(tmp_path):
@@ -194,7 +213,7 @@ def test_drop_checkpoints_frees_the_run_and_keeps_its_metrics(tmp_path):
 
 def test_disk_budget_counts_checkpoints_kept_at_once(tmp_path):
     settings = plan.settings_for(False, tmp_path)
-    budget = plan.disk_budget(settings, ("matrix",), tmp_path)
+    budget = plan.disk_budget(settings, ("matrix-rn", "matrix-vit"), tmp_path)
     assert budget.checkpoint_bytes == plan.FULL_PARAMETERS["ViT-B-32"] * plan.BYTES_PER_PARAMETER
     assert budget.kept_at_once == 1
     assert plan.disk_budget(settings, ("resume",), tmp_path).kept_at_once == 2

@@ -97,7 +97,9 @@ def test_checkpoint_files_load_without_running_code(cli_run):
     folder = run / "checkpoints" / "step_00000003"
     state = torch.load(folder / "trainer_state.pt", weights_only=True)
     assert state["train"] == {"step": 3, "samples_seen": 24, "epoch": 0}
-    assert set(state) == {"train", "guard", "loss"}
+    assert set(state) == {"train", "guard", "loss", "param_layout"}
+    # ZeRO 0 in fp32: the groups keep the model's order, logit_scale first among the no-decay.
+    assert [group[0] for group in state["param_layout"]] == ["logit_scale", "positional_embedding"]
     rank = torch.load(folder / "rank_00000.pt", weights_only=True)
     assert set(rank) == {"rng", "data"} and rank["data"]["steps_done"] == 3
     weights = torch.load(folder / "model.pt", weights_only=True)
@@ -126,3 +128,33 @@ def test_resuming_from_a_checkpoint_with_a_pickled_object_is_refused(cli_run, ta
         (folder / tampered).write_bytes(original)
     assert done.returncode != 0
     assert f"{tampered}: {message}" in done.stderr, done.stderr[-3000:]
+
+
+# -- the optimizer's parameter order is part of a checkpoint --------------------------------------
+
+
+def _layout_checker(tmp_path, layout, legacy):
+    from vlcontrast.train.checkpoint import Checkpointer
+
+    return Checkpointer(tmp_path, engine=None, every=0, keep=1, run_states={}, rank_states={},
+                        model_config={}, config_yaml="", param_layout=layout, legacy_layout=legacy)
+
+
+def test_resume_refuses_an_optimizer_state_laid_out_in_another_order(tmp_path):
+    from vlcontrast.checkpoints import CheckpointError
+
+    aligned = [["ln.weight", "ln.bias", "logit_scale"], ["proj.weight"]]
+    legacy = [["logit_scale", "ln.weight", "ln.bias"], ["proj.weight"]]
+    checker = _layout_checker(tmp_path, aligned, legacy)
+    checker._check_layout({"param_layout": [list(g) for g in aligned]}, tmp_path)  # same: fine
+    with pytest.raises(CheckpointError, match="group 0, position 0: 'logit_scale' saved, "
+                                              "'ln.weight' now"):
+        checker._check_layout({"param_layout": legacy}, tmp_path)
+    with pytest.raises(CheckpointError, match="2 optimizer groups saved, 1 now"):
+        _layout_checker(tmp_path, [["a"]], None)._check_layout({"param_layout": [["a"], ["b"]]},
+                                                                tmp_path)
+    # Written before layouts were recorded: resumable only where nothing moved.
+    with pytest.raises(CheckpointError, match="before checkpoints recorded the optimizer's "
+                                              "parameter order"):
+        checker._check_layout({}, tmp_path)
+    _layout_checker(tmp_path, legacy, legacy)._check_layout({}, tmp_path)

@@ -172,7 +172,9 @@ class Checkpointer:
 
     def __init__(self, run_dir: Path, engine, *, every: int, keep: int,
                  run_states: dict[str, Stateful], rank_states: dict[str, Stateful],
-                 model_config: dict, config_yaml: str, expected_bytes: int = 0):
+                 model_config: dict, config_yaml: str, expected_bytes: int = 0,
+                 param_layout: list[list[str]] | None = None,
+                 legacy_layout: list[list[str]] | None = None):
         self.root = Path(run_dir) / "checkpoints"
         self.engine = engine
         self.every = every
@@ -182,6 +184,13 @@ class Checkpointer:
         self.model_config = model_config
         self.config_yaml = config_yaml
         self.expected_bytes = expected_bytes
+        self.param_layout = param_layout
+        """Parameter names per optimizer group, in order (:func:`group_layout`): the order
+        DeepSpeed's flat optimizer state follows. Saved with each checkpoint and compared on
+        resume, so a state laid out in another order is refused instead of loaded shifted."""
+        self.legacy_layout = legacy_layout
+        """The order checkpoints written before the layout was recorded used (groups without
+        alignment); such a checkpoint resumes only where it equals ``param_layout``."""
         self.last_good: Path | None = None
         """The newest checkpoint written or resumed from (named when a run fails)."""
         self._saved_step = -1
@@ -200,6 +209,7 @@ class Checkpointer:
         same_world = (rank_file.is_file()
                       and len(list(path.glob("rank_*.pt"))) == dist_utils.get_world_size())
         rank_state = load_file(rank_file) if same_world else None
+        self._check_layout(run_state, path)
         check_engine_files(path / "engine")
         self.engine.load_checkpoint(str(path), tag="engine", load_module_strict=True)
         _load_states(self.run_states, run_state, path / "trainer_state.pt")
@@ -208,6 +218,24 @@ class Checkpointer:
         self.last_good = path
         self._saved_step = int(run_state.get("train", {}).get("step", -1))
         return rank_state is not None
+
+    def _check_layout(self, run_state: dict[str, Any], path: Path) -> None:
+        if self.param_layout is None:
+            return
+        saved = run_state.get(LAYOUT_KEY)
+        if saved is None:
+            if self.legacy_layout is None or self.legacy_layout == self.param_layout:
+                return
+            raise CheckpointError(
+                f"{path}: written before checkpoints recorded the optimizer's parameter order, "
+                "and this version puts odd-sized parameters (logit_scale) last in each group under "
+                "ZeRO 1-3 and bf16/fp16, so its flat optimizer state would load shifted; resume it "
+                "with the vlcontrast that wrote it, or start a new run from it (model.pretrained=CHECKPOINT_DIR)")
+        if [list(group) for group in saved] != self.param_layout:
+            raise CheckpointError(
+                f"{path}: its optimizer state is laid out in another parameter order "
+                f"({_first_difference(saved, self.param_layout)}); resume with the config and "
+                "vlcontrast version that wrote it, or start a new run from it (model.pretrained=CHECKPOINT_DIR)")
 
     # -- save ----------------------------------------------------------------------------------
 
@@ -261,6 +289,8 @@ class Checkpointer:
         self.engine.save_checkpoint(str(tmp), tag="engine", save_latest=False)
         weights = full_fp32_state_dict(self.engine)  # collective under ZeRO 1-3
         run_state = {key: obj.state_dict() for key, obj in self.run_states.items()}
+        if self.param_layout is not None:
+            run_state[LAYOUT_KEY] = self.param_layout
         rank_state = {key: obj.state_dict() for key, obj in self.rank_states.items()}
         try:
             checkpoints.save_file(rank_state, tmp / f"rank_{rank:05d}.pt")
@@ -286,6 +316,21 @@ class Checkpointer:
             prune(self.root, self.keep)
         dist_utils.barrier()
         return final
+
+
+LAYOUT_KEY = "param_layout"
+
+
+def _first_difference(saved: list[list[str]], current: list[list[str]]) -> str:
+    if len(saved) != len(current):
+        return f"{len(saved)} optimizer groups saved, {len(current)} now"
+    for index, (old, new) in enumerate(zip(saved, current)):
+        for position, (a, b) in enumerate(zip(old, new)):
+            if a != b:
+                return f"group {index}, position {position}: {a!r} saved, {b!r} now"
+        if len(old) != len(new):
+            return f"group {index}: {len(old)} parameters saved, {len(new)} now"
+    return "same names"
 
 
 def _load_states(objects: dict[str, Stateful], saved: dict[str, Any], path: Path) -> None:

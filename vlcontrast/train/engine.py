@@ -18,7 +18,7 @@ import torch
 
 from vlcontrast.config import DeepSpeedConfig, OptimConfig, TrainConfig
 from vlcontrast.distributed import set_gpu_defaults
-from vlcontrast.train.optimizer import build_optimizer
+from vlcontrast.train.optimizer import FLAT_ALIGN, build_optimizer
 from vlcontrast.train.precision import Precision
 
 
@@ -143,6 +143,15 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+def flat_align(train: TrainConfig, deepspeed: DeepSpeedConfig) -> int:
+    """Elements to align the optimizer groups' parameters to (:func:`parameter_groups`):
+    :data:`FLAT_ALIGN` when DeepSpeed lays each group out in one flat buffer (ZeRO 1-3, or the
+    bf16/fp16 master-copy optimizers), else 1 (ZeRO 0 in fp32 or amp_bf16 keeps the parameters
+    as they are, and their order stays the model's)."""
+    flattened = deepspeed.zero_stage > 0 or Precision(train.precision).master_copy
+    return FLAT_ALIGN if flattened else 1
+
+
 def build_engine(model: torch.nn.Module, *, optim: OptimConfig, train: TrainConfig,
                  deepspeed: DeepSpeedConfig, micro_batch_size: int, total_steps: int,
                  world_size: int):
@@ -161,7 +170,8 @@ def build_engine(model: torch.nn.Module, *, optim: OptimConfig, train: TrainConf
     # ZeRO 0 without DeepSpeed's mixed-precision optimizers: the client optimizer sees the
     # gradients unchecked (amp_bf16 keeps fp32 parameters and uses no DeepSpeed optimizer wrapper).
     plain = deepspeed.zero_stage == 0 and not Precision(train.precision).master_copy
-    optimizer, scheduler = build_optimizer(model, optim, total_steps, finite_checked=plain)
+    optimizer, scheduler = build_optimizer(model, optim, total_steps, finite_checked=plain,
+                                           align=flat_align(train, deepspeed))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     ds_config = deepspeed_config(train, deepspeed, micro_batch_size=micro_batch_size,
                                  grad_clip=optim.grad_clip, world_size=world_size,

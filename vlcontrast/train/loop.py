@@ -94,6 +94,7 @@ def train(config: RunConfig) -> dict[str, Any]:
                           "towers embeds the images itself; turn the cache off")
     global_batch = config.data.batch_size * env.world_size * config.train.accum_steps
     total_steps = config.train.steps or max(1, math.ceil(config.train.epochs * data.steps_per_epoch))
+    layout, legacy_layout = _param_layouts(bundle.model, config)
     engine, checkpoint_bytes = _build_engine(bundle.model, config, total_steps, env)
     momentum = _momentum_towers(engine, loss_fn, config.deepspeed.zero_stage, precision)
 
@@ -105,7 +106,8 @@ def train(config: RunConfig) -> dict[str, Any]:
         run_states={"train": state, "guard": guard, "loss": loss_fn,
                     **({"momentum": momentum} if momentum is not None else {})},
         rank_states={"rng": RNGState(), "data": data}, model_config=bundle.model_config,
-        config_yaml=config_yaml, expected_bytes=checkpoint_bytes)
+        config_yaml=config_yaml, expected_bytes=checkpoint_bytes, param_layout=layout,
+        legacy_layout=legacy_layout)
     resumed = checkpointer.resume(config.train.resume)
     if resumed is False:  # another world size: start the saved epoch afresh
         data.start_epoch(state.epoch)
@@ -257,6 +259,20 @@ def _configure_process(seed: int, precision: Precision, env, run_dir: Path,
     torch.manual_seed(seed)
     if env.rank == 0:
         (run_dir / "config.yaml").write_text(config_yaml)
+
+
+def _param_layouts(model, config: RunConfig) -> tuple[list[list[str]], list[list[str]]]:
+    """(the optimizer groups' parameter order this run uses, the order used before groups were
+    aligned): recorded in and checked against checkpoints (:class:`Checkpointer`)."""
+    from vlcontrast.train.engine import flat_align
+    from vlcontrast.train.optimizer import group_layout, parameter_groups
+
+    def layout(align: int) -> list[list[str]]:
+        groups = parameter_groups(model, config.optim.weight_decay, config.optim.temperature_lr,
+                                  align=align)
+        return group_layout(model, groups)
+
+    return layout(flat_align(config.train, config.deepspeed)), layout(1)
 
 
 def _build_engine(model, config: RunConfig, total_steps: int, env):
