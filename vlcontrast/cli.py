@@ -296,11 +296,19 @@ def _cmd_study(args) -> int:
             print(plan_text(config))
             return 0
         stage = "report" if args.report_only else args.stage
+        pages = tuple(Path(page) for page in args.sync_docs)
+        for page in pages:
+            if not page.is_file():
+                raise SystemExit(f"--sync-docs {page}: no such file; name markdown pages that "
+                                 "hold generated study blocks (docs/loss-study-v2.md)")
+        if pages and stage not in ("final", "report", "all"):
+            raise SystemExit(f"--sync-docs: stage {stage!r} writes no report; use --stage report")
         run_study_v2(config, stage, "vlcontrast study --config "
-                     + shlex.join([args.config, *args.overrides]))
+                     + shlex.join([args.config, *args.overrides]), pages)
         return 0
-    if args.plan or args.stage != "all":
-        raise SystemExit("--plan and --stage apply to v2 studies (a config with datasets:)")
+    if args.plan or args.stage != "all" or args.sync_docs:
+        raise SystemExit("--plan, --stage and --sync-docs apply to v2 studies (a config with "
+                         "datasets:)")
     run_study(args.config, args.overrides, report_only=args.report_only)
     return 0
 
@@ -593,6 +601,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="v2 studies: run one stage (docs/loss-study-v2.md)")
     study.add_argument("--plan", action="store_true",
                        help="v2 studies: print the cells of each stage and the machine time")
+    study.add_argument("--sync-docs", nargs="+", default=[], metavar="PAGE",
+                       help="v2 studies: after the report, rewrite the generated blocks "
+                            "(findings, recommendation) of these markdown pages from the cells")
     study.add_argument("overrides", nargs="*")
     study.set_defaults(func=_cmd_study)
 

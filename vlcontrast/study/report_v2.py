@@ -164,6 +164,18 @@ def metric_table(config, rows, dataset, arm, metric) -> list[str]:
     return out + [""]
 
 
+def gain_over_start(config, rows, dataset: str, arm: str, setting: str, size: int):
+    """Cell minus its own starting checkpoint (test split, primary metric) over the final seeds:
+    a mean interval, or None with fewer than 2 seeds."""
+    metric = config.primary_metric
+    gains = [row[metric] - start for row in rows
+             if row["dataset"] == dataset and arm in row["arms"]
+             and row["setting"] == setting and row["global_batch"] == size
+             and row.get(metric) is not None
+             and (start := start_metrics(config, dataset, row["start"], metric)) is not None]
+    return mean_interval(gains, config.confidence) if len(gains) >= 2 else None
+
+
 def learns_table(config, rows, dataset, arm) -> list[str]:
     """Cell minus its own start (test split, primary metric), per setting and batch."""
     metric = config.primary_metric
@@ -175,15 +187,10 @@ def learns_table(config, rows, dataset, arm) -> list[str]:
     for setting in config.grid.losses:
         cells = []
         for size, _ in sizes:
-            gains = [row[metric] - start for row in rows
-                     if row["dataset"] == dataset and arm in row["arms"]
-                     and row["setting"] == setting and row["global_batch"] == size
-                     and row.get(metric) is not None
-                     and (start := start_metrics(config, dataset, row["start"], metric)) is not None]
-            if len(gains) < 2:
+            i = gain_over_start(config, rows, dataset, arm, setting, size)
+            if i is None:
                 cells.append("-")
                 continue
-            i = mean_interval(gains, config.confidence)
             cells.append(f"{100 * i.mean:+.1f} [{100 * i.low:+.1f}, {100 * i.high:+.1f}]"
                          + (" ✓" if i.low > 0 else ""))
         out.append(f"| {setting} | " + " | ".join(cells) + " |")
@@ -479,12 +486,17 @@ def plot_bias_against_gain(config, family: list[Tested], bias_csvs: list[Path], 
 # --------------------------------------------------------------------------------------------
 
 
-def write_report_v2(config: StudyConfig, command: str = "") -> str:
+def write_report_v2(config: StudyConfig, command: str = "",
+                    sync_docs: tuple[Path, ...] = ()) -> str:
+    """Tables, figures, CSVs and ``findings.md`` in ``report_dir``; with ``sync_docs``, the
+    generated blocks of those markdown pages rewritten too (:mod:`vlcontrast.study.findings`)."""
     from .design import read_selected
+    from .findings import blocks, sync_blocks
 
     out = config.report_path
     out.mkdir(parents=True, exist_ok=True)
-    rows = collect_final(config, final_cells(config, read_selected(config)))
+    planned_cells = final_cells(config, read_selected(config))
+    rows = collect_final(config, planned_cells)
     family = tested_family(config, rows)
     planned = planned_family_size(config)
     text = [f"# Loss study v2: {config.output_dir}\n"]
@@ -520,7 +532,13 @@ def write_report_v2(config: StudyConfig, command: str = "") -> str:
             text.append(f"## Gradient bias against gain: {dataset}\n\n"
                         f"Measured by `vlcontrast diagnose gradient-bias` ({', '.join(map(str, paths))}).\n\n"
                         f"![gradient bias against gain, {dataset}]({png.name})\n")
-    (out / "recommendation.md").write_text(recommendation(config, family))
+    content = blocks(config, rows, family, len(planned_cells))
+    (out / "recommendation.md").write_text(content["recommendation"])
+    (out / "findings.md").write_text(content["findings"])
+    for page in sync_docs:
+        changed = sync_blocks(Path(page), content)
+        print(f"study: {page}: " + (f"rewrote {', '.join(changed)}" if changed else "up to date"),
+              flush=True)
     with open(out / "comparisons.csv", "w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["dataset", "arms", "candidate", "baseline", "global_batch", "steps", "n",

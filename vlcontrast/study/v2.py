@@ -351,7 +351,10 @@ def write_selection(config: StudyConfig) -> dict[str, Any]:
 # the stages
 
 
-def run_study_v2(config: StudyConfig, stage: str = "all", command: str = "") -> None:
+def run_study_v2(config: StudyConfig, stage: str = "all", command: str = "",
+                 sync_docs: tuple[Path, ...] = ()) -> None:
+    """Run ``stage``; the report (after ``final``, ``report``, ``all``) also rewrites the
+    generated blocks of the ``sync_docs`` pages (:mod:`vlcontrast.study.findings`)."""
     if stage not in STAGES:
         raise ValueError(f"--stage {stage!r}: one of {STAGES}")
     from .runner import _exit_on_sigterm
@@ -372,7 +375,7 @@ def run_study_v2(config: StudyConfig, stage: str = "all", command: str = "") -> 
     if stage in ("final", "report", "all"):
         from .report_v2 import write_report_v2
 
-        write_report_v2(config, command)
+        write_report_v2(config, command, sync_docs)
 
 
 def plan_text(config: StudyConfig) -> str:

@@ -1,0 +1,107 @@
+"""Study v2's generated blocks: the sentences say what the statistics say, the pages hold exactly
+what the committed cells give, and ``sync_blocks`` rewrites only its blocks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vlcontrast.study import load_study_config
+from vlcontrast.study.findings import CLOSE, OPEN, blocks, findings, read_block, sync_blocks
+from vlcontrast.study import report_v2
+from vlcontrast.study.stats import holm_adjust, minimum_detectable_difference, paired_comparison
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "study" / "v2.yaml"
+
+
+def _block(name: str, body: str) -> str:
+    return f"{OPEN.format(name=name)}\n{body}{CLOSE.format(name=name)}"
+
+
+def test_sync_rewrites_only_the_blocks_and_is_idempotent(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# Title\n\nhand prose 1.5\n\n" + _block("findings", "old\n")
+                    + "\n\nmore prose\n")
+    assert sync_blocks(page, {"findings": "new 2.0\n", "recommendation": "| t |\n"}) == ["findings"]
+    text = page.read_text()
+    assert read_block(text, "findings") == "new 2.0\n"
+    assert "hand prose 1.5" in text and text.endswith("more prose\n")
+    assert read_block(text, "recommendation") is None  # not on the page: not added
+    assert sync_blocks(page, {"findings": "new 2.0\n"}) == []
+    assert page.read_text() == text
+
+
+def test_a_page_without_blocks_is_refused_naming_the_marker(tmp_path):
+    page = tmp_path / "plain.md"
+    page.write_text("# nothing generated here\n")
+    with pytest.raises(ValueError, match="holds no generated study block.*vlcontrast-study:"):
+        sync_blocks(page, {"findings": "x\n"})
+
+
+def _family(config, differences_by_size: dict[int, list[float]]) -> list:
+    """One comparison (dcl - infonce) per batch of the steps arm on 'synthetic', from per-seed
+    differences, Holm-adjusted over the planned family like :func:`tested_family`."""
+    from vlcontrast.study.design import batch_steps
+    from vlcontrast.study.report_v2 import planned_family_size
+
+    made = []
+    for (size, steps), arms in batch_steps(config).items():
+        if "steps" not in arms or size not in differences_by_size:
+            continue
+        base = [0.30 + 0.001 * i for i in range(6)]
+        ours = [b + d for b, d in zip(base, differences_by_size[size])]
+        made.append(report_v2.Tested("synthetic", "dcl", "infonce", size, steps, arms,
+                           paired_comparison(ours, base, config.confidence, config.power)))
+    planned = planned_family_size(config)
+    adjusted = holm_adjust([t.result.p_value for t in made] + [1.0] * (planned - len(made)))
+    for tested, holm_p in zip(made, adjusted):
+        tested.holm_p, tested.alpha = holm_p, 1 - config.confidence
+        tested.detectable_holm = minimum_detectable_difference(
+            tested.result.difference.sd, tested.result.difference.n, config.confidence,
+            config.power, tests=planned)
+    return made
+
+
+def test_findings_name_the_survivors_and_otherwise_say_no_detectable_difference():
+    config = load_study_config(CONFIG)
+    clear = [0.05, 0.051, 0.049, 0.05, 0.052, 0.048]  # +5 points, tiny spread: survives Holm
+    noise = [0.01, -0.012, 0.004, -0.003, 0.008, -0.009]  # no effect
+    text = findings(config, [], _family(config, {16: clear, 1024: noise}))
+    steps_line = next(line for line in text.splitlines() if line.startswith("- arm `steps`"))
+    assert "1 of 50 comparisons survive Holm–Bonferroni" in steps_line
+    assert "Better than the baseline: dcl − infonce at B=16: +5.0" in steps_line
+    assert "B=1024" in steps_line and "Worse" not in steps_line
+    # The +5-point effect's spread is tiny, so its detectable difference is under 1 point.
+    assert "at most 1 point at B = 16" in steps_line
+    text = findings(config, [], _family(config, {1024: noise}))
+    steps_line = next(line for line in text.splitlines() if line.startswith("- arm `steps`"))
+    assert "None of the 50 comparisons survives Holm–Bonferroni: no detectable difference " \
+           "from infonce" in steps_line
+
+
+@pytest.fixture(scope="module")
+def committed(request):
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.chdir(ROOT)  # the study config's paths are relative to the repository
+    request.addfinalizer(monkeypatch.undo)
+    from vlcontrast.study.design import final_cells, read_selected
+    from vlcontrast.study.report_v2 import collect_final
+
+    config = load_study_config(CONFIG)
+    planned = final_cells(config, read_selected(config))
+    rows = collect_final(config, planned)
+    return blocks(config, rows, report_v2.tested_family(config, rows), len(planned))
+
+
+@pytest.mark.parametrize("page, names", [
+    ("docs/loss-study.md", ("status", "findings", "recommendation")),
+    ("README.md", ("recommendation",)),
+])
+def test_the_pages_say_what_the_committed_cells_say(committed, page, names):
+    """Regenerate with `vlcontrast study --config configs/study/v2.yaml --stage report
+    --sync-docs README.md docs/loss-study.md` after committing cells."""
+    text = (ROOT / page).read_text()
+    for name in names:
+        assert read_block(text, name) == committed[name], f"{page}: block {name} is stale"

@@ -1,0 +1,178 @@
+"""Study v2's results as sentences, and the generated blocks of markdown pages that quote them.
+
+Every number a page says about the study should come from the committed cells, so the pages hold
+*generated blocks*: text between ``<!-- vlcontrast-study:NAME -->`` and
+``<!-- /vlcontrast-study:NAME -->`` that ``vlcontrast study --stage report --sync-docs PAGE...``
+rewrites from the cells, and that a test can regenerate and compare. The blocks:
+
+``status``
+    how many final cells have finished, per dataset.
+``findings``
+    per dataset and arm: which pre-registered comparisons survive Holm–Bonferroni (with their
+    differences, intervals and adjusted p), "no detectable difference" where none does, the
+    smallest difference the study could have detected after the correction at each batch size,
+    and how many (setting, batch) cells learned beyond their starting checkpoint.
+``recommendation``
+    the one-table answer to "which loss at which batch size" (:func:`report_v2.recommendation`).
+
+The hand-written prose around the blocks interprets them and quotes no number of its own.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from .config import StudyConfig
+from .report import format_difference, format_p
+from .report_v2 import (BASELINE, Tested, arm_sizes, gain_over_start, planned_family_size,
+                        recommendation)
+
+OPEN = "<!-- vlcontrast-study:{name} -->"
+CLOSE = "<!-- /vlcontrast-study:{name} -->"
+
+
+def _comparison_text(t: Tested) -> str:
+    return (f"{t.candidate} − {t.baseline} at B={t.global_batch}: {format_difference(t.result)} "
+            f"points, Holm p = {format_p(t.holm_p)}")
+
+
+def _arm_findings(config: StudyConfig, rows, family: list[Tested], dataset: str,
+                  arm: str) -> list[str]:
+    tested = [t for t in family if t.dataset == dataset and arm in t.arms]
+    sizes = [size for size, _ in arm_sizes(config, arm)]
+    planned = len(config.comparisons) * len(sizes)
+    survivors = sorted((t for t in tested if t.survives),
+                       key=lambda t: (t.global_batch, -t.result.difference.mean))
+    out = []
+    if len(tested) < planned:
+        out.append(f"{len(tested)} of the {planned} comparisons of this arm have at least two "
+                   "paired seeds so far; the rest count as p = 1 in the correction.")
+    if survivors:
+        better = [t for t in survivors if t.result.difference.mean > 0]
+        worse = [t for t in survivors if t.result.difference.mean < 0]
+        text = f"{len(survivors)} of {planned} comparisons survive Holm–Bonferroni."
+        if better:
+            text += " Better than the baseline: " + "; ".join(map(_comparison_text, better)) + "."
+        if worse:
+            text += " Worse: " + "; ".join(map(_comparison_text, worse)) + "."
+        out.append(text)
+    else:
+        out.append(f"None of the {planned} comparisons survives Holm–Bonferroni: no detectable "
+                   f"difference from {BASELINE} at any batch size.")
+    detectable = []
+    for size in sizes:
+        values = [t.detectable_holm for t in tested if t.global_batch == size
+                  and t.detectable_holm == t.detectable_holm]
+        if values:
+            detectable.append((size, max(values)))
+    if detectable:
+        small = [size for size, value in detectable if value <= 0.01]
+        text = ("Smallest difference detectable after the correction (80% power, largest over "
+                "the comparisons), in points: "
+                + ", ".join(f"B={size}: {100 * value:.2f}" for size, value in detectable) + "; ")
+        text += (f"at most 1 point at B = {', '.join(map(str, small))}." if small
+                 else "above 1 point at every batch size.")
+        out.append(text)
+    learned, missing, total = 0, {}, 0
+    for setting in config.grid.losses:
+        for size in sizes:
+            interval = gain_over_start(config, rows, dataset, arm, setting, size)
+            if interval is None:
+                continue
+            total += 1
+            if interval.low > 0:
+                learned += 1
+            else:
+                missing.setdefault(setting, []).append(str(size))
+    if total:
+        text = (f"Learns: {learned} of {total} (setting, batch) trainings end above their own "
+                "starting checkpoint (interval of the gain above 0)")
+        text += (": all of them." if not missing else "; not: " + "; ".join(
+            f"{setting} at B = {', '.join(sizes_)}" for setting, sizes_ in missing.items()) + ".")
+        out.append(text)
+    return out
+
+
+def _seed_note(config: StudyConfig, rows, dataset: str) -> str:
+    counts = {}
+    for row in rows:
+        if row["dataset"] == dataset:
+            key = (row["setting"], row["global_batch"], row["steps"])
+            counts[key] = counts.get(key, 0) + 1
+    wanted = len(config.grid.seeds)
+    if counts and min(counts.values()) >= wanted:
+        return f"{wanted} seeds per training"
+    low, high = min(counts.values(), default=0), max(counts.values(), default=0)
+    have = str(low) if low == high else f"{low} to {high}"
+    return (f"**unfinished: {have} of {wanted} seeds per training so far; every number here "
+            "will change**")
+
+
+def findings(config: StudyConfig, rows, family: list[Tested]) -> str:
+    """The ``findings`` block: a list per dataset and arm (:mod:`vlcontrast.study.findings`)."""
+    out = [f"Primary metric {config.primary_metric} on the test split, last evaluation, "
+           f"{100 * config.confidence:g}% intervals over the final seeds; Holm–Bonferroni over "
+           f"all {planned_family_size(config)} planned comparisons.", ""]
+    for dataset in config.datasets:
+        cells = sum(row["dataset"] == dataset for row in rows)
+        out.append(f"**{dataset}** ({cells} final cells, {_seed_note(config, rows, dataset)})")
+        out.append("")
+        for arm in config.arms:
+            sentences = _arm_findings(config, rows, family, dataset, arm)
+            out.append(f"- arm `{arm}`: " + " ".join(sentences))
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def status(config: StudyConfig, rows, planned_cells: int) -> str:
+    """The ``status`` block: how far the final stage is."""
+    per = {d: sum(row["dataset"] == d for row in rows) for d in config.datasets}
+    done = sum(per.values())
+    state = "finished" if done >= planned_cells else "running"
+    return (f"Final stage {state}: {done} of {planned_cells} final cells ("
+            + ", ".join(f"{d} {n}" for d, n in per.items()) + ").\n")
+
+
+def blocks(config: StudyConfig, rows, family: list[Tested], planned_cells: int) -> dict[str, str]:
+    """Every generated block's text: ``status``, ``findings``, ``recommendation``."""
+    table = recommendation(config, family)
+    if len(rows) < planned_cells:
+        table = (f"*Unfinished: {len(rows)} of {planned_cells} final cells; this table will "
+                 "change.*\n\n" + table)
+    return {"status": status(config, rows, planned_cells),
+            "findings": findings(config, rows, family), "recommendation": table}
+
+
+def _pattern(name: str) -> re.Pattern:
+    return re.compile(re.escape(OPEN.format(name=name)) + r"\n(.*?)" + re.escape(CLOSE.format(name=name)),
+                      re.S)
+
+
+def read_block(text: str, name: str) -> str | None:
+    """The content of block ``name`` in ``text``, or None where the page has no such block."""
+    match = _pattern(name).search(text)
+    return None if match is None else match.group(1)
+
+
+def sync_blocks(path: Path, content: dict[str, str]) -> list[str]:
+    """Rewrite the generated blocks of the markdown page ``path`` that it holds; returns the
+    names of the blocks whose text changed. Blocks the page does not hold are left out; a page
+    with none of them is an error (a wrong path should not pass in silence)."""
+    path = Path(path)
+    text = path.read_text()
+    found = [name for name in content if read_block(text, name) is not None]
+    if not found:
+        raise ValueError(f"{path}: holds no generated study block (add a line "
+                         f"{OPEN.format(name='recommendation')} and its closing "
+                         f"{CLOSE.format(name='recommendation')} where the table goes)")
+    changed = []
+    for name in found:
+        body = content[name] if content[name].endswith("\n") else content[name] + "\n"
+        if read_block(text, name) != body:
+            changed.append(name)
+            text = _pattern(name).sub(lambda _m, n=name, b=body: OPEN.format(name=n) + "\n" + b
+                                      + CLOSE.format(name=n), text, count=1)
+    if changed:
+        path.write_text(text)
+    return changed
