@@ -295,6 +295,13 @@ def _cmd_study(args) -> int:
         if args.plan:
             print(plan_text(config))
             return 0
+        if args.rerun:
+            from vlcontrast.study.v2 import rerun_cells
+
+            try:
+                return rerun_cells(config, args.rerun)
+            except ValueError as err:
+                raise SystemExit(str(err)) from None
         stage = "report" if args.report_only else args.stage
         pages = tuple(Path(page) for page in args.sync_docs)
         for page in pages:
@@ -306,9 +313,9 @@ def _cmd_study(args) -> int:
         run_study_v2(config, stage, "vlcontrast study --config "
                      + shlex.join([args.config, *args.overrides]), pages)
         return 0
-    if args.plan or args.stage != "all" or args.sync_docs:
-        raise SystemExit("--plan, --stage and --sync-docs apply to v2 studies (a config with "
-                         "datasets:)")
+    if args.plan or args.stage != "all" or args.sync_docs or args.rerun:
+        raise SystemExit("--plan, --stage, --rerun and --sync-docs apply to v2 studies (a config "
+                         "with datasets:)")
     run_study(args.config, args.overrides, report_only=args.report_only)
     return 0
 
@@ -601,6 +608,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="v2 studies: run one stage (docs/loss-study-v2.md)")
     study.add_argument("--plan", action="store_true",
                        help="v2 studies: print the cells of each stage and the machine time")
+    study.add_argument("--rerun", nargs="+", default=[], metavar="CELL",
+                       help="v2 studies: train these finished cells again (scratch directory) "
+                            "and compare with their committed results bit for bit")
     study.add_argument("--sync-docs", nargs="+", default=[], metavar="PAGE",
                        help="v2 studies: after the report, rewrite the generated blocks "
                             "(findings, recommendation) of these markdown pages from the cells")

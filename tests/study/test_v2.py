@@ -334,7 +334,7 @@ def _tiny_study(tmp_path, **changes):
     return load_study_config(path)
 
 
-def test_a_tiny_v2_study_end_to_end(tmp_path, monkeypatch):
+def test_a_tiny_v2_study_end_to_end(tmp_path, monkeypatch, capsys):
     """One synthetic dataset, one start, one batch size shared by both arms, two settings
     (SigLIP with its warm start), one lr factor, two final seeds: every stage for real."""
     from vlcontrast.study.v2 import read_selected, run_study_v2
@@ -373,6 +373,24 @@ def test_a_tiny_v2_study_end_to_end(tmp_path, monkeypatch):
 
     monkeypatch.setattr(v2, "run_cell_v2", lambda *a, **k: pytest.fail("reran a finished cell"))
     run_study_v2(config, "all")
+
+    # --rerun: a finished cell trains again in a scratch directory and matches bit for bit...
+    cell = finals[0]
+    path = config.results_path / f"{cell.name}.json"
+    committed = path.read_text()
+    capsys.readouterr()
+    assert v2.rerun_cells(config, [cell.name]) == 0
+    assert f"rerun {cell.name}: identical, bit for bit" in capsys.readouterr().out
+    assert path.read_text() == committed  # the committed result is not touched
+    # ...and a committed result that the training does not reproduce is named, field and values
+    changed = json.loads(committed)
+    changed["loss_curve"][1][1] += 1e-5
+    path.write_text(json.dumps(changed))
+    assert v2.rerun_cells(config, [cell.name]) == 1
+    assert f"rerun {cell.name}: DIFFERS at .loss_curve[1][1]:" in capsys.readouterr().out
+    path.write_text(committed)
+    with pytest.raises(ValueError, match="--rerun syn/final/nope: no such cell"):
+        v2.rerun_cells(config, ["syn/final/nope"])
 
 
 def _sha(path):

@@ -272,6 +272,91 @@ def run_cells(config: StudyConfig, cells: list[Cell2]) -> list[str]:
     return failed
 
 
+# --------------------------------------------------------------------------------------------
+# reruns
+
+EXACT_FIELDS = ("samples_seen", "last", "best", "curve", "loss_curve", "final_loss")
+"""What a rerun must reproduce bit for bit: every evaluation and the training-loss curve (not the
+wall time, the throughput or the host)."""
+
+
+def known_cells(config: StudyConfig) -> list[Cell2]:
+    """Every cell the study has defined so far: the lr sweep, the option sweeps of the settled
+    rates, and the final cells of the selection."""
+    return (sweep_lr_cells(config) + sweep_hyper_cells(config, choose_lr(config))
+            + final_cells(config, read_selected(config)))
+
+
+def _first_difference(committed: Any, now: Any, path: str = "") -> str | None:
+    if isinstance(committed, dict) and isinstance(now, dict):
+        for key in sorted(set(committed) | set(now)):
+            found = _first_difference(committed.get(key), now.get(key), f"{path}.{key}")
+            if found:
+                return found
+        return None
+    if isinstance(committed, list) and isinstance(now, list):
+        if len(committed) != len(now):
+            return f"{path}: {len(committed)} entries committed, {len(now)} now"
+        for index, (a, b) in enumerate(zip(committed, now)):
+            found = _first_difference(a, b, f"{path}[{index}]")
+            if found:
+                return found
+        return None
+    return None if committed == now else f"{path}: {committed!r} committed, {now!r} now"
+
+
+def rerun_cells(config: StudyConfig, names: list[str]) -> int:
+    """Train the named finished cells again from the committed config and starts, in a scratch
+    directory (``output_dir/rerun/``; the committed results are not touched), and compare their
+    evaluations and loss curves with the committed result bit for bit. Prints one line per cell;
+    returns 0 when every rerun is identical, 1 otherwise. Fails in one line before any training
+    when a name is unknown or the cell has no committed result."""
+    from dataclasses import replace
+
+    known = {cell.name: cell for cell in known_cells(config)}
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        example = next(iter(known), "DATASET/final/SETTING-bB-nSTEPS-sSEED")
+        raise ValueError(f"--rerun {unknown[0]}: no such cell in {config.results_path} "
+                         f"(names look like {example}; `--plan` lists the stages)")
+    cells = [known[name] for name in names]
+    committed = {cell.name: finished_result(config, cell) for cell in cells}
+    missing = [name for name, result in committed.items() if result is None]
+    if missing:
+        raise ValueError(f"--rerun {missing[0]}: not finished (no result file with this "
+                         "config's fingerprint): nothing to compare with; run its stage first")
+    prepare_datasets(config)
+    ensure_starts(config)
+    here = host_cpu()
+    identical = 0
+    for cell in cells:
+        scratch = replace(cell, run_dir=Path(config.output_dir) / "rerun" / cell.name)
+        shutil.rmtree(scratch.run_dir, ignore_errors=True)
+        record = _run_training(config, scratch.run_dir, cell_command_v2(config, scratch))
+        if record["status"] != "ok":
+            print(f"rerun {cell.name}: {record['status']} (see {scratch.run_dir}/stderr.log)",
+                  flush=True)
+            continue
+        now = summarise_run(scratch.run_dir, cell.global_batch)
+        old = committed[cell.name]
+        difference = _first_difference({k: old.get(k) for k in EXACT_FIELDS},
+                                       {k: now.get(k) for k in EXACT_FIELDS})
+        same_host = old.get("host") == here
+        metric = config.primary_metric
+        if difference is None:
+            identical += 1
+            print(f"rerun {cell.name}: identical, bit for bit ({metric} "
+                  f"{now['last'].get(metric)}, {len(now['loss_curve'])} loss points)", flush=True)
+        else:
+            print(f"rerun {cell.name}: DIFFERS at {difference}; last {metric} "
+                  f"{old['last'].get(metric)} committed, {now['last'].get(metric)} now"
+                  + ("" if same_host else "; committed on another CPU "
+                     f"({old.get('host', {}).get('model', '?')}), where oneDNN may pick other "
+                     "kernels"), flush=True)
+    print(f"rerun: {identical} of {len(cells)} identical", flush=True)
+    return 0 if identical == len(cells) else 1
+
+
 def run_lr_sweep(config: StudyConfig) -> None:
     """The ``sweep-lr`` cells, in rounds: each round's results may call for edge extensions
     (``sweep.extend_edges``), which the next round runs. Stops when nothing is left or a round
