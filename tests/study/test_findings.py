@@ -95,6 +95,19 @@ def committed(request):
     return blocks(config, rows, report_v2.tested_family(config, rows), len(planned))
 
 
+def test_write_generated_writes_findings_and_syncs_the_pages(tmp_path, monkeypatch):
+    from vlcontrast.study.findings import write_generated
+
+    monkeypatch.chdir(ROOT)
+    config = load_study_config(CONFIG, [f"report_dir={tmp_path / 'report'}"])
+    page = tmp_path / "page.md"
+    page.write_text("intro\n\n" + _block("recommendation", "stale\n") + "\n")
+    content = write_generated(config, (page,))
+    assert read_block(page.read_text(), "recommendation") == content["recommendation"]
+    assert (tmp_path / "report" / "findings.md").read_text() == (content["status"] + "\n"
+                                                                 + content["findings"])
+
+
 @pytest.mark.parametrize("page, names", [
     ("docs/loss-study.md", ("status", "findings", "recommendation")),
     ("README.md", ("recommendation",)),

@@ -3,7 +3,7 @@
 Every number a page says about the study should come from the committed cells, so the pages hold
 *generated blocks*: text between ``<!-- vlcontrast-study:NAME -->`` and
 ``<!-- /vlcontrast-study:NAME -->`` that ``vlcontrast study --stage report --sync-docs PAGE...``
-rewrites from the cells, and that a test can regenerate and compare. The blocks:
+rewrites from the cells (:func:`write_generated`), and that a test can regenerate and compare. The blocks:
 
 ``status``
     how many final cells have finished, per dataset.
@@ -176,3 +176,21 @@ def sync_blocks(path: Path, content: dict[str, str]) -> list[str]:
     if changed:
         path.write_text(text)
     return changed
+
+
+def write_generated(config: StudyConfig, sync_docs: tuple[Path, ...] = ()) -> dict[str, str]:
+    """Every block from the result files; ``findings.md`` in ``report_dir``; the blocks of the
+    ``sync_docs`` pages rewritten (each page's changed blocks are printed). Returns the blocks."""
+    from .design import final_cells, read_selected
+    from .report_v2 import collect_final, tested_family
+
+    planned = final_cells(config, read_selected(config))
+    rows = collect_final(config, planned)
+    content = blocks(config, rows, tested_family(config, rows), len(planned))
+    config.report_path.mkdir(parents=True, exist_ok=True)
+    (config.report_path / "findings.md").write_text(content["status"] + "\n" + content["findings"])
+    for page in sync_docs:
+        changed = sync_blocks(Path(page), content)
+        print(f"study: {page}: " + (f"rewrote {', '.join(changed)}" if changed else "up to date"),
+              flush=True)
+    return content

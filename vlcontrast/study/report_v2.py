@@ -474,6 +474,8 @@ def plot_bias_against_gain(config, family: list[Tested], bias_csvs: list[Path], 
     ax.set_xscale("log")
     ax.set_xlabel("relative gradient bias, text-tower parameters (log)")
     ax.set_ylabel(f"gain over {BASELINE}, {config.primary_metric} (points)")
+    ax.set_title("circles: equal-steps arm (B = 256: both arms); squares: equal-samples arm; "
+                 f"bars: {100 * config.confidence:g}% interval", fontsize=8)
     ax.grid(alpha=0.3)
     if drawn:
         ax.legend(fontsize=7, ncol=2)
@@ -486,17 +488,13 @@ def plot_bias_against_gain(config, family: list[Tested], bias_csvs: list[Path], 
 # --------------------------------------------------------------------------------------------
 
 
-def write_report_v2(config: StudyConfig, command: str = "",
-                    sync_docs: tuple[Path, ...] = ()) -> str:
-    """Tables, figures, CSVs and ``findings.md`` in ``report_dir``; with ``sync_docs``, the
-    generated blocks of those markdown pages rewritten too (:mod:`vlcontrast.study.findings`)."""
+def write_report_v2(config: StudyConfig, command: str = "") -> str:
+    """Tables, figures and CSVs in ``report_dir``, from the result files; returns ``study.md``."""
     from .design import read_selected
-    from .findings import blocks, sync_blocks
 
     out = config.report_path
     out.mkdir(parents=True, exist_ok=True)
-    planned_cells = final_cells(config, read_selected(config))
-    rows = collect_final(config, planned_cells)
+    rows = collect_final(config, final_cells(config, read_selected(config)))
     family = tested_family(config, rows)
     planned = planned_family_size(config)
     text = [f"# Loss study v2: {config.output_dir}\n"]
@@ -532,13 +530,7 @@ def write_report_v2(config: StudyConfig, command: str = "",
             text.append(f"## Gradient bias against gain: {dataset}\n\n"
                         f"Measured by `vlcontrast diagnose gradient-bias` ({', '.join(map(str, paths))}).\n\n"
                         f"![gradient bias against gain, {dataset}]({png.name})\n")
-    content = blocks(config, rows, family, len(planned_cells))
-    (out / "recommendation.md").write_text(content["recommendation"])
-    (out / "findings.md").write_text(content["findings"])
-    for page in sync_docs:
-        changed = sync_blocks(Path(page), content)
-        print(f"study: {page}: " + (f"rewrote {', '.join(changed)}" if changed else "up to date"),
-              flush=True)
+    (out / "recommendation.md").write_text(recommendation(config, family))
     with open(out / "comparisons.csv", "w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["dataset", "arms", "candidate", "baseline", "global_batch", "steps", "n",

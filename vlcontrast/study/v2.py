@@ -458,9 +458,11 @@ def run_study_v2(config: StudyConfig, stage: str = "all", command: str = "",
             raise FileNotFoundError(f"{selected_path(config)}: no selection yet; run --stage sweep")
         run_cells(config, final_cells(config, selected))
     if stage in ("final", "report", "all"):
+        from .findings import write_generated
         from .report_v2 import write_report_v2
 
-        write_report_v2(config, command, sync_docs)
+        write_report_v2(config, command)
+        write_generated(config, sync_docs)
 
 
 def plan_text(config: StudyConfig) -> str:
