@@ -142,7 +142,7 @@ def check_matrix(ctx: Context, group: str) -> None:
     families = shipped_families()
     missing = sorted(f for f in set(families) - set(settings.models) if matrix_group(f) == group)
     for family in missing:
-        report.add("matrix", family, "fail", f"no representative tower for family {family!r} "
+        report.add(group, family, "fail", f"no representative tower for family {family!r} "
                    f"(shipped configs use {families[family]}): add one to bench/gpu_check/plan.py")
     report.info["matrix_families"] = families
     cells = matrix_cells(sorted(set(families) & set(settings.models)), precisions(),
@@ -206,7 +206,7 @@ def check_matrix(ctx: Context, group: str) -> None:
             finally:
                 drop_checkpoints(run_dir)
 
-        report.timed("matrix", case, cell)
+        report.timed(group, case, cell)
 
 
 # --------------------------------------------------------------------------------------------

@@ -339,12 +339,15 @@ def test_reduced_check_runs_end_to_end_on_cpu(tmp_path):
         (row,) = [r for r in rows if r["section"] == section and r["case"] == case]
         assert row["status"] == "skip" and "needs CUDA" in row["detail"]
     # The reduced matrix: both families, every precision, every ZeRO stage at least once.
-    matrix = [r["case"].split() for r in rows if r["section"] == "matrix"]
+    matrix = [r["case"].split() for r in rows if r["section"].startswith("matrix-")]
     assert {c[0] for c in matrix} == {"RN", "ViT"}
+    # Each family's cells are in its own group.
+    assert {(r["section"], r["case"].split()[0]) for r in rows if r["section"].startswith(
+        "matrix-")} == {("matrix-rn", "RN"), ("matrix-vit", "ViT")}
     assert {c[2] for c in matrix} == set(groups.precisions())
     assert {c[3] for c in matrix} == {"zero0", "zero1", "zero2", "zero3"}
     assert {c[4] if len(c) > 4 else "" for c in matrix} == {"", "uint8"}  # both image paths
-    ran = [r for r in rows if r["section"] == "matrix" and r["status"] == "pass"]
+    ran = [r for r in rows if r["section"].startswith("matrix-") and r["status"] == "pass"]
     assert len(ran) >= 6  # only fp16 may be skipped on a CPU
     from vlcontrast.losses import LOSSES
 
