@@ -118,3 +118,15 @@ def test_the_pages_say_what_the_committed_cells_say(committed, page, names):
     text = (ROOT / page).read_text()
     for name in names:
         assert read_block(text, name) == committed[name], f"{page}: block {name} is stale"
+
+
+def test_no_recommendation_table_before_every_final_cell_has_run():
+    config = load_study_config(CONFIG)
+    family = _family(config, {16: [0.05, 0.051, 0.049, 0.05, 0.052, 0.048]})
+    partial = blocks(config, [], family, planned_cells=972)
+    assert partial["recommendation"].startswith("*Not yet: 0 of 972 final cells have run.")
+    assert "|" not in partial["recommendation"]
+    assert partial["status"].startswith("Final stage running: 0 of 972 final cells")
+    complete = blocks(config, [], family, planned_cells=0)
+    assert "| 16 |" in complete["recommendation"] and "**dcl**" in complete["recommendation"]
+    assert complete["status"].startswith("Final stage finished")

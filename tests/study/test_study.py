@@ -130,6 +130,19 @@ def test_evaluation_points_spread_over_the_cell(tmp_path):
 # statistics, against scipy.stats
 
 
+def test_differences_equal_up_to_rounding_have_no_p_value():
+    """R@1 over a fixed test set moves in fixed steps, so two seeds can give one difference that
+    float subtraction splits into values 1e-17 apart: no spread, no p-value (and so it cannot
+    survive Holm), not p = 1e-30."""
+    candidate, baseline = [40 * 0.0005, 0.1395], [32 * 0.0005, 0.1355]  # +0.004 twice
+    differences = [c - b for c, b in zip(candidate, baseline)]
+    assert differences[0] != differences[1]  # the rounding is real
+    result = paired_comparison(candidate, baseline)
+    assert math.isnan(result.p_value)
+    assert result.difference.mean == pytest.approx(0.004)
+    assert not math.isnan(paired_comparison([0.021, 0.1395], baseline).p_value)
+
+
 @pytest.mark.parametrize("df", [1, 2, 4, 9, 30])
 @pytest.mark.parametrize("p", [0.8, 0.9, 0.975, 0.995, 0.1])
 def test_t_quantile_matches_scipy(df, p):

@@ -13,7 +13,8 @@ rewrites from the cells (:func:`write_generated`), and that a test can regenerat
     smallest difference the study could have detected after the correction at each batch size,
     and how many (setting, batch) cells learned beyond their starting checkpoint.
 ``recommendation``
-    the one-table answer to "which loss at which batch size" (:func:`report_v2.recommendation`).
+    the one-table answer to "which loss at which batch size" (:func:`report_v2.recommendation`),
+    once every final cell has run (before that, a line saying how many have).
 
 The hand-written prose around the blocks interprets them and quotes no number of its own.
 """
@@ -136,10 +137,13 @@ def status(config: StudyConfig, rows, planned_cells: int) -> str:
 
 def blocks(config: StudyConfig, rows, family: list[Tested], planned_cells: int) -> dict[str, str]:
     """Every generated block's text: ``status``, ``findings``, ``recommendation``."""
-    table = recommendation(config, family)
     if len(rows) < planned_cells:
-        table = (f"*Unfinished: {len(rows)} of {planned_cells} final cells; this table will "
-                 "change.*\n\n" + table)
+        # No recommendation from part of the seeds: a table is read without its footnotes.
+        table = (f"*Not yet: {len(rows)} of {planned_cells} final cells have run. The table "
+                 "is written here when every final seed has; the partial statistics, marked as "
+                 "such, are in the study's findings.*\n")
+    else:
+        table = recommendation(config, family)
     return {"status": status(config, rows, planned_cells),
             "findings": findings(config, rows, family), "recommendation": table}
 

@@ -116,7 +116,7 @@ class PairedComparison:
     """Mean of (candidate - baseline) over the paired seeds, with its t interval."""
     p_value: float
     """Two-sided paired t test (``scipy.stats.ttest_rel``); nan with fewer than 2 pairs or no
-    spread."""
+    spread (:data:`NO_SPREAD`)."""
     detectable: float
     """Smallest true difference the paired t test at this n detects with the requested power
     (two-sided, alpha = 1 - confidence), from the observed SD of the differences."""
@@ -141,6 +141,13 @@ def minimum_detectable_difference(sd: float, n: int, confidence: float = 0.95,
     return (t_quantile(1.0 - alpha / 2.0, n - 1) + t_quantile(power, n - 1)) * sd / math.sqrt(n)
 
 
+NO_SPREAD = 1e-12
+"""Differences whose SD is at most this are equal up to float rounding: the metrics are fractions
+counted over a fixed test set (R@1 over 1,000 pairs moves in steps of 0.0005), so two seeds can
+give the same difference, and ``c - b`` rounds it to values 1e-17 apart. A t statistic over that
+rounding would be astronomically large; the comparison has no spread and no p-value instead."""
+
+
 def paired_comparison(candidate: list[float], baseline: list[float], confidence: float = 0.95,
                       power: float = 0.8) -> PairedComparison:
     """Paired t comparison of two equally long lists (element i of each comes from the same seed)."""
@@ -150,7 +157,7 @@ def paired_comparison(candidate: list[float], baseline: list[float], confidence:
     differences = [c - b for c, b in zip(candidate, baseline)]
     interval = mean_interval(differences, confidence)
     n = len(differences)
-    if n < 2 or interval.sd == 0.0:
+    if n < 2 or interval.sd <= NO_SPREAD:
         p_value = float("nan")
     else:
         p_value = t_two_sided_p(interval.mean / (interval.sd / math.sqrt(n)), n - 1)
