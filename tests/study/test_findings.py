@@ -86,13 +86,9 @@ def committed(request):
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.chdir(ROOT)  # the study config's paths are relative to the repository
     request.addfinalizer(monkeypatch.undo)
-    from vlcontrast.study.design import final_cells, read_selected
-    from vlcontrast.study.report_v2 import collect_final
-
     config = load_study_config(CONFIG)
-    planned = final_cells(config, read_selected(config))
-    rows = collect_final(config, planned)
-    return blocks(config, rows, report_v2.tested_family(config, rows), len(planned))
+    results = report_v2.final_results(config)
+    return blocks(config, results.rows, results.family, len(results.planned))
 
 
 def test_write_generated_writes_findings_and_syncs_the_pages(tmp_path, monkeypatch):

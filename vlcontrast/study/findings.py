@@ -3,7 +3,8 @@
 Every number a page says about the study should come from the committed cells, so the pages hold
 *generated blocks*: text between ``<!-- vlcontrast-study:NAME -->`` and
 ``<!-- /vlcontrast-study:NAME -->`` that ``vlcontrast study --stage report --sync-docs PAGE...``
-rewrites from the cells (:func:`write_generated`), and that a test can regenerate and compare. The blocks:
+rewrites from the cells (:func:`write_generated`), and that a test can regenerate and
+compare. The blocks:
 
 ``status``
     how many final cells have finished, per dataset.
@@ -26,8 +27,8 @@ from pathlib import Path
 
 from .config import StudyConfig
 from .report import format_difference, format_p
-from .report_v2 import (BASELINE, Tested, arm_sizes, gain_over_start, planned_family_size,
-                        recommendation)
+from .report_v2 import (BASELINE, FinalResults, Tested, arm_sizes, final_results,
+                        gain_over_start, planned_family_size, recommendation)
 
 OPEN = "<!-- vlcontrast-study:{name} -->"
 CLOSE = "<!-- /vlcontrast-study:{name} -->"
@@ -69,8 +70,8 @@ def _arm_findings(config: StudyConfig, rows, family: list[Tested], dataset: str,
             detectable.append((size, max(values)))
     if detectable:
         small = [size for size, value in detectable if value <= 0.01]
-        text = ("Smallest difference detectable after the correction (80% power, largest over "
-                "the comparisons), in points: "
+        text = (f"Smallest difference detectable after the correction ({100 * config.power:g}% "
+                "power, largest over the comparisons), in points: "
                 + ", ".join(f"B={size}: {100 * value:.2f}" for size, value in detectable) + "; ")
         text += (f"at most 1 point at B = {', '.join(map(str, small))}." if small
                  else "above 1 point at every batch size.")
@@ -182,15 +183,13 @@ def sync_blocks(path: Path, content: dict[str, str]) -> list[str]:
     return changed
 
 
-def write_generated(config: StudyConfig, sync_docs: tuple[Path, ...] = ()) -> dict[str, str]:
-    """Every block from the result files; ``findings.md`` in ``report_dir``; the blocks of the
-    ``sync_docs`` pages rewritten (each page's changed blocks are printed). Returns the blocks."""
-    from .design import final_cells, read_selected
-    from .report_v2 import collect_final, tested_family
-
-    planned = final_cells(config, read_selected(config))
-    rows = collect_final(config, planned)
-    content = blocks(config, rows, tested_family(config, rows), len(planned))
+def write_generated(config: StudyConfig, sync_docs: tuple[Path, ...] = (),
+                    results: FinalResults | None = None) -> dict[str, str]:
+    """Every block from the result files (or ``results``, read from them already);
+    ``findings.md`` in ``report_dir``; the blocks of the ``sync_docs`` pages rewritten (each
+    page's changed blocks are printed). Returns the blocks."""
+    results = results or final_results(config)
+    content = blocks(config, results.rows, results.family, len(results.planned))
     config.report_path.mkdir(parents=True, exist_ok=True)
     (config.report_path / "findings.md").write_text(content["status"] + "\n" + content["findings"])
     for page in sync_docs:

@@ -488,14 +488,34 @@ def plot_bias_against_gain(config, family: list[Tested], bias_csvs: list[Path], 
 # --------------------------------------------------------------------------------------------
 
 
-def write_report_v2(config: StudyConfig, command: str = "") -> str:
-    """Tables, figures and CSVs in ``report_dir``, from the result files; returns ``study.md``."""
+@dataclass
+class FinalResults:
+    """The final stage as the result files have it: the planned cells, the finished ones' rows,
+    and the tested family over them. Read once per report; the tables and the generated blocks
+    (:mod:`vlcontrast.study.findings`) both use it."""
+    planned: list[Cell2]
+    rows: list[dict[str, Any]]
+    family: list[Tested]
+
+
+def final_results(config: StudyConfig) -> FinalResults:
+    from .design import read_selected
+
+    planned = final_cells(config, read_selected(config))
+    rows = collect_final(config, planned)
+    return FinalResults(planned, rows, tested_family(config, rows))
+
+
+def write_report_v2(config: StudyConfig, command: str = "",
+                    results: FinalResults | None = None) -> str:
+    """Tables, figures and CSVs in ``report_dir``, from the result files (or ``results``, read
+    from them already); returns ``study.md``."""
     from .design import read_selected
 
     out = config.report_path
     out.mkdir(parents=True, exist_ok=True)
-    rows = collect_final(config, final_cells(config, read_selected(config)))
-    family = tested_family(config, rows)
+    results = results or final_results(config)
+    rows, family = results.rows, results.family
     planned = planned_family_size(config)
     text = [f"# Loss study v2: {config.output_dir}\n"]
     if command:

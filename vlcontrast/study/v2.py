@@ -459,10 +459,11 @@ def run_study_v2(config: StudyConfig, stage: str = "all", command: str = "",
         run_cells(config, final_cells(config, selected))
     if stage in ("final", "report", "all"):
         from .findings import write_generated
-        from .report_v2 import write_report_v2
+        from .report_v2 import final_results, write_report_v2
 
-        write_report_v2(config, command)
-        write_generated(config, sync_docs)
+        results = final_results(config)
+        write_report_v2(config, command, results)
+        write_generated(config, sync_docs, results)
 
 
 def plan_text(config: StudyConfig) -> str:

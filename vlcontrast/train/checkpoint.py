@@ -230,12 +230,14 @@ class Checkpointer:
                 f"{path}: written before checkpoints recorded the optimizer's parameter order, "
                 "and this version puts odd-sized parameters (logit_scale) last in each group under "
                 "ZeRO 1-3 and bf16/fp16, so its flat optimizer state would load shifted; resume it "
-                "with the vlcontrast that wrote it, or start a new run from it (model.pretrained=CHECKPOINT_DIR)")
+                "with the vlcontrast that wrote it, or start a new run from it "
+                "(model.pretrained=CHECKPOINT_DIR)")
         if [list(group) for group in saved] != self.param_layout:
             raise CheckpointError(
                 f"{path}: its optimizer state is laid out in another parameter order "
                 f"({_first_difference(saved, self.param_layout)}); resume with the config and "
-                "vlcontrast version that wrote it, or start a new run from it (model.pretrained=CHECKPOINT_DIR)")
+                "vlcontrast version that wrote it, or start a new run from it "
+                "(model.pretrained=CHECKPOINT_DIR)")
 
     # -- save ----------------------------------------------------------------------------------
 
