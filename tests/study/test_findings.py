@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 
 from vlcontrast.study import load_study_config
-from vlcontrast.study.findings import CLOSE, OPEN, blocks, findings, read_block, sync_blocks
+from vlcontrast.study.findings import (CLOSE, OPEN, blocks, findings, power, read_block,
+                                       seeds_needed, sync_blocks)
 from vlcontrast.study import report_v2
-from vlcontrast.study.stats import holm_adjust, minimum_detectable_difference, paired_comparison
+from vlcontrast.study.stats import (holm_adjust, mean_interval, minimum_detectable_difference,
+                                    paired_comparison)
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "study" / "v2.yaml"
@@ -105,7 +107,7 @@ def test_write_generated_writes_findings_and_syncs_the_pages(tmp_path, monkeypat
 
 
 @pytest.mark.parametrize("page, names", [
-    ("docs/loss-study.md", ("status", "findings", "recommendation")),
+    ("docs/loss-study.md", ("status", "findings", "power", "recommendation")),
     ("README.md", ("recommendation",)),
 ])
 def test_the_pages_say_what_the_committed_cells_say(committed, page, names):
@@ -126,3 +128,34 @@ def test_no_recommendation_table_before_every_final_cell_has_run():
     complete = blocks(config, [], family, planned_cells=0)
     assert "| 16 |" in complete["recommendation"] and "**dcl**" in complete["recommendation"]
     assert complete["status"].startswith("Final stage finished")
+
+
+def test_seeds_needed_is_the_first_seed_count_that_detects_the_target():
+    config = load_study_config(CONFIG)
+    for sd in (0.002, 0.005, 0.0079):
+        n = seeds_needed(sd, config, tests=180)
+        assert minimum_detectable_difference(sd, n, config.confidence, config.power,
+                                             tests=180) <= 0.01
+        assert minimum_detectable_difference(sd, n - 1, config.confidence, config.power,
+                                             tests=180) > 0.01
+    # The design page's arithmetic: six seeds detect 4.06 SD at m = 180, so SD 0.25 points is
+    # the largest spread that six seeds bring under 1 point.
+    assert seeds_needed(0.0024, config, tests=180) == 6
+    assert seeds_needed(0.0026, config, tests=180) > 6
+    assert seeds_needed(0.5, config, tests=180) is None  # beyond MAX_SEEDS
+
+
+def test_power_block_reports_the_spread_the_tests_saw():
+    config = load_study_config(CONFIG)
+    noise = [0.01, -0.012, 0.004, -0.003, 0.008, -0.009]
+    text = power(config, _family(config, {16: noise, 1024: [2 * x for x in noise]}))
+    rows = [line for line in text.splitlines() if line.startswith("| synthetic |")]
+    assert [row.split(" | ")[1] for row in rows] == ["16", "1024"]
+    sd = mean_interval(noise).sd
+    first = rows[0].split(" | ")
+    assert first[3] == "6" and first[4] == f"{100 * sd:.2f} / {100 * sd:.2f}"
+    needed = seeds_needed(sd, config, tests=180)
+    assert first[6].rstrip(" |") == f"{needed} / {needed}"
+    # Twice the spread needs more seeds.
+    second = rows[1].split(" | ")
+    assert int(second[6].split(" / ")[0]) > needed

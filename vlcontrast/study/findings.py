@@ -13,6 +13,10 @@ compare. The blocks:
     differences, intervals and adjusted p), "no detectable difference" where none does, the
     smallest difference the study could have detected after the correction at each batch size,
     and how many (setting, batch) cells learned beyond their starting checkpoint.
+``power``
+    why the detectable differences are what they are: per dataset and batch size, the spread
+    (SD over seeds) of the paired differences that the tests saw, the difference detectable at
+    the seeds run, and how many seeds the ≤ 1 point target would have needed at that spread.
 ``recommendation``
     the one-table answer to "which loss at which batch size" (:func:`report_v2.recommendation`),
     once every final cell has run (before that, a line saying how many have).
@@ -26,9 +30,15 @@ import re
 from pathlib import Path
 
 from .config import StudyConfig
+from .design import batch_steps
 from .report import format_difference, format_p
 from .report_v2 import (BASELINE, FinalResults, Tested, arm_sizes, final_results,
                         gain_over_start, planned_family_size, recommendation)
+from .stats import minimum_detectable_difference
+
+TARGET = 0.01
+"""The issue's power target: a detectable difference of at most 1 point R@1 after the correction."""
+MAX_SEEDS = 200
 
 OPEN = "<!-- vlcontrast-study:{name} -->"
 CLOSE = "<!-- /vlcontrast-study:{name} -->"
@@ -127,6 +137,53 @@ def findings(config: StudyConfig, rows, family: list[Tested]) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+def seeds_needed(sd: float, config: StudyConfig, tests: int, target: float = TARGET) -> int | None:
+    """The fewest paired seeds at which a difference of ``target`` is detectable after Holm's
+    correction over ``tests`` comparisons, at spread ``sd``; None above :data:`MAX_SEEDS`."""
+    for n in range(2, MAX_SEEDS + 1):
+        if minimum_detectable_difference(sd, n, config.confidence, config.power,
+                                         tests=tests) <= target:
+            return n
+    return None
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def power(config: StudyConfig, family: list[Tested]) -> str:
+    """The ``power`` block: a table per dataset and (batch, steps) training of the paired SDs,
+    the detectable difference and the seeds the ≤ 1 point target would need."""
+    tests = planned_family_size(config)
+    out = [f"Paired differences of {config.primary_metric} (candidate − baseline, same seed), "
+           f"over the {len(config.comparisons)} pre-registered comparisons of each training; "
+           f"detectable = smallest difference found with {100 * config.power:g}% power after "
+           f"Holm over {tests}; points.", "",
+           "| dataset | batch | steps | seeds | paired SD, median / max | detectable, "
+           "median / max | seeds for ≤ 1 point, median / max SD |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+    for dataset in config.datasets:
+        for size, steps in batch_steps(config):
+            group = [t for t in family if t.dataset == dataset and t.global_batch == size
+                     and t.steps == steps and t.result.difference.n >= 2]
+            if not group:
+                continue
+            sds = [t.result.difference.sd for t in group]
+            seeds = sorted({t.result.difference.n for t in group})
+            detectable = [t.detectable_holm for t in group if t.detectable_holm == t.detectable_holm]
+            needed = [seeds_needed(value, config, tests) for value in (_median(sds), max(sds))]
+            out.append(
+                f"| {dataset} | {size} | {steps} | "
+                + (str(seeds[0]) if len(seeds) == 1 else f"{seeds[0]}–{seeds[-1]}")
+                + f" | {100 * _median(sds):.2f} / {100 * max(sds):.2f} | "
+                + (f"{100 * _median(detectable):.1f} / {100 * max(detectable):.1f}"
+                   if detectable else "-") + " | "
+                + " / ".join(str(n) if n is not None else f"> {MAX_SEEDS}" for n in needed) + " |")
+    return "\n".join(out) + "\n"
+
+
 def status(config: StudyConfig, rows, planned_cells: int) -> str:
     """The ``status`` block: how far the final stage is."""
     per = {d: sum(row["dataset"] == d for row in rows) for d in config.datasets}
@@ -137,7 +194,7 @@ def status(config: StudyConfig, rows, planned_cells: int) -> str:
 
 
 def blocks(config: StudyConfig, rows, family: list[Tested], planned_cells: int) -> dict[str, str]:
-    """Every generated block's text: ``status``, ``findings``, ``recommendation``."""
+    """Every generated block's text: ``status``, ``findings``, ``power``, ``recommendation``."""
     if len(rows) < planned_cells:
         # No recommendation from part of the seeds: a table is read without its footnotes.
         table = (f"*Not yet: {len(rows)} of {planned_cells} final cells have run. The table "
@@ -146,7 +203,8 @@ def blocks(config: StudyConfig, rows, family: list[Tested], planned_cells: int) 
     else:
         table = recommendation(config, family)
     return {"status": status(config, rows, planned_cells),
-            "findings": findings(config, rows, family), "recommendation": table}
+            "findings": findings(config, rows, family), "power": power(config, family),
+            "recommendation": table}
 
 
 def _pattern(name: str) -> re.Pattern:
