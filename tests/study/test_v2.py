@@ -512,3 +512,32 @@ def test_the_tuning_table_flags_an_edge_and_names_only_swept_options():
     fastclip = next(line for line in lines if line.startswith("| fastclip-global |"))
     assert fastclip.split("|")[-2].strip() == "×2 (gamma=0.5, gamma_schedule=cosine)"
     assert fastclip.split("|")[2].strip() == "—"
+
+
+def test_run_cells_reports_progress_per_cell_and_the_counts_at_the_end(monkeypatch, capsys):
+    """A long final stage in a log file shows one line per finished cell (count, ETA), the
+    failures by name, and a closing line; finished cells are not run again."""
+    from types import SimpleNamespace
+
+    import vlcontrast.study.v2 as v2
+
+    cells = [SimpleNamespace(name=f"syn/final/c{i}") for i in range(4)]
+    ran = []
+
+    def fake_run(config, cell):
+        ran.append(cell.name)
+        if cell.name.endswith("c2"):
+            return {"status": "failed", "error": "Traceback\nRuntimeError: boom\n"}
+        return {"status": "ok"}
+
+    monkeypatch.setattr(v2, "is_finished_v2", lambda config, cell: cell.name.endswith("c0"))
+    monkeypatch.setattr(v2, "run_cell_v2", fake_run)
+    config = SimpleNamespace(parallel=1, results_path=Path("res"))
+    assert v2.run_cells(config, cells) == ["syn/final/c2"]
+    assert ran == ["syn/final/c1", "syn/final/c2", "syn/final/c3"]
+    err = capsys.readouterr().err
+    assert "study: 1 of 4 cells done, running 3" in err
+    assert "study 2/4 (50%)" in err and "study 4/4 (100%)" in err and "ETA" in err
+    assert "study: syn/final/c2 failed: RuntimeError: boom" in err
+    assert err.rstrip().endswith("study: 2 of 3 cells ran, 1 failed (rerun the stage to retry "
+                                 "them: syn/final/c2); results in res/")

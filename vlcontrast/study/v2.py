@@ -27,6 +27,7 @@ from typing import Any
 
 from .cells import (_run_training, _write_json, host_cpu, kill_running_cells, model_digest,
                     summarise_run)
+from ..progress import Progress
 from .config import StudyConfig
 from .design import (Cell2, batch_steps, cell_command_v2, cell_fingerprint_v2, datasets,
                      features_path, final_cells, is_finished_v2, kept_start_dir, option_grid,
@@ -250,25 +251,37 @@ def run_cell_v2(config: StudyConfig, cell: Cell2) -> dict[str, Any]:
 
 
 def run_cells(config: StudyConfig, cells: list[Cell2]) -> list[str]:
-    """Run the unfinished ``cells``, ``parallel`` at a time; returns the names of failed ones."""
+    """Run the unfinished ``cells``, ``parallel`` at a time; returns the names of failed ones.
+    Progress goes to stderr: a bar on a terminal, one line per finished cell (with the ETA) in a
+    log file, and a closing line with the counts."""
     todo = [cell for cell in cells if not is_finished_v2(config, cell)]
     print(f"study: {len(cells) - len(todo)} of {len(cells)} cells done, running {len(todo)}",
           file=sys.stderr, flush=True)
     failed = []
-    with ThreadPoolExecutor(max_workers=config.parallel) as pool:
+    if not todo:
+        return failed
+    with Progress(total=len(cells), desc="study", unit="cell", initial=len(cells) - len(todo),
+                  every_n=1) as progress, \
+            ThreadPoolExecutor(max_workers=config.parallel) as pool:
         futures = {pool.submit(run_cell_v2, config, cell): cell for cell in todo}
         try:
             for future in as_completed(futures):
                 cell, record = futures[future], future.result()
                 if record["status"] != "ok":
                     failed.append(cell.name)
-                    print(f"study: {cell.name} {record['status']}: "
-                          f"{record.get('error', '').strip().splitlines()[-1:]}", file=sys.stderr)
+                    last = record.get("error", "").strip().splitlines()[-1:] or [""]
+                    progress.write(f"study: {cell.name} {record['status']}: {last[0][:200]}")
+                progress.set_postfix(cell=cell.name, failed=len(failed))
+                progress.update(1)
         except BaseException:
             for future in futures:
                 future.cancel()
             kill_running_cells()
             raise
+    print(f"study: {len(todo) - len(failed)} of {len(todo)} cells ran"
+          + (f", {len(failed)} failed (rerun the stage to retry them: {', '.join(failed[:3])}"
+             + (", ..." if len(failed) > 3 else "") + ")" if failed else "")
+          + f"; results in {config.results_path}/", file=sys.stderr, flush=True)
     return failed
 
 
