@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from statistics import median
 
 from .config import StudyConfig
 from .design import batch_steps
@@ -147,12 +148,6 @@ def seeds_needed(sd: float, config: StudyConfig, tests: int, target: float = TAR
     return None
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-
-
 def power(config: StudyConfig, family: list[Tested]) -> str:
     """The ``power`` block: a table per dataset and (batch, steps) training of the paired SDs,
     the detectable difference and the seeds the ≤ 1 point target would need."""
@@ -171,14 +166,15 @@ def power(config: StudyConfig, family: list[Tested]) -> str:
             if not group:
                 continue
             sds = [t.result.difference.sd for t in group]
+            spread = (median(sds), max(sds))
             seeds = sorted({t.result.difference.n for t in group})
             detectable = [t.detectable_holm for t in group if t.detectable_holm == t.detectable_holm]
-            needed = [seeds_needed(value, config, tests) for value in (_median(sds), max(sds))]
+            needed = [seeds_needed(value, config, tests) for value in spread]
             out.append(
                 f"| {dataset} | {size} | {steps} | "
                 + (str(seeds[0]) if len(seeds) == 1 else f"{seeds[0]}–{seeds[-1]}")
-                + f" | {100 * _median(sds):.2f} / {100 * max(sds):.2f} | "
-                + (f"{100 * _median(detectable):.1f} / {100 * max(detectable):.1f}"
+                + f" | {100 * spread[0]:.2f} / {100 * spread[1]:.2f} | "
+                + (f"{100 * median(detectable):.1f} / {100 * max(detectable):.1f}"
                    if detectable else "-") + " | "
                 + " / ".join(str(n) if n is not None else f"> {MAX_SEEDS}" for n in needed) + " |")
     return "\n".join(out) + "\n"
