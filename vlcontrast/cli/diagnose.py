@@ -1,0 +1,75 @@
+"""``vlcontrast diagnose``: measurements of what the losses do (``gradient-bias``)."""
+
+from __future__ import annotations
+
+import sys
+
+from vlcontrast.cli.environment import prepare_environment
+
+
+def register(sub) -> None:
+    diagnose = sub.add_parser("diagnose", help="measure what the losses do (docs/diagnose.md)")
+    diagnose_sub = diagnose.add_subparsers(dest="what", required=True)
+    bias = diagnose_sub.add_parser(
+        "gradient-bias", help="relative bias of the mini-batch gradient against batch size")
+    bias.add_argument("--checkpoint", required=True, help="run directory or checkpoint directory")
+    bias.add_argument("--data", required=True, help="shards holding the N samples")
+    bias.add_argument("--out", default="runs/diagnose/gradient-bias", help="output directory")
+    bias.add_argument("--losses", default="infonce,dcl,dclw,decl,debiased,siglip")
+    bias.add_argument("--batch-sizes", default="16,32,64,128,256,512,1024")
+    bias.add_argument("--num-samples", type=int, default=4096, help="N, the fixed samples")
+    bias.add_argument("--batches-per-size", type=int, default=512,
+                      help="at least this many batches per batch size")
+    bias.add_argument("--min-replicates", type=int, default=16,
+                      help="at least this many passes over the N samples per batch size")
+    bias.add_argument("--parameter-groups", type=int, default=4,
+                      help="replicate groups pushed back for the parameter-space MC error")
+    bias.add_argument("--parameter-batches", type=int, default=8,
+                      help="single batches pushed back for the parameter-space variance")
+    bias.add_argument("--no-parameters", action="store_true",
+                      help="skip the tower-parameter gradient (features only)")
+    bias.add_argument("--lock-image", action="store_true",
+                      help="parameter gradient over the text tower only (a locked-image run)")
+    bias.add_argument("--chunk-size", type=int, default=512,
+                      help="rows per block of the chunked losses and samples per tower forward")
+    bias.add_argument("--option", action="append", default=[],
+                      help="loss option LOSS.KEY=VALUE, e.g. decl.gamma=0.5 (repeatable)")
+    bias.add_argument("--seed", type=int, default=0)
+    bias.add_argument("--device", default="auto")
+    bias.add_argument("--workers", type=int, default=0)
+    diagnose.set_defaults(func=run_diagnose)
+
+
+def run_diagnose(args) -> int:
+    prepare_environment(args.device)
+    from vlcontrast.diagnose import GradientBiasSettings, run_gradient_bias
+
+    def names(text: str) -> tuple[str, ...]:
+        return tuple(item.strip() for item in text.split(",") if item.strip())
+
+    try:
+        options: dict[str, dict] = {}
+        for item in args.option:
+            key, sep, value = item.partition("=")
+            loss, dot, option = key.partition(".")
+            if not sep or not dot:
+                raise ValueError(f"--option {item!r}: expected LOSS.KEY=VALUE")
+            import yaml
+
+            options.setdefault(loss, {})[option] = yaml.safe_load(value)
+        sizes = tuple(int(size) for size in names(args.batch_sizes))
+        settings = GradientBiasSettings(
+            checkpoint=args.checkpoint, data=args.data, out=args.out, losses=names(args.losses),
+            batch_sizes=sizes, num_samples=args.num_samples,
+            batches_per_size=args.batches_per_size, min_replicates=args.min_replicates,
+            parameters=not args.no_parameters, lock_image=args.lock_image,
+            parameter_groups=args.parameter_groups,
+            parameter_batches=args.parameter_batches, chunk_size=args.chunk_size,
+            loss_options=options, seed=args.seed, device=args.device, workers=args.workers)
+        report = run_gradient_bias(settings)
+    except ValueError as err:
+        print(f"vlcontrast: error: {err}", file=sys.stderr)
+        return 2
+    print(f"gradient-bias: {len(report['rows'])} rows in {report['seconds']} s -> {args.out}")
+    return 0
+

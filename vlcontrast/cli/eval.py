@@ -1,0 +1,78 @@
+"""``vlcontrast eval``: ``retrieval`` and ``zeroshot`` of one checkpoint, ``compare`` of several.
+
+This is the one definition of these commands: the scripts in eval/ call main() with their
+subcommand, so their options and defaults cannot drift.
+"""
+
+from __future__ import annotations
+
+import os
+
+from vlcontrast.cli.environment import prepare_environment
+from vlcontrast.errors import ConfigError
+
+
+def register(sub) -> None:
+    ev = sub.add_parser("eval", help="evaluate a checkpoint")
+    ev_sub = ev.add_subparsers(dest="what", required=True)
+
+    def add_run_options(p):
+        p.add_argument("--batch-size", type=int, default=256)
+        p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
+                       help="data loader processes (default: 4, or the CPU count if smaller)")
+        p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+
+    for name in ("retrieval", "zeroshot"):
+        p = ev_sub.add_parser(name, help=f"{name} of one checkpoint; writes a JSON record")
+        p.add_argument("--checkpoint", required=True, help="run directory (its latest) or checkpoint dir")
+        p.add_argument("--data", required=True, help="retrieval shards (dir, spec, comma list)"
+                       if name == "retrieval" else "ImageNet val dir, ImageFolder or "
+                       "CLIP_benchmark webdataset dir")
+        p.add_argument("--out", default=None, help="JSON file to write")
+        add_run_options(p)
+        if name == "retrieval":
+            p.add_argument("--max-samples", type=int, default=0, help="0: all")
+            p.add_argument("--image-key", default="",
+                           help="image members, as data.image_key (default: jpg;jpeg;png;webp)")
+            p.add_argument("--caption-key", default="",
+                           help="caption members, as data.caption_key, e.g. json:caption "
+                                "(default: .txt lines, or the .json's captions/caption)")
+        else:
+            p.add_argument("--classnames", default=None, help="one class name per line")
+            p.add_argument("--templates", default=None, help="one prompt per line with {c}")
+    compare = ev_sub.add_parser("compare", help="evaluate several checkpoints on the same data; "
+                                "writes OUT/comparison.{json,md}")
+    compare.add_argument("checkpoints", nargs="+")
+    compare.add_argument("--retrieval", default="", help="retrieval shards")
+    compare.add_argument("--zeroshot", default="", help="zero-shot data dir")
+    compare.add_argument("--classnames", default=None, help="one class name per line")
+    compare.add_argument("--templates", default=None, help="one prompt per line with {c}")
+    compare.add_argument("--max-samples", type=int, default=0, help="0: all")
+    compare.add_argument("--out", required=True, help="output directory")
+    add_run_options(compare)
+    ev.set_defaults(func=run_eval)
+
+
+def run_eval(args) -> int:
+    prepare_environment(getattr(args, "device", "auto"))
+    from vlcontrast.evaluation import runner
+
+    if args.what == "retrieval":
+        runner.run_retrieval_cli(args.checkpoint, args.data, args.out, batch_size=args.batch_size,
+                                 workers=args.workers, max_samples=args.max_samples,
+                                 device=args.device, image_key=args.image_key,
+                                 caption_key=args.caption_key)
+    elif args.what == "zeroshot":
+        runner.run_zeroshot_cli(args.checkpoint, args.data, args.out, classnames=args.classnames,
+                                templates=args.templates, batch_size=args.batch_size,
+                                workers=args.workers, device=args.device)
+    else:
+        if not args.retrieval and not args.zeroshot:
+            raise ConfigError("eval compare: give --retrieval and/or --zeroshot")
+        runner.compare_checkpoints(args.checkpoints, args.out, retrieval=args.retrieval,
+                                   zeroshot=args.zeroshot, classnames=args.classnames,
+                                   templates=args.templates, max_samples=args.max_samples,
+                                   batch_size=args.batch_size, workers=args.workers,
+                                   device=args.device)
+    return 0
+

@@ -1,0 +1,132 @@
+"""``vlcontrast classify`` and ``vlcontrast embed``: a trained model on the user's own images and
+texts. Every input is checked before the model is built."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from vlcontrast.cli.environment import prepare_environment
+from vlcontrast.errors import ConfigError
+
+
+def register(sub) -> None:
+    classify_cmd = sub.add_parser(
+        "classify", help="zero-shot classify your own images among labels you name")
+    classify_cmd.add_argument("images", nargs="+", help="image files or folders (searched "
+                              "recursively for .png .jpg .jpeg .webp .bmp .gif)")
+    classify_cmd.add_argument("--checkpoint", required=True, help="run directory (its latest "
+                              "checkpoint), checkpoint directory or `vlcontrast export` directory")
+    classify_cmd.add_argument("--labels", default=None, help="comma-separated labels, e.g. "
+                              "\"cat,dog,car\"")
+    classify_cmd.add_argument("--labels-file", default=None, help="one label per line (instead "
+                              "of --labels)")
+    classify_cmd.add_argument("--templates", default=None, help="one prompt per line with {c} "
+                              "(default: CLIP's seven-prompt ensemble)")
+    classify_cmd.add_argument("--top-k", type=int, default=5, help="labels shown per image")
+    classify_cmd.add_argument("--figure", default="",
+                              help="also draw the first 12 images with their top-3 labels (PNG)")
+    classify_cmd.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    embed_cmd = sub.add_parser(
+        "embed", help="L2-normalised embeddings of images or texts -> .npy (+ OUT.ids.txt) or "
+        ".parquet")
+    embed_cmd.add_argument("--checkpoint", required=True, help="run directory (its latest "
+                           "checkpoint), checkpoint directory or `vlcontrast export` directory")
+    source = embed_cmd.add_mutually_exclusive_group(required=True)
+    source.add_argument("--images", nargs="+", default=None, help="image files or folders, or "
+                        "webdataset shards (a shard folder, brace pattern, glob, .tar files)")
+    source.add_argument("--texts", default=None, help="a text file, one text per line")
+    embed_cmd.add_argument("--out", required=True, help="FILE.npy (ids in FILE.npy.ids.txt) or "
+                           "FILE.parquet (needs pyarrow)")
+    for p in (classify_cmd, embed_cmd):
+        p.add_argument("--batch-size", type=int, default=64)
+        p.add_argument("--workers", type=int, default=2, help="image loader processes")
+        p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+        p.add_argument("--no-progress", action="store_true")
+    classify_cmd.set_defaults(func=run_classify)
+    embed_cmd.set_defaults(func=run_embed)
+
+
+def run_classify(args) -> int:
+    from vlcontrast.evaluation.datasets import read_templates
+    from vlcontrast.inference import (DEFAULT_TEMPLATES, classify, find_images,
+                                      format_classification, parse_labels, resolve_device)
+    from vlcontrast.inference.images import skipped_summary
+
+    # Every input is checked before the model is built.
+    labels = parse_labels(args.labels, args.labels_file)
+    templates = read_templates(args.templates) if args.templates else list(DEFAULT_TEMPLATES)
+    if args.top_k < 1:
+        raise ConfigError(f"--top-k {args.top_k}: must be at least 1")
+    paths = find_images(args.images)
+    device = resolve_device(args.device)
+    prepare_environment(str(device))
+    from vlcontrast.inference.model import load_bundle
+
+    bundle = load_bundle(args.checkpoint, device, what="--checkpoint")
+    result = classify(bundle.model, bundle.preprocess_val, bundle.tokenizer, paths, labels,
+                      templates=templates, top_k=args.top_k, device=device,
+                      batch_size=args.batch_size, workers=args.workers,
+                      progress=not args.no_progress)
+    print(format_classification(result, as_json=args.json))
+    if args.figure:
+        from vlcontrast.inference.classify import plot_classification
+
+        print(f"vlcontrast classify: figure {plot_classification(result, args.figure)}",
+              file=sys.stderr)
+    if result.skipped:
+        print(f"vlcontrast classify: {skipped_summary(paths, result)}", file=sys.stderr)
+    return 0
+
+
+def run_embed(args) -> int:
+    from vlcontrast.inference import (check_output, embed_images, embed_texts, find_images,
+                                      read_texts, resolve_device, write_embeddings)
+
+    out = check_output(args.out)
+    texts = paths = shards = None
+    if args.texts:
+        texts = read_texts(args.texts)
+    elif names_shards(args.images):
+        from vlcontrast.evaluation.datasets import resolve_shards
+
+        shards = resolve_shards(args.images)  # one-line error naming missing shards
+    else:
+        paths = find_images(args.images, what="--images")
+    device = resolve_device(args.device)
+    prepare_environment(str(device))
+    from vlcontrast.inference.model import load_bundle
+
+    bundle = load_bundle(args.checkpoint, device, what="--checkpoint")
+    common = dict(device=device, batch_size=args.batch_size, progress=not args.no_progress)
+    if texts is not None:
+        embeddings = embed_texts(bundle.model, bundle.tokenizer, texts, **common)
+    else:
+        embeddings = embed_images(bundle.model, bundle.preprocess_val, paths=paths, shards=shards,
+                                  workers=args.workers, **common)
+    written = write_embeddings(embeddings, out)
+    if embeddings.reasons:
+        why = ", ".join(f"{reason}: {n}" for reason, n in sorted(embeddings.reasons.items()))
+        print(f"vlcontrast embed: skipped unreadable images ({why})", file=sys.stderr)
+    print(f"vlcontrast embed: {embeddings.vectors.shape[0]} embeddings of dimension "
+          f"{embeddings.vectors.shape[1]} -> {', '.join(map(str, written))}")
+    return 0
+
+
+def names_shards(items) -> bool:
+    """Whether ``embed --images`` names webdataset shards (read by the one shard grammar) rather
+    than image files and folders: a ``.tar`` file, a folder holding ``.tar`` files (or
+    CLIP_benchmark's ``test/nshards.txt``), or a spec that is no path (braces, globs, ``pipe:``)."""
+    for item in items:
+        path = Path(item)
+        if path.is_file():
+            if path.suffix == ".tar":
+                return True
+        elif path.is_dir():
+            if any(path.glob("*.tar")) or (path / "test" / "nshards.txt").is_file():
+                return True
+        else:
+            return True
+    return False
+

@@ -1,0 +1,67 @@
+"""``vlcontrast train`` and ``vlcontrast config``: the run config, and training with it.
+
+``train --nproc N`` re-launches itself under ``torchrun`` for N local processes; under torchrun,
+``deepspeed`` or ``srun`` the launcher's environment is used as is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from vlcontrast.cli.environment import prepare_environment
+
+
+def register(sub) -> None:
+    train = sub.add_parser("train", help="train a model (DeepSpeed)")
+    train.add_argument("--config", help="YAML run config")
+    train.add_argument("--nproc", type=int, default=1, help="local processes (re-launch via torchrun)")
+    # The deepspeed launcher appends --local_rank=N; the rank is read from the environment instead.
+    train.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    train.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    train.set_defaults(func=run_train)
+
+    config = sub.add_parser("config", help="list every option with its default, or show a resolved config")
+    config.add_argument("--config")
+    config.add_argument("overrides", nargs="*")
+    config.set_defaults(func=run_config)
+
+
+def run_train(args) -> int:
+    from vlcontrast.config import load_config
+
+    config = load_config(args.config, args.overrides)  # errors here, before any launch
+    inside_launcher = "RANK" in os.environ or "SLURM_PROCID" in os.environ
+    if args.nproc > 1 and not inside_launcher:
+        # torchrun as a module of this interpreter: works without the venv on PATH.
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={args.nproc}", "-m", "vlcontrast.cli", "train"] + (["--config", args.config] if args.config else []) + list(args.overrides)
+        os.execvpe(cmd[0], cmd, os.environ)
+    prepare_environment(config.train.device)
+    from vlcontrast import requeue
+    from vlcontrast.train import StopRequested, train
+
+    if requeue.launcher_rank() == 0:
+        requeue.clear(config.output_dir)
+    try:
+        train(config)
+    except StopRequested as stop:
+        print(f"vlcontrast: {stop}", file=sys.stderr)
+        # Exit 0 either way; a signal stop leaves RUN/preempted.json, the scheduler's cue to requeue.
+        requeue.record_stop(config.output_dir, stop)
+        return 0
+    return 0
+
+
+def run_config(args) -> int:
+    from vlcontrast.config import describe, load_config, to_dict
+
+    if args.config or args.overrides:
+        import yaml
+
+        print(yaml.safe_dump(to_dict(load_config(args.config, args.overrides)), sort_keys=False))
+        return 0
+    for key, default, doc in describe():
+        print(f"{key:28s} {default:14s} {doc}")
+    return 0
