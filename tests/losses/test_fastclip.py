@@ -163,7 +163,9 @@ def test_sogclr_is_fastclip_with_constant_gamma_and_a_fixed_temperature():
     sogclr = vlcontrast_steps(build_loss("sogclr", id_space=12, gamma=0.7), steps)
     fastclip = vlcontrast_steps(build_loss("fastclip", id_space=12, gamma=0.7), steps)
     assert_same_records(sogclr, fastclip)
-    assert loss_option_defaults("sogclr") == {"gamma": 0.9, "shard_buffer": False}
+    assert loss_option_defaults("sogclr") == {"gamma": 0.9, "shard_buffer": False,
+                                              "recipe": "paper", "eps": 1e-14,
+                                              "multiply_tau": False}
 
 
 def test_a_non_finite_u_is_reset_to_the_batch_estimate():

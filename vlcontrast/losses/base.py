@@ -262,6 +262,11 @@ class ContrastiveLoss(nn.Module):
         loss = torch.stack([t["loss"].mean() for t in terms]).mean()
         return {"loss": loss}
 
+    def set_epoch(self, epoch: int) -> None:
+        """The data epoch (0-based) of the coming training step; the trainer calls it before every
+        step. A loss whose schedule counts epochs (FastCLIP's ``fast_clip`` recipe) keeps it;
+        the others ignore it."""
+
     def rollback(self) -> None:
         """Undo the state changes made by the last ``forward`` (e.g. DeCL's buffer writes).
 

@@ -34,6 +34,17 @@ non-finite stored value is treated as a first visit (reset), as FastCLIP and Lib
 
 With ``gamma = 1`` the average is the current batch's ``g_i`` and the gradient is that of DCL:
 ``tau * grad(g_i) / g_i = tau * grad(log g_i) = tau * grad(logsumexp_{j != i} L_ij - L_ii)``.
+
+``recipe="paper"`` (the default) is all of the above. ``recipe="fast_clip"`` computes what
+fast_clip's training code computes, so that its published recipes run unchanged (docs/losses.md,
+"The fast_clip recipe"): ``g / (u + eps)`` instead of ``g / u``; a stored ``u`` below 1e-35 is
+reset like a first visit; ``gamma_t`` is a per-epoch staircase with ``gamma_t = 1`` for the whole
+first epoch; without ``multiply_tau`` the surrogate has no factor ``tau`` (its gradient is 1/tau
+times the paper's); with ``temperature="global"`` the temperature's gradient through ``g`` is
+summed over the two directions (the features' is averaged), and the bracket exists only with
+``multiply_tau``; individual temperatures use the model optimizer's betas and epsilon, betas 0 in
+the first epoch and bias correction by the epoch, and a surrogate without ``tau_i``. The epoch is
+the data's, set by the trainer with :meth:`FastCLIPLoss.set_epoch` before each step.
 """
 
 from __future__ import annotations
@@ -59,6 +70,10 @@ TAU_BETAS = (0.9, 0.999)
 TAU_EPS = 1e-8
 TAU_GRAD_CLIP = 5.0
 GAMMA_SCHEDULES = ("constant", "cosine")
+RECIPES = ("paper", "fast_clip")
+# fast_clip's defaults and constants (src/fast_clip/loss.py, src/training/params.py).
+FAST_CLIP_EPS = 1e-14
+RESET_BELOW = 1e-35
 
 
 @dataclass(kw_only=True)
@@ -94,6 +109,16 @@ class FastCLIPLoss(DeCLLoss):
         tau_lr: Adam learning rate of the individual temperatures.
         tau_min, tau_max: bounds of the individual temperatures.
         shard_buffer: shard ``u`` (and individual temperatures) by sample id across ranks.
+        recipe: ``paper`` (the papers' formulas) or ``fast_clip`` (what fast_clip's code computes;
+            see the module docstring).
+        gamma_decay_epochs: length of the cosine decay in epochs (``fast_clip`` recipe, whose
+            schedule is a per-epoch staircase; fast_clip's ``--gamma_decay_epochs``).
+        eps: the ``eps`` of ``g / (u + eps)`` (``fast_clip`` recipe; its ``--fastclip_eps``).
+        multiply_tau: fast_clip's ``--multiply_tau`` (``fast_clip`` recipe, fixed and global
+            temperatures): the surrogate carries the factor ``tau``, and the global temperature
+            its ``tau * (log u + rho)`` term; without it the gradient is 1/tau times larger.
+        optimizer_betas, optimizer_eps: the model optimizer's Adam constants, which the
+            ``fast_clip`` recipe's individual temperatures use (set by the trainer).
     """
 
     name = "fastclip"
@@ -104,14 +129,20 @@ class FastCLIPLoss(DeCLLoss):
                  temperature: Literal["fixed", "global", "individual"] = "fixed",
                  rho: float = 8.5, tau_init: float = 0.0, tau_lr: float = 0.01,
                  tau_min: float = 0.01, tau_max: float = 1.0,
-                 shard_buffer: bool = False, *, chunk_size: int = 0, id_space: int = 0):
+                 shard_buffer: bool = False, recipe: Literal["paper", "fast_clip"] = "paper",
+                 gamma_decay_epochs: int = 0, eps: float = FAST_CLIP_EPS,
+                 multiply_tau: bool = False, *, chunk_size: int = 0, id_space: int = 0,
+                 optimizer_betas: tuple[float, float] = TAU_BETAS,
+                 optimizer_eps: float = TAU_EPS):
+        self.check_recipe(recipe, temperature, gamma_schedule, int(gamma_decay_steps),
+                          int(gamma_decay_epochs), float(eps), bool(multiply_tau))
         if gamma_schedule not in GAMMA_SCHEDULES:
             raise ValueError(f"{self.name}: gamma_schedule={gamma_schedule!r} is not one of "
                              f"{list(GAMMA_SCHEDULES)}")
         if temperature not in TEMPERATURES:
             raise ValueError(f"{self.name}: temperature={temperature!r} is not one of "
                              f"{list(TEMPERATURES)}")
-        if gamma_schedule == "cosine" and gamma_decay_steps < 1:
+        if gamma_schedule == "cosine" and gamma_decay_steps < 1 and recipe == "paper":
             raise ValueError(f"{self.name}: gamma_schedule='cosine' needs gamma_decay_steps >= 1 "
                              f"(got {gamma_decay_steps})")
         if not 0 < tau_min < tau_max:
@@ -130,10 +161,53 @@ class FastCLIPLoss(DeCLLoss):
         self.tau_init, self.tau_lr = float(tau_init), float(tau_lr)
         self.tau_min, self.tau_max = float(tau_min), float(tau_max)
         self._gamma_now = self.gamma
+        self.recipe = recipe
+        self.gamma_decay_epochs = int(gamma_decay_epochs)
+        self.eps = float(eps)
+        self.multiply_tau = bool(multiply_tau)
+        self.optimizer_betas = (float(optimizer_betas[0]), float(optimizer_betas[1]))
+        self.optimizer_eps = float(optimizer_eps)
+        self.epoch: int | None = None
         if temperature == "individual":
             # u and the temperatures' state share one buffer: one look-up, one write, one undo.
             self.buffer = SampleBuffer(self, self.id_space, columns=INDIVIDUAL_COLUMNS,
                                        shard=self.shard_buffer, name=self.name)
+
+    def check_recipe(self, recipe: str, temperature: str, gamma_schedule: str,
+                     gamma_decay_steps: int, gamma_decay_epochs: int, eps: float,
+                     multiply_tau: bool) -> None:
+        """The options that belong to one recipe only, each refused with the fix."""
+        if recipe not in RECIPES:
+            raise ValueError(f"{self.name}: recipe={recipe!r} is not one of {list(RECIPES)}")
+        if recipe == "paper":
+            for option, value, default in (("gamma_decay_epochs", gamma_decay_epochs, 0),
+                                           ("eps", eps, FAST_CLIP_EPS),
+                                           ("multiply_tau", multiply_tau, False)):
+                if value != default:
+                    raise ValueError(f"{self.name}: {option}={value!r} belongs to "
+                                     "recipe='fast_clip'; set recipe=fast_clip or drop it")
+            return
+        if gamma_schedule == "cosine" and gamma_decay_epochs < 1:
+            raise ValueError(f"{self.name}: recipe='fast_clip' with gamma_schedule='cosine' needs "
+                             f"gamma_decay_epochs >= 1 (got {gamma_decay_epochs})")
+        if gamma_decay_steps:
+            raise ValueError(f"{self.name}: recipe='fast_clip' counts the gamma schedule in "
+                             f"epochs: set gamma_decay_epochs instead of gamma_decay_steps="
+                             f"{gamma_decay_steps}")
+        if eps < 0:
+            raise ValueError(f"{self.name}: eps must be >= 0, got {eps}")
+        if multiply_tau and temperature == "individual":
+            raise ValueError(f"{self.name}: multiply_tau has no effect with "
+                             "temperature='individual' (fast_clip ignores it there); drop it")
+
+    def set_epoch(self, epoch: int) -> None:
+        """The data epoch (0-based) of the coming step: the ``fast_clip`` recipe's gamma and
+        individual temperatures follow it. Not state: the trainer sets it before every step."""
+        self.epoch = int(epoch)
+
+    @property
+    def fast_clip(self) -> bool:
+        return self.recipe == "fast_clip"
 
     @property
     def individual(self) -> bool:
@@ -147,13 +221,43 @@ class FastCLIPLoss(DeCLLoss):
         progress = min(1.0, (step - 1) / self.gamma_decay_steps)
         return self.gamma + (1 - self.gamma) * 0.5 * (1 + math.cos(math.pi * progress))
 
+    def gamma_in_epoch(self, epoch: int) -> float:
+        """fast_clip's ``gamma`` in 0-based ``epoch``: 1 in the first epoch, then ``gamma``, or
+        the cosine from 1 at epoch 0 down to ``gamma`` at ``gamma_decay_epochs``."""
+        if epoch == 0:
+            return 1.0
+        if self.gamma_schedule == "constant":
+            return self.gamma
+        progress = min(1.0, epoch / self.gamma_decay_epochs)
+        return self.gamma + (1 - self.gamma) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def temperature_scale(self, batch: PairBatch) -> Tensor:
+        """``1 / tau`` of the fixed and global temperatures (trained only when global)."""
+        return batch.logit_scale if self.temperature == "global" else batch.logit_scale.detach()
+
     def scale(self, batch: PairBatch) -> Tensor | float:
         if self.individual:
             return 1.0  # each row's own 1 / tau_i, see row_context
-        return batch.logit_scale if self.temperature == "global" else batch.logit_scale.detach()
+        scale = self.temperature_scale(batch)
+        if self.fast_clip and self.temperature == "global":
+            # fast_clip scores every pair twice (its rows against all columns for the features'
+            # first half, all rows against its columns for the second) and averages the two for
+            # the features, but each half carries the whole gradient of the temperature: the
+            # temperature's gradient through the logits is doubled. Same value, twice the
+            # gradient (2s - s is exact in floating point).
+            scale = scale + (scale - scale.detach())
+        return scale
 
     def prepare(self, batch: PairBatch) -> DeCLStep:
-        self._gamma_now = self.gamma_at(batch.step)
+        if not self.fast_clip:
+            self._gamma_now = self.gamma_at(batch.step)
+        elif self.epoch is not None:
+            self._gamma_now = self.gamma_in_epoch(self.epoch)
+        elif self.training:
+            raise ValueError(f"{self.name}: recipe='fast_clip' follows the data epoch: call "
+                             "set_epoch(epoch) before each training step (the trainer does)")
+        else:  # eval mode reads no buffer: gamma is only reported
+            self._gamma_now = self.gamma
         state = super().prepare(batch)
         state.scale = self.scale(batch)
         return state
@@ -166,14 +270,17 @@ class FastCLIPLoss(DeCLLoss):
                 else torch.full_like(log_mean, -math.inf))
         blended = torch.logaddexp(keep, math.log(gamma) + log_mean)
         usable = torch.isfinite(log_u_old) & torch.isfinite(blended)
+        if self.fast_clip:  # fast_clip also resets a stored u below 1e-35
+            usable = usable & (log_u_old >= math.log(RESET_BELOW))
         return torch.where(usable, blended, log_mean)
 
     def row_context(self, batch: PairBatch, direction: str,
                     state: DeCLStep) -> GlobalContrastiveRows:
         base = super().row_context(batch, direction, state)
         if not (self.individual and state.estimator == "buffer"):
+            scale = self.temperature_scale(batch) if self.fast_clip else state.scale
             return GlobalContrastiveRows(old_log_u=base.old_log_u, log_u=base.log_u,
-                                         tau=1.0 / state.scale)
+                                         tau=1.0 / scale)
         column = 0 if direction == IMAGE_TO_TEXT else 1
         old = batch.local_rows(state.old_log_u)
         tau = old[:, TAU[column]]
@@ -222,6 +329,8 @@ class FastCLIPLoss(DeCLLoss):
             log_u = log_g.detach()
         log_u = log_u.to(log_g.dtype)
         tau = context.tau.to(log_g.dtype)
+        if self.fast_clip:
+            return self.fast_clip_terms(log_g, log_u, tau, positive, context)
         # g / u = exp(log g - log u): bounded by 1/gamma_t, never overflows.
         ratio = torch.exp(log_g - log_u)
         surrogate = tau.detach() * ratio
@@ -233,6 +342,30 @@ class FastCLIPLoss(DeCLLoss):
                                                positive.detach()))
         return terms
 
+    def fast_clip_terms(self, log_g: Tensor, log_u: Tensor, tau: Tensor, positive: Tensor,
+                        context: GlobalContrastiveRows) -> dict[str, Tensor]:
+        """The per-anchor terms as fast_clip computes them (``recipe="fast_clip"``)."""
+        log_denominator = log_u if self.eps == 0 else torch.logaddexp(log_u, torch.full_like(
+            log_u, math.log(self.eps)))
+        ratio = torch.exp(log_g - log_denominator)  # g / (u + eps), at most 1/gamma_t
+        surrogate = tau.detach() * ratio if self.multiply_tau else ratio
+        if self.temperature == "global" and self.multiply_tau:
+            surrogate = surrogate + tau * (log_u.detach() + self.rho)
+        terms = {"loss": surrogate, "objective": (tau * log_u).detach(), "log_u": log_u.detach()}
+        if context.mean_negative is not None:
+            terms.update(self.temperature_step(context, log_denominator.detach(), ratio.detach(),
+                                               positive.detach()))
+        return terms
+
+    def adam_constants(self, visits: Tensor) -> tuple[float, float, float, Tensor | int]:
+        """``(beta_1, beta_2, eps, bias-correction power)`` of the individual temperatures' Adam:
+        the paper's per-sample Adam, or fast_clip's (the model optimizer's betas, 0 in the first
+        epoch, and epsilon; bias correction by the epoch)."""
+        if not self.fast_clip:
+            return (*TAU_BETAS, TAU_EPS, visits)
+        beta_1, beta_2 = (0.0, 0.0) if self.epoch == 0 else self.optimizer_betas
+        return beta_1, beta_2, self.optimizer_eps, self.epoch + 1
+
     def temperature_step(self, rows: GlobalContrastiveRows, log_u: Tensor, ratio: Tensor,
                          positive: Tensor) -> dict[str, Tensor]:
         """One Adam step of each row's ``tau_i`` on ``d/d tau_i (tau_i log u_i + tau_i rho)``."""
@@ -240,12 +373,12 @@ class FastCLIPLoss(DeCLLoss):
         tau = rows.tau.to(dtype)
         grad = log_u + self.rho - ratio * (rows.mean_negative.to(dtype) - positive.to(dtype))
         grad = grad.clamp(-TAU_GRAD_CLIP, TAU_GRAD_CLIP)
-        beta_1, beta_2 = TAU_BETAS
+        visits = rows.visits.to(dtype) + 1
+        beta_1, beta_2, eps, power = self.adam_constants(visits)
         moment_1 = beta_1 * rows.moment_1.to(dtype) + (1 - beta_1) * grad
         moment_2 = beta_2 * rows.moment_2.to(dtype) + (1 - beta_2) * grad * grad
-        visits = rows.visits.to(dtype) + 1
-        step = (moment_1 / (1 - beta_1 ** visits)) / (
-            torch.sqrt(moment_2 / (1 - beta_2 ** visits)) + TAU_EPS)
+        step = (moment_1 / (1 - beta_1 ** power)) / (
+            torch.sqrt(moment_2 / (1 - beta_2 ** power)) + eps)
         new_tau = (tau - self.tau_lr * step).clamp(self.tau_min, self.tau_max)
         return {"tau": new_tau, "moment_1": moment_1, "moment_2": moment_2, "visits": visits,
                 "tau_used": tau}

@@ -18,8 +18,11 @@ from vlcontrast.losses.base import ContrastiveLoss
 LOSSES: dict[str, type[ContrastiveLoss]] = {}
 """Registered losses by ``name``."""
 
-# Constructor arguments every loss takes that are not the loss's own options.
-COMMON_ARGUMENTS = ("chunk_size", "id_space")
+# Constructor arguments that are not the loss's own options: the chunk size, and what the trainer
+# knows, passed only to a loss whose ``__init__`` declares it (the number of sample ids, a
+# per-sample buffer's size; the model optimizer's Adam constants, which FastCLIP's fast_clip
+# recipe gives its individual temperatures).
+COMMON_ARGUMENTS = ("chunk_size", "id_space", "optimizer_betas", "optimizer_eps")
 
 
 def register_loss(cls: type[ContrastiveLoss]) -> type[ContrastiveLoss]:
@@ -63,12 +66,14 @@ def loss_option_types(name: str) -> dict[str, object]:
     return {key: hints[key] for key in loss_option_defaults(name) if key in hints}
 
 
-def build_loss(name: str, *, chunk_size: int = 0, id_space: int = 0, **options) -> nn.Module:
+def build_loss(name: str, *, chunk_size: int = 0, id_space: int = 0,
+               optimizer_betas: tuple[float, float] | None = None,
+               optimizer_eps: float | None = None, **options) -> nn.Module:
     """Instantiate loss ``name`` with its ``options``; unknown names or options raise ValueError.
 
     ``chunk_size > 0`` computes the loss in blocks of that many anchor rows (memory-bounded mode);
-    ``id_space`` is the number of distinct sample ids, passed only to a loss whose ``__init__``
-    declares it (a per-sample buffer's size).
+    ``id_space`` (the number of distinct sample ids) and ``optimizer_betas``/``optimizer_eps``
+    (the model optimizer's, when given) are passed only to a loss whose ``__init__`` declares them.
     """
     cls = loss_class(name)
     defaults = loss_option_defaults(name)
@@ -76,6 +81,8 @@ def build_loss(name: str, *, chunk_size: int = 0, id_space: int = 0, **options) 
     if unknown:
         raise ValueError(f"loss {name!r} has no option(s) {unknown}; valid options: "
                          f"{sorted(defaults) or 'none'}")
-    if "id_space" in inspect.signature(cls.__init__).parameters:
-        options["id_space"] = id_space
+    declared = inspect.signature(cls.__init__).parameters
+    run = {"id_space": id_space, "optimizer_betas": optimizer_betas, "optimizer_eps": optimizer_eps}
+    options.update({key: value for key, value in run.items()
+                    if key in declared and value is not None})
     return cls(chunk_size=chunk_size, **options)

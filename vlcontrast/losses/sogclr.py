@@ -8,7 +8,9 @@ The same estimator as :mod:`vlcontrast.losses.fastclip` (a per-sample moving ave
 
 from __future__ import annotations
 
-from vlcontrast.losses.fastclip import FastCLIPLoss
+from typing import Literal
+
+from vlcontrast.losses.fastclip import FAST_CLIP_EPS, FastCLIPLoss
 from vlcontrast.losses.registry import register_loss
 
 
@@ -19,11 +21,16 @@ class SogCLRLoss(FastCLIPLoss):
     Args:
         gamma: weight of the batch estimate in the moving average.
         shard_buffer: shard ``u`` by sample id across ranks.
+        recipe: ``paper`` or ``fast_clip`` (fast_clip's code: ``eps``, the reset of tiny ``u``,
+            ``gamma = 1`` in the first epoch, no factor ``tau`` without ``multiply_tau``).
+        eps, multiply_tau: as for ``fastclip`` (``fast_clip`` recipe only).
     """
 
     name = "sogclr"
 
-    def __init__(self, gamma: float = 0.9, shard_buffer: bool = False, *, chunk_size: int = 0,
-                 id_space: int = 0):
+    def __init__(self, gamma: float = 0.9, shard_buffer: bool = False,
+                 recipe: Literal["paper", "fast_clip"] = "paper", eps: float = FAST_CLIP_EPS,
+                 multiply_tau: bool = False, *, chunk_size: int = 0, id_space: int = 0):
         super().__init__(gamma=gamma, gamma_schedule="constant", temperature="fixed",
-                         shard_buffer=shard_buffer, chunk_size=chunk_size, id_space=id_space)
+                         shard_buffer=shard_buffer, recipe=recipe, eps=eps,
+                         multiply_tau=multiply_tau, chunk_size=chunk_size, id_space=id_space)

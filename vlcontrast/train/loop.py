@@ -88,7 +88,8 @@ def train(config: RunConfig) -> dict[str, Any]:
                           bundle.tokenizer, transform, needs_ids,
                           row_snapshot_dir=_row_snapshot_dir(config))
     loss_fn = build_loss(config.loss.name, chunk_size=config.loss.chunk_size,
-                         id_space=data.id_space, **config.loss.options).to(device)
+                         id_space=data.id_space, optimizer_betas=config.optim.betas,
+                         optimizer_eps=config.optim.eps, **config.loss.options).to(device)
     if features is not None and getattr(loss_fn, "needs_momentum_features", False):
         raise ConfigError(f"model.lock_image_features: loss {config.loss.name!r} with momentum "
                           "towers embeds the images itself; turn the cache off")
@@ -120,6 +121,7 @@ def train(config: RunConfig) -> dict[str, Any]:
         while state.step < total_steps:
             log.attempt()
             micro_batches = data.next_step()
+            loss_fn.set_epoch(data.epoch)  # the epoch of the step's (last) micro-batch
             if features is not None:  # model.lock_image_features: the tower's stored output
                 micro_batches = features.swap(micro_batches)
             log.timer.mark("data")
