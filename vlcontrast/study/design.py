@@ -318,16 +318,116 @@ def dataset_recipe(config: StudyConfig, dataset: str) -> dict[str, Any]:
             "split_rule": SPLIT_RULE_VERSION}
 
 
-def cell_fingerprint_v2(config: StudyConfig, cell: Cell2) -> str:
-    """Hash of what the cell is made of: the base config's text, its overrides (run directory left
-    out), its starting checkpoint's recipe, SigLIP's warm start, and the dataset's recipe."""
+LOSS_CODE_VERSION = 1
+"""The losses' computation, as the fingerprints know it. Raise it with a change to a loss that
+changes what an existing setting computes (not with one that adds an option, which the cell's
+overrides carry): every cell then counts as unfinished and is trained again."""
+
+
+def start_record(config: StudyConfig, dataset: str, k: int) -> dict[str, Any] | None:
+    """Start k's committed record (``<results_dir>/starts/<dataset>-k<k>.json``), or None."""
+    path = config.results_path / "starts" / f"{dataset}-k{k}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def start_digest(config: StudyConfig, dataset: str, k: int) -> str | None:
+    """sha256 of start k's committed ``model.pt``: the bits every cell of that start begins from."""
+    record = start_record(config, dataset, k)
+    return None if record is None else record.get("digest")
+
+
+def accepted_start_digests(config: StudyConfig, cell: Cell2) -> set[str | None]:
+    """The start builds a finished result of ``cell`` may have been made on: the committed one;
+    for a sweep cell also the earlier build its record keeps (``digest_changed.earlier``).
+    Amendment 3 kept the synthetic sweep cells made on that build, which choose a learning rate
+    on the validation split; a final cell pairs with others only on the committed bits."""
+    record = start_record(config, cell.dataset, cell.start) or {}
+    accepted = {record.get("digest")}
+    if cell.stage != "final" and record.get("digest_changed", {}).get("earlier"):
+        accepted.add(record["digest_changed"]["earlier"])
+    return accepted
+
+
+def _made_of(config: StudyConfig, cell: Cell2) -> dict[str, Any]:
     overrides = [o for o in cell_overrides_v2(config, cell) if not o.startswith("output_dir=")]
-    made = {"base": Path(config.base).read_text(), "overrides": overrides,
+    return {"base": Path(config.base).read_text(), "overrides": overrides,
             "start": list(config.starts.overrides) + [f"seed={cell.start}"],
             "warm_start": ([config.starts.siglip_logit_scale, config.starts.siglip_logit_bias]
                            if settings(config)[cell.setting].warm_start else None),
             "data": dataset_recipe(config, cell.dataset)}
+
+
+def _hash(made: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(made, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cell_fingerprint_v2(config: StudyConfig, cell: Cell2, digest: str | None = None) -> str:
+    """Hash of what the cell is made of: the base config's text, its overrides (run directory left
+    out), its starting checkpoint's recipe and weights (``digest``, by default the committed
+    start's, :func:`start_digest`), SigLIP's warm start, the dataset's recipe and the loss code's
+    version (:data:`LOSS_CODE_VERSION`). A result made on other start weights has another
+    fingerprint, so it is not counted as this cell's."""
+    if digest is None:
+        digest = start_digest(config, cell.dataset, cell.start)
+    return _hash({**_made_of(config, cell), "start_digest": digest,
+                  "loss_code": LOSS_CODE_VERSION})
+
+
+def legacy_fingerprint_v2(config: StudyConfig, cell: Cell2) -> str:
+    """The fingerprint cells were written with before it covered the start's weights and the
+    loss code's version (until 2026-11-27); :func:`migrate_fingerprints` reads it."""
+    return _hash(_made_of(config, cell))
+
+
+def cell_from_result(config: StudyConfig, result: dict[str, Any]) -> Cell2:
+    """The cell a stored result file describes (its name, stage, setting, options, batch, steps,
+    lr factor, seed and arms)."""
+    name = result["cell"]
+    head = f"{result['dataset']}/{result['stage']}/{result['setting']}-b{result['global_batch']}-n{result['steps']}"
+    tail = f"-s{result['seed']}"
+    if not (name.startswith(head) and name.endswith(tail)):
+        raise ValueError(f"{name}: the result's fields do not give its name ({head}...{tail})")
+    tag = name[len(head):-len(tail)].lstrip("-")
+    return _cell(config, result["dataset"], result["stage"], result["setting"],
+                 settings(config)[result["setting"]], result["options"], result["global_batch"],
+                 result["steps"], result["lr_factor"], result["seed"], tuple(result["arms"]), tag)
+
+
+def migrate_fingerprints(config: StudyConfig, earlier_build: set[str] = frozenset()) -> dict[str, int]:
+    """Rewrite the fingerprints of the stored cell results made before fingerprints covered the
+    start's weights. A result is migrated only when its stored fingerprint is the legacy one of
+    the cell it names (so nothing stale is blessed). Its start digest is the one the file records;
+    a file that records none (made before cells recorded it, amendment 3) gets the earlier build's
+    digest when its name is in ``earlier_build`` and the committed one otherwise; then its
+    fingerprint is recomputed with that digest. Returns counts: ``migrated``, ``current`` (already
+    the new form), ``stale`` (matches neither: left as it is, and so not finished)."""
+    counts = {"migrated": 0, "current": 0, "stale": 0}
+    for dataset in config.datasets:
+        for path in sorted((config.results_path / dataset).glob("*/*.json")):
+            result = json.loads(path.read_text())
+            cell = cell_from_result(config, result)
+            digest = result.get("start_digest")
+            if digest is not None and result.get("fingerprint") == cell_fingerprint_v2(config, cell, digest):
+                counts["current"] += 1
+                continue
+            if result.get("fingerprint") != legacy_fingerprint_v2(config, cell):
+                counts["stale"] += 1
+                continue
+            if digest is None:
+                record = start_record(config, dataset, cell.start) or {}
+                digest = (record.get("digest_changed", {}).get("earlier") if cell.name in earlier_build
+                          else record.get("digest"))
+            migrated = {}
+            for key, value in result.items():  # same key order; the digest beside the fingerprint
+                migrated[key] = value
+                if key == "fingerprint" and "start_digest" not in result:
+                    migrated["start_digest"] = digest
+            migrated["fingerprint"] = cell_fingerprint_v2(config, cell, digest)
+            tmp = path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(migrated, indent=1) + "\n")
+            tmp.replace(path)
+            counts["migrated"] += 1
+    return counts
 
 
 # --------------------------------------------------------------------------------------------
@@ -347,9 +447,16 @@ def read_result_v2(config: StudyConfig, cell: Cell2) -> dict[str, Any] | None:
 
 
 def finished_result(config: StudyConfig, cell: Cell2) -> dict[str, Any] | None:
-    """The cell's result when it is finished (its fingerprint matches), read once; else None."""
+    """The cell's result when it is finished, read once; else None. Finished: it was made on an
+    accepted start build (:func:`accepted_start_digests`, the digest the file records) and its
+    fingerprint, computed with that digest, matches."""
     result = read_result_v2(config, cell)
-    if result is None or result.get("fingerprint") != cell_fingerprint_v2(config, cell):
+    if result is None:
+        return None
+    digest = result.get("start_digest")
+    if digest not in accepted_start_digests(config, cell):
+        return None  # made on other start weights
+    if result.get("fingerprint") != cell_fingerprint_v2(config, cell, digest):
         return None
     return result
 

@@ -40,12 +40,12 @@ def _metric(result: dict[str, Any], metric: str) -> float | None:
 
 def collect_final(config: StudyConfig, cells: list[Cell2]) -> list[dict[str, Any]]:
     """One row per final cell with a result whose fingerprint matches."""
-    from .design import cell_fingerprint_v2, read_result_v2
+    from .design import finished_result
 
     rows = []
     for cell in cells:
-        result = read_result_v2(config, cell)
-        if result is None or result.get("fingerprint") != cell_fingerprint_v2(config, cell):
+        result = finished_result(config, cell)
+        if result is None:
             continue
         rows.append({"cell": cell.name, "dataset": cell.dataset, "setting": cell.setting,
                      "global_batch": cell.global_batch, "steps": cell.steps, "seed": cell.seed,
