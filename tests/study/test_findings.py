@@ -107,12 +107,13 @@ def test_write_generated_writes_findings_and_syncs_the_pages(tmp_path, monkeypat
 
 
 @pytest.mark.parametrize("page, names", [
-    ("docs/loss-study.md", ("status", "findings", "power", "recommendation")),
+    ("docs/loss-study.md", ("status", "findings", "power", "caveats", "recommendation")),
+    ("docs/loss-study-v2.md", ("caveats",)),
     ("README.md", ("recommendation",)),
 ])
 def test_the_pages_say_what_the_committed_cells_say(committed, page, names):
     """Regenerate with `vlcontrast study --config configs/study/v2.yaml --stage report
-    --sync-docs README.md docs/loss-study.md` after committing cells."""
+    --sync-docs README.md docs/loss-study.md docs/loss-study-v2.md` after committing cells."""
     text = (ROOT / page).read_text()
     for name in names:
         assert read_block(text, name) == committed[name], f"{page}: block {name} is stale"
@@ -159,3 +160,51 @@ def test_power_block_reports_the_spread_the_tests_saw():
     # Twice the spread needs more seeds.
     second = rows[1].split(" | ")
     assert int(second[6].split(" / ")[0]) > needed
+
+
+def test_the_start_as_the_unit_tests_each_starts_mean_difference():
+    """Seeds s and s + 3 share start s % 3: the sensitivity analysis averages their paired
+    differences and tests the 3 start means (scipy's one-sample t test as the reference)."""
+    from scipy import stats as scipy_stats
+
+    config = load_study_config(CONFIG)
+    differences = [0.020, 0.031, 0.012, 0.024, 0.027, 0.016]
+    rows = []
+    for seed, difference in enumerate(differences):
+        base = 0.30 + 0.002 * seed
+        for setting, value in (("infonce", base), ("dcl", base + difference)):
+            rows.append({"dataset": "synthetic", "setting": setting, "global_batch": 16,
+                         "steps": 500, "seed": seed, "start": seed % 3, "arms": ("steps",),
+                         "mean_R@1": value})
+    (tested,) = report_v2.tested_family_by_start(config, rows)
+    means = [(differences[k] + differences[k + 3]) / 2 for k in range(3)]
+    assert tested.result.difference.n == 3
+    assert tested.result.difference.mean == pytest.approx(sum(means) / 3)
+    assert tested.result.p_value == pytest.approx(scipy_stats.ttest_1samp(means, 0).pvalue)
+    assert tested.holm_p == pytest.approx(min(1.0, 180 * tested.result.p_value))
+    # the per-seed test of the same cells has 6 pairs and a smaller p
+    (per_seed,) = report_v2.tested_family(config, rows)
+    assert per_seed.result.difference.n == 6 and per_seed.result.p_value < tested.result.p_value
+    text = findings(config, rows, [per_seed])
+    assert "**Sensitivity: the start as the unit.**" in text
+    assert "None of the 180 comparisons survives; the smallest Holm p is" in text
+
+
+def test_identical_settings_make_degenerate_and_duplicate_tests():
+    from vlcontrast.study.caveats import identical_settings, test_counts
+
+    config = load_study_config(CONFIG)
+    rows = []
+    for seed in range(6):
+        base = 0.30 + 0.003 * seed
+        values = {"infonce": base, "dcl": base + 0.01 + 0.001 * (seed % 2),
+                  "decl": base + 0.01 + 0.001 * (seed % 2), "dclw": base + 0.004 * seed}
+        for setting, value in values.items():
+            rows.append({"dataset": "synthetic", "setting": setting, "global_batch": 16,
+                         "steps": 500, "seed": seed, "start": seed % 3, "arms": ("steps",),
+                         "mean_R@1": value, "zeroshot/top1": 0.2})
+    assert identical_settings(config, rows) == {("synthetic", 16, 500): [("dcl", "decl")]}
+    family = report_v2.tested_family(config, rows)
+    counts = test_counts(config, rows, family)
+    assert [(t.candidate, t.baseline) for t in counts.degenerate] == [("decl", "dcl")]
+    assert [(t.candidate, t.baseline) for t in counts.duplicates] == [("decl", "infonce")]

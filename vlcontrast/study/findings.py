@@ -17,6 +17,12 @@ compare. The blocks:
     why the detectable differences are what they are: per dataset and batch size, the spread
     (SD over seeds) of the paired differences that the tests saw, the difference detectable at
     the seeds run, and how many seeds the ≤ 1 point target would have needed at that spread.
+    Last, the sensitivity analysis beside the pre-registered one: the same comparisons with
+    the starting checkpoint as the unit of replication (:func:`report_v2.tested_family_by_start`).
+``caveats``
+    what the tests and the tuning rest on (:mod:`vlcontrast.study.caveats`): identical settings
+    and the degenerate and duplicate tests they make, tuning across two start builds, one-seed
+    margins, options whose learning rate was never swept, learning rates at an edge.
 ``recommendation``
     the one-table answer to "which loss at which batch size" (:func:`report_v2.recommendation`),
     once every final cell has run (before that, a line saying how many have).
@@ -33,8 +39,10 @@ from statistics import median
 from .config import StudyConfig
 from .design import batch_steps
 from .report import format_difference, format_p
+from .caveats import caveats
 from .report_v2 import (BASELINE, FinalResults, Tested, arm_sizes, final_results,
-                        gain_over_start, planned_family_size, recommendation)
+                        gain_over_start, planned_family_size, recommendation,
+                        tested_family_by_start)
 from .stats import minimum_detectable_difference
 
 TARGET = 0.01
@@ -87,7 +95,7 @@ def _arm_findings(config: StudyConfig, rows, family: list[Tested], dataset: str,
         text += (f"at most 1 point at B = {', '.join(map(str, small))}." if small
                  else "above 1 point at every batch size.")
         out.append(text)
-    learned, missing, total = 0, {}, 0
+    learned, missing, below, total = 0, {}, {}, 0
     for setting in config.grid.losses:
         for size in sizes:
             interval = gain_over_start(config, rows, dataset, arm, setting, size)
@@ -98,11 +106,18 @@ def _arm_findings(config: StudyConfig, rows, family: list[Tested], dataset: str,
                 learned += 1
             else:
                 missing.setdefault(setting, []).append(str(size))
+            if interval.high < 0:
+                below.setdefault(setting, []).append(str(size))
     if total:
         text = (f"Learns: {learned} of {total} (setting, batch) trainings end above their own "
                 "starting checkpoint (interval of the gain above 0)")
         text += (": all of them." if not missing else "; not: " + "; ".join(
             f"{setting} at B = {', '.join(sizes_)}" for setting, sizes_ in missing.items()) + ".")
+        if below:
+            text += (f" {sum(map(len, below.values()))} end below their start (interval of "
+                     "the gain under 0): " + "; ".join(
+                         f"{setting} at B = {', '.join(sizes_)}" for setting, sizes_ in below.items())
+                     + ".")
         out.append(text)
     return out
 
@@ -122,8 +137,30 @@ def _seed_note(config: StudyConfig, rows, dataset: str) -> str:
             "will change**")
 
 
+def _by_start_text(config: StudyConfig, rows) -> str:
+    """The sensitivity analysis: the comparisons with the start as the unit of replication."""
+    family = tested_family_by_start(config, rows)
+    planned = planned_family_size(config)
+    survivors = [t for t in family if t.survives]
+    text = (f"**Sensitivity: the start as the unit.** Seeds that share a starting checkpoint share "
+            f"its weights, so the {config.starts.count} starts per dataset are also read as the "
+            f"replicates: each start's paired difference is the mean over its seeds, the t test "
+            f"runs over the starts, Holm over the same {planned}. ")
+    if survivors:
+        return text + (f"{len(survivors)} of {planned} comparisons survive: "
+                       + "; ".join(f"{t.dataset}, " + _comparison_text(t) for t in survivors) + ".")
+    ranked = sorted((t for t in family if t.holm_p == t.holm_p), key=lambda t: t.holm_p)
+    text += f"None of the {planned} comparisons survives"
+    if ranked:
+        best = ranked[0]
+        text += (f"; the smallest Holm p is {format_p(best.holm_p)} ({best.dataset}, "
+                 f"{best.candidate} − {best.baseline} at B={best.global_batch}, {best.steps} steps)")
+    return text + "."
+
+
 def findings(config: StudyConfig, rows, family: list[Tested]) -> str:
-    """The ``findings`` block: a list per dataset and arm (:mod:`vlcontrast.study.findings`)."""
+    """The ``findings`` block: a list per dataset and arm, then the sensitivity analysis with the
+    start as the unit of replication (:mod:`vlcontrast.study.findings`)."""
     out = [f"Primary metric {config.primary_metric} on the test split, last evaluation, "
            f"{100 * config.confidence:g}% intervals over the final seeds; Holm–Bonferroni over "
            f"all {planned_family_size(config)} planned comparisons.", ""]
@@ -135,6 +172,8 @@ def findings(config: StudyConfig, rows, family: list[Tested]) -> str:
             sentences = _arm_findings(config, rows, family, dataset, arm)
             out.append(f"- arm `{arm}`: " + " ".join(sentences))
         out.append("")
+    if rows:
+        out.append(_by_start_text(config, rows))
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -190,7 +229,8 @@ def status(config: StudyConfig, rows, planned_cells: int) -> str:
 
 
 def blocks(config: StudyConfig, rows, family: list[Tested], planned_cells: int) -> dict[str, str]:
-    """Every generated block's text: ``status``, ``findings``, ``power``, ``recommendation``."""
+    """Every generated block's text: ``status``, ``findings``, ``power``, ``caveats``,
+    ``recommendation``."""
     if len(rows) < planned_cells:
         # No recommendation from part of the seeds: a table is read without its footnotes.
         table = (f"*Not yet: {len(rows)} of {planned_cells} final cells have run. The table "
@@ -200,7 +240,7 @@ def blocks(config: StudyConfig, rows, family: list[Tested], planned_cells: int) 
         table = recommendation(config, family)
     return {"status": status(config, rows, planned_cells),
             "findings": findings(config, rows, family), "power": power(config, family),
-            "recommendation": table}
+            "caveats": caveats(config, rows, family), "recommendation": table}
 
 
 def _pattern(name: str) -> re.Pattern:

@@ -77,6 +77,27 @@ def start_metrics(config: StudyConfig, dataset: str, k: int, metric: str) -> flo
     return float(value) if isinstance(value, (int, float)) else None
 
 
+def above_chance(config: StudyConfig, dataset: str, metric: str) -> bool:
+    """Whether the starting checkpoints score above chance in ``metric`` (test split): their mean
+    exceeds chance by more than two binomial standard errors of one evaluation. A metric at
+    chance from the start cannot rank the losses, so the figures and tables leave it out. Only
+    zero-shot top-1 is checked; retrieval's chance (1 over the test pairs) is far below any start."""
+    if not metric.startswith("zeroshot/"):
+        return True
+    records = [json.loads(path.read_text()).get("metrics", {}).get("test", {})
+               for k in range(config.starts.count)
+               if (path := config.results_path / "starts" / f"{dataset}-k{k}.json").is_file()]
+    scores = [start_metrics(config, dataset, k, metric) for k in range(config.starts.count)]
+    if not records or any(s is None for s in scores):
+        return True
+    classes, images = records[0].get("zeroshot/num_classes"), records[0].get("zeroshot/num_images")
+    if not classes or not images:
+        return True
+    chance = 1.0 / classes
+    error = (chance * (1 - chance) / images) ** 0.5
+    return sum(scores) / len(scores) > chance + 2 * error
+
+
 # --------------------------------------------------------------------------------------------
 # the family
 
@@ -128,6 +149,39 @@ def tested_family(config: StudyConfig, rows) -> list[Tested]:
     alpha = 1.0 - config.confidence
     for tested, holm_p in zip(made, adjusted):
         tested.holm_p, tested.alpha = holm_p, alpha
+        tested.detectable_holm = minimum_detectable_difference(
+            tested.result.difference.sd, tested.result.difference.n, config.confidence,
+            config.power, tests=planned)
+    return made
+
+
+def tested_family_by_start(config: StudyConfig, rows) -> list[Tested]:
+    """The sensitivity analysis beside the pre-registered one: the same comparisons with the
+    starting checkpoint as the unit of replication. A seed's start is ``seed % starts.count``, so
+    the seeds of one start share its weights; each start's paired difference is the mean of its
+    seeds' differences, and the paired t test runs over the starts (3 per dataset), Holm over the
+    same planned family."""
+    made = []
+    for dataset in config.datasets:
+        for (size, steps), arm_names in batch_steps(config).items():
+            data = values(rows, dataset, arm_names[0], config.primary_metric)
+            for candidate, baseline in config.comparisons:
+                ours, base = data.get((candidate, size), {}), data.get((baseline, size), {})
+                by_start: dict[int, list[tuple[float, float]]] = {}
+                for seed in sorted(set(ours) & set(base)):
+                    by_start.setdefault(seed % config.starts.count, []).append((ours[seed], base[seed]))
+                if len(by_start) < 2:
+                    continue
+                starts = sorted(by_start)
+                made.append(Tested(dataset, candidate, baseline, size, steps, arm_names,
+                                   paired_comparison(
+                                       [sum(c for c, _ in by_start[k]) / len(by_start[k]) for k in starts],
+                                       [sum(b for _, b in by_start[k]) / len(by_start[k]) for k in starts],
+                                       config.confidence, config.power)))
+    planned = max(planned_family_size(config), len(made))
+    adjusted = holm_adjust([t.result.p_value for t in made] + [1.0] * (planned - len(made)))
+    for tested, holm_p in zip(made, adjusted):
+        tested.holm_p, tested.alpha = holm_p, 1.0 - config.confidence
         tested.detectable_holm = minimum_detectable_difference(
             tested.result.difference.sd, tested.result.difference.n, config.confidence,
             config.power, tests=planned)
@@ -269,14 +323,16 @@ def _save_with_legend(fig, axes, out_png: Path, *, top: float, dpi: int) -> None
 
 
 def plot_dataset(config, rows, dataset: str, out_png: Path) -> None:
-    """Rows: primary and first secondary metric; columns: arms. One line per setting with its
-    interval band; the starting checkpoints' mean as a dotted line."""
+    """Rows: primary and first secondary metric (the latter only where the starts are above
+    chance in it, :func:`above_chance`); columns: arms. One line per setting with its interval
+    band; the starting checkpoints' mean as a dotted line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = [config.primary_metric, *config.secondary_metrics[:1]]
+    metrics = [m for m in [config.primary_metric, *config.secondary_metrics[:1]]
+               if above_chance(config, dataset, m)]
     arms = list(config.arms)
     fig, axes = plt.subplots(len(metrics), len(arms), figsize=(5.2 * len(arms), 3.6 * len(metrics)),
                              squeeze=False)
@@ -308,7 +364,7 @@ def plot_dataset(config, rows, dataset: str, out_png: Path) -> None:
             ax.set_xlabel("global batch size")
             ax.set_ylabel(f"{TITLES.get(metric, metric)} (%)", fontsize=8)
             ax.grid(alpha=0.3)
-    _save_with_legend(fig, axes, out_png, top=0.92, dpi=110)
+    _save_with_legend(fig, axes, out_png, top=1 - 0.16 / len(metrics), dpi=110)
 
 
 def sweep_curves(config: StudyConfig, dataset: str) -> dict[tuple[int, int], dict[str, dict[float, float]]]:
@@ -530,7 +586,11 @@ def write_report_v2(config: StudyConfig, command: str = "",
         for arm in config.arms:
             text.append(f"### Arm `{arm}`\n")
             for metric in [config.primary_metric, *config.secondary_metrics]:
-                text += metric_table(config, rows, dataset, arm, metric)
+                if above_chance(config, dataset, metric):
+                    text += metric_table(config, rows, dataset, arm, metric)
+                else:
+                    text.append(f"{TITLES.get(metric, metric)} is left out: the starting "
+                                "checkpoints are at chance in it, so it cannot rank the losses.\n")
             text += learns_table(config, rows, dataset, arm)
             text += family_table(config, family, dataset, arm)
     chosen = (read_selected(config) or {}).get("chosen", {})
