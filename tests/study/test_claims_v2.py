@@ -1,11 +1,12 @@
-"""The prose of ``docs/loss-study.md``'s "What the results say" (study v2) is what the committed
-final cells say.
+"""The prose of ``docs/loss-study.md``'s "What the results say" and "what the tests and the tuning
+rest on" (study v2), and the README's short reading, are what the committed cells say.
 
-The generated blocks are checked in ``test_findings.py``; the hand-written interpretation quotes
-no number of its own, so each of its statements is checked here as a statement: which comparisons
-survive Holm–Bonferroni and where, which trainings learn, how batch size compares with the loss,
-zero-shot against the starting checkpoints, and the measured gradient bias against the gains.
-A changed cell that breaks a statement fails here, naming it.
+The generated blocks are checked in ``test_findings.py``. Each hand-written statement is checked
+here as a statement, and each number it quotes is recomputed from the cells: which comparisons
+survive Holm–Bonferroni and where, which trainings learn or end below their start, batch size
+against the loss in each arm, zero-shot against the starts and chance, the start as the unit of
+replication, the identical settings and the tuning's caveats, and the measured gradient bias
+against the gains. A changed cell that breaks a statement fails here, naming it.
 """
 
 from __future__ import annotations
@@ -287,7 +288,7 @@ def test_what_the_tests_and_the_tuning_rest_on(final):
     assert train_pairs == 20000 and "fewer than the synthetic world's 20,000 training pairs" in text
     for pairs in same.values():
         assert sorted(pairs) == [("dcl", "decl"), ("sogclr", "fastclip-individual")]
-    counts = caveats.test_counts(config, results.rows, results.family)
+    counts = caveats.repeated_tests(config, results.rows, results.family)
     assert {(t.candidate, t.baseline) for t in counts.degenerate} == {("decl", "dcl")}
     assert {(t.candidate, t.baseline) for t in counts.duplicates} == {
         ("decl", "infonce"), ("fastclip-individual", "infonce")}

@@ -191,7 +191,7 @@ def test_the_start_as_the_unit_tests_each_starts_mean_difference():
 
 
 def test_identical_settings_make_degenerate_and_duplicate_tests():
-    from vlcontrast.study.caveats import identical_settings, test_counts
+    from vlcontrast.study.caveats import identical_settings, repeated_tests
 
     config = load_study_config(CONFIG)
     rows = []
@@ -205,6 +205,6 @@ def test_identical_settings_make_degenerate_and_duplicate_tests():
                          "mean_R@1": value, "zeroshot/top1": 0.2})
     assert identical_settings(config, rows) == {("synthetic", 16, 500): [("dcl", "decl")]}
     family = report_v2.tested_family(config, rows)
-    counts = test_counts(config, rows, family)
+    counts = repeated_tests(config, rows, family)
     assert [(t.candidate, t.baseline) for t in counts.degenerate] == [("decl", "dcl")]
     assert [(t.candidate, t.baseline) for t in counts.duplicates] == [("decl", "infonce")]

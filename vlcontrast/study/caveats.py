@@ -44,15 +44,17 @@ def identical_settings(config: StudyConfig, rows) -> dict[tuple[str, int, int], 
 
 
 @dataclass
-class TestCounts:
+class RepeatedTests:
     degenerate: list[Tested] = field(default_factory=list)
     """Tests whose paired differences are all equal (no spread, no p-value)."""
     duplicates: list[Tested] = field(default_factory=list)
     """Tests whose per-seed differences repeat an earlier test's of the same training exactly."""
 
 
-def test_counts(config: StudyConfig, rows, family: list[Tested]) -> TestCounts:
-    counts = TestCounts()
+def repeated_tests(config: StudyConfig, rows, family: list[Tested]) -> RepeatedTests:
+    """The tests of ``family`` that test nothing new: degenerate ones, and those whose per-seed
+    differences repeat an earlier test's of the same training (identical settings)."""
+    counts = RepeatedTests()
     seen: dict[tuple, Tested] = {}
     for t in family:
         if t.result.difference.sd <= NO_SPREAD:
@@ -201,7 +203,7 @@ def _pairs_text(pairs) -> str:
 def caveats(config: StudyConfig, rows, family: list[Tested],
             sweeps: list[dict[str, Any]] | None = None) -> str:
     """The ``caveats`` block."""
-    tests = test_counts(config, rows, family)
+    tests = repeated_tests(config, rows, family)
     same = identical_settings(config, rows)
     builds = build_counts(config, rows, sweeps)
     tuning = tuning_counts(config, family)

@@ -12,13 +12,14 @@ compare. The blocks:
     per dataset and arm: which pre-registered comparisons survive Holm–Bonferroni (with their
     differences, intervals and adjusted p), "no detectable difference" where none does, the
     smallest difference the study could have detected after the correction at each batch size,
-    and how many (setting, batch) cells learned beyond their starting checkpoint.
+    how many (setting, batch) cells learned beyond their starting checkpoint and how many ended
+    below it. Last, the sensitivity analysis beside the pre-registered one: the same comparisons
+    with the starting checkpoint as the unit of replication
+    (:func:`report_v2.tested_family_by_start`).
 ``power``
     why the detectable differences are what they are: per dataset and batch size, the spread
     (SD over seeds) of the paired differences that the tests saw, the difference detectable at
     the seeds run, and how many seeds the ≤ 1 point target would have needed at that spread.
-    Last, the sensitivity analysis beside the pre-registered one: the same comparisons with
-    the starting checkpoint as the unit of replication (:func:`report_v2.tested_family_by_start`).
 ``caveats``
     what the tests and the tuning rest on (:mod:`vlcontrast.study.caveats`): identical settings
     and the degenerate and duplicate tests they make, tuning across two start builds, one-seed
@@ -27,7 +28,8 @@ compare. The blocks:
     the one-table answer to "which loss at which batch size" (:func:`report_v2.recommendation`),
     once every final cell has run (before that, a line saying how many have).
 
-The hand-written prose around the blocks interprets them and quotes no number of its own.
+The hand-written prose around the blocks interprets them; where it quotes a number, a test in
+``tests/study/test_claims_v2.py`` recomputes it from the cells.
 """
 
 from __future__ import annotations
