@@ -123,10 +123,10 @@ def save_file(obj: Any, path: Path) -> None:
     torch.save(obj, path)
 
 
-def load_file(path: Path) -> Any:
+def load_file(path: Path, map_location: Any = "cpu") -> Any:
     """``torch.load(weights_only=True)``: tensors and plain containers, never code."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
         raise CheckpointError(
             f"{path}: refused to load: it holds a pickled Python object, which could run code "

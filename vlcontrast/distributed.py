@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from vlcontrast.errors import DeviceError
+from vlcontrast.errors import ConfigError, DeviceError
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
 def _checked(rank: int, world_size: int, local_rank: int, rank_key: str,
              world_key: str) -> tuple[int, int, int]:
     if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"launch environment: {rank_key}={rank} is not in [0, {world_key}="
+        raise ConfigError(f"launch environment: {rank_key}={rank} is not in [0, {world_key}="
                          f"{world_size})")
     return rank, world_size, local_rank
 

@@ -1,14 +1,21 @@
 """The one-line user errors: the ground floor, importing nothing of vlcontrast.
 
 Each names what is wrong (the key, the file, the value) and the fix; the command line prints it as
-one line and exits 2, before any heavy work starts. They live here, below every component, so that
-any floor can raise them without importing the floor that first needed them.
+one line, without a traceback: exit code 2 for bad input (a :class:`ConfigError`), found before any
+heavy work starts, and 1 for a run that failed (a checkpoint that could not be written). They live
+here, below every component, so that any floor can raise them without importing the floor that
+first needed them.
 """
 
 from __future__ import annotations
 
 
-class ConfigError(ValueError):
+class VlcontrastError(Exception):
+    """Every error vlcontrast raises for the user to act on: the command line prints its message as
+    one line, without a traceback (``--debug`` or ``VLCONTRAST_DEBUG=1`` shows it)."""
+
+
+class ConfigError(VlcontrastError, ValueError):
     """A configuration value is unknown, of the wrong type, or impossible."""
 
 
@@ -21,7 +28,7 @@ class DataPrepError(ConfigError):
     """An input of data preparation is missing or malformed (a bad TSV line, a bad argument)."""
 
 
-class LoaderError(RuntimeError):
+class LoaderError(VlcontrastError, RuntimeError):
     """The training data cannot be read as configured (names the pattern, the counts)."""
 
 
@@ -44,5 +51,5 @@ class ShardsNotFoundError(ShardSpecError, FileNotFoundError):
     Also a :class:`FileNotFoundError`, which evaluation's callers catch."""
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(VlcontrastError, RuntimeError):
     """A checkpoint could not be written, or a checkpoint file is not safe to load."""

@@ -13,6 +13,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from vlcontrast.errors import ConfigError
+
 
 def chance_level(key: str, metrics: dict[str, Any]) -> float | None:
     """Chance value of a metric key (``retrieval/text_to_image_R@5``, ``zeroshot/top1``), or None."""
@@ -42,9 +44,9 @@ def parse_key(text: str, min_ratio: float) -> tuple[str, float]:
     try:
         value = float(ratio)
     except ValueError:
-        raise ValueError(f"verify metric {text!r}: expected KEY or KEY:RATIO with a number") from None
+        raise ConfigError(f"verify metric {text!r}: expected KEY or KEY:RATIO with a number") from None
     if not key or value <= 0:
-        raise ValueError(f"verify metric {text!r}: expected KEY:RATIO with a positive RATIO")
+        raise ConfigError(f"verify metric {text!r}: expected KEY:RATIO with a positive RATIO")
     return key, value
 
 

@@ -158,3 +158,48 @@ def test_resume_refuses_an_optimizer_state_laid_out_in_another_order(tmp_path):
                                               "parameter order"):
         checker._check_layout({}, tmp_path)
     _layout_checker(tmp_path, legacy, legacy)._check_layout({}, tmp_path)
+
+
+# -- a write that fails names the path and the fix ------------------------------------------------
+
+
+class _FullDiskEngine:
+    """DeepSpeed's engine as the checkpointer sees it, on a disk that is full."""
+
+    def save_checkpoint(self, path, tag, save_latest):
+        import errno
+
+        raise OSError(errno.ENOSPC, "No space left on device", f"{path}/{tag}/model_states.pt")
+
+
+def test_a_full_disk_inside_deepspeed_s_save_is_a_checkpoint_error_with_the_fix(tmp_path):
+    from vlcontrast.errors import CheckpointError
+    from vlcontrast.train.checkpoint import Checkpointer
+
+    checkpointer = Checkpointer(tmp_path, engine=_FullDiskEngine(), every=2, keep=3, run_states={},
+                                rank_states={}, model_config={}, config_yaml="")
+    with pytest.raises(CheckpointError) as raised:
+        checkpointer.save(4)
+    message = str(raised.value)
+    tmp = tmp_path / "checkpoints" / "step_00000004.tmp"
+    assert message.startswith(f"checkpoint at step 4 could not be written to {tmp} (OSError: "
+                              "[Errno 28]")
+    assert f"the disk holding {tmp_path / 'checkpoints'} is full: free space there" in message
+    assert "checkpoint.keep=3" in message and "train.resume=latest" in message
+    assert not tmp.exists()
+
+
+def test_a_write_error_without_an_errno_is_called_a_full_disk_when_the_disk_is_full(tmp_path,
+                                                                                    monkeypatch):
+    from vlcontrast import checkpoints
+    from vlcontrast.train.checkpoint import Checkpointer
+
+    checkpointer = Checkpointer(tmp_path, engine=None, every=2, keep=2, run_states={},
+                                rank_states={}, model_config={}, config_yaml="",
+                                expected_bytes=10_000)
+    written = RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
+    monkeypatch.setattr(checkpoints, "free_bytes", lambda path: 1_000)
+    assert "is full: free space there" in checkpointer._fix(written)
+    monkeypatch.setattr(checkpoints, "free_bytes", lambda path: 10**12)
+    assert checkpointer._fix(written) == ""
+    assert "make" in checkpointer._fix(PermissionError(13, "Permission denied"))

@@ -3,33 +3,53 @@
 
 Subcommands parse arguments and call the library; no logic lives here. Each command group is a
 module of this package holding its arguments beside its handler (``register(sub)`` adds its
-parsers, ``set_defaults(func=...)`` names the handler); this module only assembles them.
+parsers, ``set_defaults(func=...)`` names the handler); this module only assembles them, and
+ends a vlcontrast error as one line (:mod:`vlcontrast.cli.failure`).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
+import os
 
-from vlcontrast.cli import diagnose, eval, export, inference, prep, study, train
-from vlcontrast.errors import ConfigError
+from vlcontrast.cli import diagnose, eval, export, failure, inference, prep, study, train
 
 # In the order ``vlcontrast --help`` lists the commands.
 GROUPS = (train, prep, eval, inference, export, study, diagnose)
+DEBUG_HELP = f"on an error, show its traceback too (or set {failure.DEBUG_VARIABLE}=1)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vlcontrast", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     for group in GROUPS:
         group.register(sub)
+    for command in _commands(parser):
+        # Also after the command (``vlcontrast train --debug``); SUPPRESS keeps the global one.
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help=DEBUG_HELP)
     return parser
+
+
+def _commands(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """The parsers that take options after all subcommands (``train``, ``prep check`` ...)."""
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command in action.choices.values():
+                found.extend(_commands(command) or [command])
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.debug:
+        os.environ[failure.DEBUG_VARIABLE] = "1"  # launched ranks inherit it
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError) as err:
-        print(f"vlcontrast: error: {err}", file=sys.stderr)
-        return 2
+    except Exception as error:  # noqa: BLE001 - anything not the user's is raised again
+        found = failure.user_error(error)
+        if found is None:
+            raise
+        return failure.report(error, found)

@@ -1,7 +1,8 @@
 """``vlcontrast train`` and ``vlcontrast config``: the run config, and training with it.
 
-``train --nproc N`` re-launches itself under ``torchrun`` for N local processes; under torchrun,
-``deepspeed`` or ``srun`` the launcher's environment is used as is.
+``train --nproc N`` re-launches itself under ``torchrun`` for N local processes
+(:mod:`vlcontrast.cli.launch`); under torchrun, ``deepspeed`` or ``srun`` the launcher's
+environment is used as is.
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ def run_train(args) -> int:
     config = load_config(args.config, args.overrides)  # errors here, before any launch
     inside_launcher = "RANK" in os.environ or "SLURM_PROCID" in os.environ
     if args.nproc > 1 and not inside_launcher:
-        # torchrun as a module of this interpreter: works without the venv on PATH.
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={args.nproc}", "-m", "vlcontrast.cli", "train"] + (["--config", args.config] if args.config else []) + list(args.overrides)
-        os.execvpe(cmd[0], cmd, os.environ)
+        from vlcontrast.cli.launch import launch_local
+
+        return launch_local(args.nproc, (["--config", args.config] if args.config else [])
+                            + list(args.overrides))
     prepare_environment(config.train.device)
     from vlcontrast import requeue
     from vlcontrast.train import StopRequested, train

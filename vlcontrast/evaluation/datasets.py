@@ -346,7 +346,7 @@ def read_list_file(path: str | os.PathLike) -> list[str]:
     if str(path).endswith(".json"):
         items = json.loads(text)
         if not isinstance(items, list):
-            raise ValueError(f"{path}: expected a JSON list")
+            raise ConfigError(f"{path}: expected a JSON list")
         return [str(item) for item in items]
     return [line.strip() for line in text.splitlines() if line.strip()]
 

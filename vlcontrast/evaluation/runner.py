@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from vlcontrast.distributed import all_gather_variable, get_rank, get_world_size
+from vlcontrast.errors import ConfigError
 from vlcontrast.evaluation.datasets import (ZeroShotData, build_retrieval_loader,
                                             build_zeroshot_loader, resolve_zeroshot_data)
 from vlcontrast.evaluation.embed import (embed_labelled_images, embed_retrieval, model_dtype,
@@ -124,7 +125,7 @@ def evaluate_retrieval(model, preprocess, tokenizer, shards: str | Sequence[str]
 
     def compute():
         if embeddings.image_features.shape[0] == 0:
-            raise ValueError(f"no decodable retrieval samples in {loader.name!r} "
+            raise ConfigError(f"no decodable retrieval samples in {loader.name!r} "
                              f"({embeddings.skipped} skipped); `vlcontrast prep check` names the "
                              "reasons; captions or images under other members need "
                              "data.caption_key / data.image_key (eval retrieval --caption-key)")
@@ -194,9 +195,9 @@ def evaluate_zeroshot(model, preprocess, tokenizer, data_dir, classnames=None,
     # Every rank holds all features (gathered above); each scores every world-th image and
     # torchmetrics sums the counts over the ranks.
     if features.shape[0] == 0:
-        raise ValueError(f"no decodable images in {data_dir!r}")
+        raise ConfigError(f"no decodable images in {data_dir!r}")
     if int(labels.min()) < 0 or int(labels.max()) >= num_classes:  # same on every rank
-        raise ValueError(f"{data_dir}: an image has label {int(labels.max())} but there are "
+        raise ConfigError(f"{data_dir}: an image has label {int(labels.max())} but there are "
                          f"{num_classes} class names; give one class name per label")
     metrics = ZeroShotMetrics(num_classes, device=device, distributed=world > 1)
     mine = slice(rank, None, world)

@@ -13,6 +13,7 @@ import typing
 
 from torch import nn
 
+from vlcontrast.errors import ConfigError
 from vlcontrast.losses.base import ContrastiveLoss
 
 LOSSES: dict[str, type[ContrastiveLoss]] = {}
@@ -49,7 +50,7 @@ def list_losses() -> list[str]:
 
 def loss_class(name: str) -> type[ContrastiveLoss]:
     if name not in LOSSES:
-        raise ValueError(f"unknown loss {name!r}; valid losses: {list_losses()}")
+        raise ConfigError(f"unknown loss {name!r}; valid losses: {list_losses()}")
     return LOSSES[name]
 
 
@@ -79,7 +80,7 @@ def build_loss(name: str, *, chunk_size: int = 0, id_space: int = 0,
     defaults = loss_option_defaults(name)
     unknown = sorted(set(options) - set(defaults))
     if unknown:
-        raise ValueError(f"loss {name!r} has no option(s) {unknown}; valid options: "
+        raise ConfigError(f"loss {name!r} has no option(s) {unknown}; valid options: "
                          f"{sorted(defaults) or 'none'}")
     declared = inspect.signature(cls.__init__).parameters
     run = {"id_space": id_space, "optimizer_betas": optimizer_betas, "optimizer_eps": optimizer_eps}

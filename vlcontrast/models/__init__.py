@@ -29,8 +29,9 @@ from typing import Any, Callable
 import torch
 
 from vlcontrast.checkpoints import (EXPORT_CONFIG_FILE, EXPORT_WEIGHTS_FILE, MODEL_CONFIG_FILE,
-                                    WEIGHTS_FILE, is_export, resolve_model_files,
+                                    WEIGHTS_FILE, is_export, load_file, resolve_model_files,
                                     resolve_weights)
+from vlcontrast.errors import ConfigError
 
 PACKAGE_CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 """Model configs shipped with the package (``pyproject.toml`` package-data)."""
@@ -108,23 +109,23 @@ def resolve_model_config(name: str, hf_model_dir: str = "") -> tuple[str, dict[s
         try:
             model_cfg = json.loads(candidate.read_text())
         except json.JSONDecodeError as err:
-            raise ValueError(f"model.name={name!r}: {candidate} is not valid JSON: {err}") from err
+            raise ConfigError(f"model.name={name!r}: {candidate} is not valid JSON: {err}") from err
         name = candidate.stem
     if model_cfg is None:
         model_cfg = open_clip.get_model_config(name)
     if model_cfg is None:
         shipped = sorted(p.stem for p in PACKAGE_CONFIG_DIR.glob("*.json"))
-        raise ValueError(f"model.name={name!r}: not an open_clip model, not a model-config JSON, not "
+        raise ConfigError(f"model.name={name!r}: not an open_clip model, not a model-config JSON, not "
                          f"shipped with vlcontrast ({', '.join(shipped)}) and not in "
                          f"{USER_CONFIG_DIR}/ (open_clip has e.g. {open_clip.list_models()[:6]} ...)")
     for key in ("embed_dim", "vision_cfg", "text_cfg"):
         if key not in model_cfg:
-            raise ValueError(f"model.name={name!r}: model config lacks {key!r}")
+            raise ConfigError(f"model.name={name!r}: model config lacks {key!r}")
     model_cfg = copy.deepcopy(model_cfg)
     if hf_model_dir:
         folder = Path(hf_model_dir)
         if not (folder / "config.json").is_file():
-            raise ValueError(f"model.hf_model_dir={hf_model_dir!r}: no config.json there (a local "
+            raise ConfigError(f"model.hf_model_dir={hf_model_dir!r}: no config.json there (a local "
                              "Hugging Face model directory is expected)")
         text_cfg = model_cfg["text_cfg"]
         text_cfg["hf_model_name"] = str(folder.resolve())
@@ -183,7 +184,7 @@ def _vlcontrast_checkpoint(pretrained: str) -> Path | None:
     try:
         return resolve_weights(pretrained)
     except FileNotFoundError as err:
-        raise ValueError(f"model.pretrained={pretrained!r}: a directory, but not a vlcontrast run "
+        raise ConfigError(f"model.pretrained={pretrained!r}: a directory, but not a vlcontrast run "
                          "or checkpoint directory (no model.pt and no checkpoints/latest)") from err
 
 
@@ -194,16 +195,16 @@ def load_weights(model: torch.nn.Module, path: Path, what: str,
     Frozen batch norms (``lock_image_freeze_bn_stats``) have no ``num_batches_tracked``; a
     checkpoint and a model that differ only there still load.
     """
-    state = torch.load(path, map_location=device, weights_only=True)
+    state = load_file(path, map_location=device)  # a file holding code: one-line CheckpointError
     try:
         result = model.load_state_dict(state, strict=False)
     except RuntimeError as err:  # shape mismatches raise even when not strict
-        raise ValueError(f"{what}: {path} does not fit this model; model.name must be the "
+        raise ConfigError(f"{what}: {path} does not fit this model; model.name must be the "
                          f"checkpoint's model ({str(err).splitlines()[-1].strip()})") from err
     missing = [k for k in result.missing_keys if not k.endswith("num_batches_tracked")]
     unexpected = [k for k in result.unexpected_keys if not k.endswith("num_batches_tracked")]
     if missing or unexpected:
-        raise ValueError(f"{what}: {path} does not fit this model (missing {missing[:5]}, "
+        raise ConfigError(f"{what}: {path} does not fit this model (missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}); model.name must be the checkpoint's model")
 
 
@@ -219,14 +220,14 @@ def lock_towers(model: torch.nn.Module, model_cfg) -> None:
     if model_cfg.lock_image:
         groups = model_cfg.lock_image_unlocked_groups
         if groups and isinstance(model.visual, ModifiedResNet):
-            raise ValueError(f"model.lock_image_unlocked_groups={groups}: open_clip locks its ResNet "
+            raise ConfigError(f"model.lock_image_unlocked_groups={groups}: open_clip locks its ResNet "
                              "image towers whole; use 0 (or a ViT or timm tower)")
         model.lock_image_tower(unlocked_groups=groups,
                                freeze_bn_stats=model_cfg.lock_image_freeze_bn_stats)
     if model_cfg.lock_text:
         text = getattr(model, "text", None)
         if not model_cfg.lock_text_freeze_layer_norm and not isinstance(text, HFTextEncoder):
-            raise ValueError("model.lock_text_freeze_layer_norm=false: open_clip's own text tower "
+            raise ConfigError("model.lock_text_freeze_layer_norm=false: open_clip's own text tower "
                              "always freezes its layer norms with the locked blocks; only Hugging "
                              "Face text towers (model.hf_model_dir) can leave them trainable")
         model.lock_text_tower(unlocked_layers=model_cfg.lock_text_unlocked_layers,

@@ -36,6 +36,7 @@ process-group timeout, ``train.dist_timeout_s``; the previous checkpoint is inta
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -268,7 +269,7 @@ class Checkpointer:
                 error = CheckpointError(
                     f"checkpoint at step {step} could not be written to {tmp} "
                     f"({type(error).__name__}: {error}); the previous checkpoint "
-                    f"({previous or 'none'}) is intact")
+                    f"({previous or 'none'}) is intact{self._fix(error)}")
             try:
                 dist_utils.raise_on_any_rank(error, CheckpointError)
             except CheckpointError:
@@ -288,7 +289,14 @@ class Checkpointer:
             error = err
         agree(error)
 
-        self.engine.save_checkpoint(str(tmp), tag="engine", save_latest=False)
+        try:
+            self.engine.save_checkpoint(str(tmp), tag="engine", save_latest=False)
+        except (OSError, RuntimeError) as err:
+            if dist_utils.get_world_size() > 1:
+                # DeepSpeed's save holds collectives of its own: a rank that failed inside it
+                # cannot meet the others in agree(), so it stops as DeepSpeed left it.
+                raise
+            agree(err)
         weights = full_fp32_state_dict(self.engine)  # collective under ZeRO 1-3
         run_state = {key: obj.state_dict() for key, obj in self.run_states.items()}
         if self.param_layout is not None:
@@ -318,6 +326,23 @@ class Checkpointer:
             prune(self.root, self.keep)
         dist_utils.barrier()
         return final
+
+    def _fix(self, error: BaseException) -> str:
+        """What to do about a write that failed with ``error``: a full disk is the common case
+        (torch.save reports it as a RuntimeError without an errno, hence the free-space check)."""
+        full = isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+        if not full:
+            try:
+                full = checkpoints.free_bytes(self.root) < self.expected_bytes
+            except OSError:
+                pass
+        if full:
+            return (f"; the disk holding {self.root} is full: free space there, keep fewer "
+                    f"checkpoints (checkpoint.keep={self.keep}), or point output_dir at a "
+                    "larger disk, then resume with train.resume=latest")
+        if isinstance(error, PermissionError):
+            return f"; make {self.root} writable, or point output_dir elsewhere"
+        return ""
 
 
 LAYOUT_KEY = "param_layout"

@@ -140,7 +140,7 @@ def write_feature_cache(model_cfg: ModelConfig, data: DataConfig, out: str | Pat
     order = torch.argsort(all_ids)
     all_ids, all_features = all_ids[order], all_features[order].contiguous()
     if len(torch.unique(all_ids)) != len(all_ids):
-        raise ValueError(f"data.train={data.train!r}: sample ids are not unique; the "
+        raise ConfigError(f"data.train={data.train!r}: sample ids are not unique; the "
                          "feature cache needs one id per sample")
     key = cache_key(model_cfg, data)
     out = Path(out)

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 from typing import Callable
 
+from vlcontrast.errors import VlcontrastError
 
-class TrainingDiverged(RuntimeError):
-    """Too many consecutive steps with a non-finite loss or non-finite gradients."""
+
+class TrainingDiverged(VlcontrastError, RuntimeError):
+    """Too many consecutive steps with a non-finite loss or non-finite gradients (the command line
+    prints it as one line: the step, the setting and the last good checkpoint)."""
 
 
 class DivergenceGuard:

@@ -1,0 +1,184 @@
+"""``train --nproc N``: a rank that fails with a vlcontrast error ends the run as one line (not a
+line per rank, torchrun's log lines and its framed report); any other failure keeps torchrun's
+report. The launcher's choice is tested on a stand-in for torchrun, then on real ranks."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed.run as torchrun
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from vlcontrast.cli import failure, launch
+
+REPO = Path(__file__).resolve().parents[2]
+AGENT_LOG = "torch.distributed.elastic.multiprocessing.api"
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch):
+    monkeypatch.delenv(failure.DEBUG_VARIABLE, raising=False)
+    monkeypatch.delenv(failure.RANK_ERRORS_VARIABLE, raising=False)
+
+
+class Logged(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def agent_log():
+    handler, logger = Logged(), logging.getLogger(AGENT_LOG)
+    logger.addHandler(handler)
+    yield handler.messages
+    logger.removeHandler(handler)
+
+
+def fake_torchrun(monkeypatch, lines: dict[int, tuple[str, int]], exit_codes: dict[int, int]):
+    """torchrun as seen by the launcher: the ranks leave ``lines``, the agent logs the failure and
+    raises ChildFailedError for ``exit_codes``; what it was asked to run is returned."""
+    seen = {}
+
+    def run(arguments):
+        seen["arguments"] = arguments
+        folder = Path(os.environ[failure.RANK_ERRORS_VARIABLE])
+        for rank, (line, code) in lines.items():
+            (folder / f"rank_{rank:05d}.json").write_text(json.dumps({"line": line,
+                                                                      "exit_code": code}))
+        log = logging.getLogger(AGENT_LOG)
+        log.warning("Sending process 1234 closing signal SIGTERM")
+        log.error("failed (exitcode: 1) local_rank: 1 (pid: 1235) of binary: python")
+        if exit_codes:
+            raise ChildFailedError("vlcontrast.cli", {
+                rank: ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=code,
+                                     error_file="<N/A>") for rank, code in exit_codes.items()})
+
+    monkeypatch.setattr(torchrun, "run", run)
+    return seen
+
+
+def test_ranks_failing_with_vlcontrast_errors_give_the_lowest_rank_s_line(monkeypatch, capsys,
+                                                                         agent_log):
+    seen = fake_torchrun(monkeypatch, {
+        1: ("vlcontrast: error: /runs/a: disk full; free space", 1),
+        0: ("vlcontrast: error: /runs/a: disk full; free space [reported by rank 1]", 1)},
+        {0: 1, 1: 1})
+    assert launch.launch_local(2, ["--config", "c.yaml", "train.steps=3"]) == 1
+    captured = capsys.readouterr()
+    assert captured.err == "vlcontrast: error: /runs/a: disk full; free space [reported by rank 1]\n"
+    assert captured.out == ""
+    assert agent_log == []  # torchrun's own lines about the failure are not shown
+    arguments = seen["arguments"]
+    assert (arguments.nproc_per_node, arguments.standalone, arguments.module) == ("2", True, True)
+    assert [arguments.training_script, *arguments.training_script_args] == [
+        "vlcontrast.cli", "train", "--config", "c.yaml", "train.steps=3"]
+    assert failure.RANK_ERRORS_VARIABLE not in os.environ  # the ranks' folder was the launch's
+
+
+def test_the_exit_code_is_the_rank_s(monkeypatch, capsys):
+    fake_torchrun(monkeypatch, {1: ("vlcontrast: error: data.train='x': no shards", 2)}, {1: 2})
+    assert launch.launch_local(2, []) == 2
+    assert capsys.readouterr().err == "vlcontrast: error: data.train='x': no shards\n"
+
+
+def test_a_failure_that_is_not_ours_keeps_torchrun_s_report_and_log(monkeypatch, agent_log):
+    fake_torchrun(monkeypatch, {}, {1: -11})
+    with pytest.raises(ChildFailedError):
+        launch.launch_local(2, [])
+    assert agent_log == ["Sending process 1234 closing signal SIGTERM",
+                         "failed (exitcode: 1) local_rank: 1 (pid: 1235) of binary: python"]
+
+
+def test_debug_keeps_torchrun_s_report(monkeypatch, agent_log):
+    monkeypatch.setenv(failure.DEBUG_VARIABLE, "1")
+    fake_torchrun(monkeypatch, {1: ("vlcontrast: error: bad", 1)}, {1: 1})
+    with pytest.raises(ChildFailedError):
+        launch.launch_local(2, [])
+    assert len(agent_log) == 2
+
+
+def test_a_run_that_succeeds_still_shows_torchrun_s_warnings(monkeypatch, agent_log):
+    fake_torchrun(monkeypatch, {}, {})
+    assert launch.launch_local(2, []) == 0
+    assert len(agent_log) == 2  # held while the ranks ran, then logged
+
+
+def test_a_launched_rank_leaves_its_line_for_the_launcher_and_prints_nothing(monkeypatch, capsys,
+                                                                             tmp_path):
+    from vlcontrast import cli
+    from vlcontrast.cli import export as export_commands
+    from vlcontrast.errors import CheckpointError
+
+    def handler(args):
+        raise CheckpointError("/runs/a: could not be written")
+
+    monkeypatch.setattr(export_commands, "run_export", handler)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv(failure.RANK_ERRORS_VARIABLE, str(tmp_path))
+    assert cli.main(["export", "open_clip", "--checkpoint", "c", "--out", "o"]) == 1
+    assert capsys.readouterr().err == ""
+    assert failure.rank_lines(tmp_path) == {3: ("vlcontrast: error: /runs/a: could not be written",
+                                                1)}
+    # Without the launcher's folder (a user's own torchrun or srun), the rank says it itself.
+    monkeypatch.delenv(failure.RANK_ERRORS_VARIABLE)
+    assert cli.main(["export", "open_clip", "--checkpoint", "c", "--out", "o"]) == 1
+    assert capsys.readouterr().err == "vlcontrast: error: /runs/a: could not be written\n"
+
+
+FULL_DISK_ON_RANK_1 = """
+import errno, os
+if os.environ.get("RANK") == "1":
+    from vlcontrast import checkpoints
+    real_save = checkpoints.save_file
+    def save_file(obj, path):
+        if path.parent.name == "step_00000002.tmp":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real_save(obj, path)
+    checkpoints.save_file = save_file
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    from vlcontrast.data.prep.synthetic import write_synthetic
+
+    root = tmp_path_factory.mktemp("synthetic")
+    write_synthetic(root, train=64, val=8, zeroshot_per_class=1, seed=0, image_size=32,
+                    shard_size=32, workers=1, progress=False)
+    return root
+
+
+@pytest.mark.slow
+def test_two_ranks_with_a_full_disk_on_one_end_as_one_line(tiny_data, tmp_path):
+    """Real ranks under torchrun; the disk fills up on rank 1 (a ``sitecustomize`` every rank
+    imports at start-up) while it writes the checkpoint of step 2."""
+    from tests.train.helpers import process_env, tiny_overrides
+
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(FULL_DISK_ON_RANK_1)
+    run = tmp_path / "run"
+    overrides = tiny_overrides(tiny_data, run, train__steps=2, checkpoint__every=2)
+    env = process_env(PYTHONPATH=f"{REPO}{os.pathsep}{tmp_path / 'site'}")
+    done = subprocess.run([sys.executable, "-m", "vlcontrast.cli", "train", "--nproc", "2",
+                           *overrides], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=400)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr
+    assert "closing signal" not in done.stderr and "failed (exitcode" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1, done.stderr[-3000:]
+    line = errors[0]
+    assert line.startswith("vlcontrast: error: checkpoint at step 2 could not be written to "
+                           f"{run / 'checkpoints' / 'step_00000002.tmp'}")
+    assert "rank_00001.pt" in line and "No space left on device" in line
+    assert "is full: free space there" in line and line.endswith("[reported by rank 1]")

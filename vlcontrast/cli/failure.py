@@ -1,0 +1,96 @@
+"""How a command ends when it fails: a vlcontrast error as one line, a traceback only on request.
+
+A :class:`~vlcontrast.errors.VlcontrastError` (and a ``FileNotFoundError``, which names its file)
+says what is wrong and the fix; the traceback under it is noise to the user. It reaches the command
+line raised directly, re-raised from a worker process (a DataLoader worker re-raises it with the
+worker's whole traceback in its message; a multiprocessing pool with the same type), or as the
+explicit cause of another error (``raise ... from err``). ``--debug`` or ``VLCONTRAST_DEBUG=1``
+prints the traceback as well.
+
+A rank launched by ``train --nproc`` (:mod:`vlcontrast.cli.launch`) does not print its line: it
+leaves it in the launcher's folder (``VLCONTRAST_RANK_ERRORS``), and the launcher prints one line
+for the whole run instead of one per rank plus torchrun's report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from vlcontrast.errors import ConfigError, VlcontrastError
+
+DEBUG_VARIABLE = "VLCONTRAST_DEBUG"
+RANK_ERRORS_VARIABLE = "VLCONTRAST_RANK_ERRORS"
+WORKER_TRACEBACK = "\nOriginal Traceback (most recent call last):"
+"""What a DataLoader worker's error carries in its message when the main process re-raises it."""
+
+
+def debug_requested() -> bool:
+    return os.environ.get(DEBUG_VARIABLE, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def user_error(error: BaseException) -> BaseException | None:
+    """The error the user can fix: ``error`` itself, or the first error of its explicit causes
+    (``raise ... from``), that is a vlcontrast error or a missing file; None when there is none."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, (VlcontrastError, FileNotFoundError)):
+            return current
+        seen.add(id(current))
+        current = current.__cause__
+    return None
+
+
+def exit_code(error: BaseException) -> int:
+    """2 for bad input (a configuration or a missing file), 1 for a run that failed."""
+    return 2 if isinstance(error, (ConfigError, FileNotFoundError)) else 1
+
+
+def one_line(error: BaseException) -> str:
+    """``error``'s message on one line; a worker's traceback carried in the message is dropped."""
+    text = str(error)
+    if WORKER_TRACEBACK in text:
+        # The worker's traceback ends with "<module>.<Name>: <message>": keep the message.
+        text = text.rpartition(f"{type(error).__name__}: ")[2]
+    parts = [line.strip() for line in text.splitlines() if line.strip()]
+    return "; ".join(parts) or type(error).__name__
+
+
+def report(error: BaseException, found: BaseException) -> int:
+    """Tell the user about ``found`` (the user error in ``error``) and return the exit code."""
+    line = f"vlcontrast: error: {one_line(found)}"
+    debug = debug_requested()
+    if debug:
+        traceback.print_exception(error)
+    rank_errors = os.environ.get(RANK_ERRORS_VARIABLE)
+    if rank_errors and "RANK" in os.environ and _leave_for_launcher(Path(rank_errors), line, found):
+        if not debug:
+            return exit_code(found)
+    print(line, file=sys.stderr, flush=True)
+    return exit_code(found)
+
+
+def _leave_for_launcher(folder: Path, line: str, error: BaseException) -> bool:
+    try:
+        path = folder / f"rank_{int(os.environ['RANK']):05d}.json"
+        path.write_text(json.dumps({"line": line, "exit_code": exit_code(error)}))
+    except (OSError, ValueError):
+        return False  # the launcher cannot hear it: say it here
+    return True
+
+
+def rank_lines(folder: Path) -> dict[int, tuple[str, int]]:
+    """What the ranks left in ``folder``: global rank -> (line, exit code)."""
+    lines = {}
+    for path in sorted(Path(folder).glob("rank_*.json")):
+        try:
+            record = json.loads(path.read_text())
+            rank = int(path.stem.partition("_")[2])
+            lines[rank] = (str(record["line"]), int(record["exit_code"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a rank killed while writing: the others still speak
+    return lines

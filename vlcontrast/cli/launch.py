@@ -1,0 +1,92 @@
+"""``train --nproc N``: N local ranks under torchrun, and one line when a rank fails.
+
+torchrun runs in this process (its own entry point, ``torch.distributed.run.run``, so rendezvous,
+signal forwarding and the stop of the other ranks are torchrun's). Left alone it reports a failed
+rank with a log line per rank and a framed report with a traceback of its own; when the ranks
+failed with vlcontrast errors, which they leave in a folder instead of printing
+(:mod:`vlcontrast.cli.failure`), the launcher prints one of their lines instead. Any other failure
+(a crash, a traceback) gets torchrun's full report, as without this launcher.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+
+from vlcontrast.cli import failure
+
+TORCHRUN_LOGGERS = "torch.distributed.elastic"
+"""torchrun's agent: it logs each failed and each stopped rank at WARNING and above."""
+
+
+class HeldBack(logging.Filter):
+    """Holds torchrun's warnings and errors until the launch is over, so that a failure that ends
+    as one line does not come with them; :meth:`release` logs them as they would have been."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+        self.loggers = [logger for name, logger in logging.Logger.manager.loggerDict.items()
+                        if isinstance(logger, logging.Logger)
+                        and (name == TORCHRUN_LOGGERS or name.startswith(TORCHRUN_LOGGERS + "."))]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        self.records.append(record)
+        return False
+
+    def __enter__(self) -> HeldBack:
+        for logger in self.loggers:
+            logger.addFilter(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for logger in self.loggers:
+            logger.removeFilter(self)
+
+    def release(self) -> None:
+        self.__exit__()
+        for record in self.records:
+            logging.getLogger(record.name).handle(record)
+        self.records.clear()
+
+
+def torchrun_arguments(nproc: int, train_arguments: list[str]) -> list[str]:
+    return ["--standalone", f"--nproc_per_node={nproc}", "-m", "vlcontrast.cli", "train",
+            *train_arguments]
+
+
+def launch_local(nproc: int, train_arguments: list[str]) -> int:
+    """Run ``vlcontrast train TRAIN_ARGUMENTS`` on ``nproc`` local ranks; the exit code."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    arguments = torchrun.parse_args(torchrun_arguments(nproc, train_arguments))
+    saved = os.environ.get(failure.RANK_ERRORS_VARIABLE)
+    with tempfile.TemporaryDirectory(prefix="vlcontrast-ranks-") as folder, HeldBack() as held:
+        os.environ[failure.RANK_ERRORS_VARIABLE] = folder  # the ranks inherit it
+        try:
+            torchrun.run(arguments)
+        except ChildFailedError:
+            lines = failure.rank_lines(folder)
+            if not lines or failure.debug_requested():
+                held.release()
+                raise
+            # Every rank raises a collective's error alike (the others add "reported by rank R"),
+            # so the lowest rank's line stands for the run.
+            line, code = lines[min(lines)]
+            print(line, file=sys.stderr, flush=True)
+            return code
+        except BaseException:
+            held.release()
+            raise
+        finally:
+            if saved is None:
+                os.environ.pop(failure.RANK_ERRORS_VARIABLE, None)
+            else:
+                os.environ[failure.RANK_ERRORS_VARIABLE] = saved
+        held.release()
+    return 0
