@@ -143,9 +143,10 @@ def test_batch_transform_matches_the_cpu_path_within_decoder_tolerance(interpola
     std = torch.tensor(gpu.gpu_plan.std).view(1, 3, 1, 1)
     levels = ((out - expected) * std * 255).abs()  # difference in 8-bit levels
     # libjpeg's decode is the same here; the gap is PIL's fixed-point resampling against torch's
-    # float resampling (torchvision's antialias follows PIL's filter), a few levels at edges.
-    assert levels.mean() < 1.0, levels.mean()
-    assert levels.max() <= 8, levels.max()
+    # float resampling (torchvision's antialias follows PIL's filter): measured 0.18 levels on
+    # average, at most 1.
+    assert levels.mean() < 0.5, levels.mean()
+    assert levels.max() <= 2, levels.max()
     # A wrong box or a missed flip would move whole image regions by tens of levels.
     shifted = ((out - expected.flip(-1)) * std * 255).abs().mean()
     assert shifted > 5
