@@ -16,6 +16,7 @@ path draws it in the loader worker from a generator seeded with the same key
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from typing import Sequence
@@ -43,7 +44,7 @@ def crop_box(width: int, height: int, scale: Sequence[float], ratio: Sequence[fl
     same distributions, from ``generator`` (None: the default generator, as torchvision does):
     with the same generator state both give the same box (tests/data/test_crops.py)."""
     area = height * width
-    log_ratio = torch.log(torch.tensor(ratio))
+    log_ratio = _log_ratio(float(ratio[0]), float(ratio[1]))
     for _ in range(10):
         target_area = area * torch.empty(1).uniform_(scale[0], scale[1],
                                                      generator=generator).item()
@@ -63,6 +64,14 @@ def crop_box(width: int, height: int, scale: Sequence[float], ratio: Sequence[fl
     else:
         w, h = width, height
     return (height - h) // 2, (width - w) // 2, h, w
+
+
+@functools.lru_cache(maxsize=64)
+def _log_ratio(low: float, high: float) -> tuple[float, float]:
+    """torchvision's ``torch.log(torch.tensor(ratio))`` (float32), made once per ratio: the two
+    tensor operations cost more than the draws themselves."""
+    values = torch.log(torch.tensor((low, high)))
+    return float(values[0]), float(values[1])
 
 
 def flip_drawn(p: float, generator: torch.Generator | None = None) -> bool:
