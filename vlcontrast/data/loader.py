@@ -185,6 +185,13 @@ class TrainLoader:
                    SAMPLE_REASONS + SHARD_REASONS}
             if any(bad.values()):
                 logger.warning("%s: skipped %s", where, {k: v for k, v in bad.items() if v})
+            fallback: dict[str, int] = {}
+            for counts in self._epoch_fallback:
+                for reason, n in counts.items():
+                    fallback[reason] = fallback.get(reason, 0) + n
+            if fallback:
+                logger.warning("%s: data.decode=gpu decoded these images on the CPU: %s", where,
+                               fallback)
         finally:
             del iterator
 
