@@ -155,3 +155,25 @@ def test_a_cpu_device_moves_without_streams():
                   torch.arange(2))
     ready = feed.hand_over(feed.prepare([batch]))
     assert ready[0].images.dtype == torch.bfloat16
+
+
+@pytest.mark.cuda
+def test_a_real_side_stream_gives_the_values_of_a_plain_move():
+    from vlcontrast.data.loader import Batch
+    from vlcontrast.data.transforms import BatchNormalizer
+
+    normalizer = BatchNormalizer((0.5, 0.4, 0.3), (0.2, 0.25, 0.3))
+    feed = DeviceFeed("cuda", torch.bfloat16, normalizer)
+    assert feed.stream is not None
+    host = [Batch(torch.randint(0, 256, (8, 3, 16, 16), dtype=torch.uint8).pin_memory(),
+                  torch.randint(0, 100, (8, 5)).pin_memory(), torch.arange(8).pin_memory())
+            for _ in range(3)]
+    ahead = feed.prepare(host[:1])
+    for k in range(3):
+        ready = feed.hand_over(ahead)
+        if k + 1 < 3:
+            ahead = feed.prepare(host[k + 1:k + 2])
+        expected = normalizer(host[k].images, "cuda", torch.bfloat16)
+        assert torch.equal(ready[0].images, expected)
+        assert torch.equal(ready[0].texts.cpu(), host[k].texts)
+        assert ready[0].images.device.type == "cuda"
