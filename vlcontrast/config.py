@@ -120,6 +120,12 @@ class DataConfig:
                  self.max_bad_fraction, "must be in [0, 1]")
         _require(self.num_samples >= 0, "data.num_samples", self.num_samples, "must be >= 0")
         _require(self.cache_mb >= 0, "data.cache_mb", self.cache_mb, "must be >= 0 (0: off)")
+        _require(self.decode == "cpu" or self.augment, "data.decode", self.decode,
+                 "applies the random training transform; with data.augment=false set "
+                 "data.decode=cpu")
+        _require(self.decode == "cpu" or not self.cache_mb, "data.decode", self.decode,
+                 f"with data.cache_mb={self.cache_mb}: the cache keeps decoded images, which the "
+                 "GPU path never has; set data.cache_mb=0 or data.decode=cpu")
 
 
 @dataclass

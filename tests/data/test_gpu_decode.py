@@ -332,3 +332,12 @@ def test_device_decode_matches_the_cpu_stand_in():
     assert ((on_device.cpu() - torch.stack(expected)) * std * 255).abs().mean() < 2.0
     bf16 = batch_transform(encoded, "cuda", torch.bfloat16)
     assert bf16.dtype == torch.bfloat16
+
+
+def test_config_refuses_decode_gpu_without_augmentation_or_with_the_cache():
+    from vlcontrast.config import load_config
+
+    for overrides in (["data.augment=false"], ["data.cache_mb=16"]):
+        with pytest.raises(ConfigError, match=r"^data.decode='gpu': .*data.decode=cpu$"):
+            load_config(None, ["train.steps=1", "data.decode=gpu", *overrides])
+    assert load_config(None, ["train.steps=1", "data.decode=gpu"]).data.decode == "gpu"

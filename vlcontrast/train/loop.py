@@ -74,6 +74,8 @@ def train(config: RunConfig) -> dict[str, Any]:
                           image_cache_dir=_image_cache_dir(config))
     preflight(config, evaluator)
     device, dtype = env.device, precision.parameter_dtype
+    if config.data.decode == "gpu":
+        check_gpu_decode(config.data, device)  # before the model: a one-line error
     needs_ids = build_loss(config.loss.name, id_space=1, **config.loss.options).needs_sample_ids
     check_ids_available(config.data, needs_ids, who=f"loss={config.loss.name}")  # before the model
     run_dir, config_yaml = Path(config.output_dir), yaml.safe_dump(to_dict(config), sort_keys=False)
