@@ -177,3 +177,29 @@ def test_a_real_side_stream_gives_the_values_of_a_plain_move():
         assert torch.equal(ready[0].images, expected)
         assert torch.equal(ready[0].texts.cpu(), host[k].texts)
         assert ready[0].images.device.type == "cuda"
+
+
+def test_fallback_counts_join_the_workers_and_the_training_process(recorded):
+    from vlcontrast.data.loader import Batch
+
+    class Loader:
+        epoch, steps_per_epoch, id_space = 0, 2, 0
+
+        def __iter__(self):
+            for _ in range(self.steps_per_epoch):
+                yield Batch(torch.zeros(2, 3, 4, 4, dtype=torch.uint8),
+                            torch.zeros(2, 5, dtype=torch.long), torch.arange(2))
+
+        def set_epoch(self, epoch):
+            self.epoch = epoch
+
+        def mark(self):
+            return {"bad_samples": {"empty_caption": 1}, "fallback_samples": {"not_jpeg": 3}}
+
+    feed = _feed(recorded)
+    feed.transform.fallbacks = {"gpu_decode_failed": 2, "not_jpeg": 1}
+    batches = TrainBatches(lambda resume_state=None: Loader(),
+                           SeededTransform(None, 3, random=False), 1, feed=feed)
+    batches.next_step()
+    assert batches.fallback_samples == {"not_jpeg": 4, "gpu_decode_failed": 2}
+    assert batches.bad_samples == {"empty_caption": 1}
