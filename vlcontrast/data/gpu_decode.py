@@ -218,28 +218,34 @@ class GpuBatchTransform:
         lengths = images.lengths.tolist()
         positions = images.positions.tolist()
         chunks = list(torch.split(images.data, lengths)) if lengths else []
+        flips = []
         for row, image, (top, left, h, w, flipped, _key) in zip(
                 positions, self._decode(chunks, params, device), params):
             if image.shape[-2:] == (height, width) and image.dtype == torch.float32:
-                out[row] = image  # decoded and cropped on the CPU already
-            else:
-                out[row] = self.crop_resize(image, top, left, h, w, bool(flipped))
+                out[row] = image  # decoded and cropped (and flipped) on the CPU already
+                continue
+            out[row] = self.crop_resize(image, top, left, h, w)
+            if flipped:
+                flips.append(row)
+        # Batch-wide, a few kernels instead of a few per image (the main thread launches them):
+        # PIL resizes 8-bit images to 8 bits, so the resized values are clamped and rounded.
+        out.clamp_(0, 255).round_()
+        if flips:
+            index = torch.tensor(flips, dtype=torch.long).to(device, non_blocking=True)
+            out[index] = out[index].flip(-1)
         if len(images.decoded_positions):
             out[images.decoded_positions.to(device, non_blocking=True)] = (
                 images.decoded.to(device, non_blocking=True).to(torch.float32))
         scale, mean, std = self.normalizer.constants(device)
         return out.div_(scale).sub_(mean).div_(std).to(dtype)
 
-    def crop_resize(self, image: torch.Tensor, top: int, left: int, h: int, w: int,
-                    flipped: bool) -> torch.Tensor:
-        """One decoded uint8 image -> its crop at the output size, float32 in [0, 255] rounded
-        to integers (PIL resizes 8-bit images to 8 bits), flipped if drawn so."""
+    def crop_resize(self, image: torch.Tensor, top: int, left: int, h: int, w: int
+                    ) -> torch.Tensor:
+        """One decoded uint8 image -> its crop at the output size, float32 (not yet rounded)."""
         crop = image[:, top:top + h, left:left + w].unsqueeze(0).to(torch.float32)
-        resized = torch.nn.functional.interpolate(
+        return torch.nn.functional.interpolate(
             crop, size=self.plan.size, mode=self.plan.interpolation,
-            antialias=self.plan.antialias, align_corners=False)
-        resized = resized.clamp_(0, 255).round_()[0]
-        return resized.flip(-1) if flipped else resized
+            antialias=self.plan.antialias, align_corners=False)[0]
 
     def _decode(self, chunks: list[torch.Tensor], params: list, device) -> list[torch.Tensor]:
         if not chunks:
