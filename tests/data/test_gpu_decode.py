@@ -341,3 +341,34 @@ def test_config_refuses_decode_gpu_without_augmentation_or_with_the_cache():
         with pytest.raises(ConfigError, match=r"^data.decode='gpu': .*data.decode=cpu$"):
             load_config(None, ["train.steps=1", "data.decode=gpu", *overrides])
     assert load_config(None, ["train.steps=1", "data.decode=gpu"]).data.decode == "gpu"
+
+
+def test_each_samples_crop_is_the_same_with_any_number_of_workers_and_after_resume(tmp_path):
+    pattern = _shards(tmp_path, ["jpg"] * 16)
+    gpu = GpuDecodeTransform(train_transform(flip=0.5))
+
+    def crops(loader, epoch=0):
+        loader.set_epoch(epoch)
+        found = {}
+        for batch in loader:
+            for row, params in zip(batch.images.positions.tolist(), batch.images.params.tolist()):
+                found[int(batch.sample_ids[row])] = params
+        return found
+
+    alone = crops(_loader(pattern, SeededTransform(gpu, SEED), batch_size=4))
+    pooled = crops(_loader(pattern, SeededTransform(gpu, SEED), batch_size=4, workers=2))
+    assert len(alone) == 16 and alone == pooled
+    later = crops(_loader(pattern, SeededTransform(gpu, SEED), batch_size=4), epoch=1)
+    assert later.keys() == alone.keys() and later != alone  # a new epoch draws new crops
+    # Resumed after two batches: the remaining samples get the crops of the uninterrupted run.
+    first = _loader(pattern, SeededTransform(gpu, SEED), batch_size=4)
+    iterator = iter(first)
+    next(iterator), next(iterator)
+    cfg = DataConfig(train=pattern, batch_size=4, workers=0, shuffle_buffer=0, mode="epoch",
+                     max_bad_fraction=0.5)
+    resumed = build_train_loader(cfg, SeededTransform(gpu, SEED),
+                                 lambda texts: torch.zeros(len(texts), 4, dtype=torch.long),
+                                 seed=SEED, rank=0, world_size=1, device="cpu",
+                                 resume_state=first.state_dict())
+    rest = crops(resumed)
+    assert len(rest) == 8 and all(alone[i] == p for i, p in rest.items())
