@@ -1,17 +1,31 @@
-"""Loader throughput: vlcontrast's training loader vs open_clip's ``get_wds_dataset``.
+"""Loader throughput: vlcontrast's training loader (each decode path) vs open_clip's ``get_wds_dataset``.
 
-Both read the same shards with the same open_clip train transform and tokenizer, batch inside
-DataLoader workers, and are timed over the same number of batches, alternating which goes first
-in each repetition. Samples/s counts decode + transform + tokenise + batching + transfer to the
-main process. Writes a markdown table to ``bench/results/loader.md``.
+Every loader reads the same shards with the same open_clip train transform and tokenizer, batches
+inside DataLoader workers, and is timed over the same number of batches, alternating the order in
+each repetition. Samples/s counts read + decode + transform + tokenise + batching + transfer to
+the main process. Writes a markdown table to ``bench/results/loader.md``.
 
     python bench/bench_loader.py --shards data/bench_loader            # builds shards if missing
     python bench/bench_loader.py --shards DIR --workers 1 2 --repeats 3 --batches 40
 
-``--cache-mb N`` adds a third loader: vlcontrast with ``data.cache_mb=N``, timed in its second
-epoch (the first fills the cache; its time is not counted). ``--transform eval`` gives every
-loader open_clip's evaluation transform instead of its training transform (``data.augment=false``:
-the cache then keeps transformed tensors, not decoded images).
+Loaders (``--loaders``): ``vlcontrast`` (float images, normalised in the workers: the CPU default),
+``vlcontrast-uint8`` (``data.normalize_on_device``: uint8 from the workers, the CUDA default),
+``vlcontrast-gpu`` (``data.decode=gpu``: the workers ship encoded JPEGs and crop boxes; with
+``--device cuda`` each batch is also decoded and augmented on the GPU, timed with a sync, so the
+row is the whole path; on the CPU the row is the workers' half only), ``open_clip``.
+
+``--step MODEL --device cuda`` adds the main thread's view: one training step of MODEL (open_clip
+towers, InfoNCE, AdamW, ``--precision``) on fixed device tensors ("step alone"), then the same
+step fed by each loader through ``vlcontrast.train.batches.DeviceFeed`` (the next batch copied and,
+for ``vlcontrast-gpu``, decoded on a side stream while the step computes): ms per step and
+end-to-end samples/s against the step alone. On the device host (docs/benchmarks.md):
+
+    python bench/bench_loader.py --shards /tmp/s256 --source-image-size 256 --image-size 224 \
+        --batch-size 128 --workers 4 8 14 --device cuda --step ViT-B-32 --repeats 1
+
+``--cache-mb N`` adds vlcontrast with ``data.cache_mb=N``, timed in its second epoch (the first
+fills the cache; its time is not counted). ``--transform eval`` gives every loader open_clip's
+evaluation transform instead of its training transform (``data.augment=false``; no GPU path).
 """
 
 from __future__ import annotations
@@ -51,13 +65,46 @@ def ensure_shards(root: Path, samples: int, shard_size: int, image_size: int) ->
     return root / "train"
 
 
-def ours(pattern: str, preprocess, tokenizer, batch_size: int, workers: int, cache_mb: int = 0):
+def ours(pattern: str, preprocess, tokenizer, batch_size: int, workers: int, cache_mb: int = 0,
+         device: str | None = None):
     from vlcontrast.config import DataConfig
     from vlcontrast.data.loader import build_train_loader
 
     cfg = DataConfig(train=pattern, batch_size=batch_size, workers=workers, mode="epoch",
                      shuffle_buffer=1000, cache_mb=cache_mb)
-    return build_train_loader(cfg, preprocess, tokenizer, seed=0, rank=0, world_size=1)
+    return build_train_loader(cfg, preprocess, tokenizer, seed=0, rank=0, world_size=1,
+                              device=device)
+
+
+def vlcontrast_variant(name: str, preprocess, seed: int = 0):
+    """(the workers' transform, the per-batch half or None) of a vlcontrast loader row."""
+    from vlcontrast.data.transforms import split_normalization
+    from vlcontrast.train.batches import SeededTransform
+
+    if name == "vlcontrast-uint8":
+        head, normalizer = split_normalization(preprocess)
+        return SeededTransform(head, seed), normalizer
+    if name == "vlcontrast-gpu":
+        from vlcontrast.data.gpu_decode import GpuDecodeTransform
+
+        plan = GpuDecodeTransform(preprocess)
+        return SeededTransform(plan, seed), plan.batch_transform()
+    return SeededTransform(preprocess, seed), None
+
+
+class OnDevice:
+    """A loader whose batches also go through the per-batch half on ``device``, synced: timing
+    it times the whole path (the GPU decode of ``vlcontrast-gpu`` included)."""
+
+    def __init__(self, loader, batch_transform, device: str):
+        self.loader, self.batch_transform, self.device = loader, batch_transform, device
+
+    def __iter__(self):
+        for batch in self.loader:
+            images = self.batch_transform(batch.images, self.device, torch.float32)
+            if torch.device(self.device).type == "cuda":
+                torch.cuda.synchronize()
+            yield batch._replace(images=images)
 
 
 def ours_second_epoch(pattern: str, preprocess, tokenizer, batch_size: int, workers: int,
@@ -92,6 +139,72 @@ def time_batches(loader, batches: int) -> float:
     return elapsed
 
 
+class Step:
+    """One training step of an open_clip model on ``device``: InfoNCE over the batch, backward,
+    AdamW, and one host sync for the loss (the trainer's step ends with a flag sync too)."""
+
+    def __init__(self, model_name: str, device: str, precision: str):
+        import open_clip
+
+        self.device = torch.device(device)
+        self.model = open_clip.create_model(model_name).to(self.device).train()
+        self.loss = open_clip.ClipLoss()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
+        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
+                         if precision == "amp_bf16" else None)
+
+    def __call__(self, images: torch.Tensor, texts: torch.Tensor) -> float:
+        if self.autocast is not None:
+            with self.autocast:
+                image_features, text_features, scale = self.model(images, texts)[:3]
+                loss = self.loss(image_features, text_features, scale)
+        else:
+            image_features, text_features, scale = self.model(images, texts)[:3]
+            loss = self.loss(image_features, text_features, scale)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    def alone(self, batch_size: int, image_size: int, steps: int) -> float:
+        """Seconds per step on fixed device tensors (after two warm-up steps)."""
+        images = torch.randn(batch_size, 3, image_size, image_size, device=self.device)
+        texts = torch.randint(0, getattr(self.model, "vocab_size", 49408),
+                              (batch_size, getattr(self.model, "context_length", 77)),
+                              device=self.device)
+        for _ in range(2):
+            self(images, texts)
+        start = time.perf_counter()
+        for _ in range(steps):
+            self(images, texts)
+        return (time.perf_counter() - start) / steps
+
+    def fed(self, loader, batch_transform, steps: int) -> float:
+        """Seconds per step, each batch from ``loader`` through a DeviceFeed: the next batch is
+        prepared on the side stream while this step computes, as in training."""
+        from vlcontrast.train.batches import DeviceFeed
+
+        from vlcontrast.data.loader import Batch
+
+        feed = DeviceFeed(self.device, torch.float32, batch_transform)
+        # open_clip's loader yields [images, texts]; the feed moves named batches.
+        iterator = (b if hasattr(b, "_fields") else Batch(b[0], b[1], torch.zeros(len(b[1])))
+                    for b in loader)
+        ahead = feed.prepare([next(iterator)])
+        for warm_up in range(2):
+            ready = feed.hand_over(ahead)
+            ahead = feed.prepare([next(iterator)])
+            self(ready[0].images, ready[0].texts)
+        start = time.perf_counter()
+        for _ in range(steps):
+            ready = feed.hand_over(ahead)
+            ahead = feed.prepare([next(iterator)])
+            self(ready[0].images, ready[0].texts)
+        elapsed = (time.perf_counter() - start) / steps
+        del iterator
+        return elapsed
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shards", default="data/bench_loader",
@@ -106,6 +219,13 @@ def main(argv=None) -> None:
     parser.add_argument("--batches", type=int, default=40)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--loaders", nargs="+", default=list(LOADERS), choices=list(LOADERS))
+    parser.add_argument("--device", default="cpu",
+                        help="where per-batch halves run (cuda: vlcontrast-gpu decodes there)")
+    parser.add_argument("--step", default="",
+                        help="open_clip model: also time its training step alone and fed by "
+                             "each loader (the main thread's step time)")
+    parser.add_argument("--precision", default="amp_bf16", choices=("amp_bf16", "fp32"))
     parser.add_argument("--cache-mb", type=int, default=0,
                         help="also time vlcontrast with data.cache_mb=N in its second epoch")
     parser.add_argument("--transform", choices=("train", "eval"), default="train",
@@ -116,30 +236,51 @@ def main(argv=None) -> None:
     import open_clip
     import webdataset
 
+    from vlcontrast.models import PACKAGE_CONFIG_DIR
+
+    open_clip.add_model_config(PACKAGE_CONFIG_DIR)  # vlcontrast's own towers (vlc-micro, ...)
     load_before = f"{os.getloadavg()[0]:.2f}"
     directory = ensure_shards(Path(args.shards), args.samples, args.shard_size,
                               args.source_image_size)
     pattern = shard_pattern(directory)
     preprocess = open_clip.image_transform(args.image_size, is_train=args.transform == "train")
     tokenizer = open_clip.get_tokenizer(args.model)
-    ours_transform = preprocess
-    if args.transform == "eval":
-        from vlcontrast.train.batches import SeededTransform
+    loaders = [n for n in args.loaders if args.transform == "train" or n != "vlcontrast-gpu"]
+    halves: dict[str, object] = {}
+    builders = {}
+    for name in loaders:
+        if name == "open_clip":
+            builders[name] = open_clip_loader
+            continue
+        if args.transform == "eval":
+            from vlcontrast.train.batches import SeededTransform
 
-        ours_transform = SeededTransform(preprocess, 0, random=False)  # what data.augment=false gives
-    builders = {"vlcontrast": lambda *a: ours(*a[:1], ours_transform, *a[2:]),
-                "open_clip": open_clip_loader}
+            transform, half = SeededTransform(preprocess, 0, random=False), None
+        else:
+            transform, half = vlcontrast_variant(name, preprocess)
+        halves[name] = half
+
+        def build(pattern_, _pre, tokenizer_, batch_size, workers, transform=transform):
+            return ours(pattern_, transform, tokenizer_, batch_size, workers, device=args.device)
+        builders[name] = build
     if args.cache_mb:
-        builders["vlcontrast cache"] = lambda *a: ours_second_epoch(*a[:1], ours_transform, *a[2:],
+        builders["vlcontrast cache"] = lambda *a: ours_second_epoch(*a[:1], preprocess, *a[2:],
                                                                     cache_mb=args.cache_mb)
+        loaders.append("vlcontrast cache")
+
+    def timed_loader(name, workers):
+        loader = builders[name](pattern, preprocess, tokenizer, args.batch_size, workers)
+        if halves.get(name) is not None and args.device != "cpu":
+            return OnDevice(loader, halves[name], args.device)
+        return loader
+
     rows = []
     for workers in args.workers:
         seconds: dict[str, list[float]] = {name: [] for name in builders}
         for repeat in range(args.repeats):
             names = list(builders) if repeat % 2 == 0 else list(builders)[::-1]
             for name in names:
-                loader = builders[name](pattern, preprocess, tokenizer, args.batch_size, workers)
-                seconds[name].append(time_batches(loader, args.batches))
+                seconds[name].append(time_batches(timed_loader(name, workers), args.batches))
                 print(f"workers={workers} repeat={repeat} {name}: "
                       f"{args.batches * args.batch_size / seconds[name][-1]:.0f} samples/s",
                       flush=True)
@@ -148,36 +289,69 @@ def main(argv=None) -> None:
         rows.append((workers, rate))
 
     names = list(builders)
+    base = "open_clip" if "open_clip" in names else None
     table = ["| workers | " + " | ".join(f"{n} samples/s" for n in names) + " | " +
-             " | ".join(f"{n} / open_clip" for n in names if n != "open_clip") + " |",
-             "|---:" * (2 * len(names)) + "|"]
+             " | ".join(f"{n} / open_clip" for n in names if base and n != base) + " |",
+             "|---:" * (1 + len(names) + (len(names) - 1 if base else 0)) + "|"]
     table += [f"| {w} | " + " | ".join(f"{rate[n]:.0f}" for n in names) + " | " +
-              " | ".join(f"{rate[n] / rate['open_clip']:.2f}x" for n in names if n != "open_clip")
+              " | ".join(f"{rate[n] / rate[base]:.2f}x" for n in names if base and n != base)
               + " |" for w, rate in rows]
+
+    step_lines: list[str] = []
+    if args.step:
+        step = Step(args.step, args.device, args.precision)
+        alone = step.alone(args.batch_size, args.image_size, args.batches)
+        step_lines = [
+            "", f"Main thread's step time, `{args.step}` {args.precision}, batch "
+            f"{args.batch_size}, on {args.device}: alone {alone * 1e3:.1f} ms "
+            f"({args.batch_size / alone:.0f} samples/s); fed by each loader through a DeviceFeed "
+            "(next batch prepared on a side stream):", "",
+            "| loader | workers | ms / step | end-to-end samples/s | vs step alone |",
+            "|---|---:|---:|---:|---:|"]
+        for workers in args.workers:
+            for name in names:
+                if name not in halves and name != "open_clip":
+                    continue
+                loader = builders[name](pattern, preprocess, tokenizer, args.batch_size, workers)
+                per_step = step.fed(loader, halves.get(name), args.batches)
+                step_lines.append(f"| {name} | {workers} | {per_step * 1e3:.1f} | "
+                                  f"{args.batch_size / per_step:.0f} | {alone / per_step:.2f} |")
+                print(step_lines[-1], flush=True)
+
     command = "python bench/bench_loader.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    gpu_note = ("" if "vlcontrast-gpu" not in names else
+                "; `vlcontrast-gpu`: " + ("decoded and augmented on the GPU per batch, synced"
+                                          if args.device != "cpu" else
+                                          "the workers' half only (no GPU here: JPEG bytes and "
+                                          "crop boxes, nothing decoded)"))
     report = "\n".join([
-        "# Loader throughput: vlcontrast vs open_clip get_wds_dataset",
+        "# Loader throughput: vlcontrast (each decode path) vs open_clip get_wds_dataset",
         "",
         f"- machine: {platform.machine()}, {os.cpu_count()} CPU cores, {platform.platform()}; "
         f"load average before / after: {load_before} / {os.getloadavg()[0]:.2f} (the cores "
-        "may be shared with other jobs: compare the two columns, not absolute numbers)",
+        "may be shared with other jobs: compare the columns, not absolute numbers)"
+        + (f"; device {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""),
         f"- python {platform.python_version()}, torch {torch.__version__}, open_clip "
         f"{open_clip.__version__}, webdataset {webdataset.__version__}",
         f"- command: `{command.strip()}`",
-        f"- shards: {pattern} ({args.samples} synthetic samples, "
-        f"{args.source_image_size}px JPEG) -- open_clip `image_transform({args.image_size}, "
-        f"is_train={args.transform == 'train'})`, `get_tokenizer({args.model!r})`, batch "
-        f"{args.batch_size}" + (f"; `vlcontrast cache`: data.cache_mb={args.cache_mb}, timed in "
-                                "its second epoch" if args.cache_mb else ""),
+        f"- shards: {pattern} ({args.source_image_size}px synthetic JPEGs) -- open_clip "
+        f"`image_transform({args.image_size}, is_train={args.transform == 'train'})`, "
+        f"`get_tokenizer({args.model!r})`, batch {args.batch_size}"
+        + (f"; `vlcontrast cache`: data.cache_mb={args.cache_mb}, timed in its second epoch"
+           if args.cache_mb else "") + gpu_note,
         f"- timing: {args.batches} batches after the first (worker start and shuffle-buffer fill "
         f"excluded), median of {args.repeats} alternating repetitions",
         "",
         *table,
+        *step_lines,
         "",
     ])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(report)
     print(report)
+
+
+LOADERS = ("vlcontrast", "vlcontrast-uint8", "vlcontrast-gpu", "open_clip")
 
 
 if __name__ == "__main__":

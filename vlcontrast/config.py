@@ -28,6 +28,7 @@ PrecisionName = Literal["fp32", "amp_bf16", "bf16", "fp16"]
 """Values of ``train.precision`` (see :class:`TrainConfig`)."""
 DeviceName = Literal["auto", "cpu", "cuda"]
 DataMode = Literal["epoch", "resampled"]
+DecodeDevice = Literal["cpu", "gpu"]
 ZeroStage = Literal[0, 1, 2, 3]
 
 PRECISIONS: tuple[str, ...] = typing.get_args(PrecisionName)
@@ -79,11 +80,23 @@ class DataConfig:
     with random augmentation the decoded image is kept and augmented anew each epoch. Batches,
     their order and resume are the same as without the cache. Each worker keeps the rows it
     reads, so the cache pays most with one worker per rank (docs/loader.md)."""
-    normalize_on_device: bool = False
+    normalize_on_device: bool | None = None
     """Ship training images from the loader as uint8 and scale and normalise them per batch on the
     training device (the same values as open_clip's per-image ``ToTensor`` + ``Normalize``). The
     loader does less work per image and the host-to-device copy is a quarter of the bytes; it pays
-    where the loader, not the model, limits the step (small models, few CPU cores per GPU)."""
+    where the loader, not the model, limits the step (small models, few CPU cores per GPU).
+    Unset (null): on when training on CUDA and the transform allows it (not timm's pipeline),
+    off on the CPU."""
+    decode: DecodeDevice = "cpu"
+    """Where training JPEGs are decoded and augmented. ``cpu``: in the loader workers (PIL).
+    ``gpu``: the workers only read the tar members, check and tokenise captions and draw each
+    image's crop; the training process decodes each batch with nvJPEG and crops, resizes, flips
+    and normalises it on the GPU, on a side stream while the previous step computes. PNG/WebP and
+    JPEGs the GPU cannot take are decoded on the CPU (counted, ``data/fallback_*``). Needs CUDA,
+    ``data.augment=true`` and open_clip's plain training transform (docs/loader.md)."""
+    device_prefetch: bool = True
+    """On CUDA, move (and with ``data.decode=gpu`` decode) the next step's batches on a side stream
+    while the current step computes. false: each step's batches are moved when it starts."""
 
     image_key: str = "jpg;jpeg;png;webp"
     """Shard members that hold the image, ``;``-separated; the first one present is used."""
@@ -107,6 +120,12 @@ class DataConfig:
                  self.max_bad_fraction, "must be in [0, 1]")
         _require(self.num_samples >= 0, "data.num_samples", self.num_samples, "must be >= 0")
         _require(self.cache_mb >= 0, "data.cache_mb", self.cache_mb, "must be >= 0 (0: off)")
+        _require(self.decode == "cpu" or self.augment, "data.decode", self.decode,
+                 "applies the random training transform; with data.augment=false set "
+                 "data.decode=cpu")
+        _require(self.decode == "cpu" or not self.cache_mb, "data.decode", self.decode,
+                 f"with data.cache_mb={self.cache_mb}: the cache keeps decoded images, which the "
+                 "GPU path never has; set data.cache_mb=0 or data.decode=cpu")
 
 
 @dataclass

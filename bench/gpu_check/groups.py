@@ -164,7 +164,8 @@ def check_matrix(ctx: Context, group: str) -> None:
             overrides = ctx.overrides(name, **{
                 "model.name": model, "train.precision": precision, "deepspeed.zero_stage": stage,
                 "model.init_logit_scale": INIT_LOGIT_SCALE,
-                **({"data.normalize_on_device": True} if uint8 else {})})
+                # Explicit both ways: unset, it is on for every CUDA run.
+                "data.normalize_on_device": bool(uint8)})
             run_dir = Path(overrides["output_dir"])
             try:
                 result = ctx.train(name, overrides)

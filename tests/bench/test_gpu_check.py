@@ -372,3 +372,67 @@ def test_reduced_check_runs_end_to_end_on_cpu(tmp_path):
     assert "| group | estimate on one H100 | wall here |" in markdown
     assert "| syncs | per step | skip |" in markdown
     assert markdown in proc.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# bench/gpu_check/finish.py: the rest of the check, split into calls that end within 8 minutes
+
+
+def test_pack_keeps_order_and_each_call_within_the_limit():
+    from bench.gpu_check.finish import pack
+
+    items = [("a", 100.0), ("b", 200.0), ("c", 150.0), ("d", 500.0), ("e", 10.0)]
+    calls = pack(items, limit_s=480.0, setup_s=75.0)
+    assert [name for call in calls for name in call] == ["a", "b", "c", "d", "e"]
+    seconds = dict(items)
+    for call in calls:
+        assert call
+        assert 75.0 + sum(seconds[n] for n in call) <= 480.0 or len(call) == 1
+    assert ["d"] in calls  # longer than a call on its own: a call of its own
+
+
+def test_finish_calls_cover_exactly_what_the_h200_runs_left_and_fit_8_minutes(tmp_path):
+    from bench.gpu_check.finish import CALL_LIMIT_S, finish_calls, vit_cases
+    from vlcontrast.losses import LOSSES
+
+    families = sorted(groups.shipped_families())
+    calls = finish_calls(sorted(LOSSES), groups.precisions(), families)
+    assert all(seconds <= CALL_LIMIT_S for _, _, seconds in calls)
+    memory = [loss for group, sel, _ in calls if group == "memory" for loss in sel.split(",")]
+    assert sorted(memory) == sorted(set(LOSSES) - {"infonce"})
+    rn = [case for group, sel, _ in calls if group == "matrix-rn" for case in sel.split(",")]
+    assert rn == ["RN RN50 bf16 zero3", "RN RN50 fp16 zero0 uint8"]
+    vit = [case for group, sel, _ in calls if group == "matrix-vit" for case in sel.split(",")]
+    full_vit = vit_cases(groups.precisions(), families)
+    assert len(full_vit) == 8 and len(vit) == 7
+    assert set(vit) == set(full_vit) - {"ViT ViT-B-32 fp32 zero2 uint8"}
+
+    # Each call's selection, given to the groups as --cases / --memory-losses, runs exactly its
+    # cells and probes in the full check's plan (case names match the matrix group's).
+    ctx = _context(tmp_path, reduced=False)
+    rn_cells = [c for c in plan.matrix_cells(families, groups.precisions(), False)
+                if c[0] == "RN"]
+    assert {(p, s) for _, p, s, _ in rn_cells} >= {("fp16", 0), ("bf16", 3)}
+    for group, selection, _ in calls:
+        ctx.jobs.launched.clear()
+        if group == "memory":
+            ctx.settings.memory_losses = tuple(selection.split(","))
+            groups.check_memory(ctx)
+            assert len(ctx.jobs.launched) == len(ctx.settings.memory_losses) * len(
+                plan.MEMORY_SIZES)
+        else:
+            ctx.settings.matrix_cases = tuple(selection.split(","))
+            groups.check_matrix(ctx, group)
+            assert sorted(ctx.jobs.launched) == sorted("matrix_" + case.replace(" ", "_")
+                                                       for case in selection.split(","))
+
+
+def test_finish_prints_one_device_command_per_call(capsys):
+    from bench.gpu_check import finish
+
+    assert finish.main() == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines and all(line.startswith("GPU_CHECK_TIMEOUT=540 bench/device_run.sh ")
+                         for line in lines)
+    assert any("--memory-losses 'decl'" in line for line in lines)
+    assert any(line.split()[2] == "matrix-vit" and "--cases" in line for line in lines)

@@ -55,8 +55,9 @@ CASES = {
 READS = ("item", "tolist", "__bool__", "__float__", "__int__")
 
 # Code that reads only the loader's host-side tensors (sample ids, the position in the epoch)
-# before the batch is copied to the device: on a GPU these reads never wait for it.
-HOST_SIDE = {"vlcontrast/train/batches.py"}
+# before the batch is copied to the device, or the CPU generator's draws of a crop (torchvision's
+# own get_params, with 0 workers in this process): on a GPU these reads never wait for it.
+HOST_SIDE = {"vlcontrast/train/batches.py", "vlcontrast/data/crops.py"}
 
 
 def _issuer() -> str:

@@ -92,3 +92,27 @@ def test_a_cpu_run_on_a_gpu_host_does_not_pin_memory(bundle, tmp_path, monkeypat
                                  SimpleNamespace(rank=0, world_size=1, device=device),
                                  bundle.tokenizer, transform)
         assert batches.loader.loader_options["pin_memory"] is pinned
+
+
+def test_normalizing_on_the_device_is_the_default_on_cuda_only(bundle):
+    from vlcontrast.data.transforms import BatchNormalizer
+
+    data = _config().data
+    assert data.normalize_on_device is None
+    assert train_transform(data, bundle, torch.device("cpu"))[1] is None
+    head, normalizer = train_transform(data, bundle, torch.device("cuda"))
+    assert isinstance(normalizer, BatchNormalizer) and head is not bundle.preprocess_train
+    off = _config("data.normalize_on_device=false").data
+    assert train_transform(off, bundle, torch.device("cuda"))[1] is None
+
+
+def test_decode_gpu_gives_the_workers_a_plan_and_refuses_a_cpu_run(bundle):
+    from vlcontrast.data.gpu_decode import GpuBatchTransform
+
+    data = _config("data.decode=gpu").data
+    with pytest.raises(ConfigError, match="data.decode=gpu: the training device is cpu"):
+        train_transform(data, bundle, torch.device("cpu"))
+    plan, batch_transform = train_transform(data, bundle, torch.device("cuda"))
+    assert isinstance(batch_transform, GpuBatchTransform)
+    assert SeededTransform(plan, 0).gpu_plan is plan.gpu_plan
+    assert plan.gpu_plan.size == tuple(bundle.preprocess_train.transforms[0].size)

@@ -62,8 +62,9 @@ __all__ = [
 
 
 class Batch(NamedTuple):
-    images: torch.Tensor
-    """``[B, 3, H, W]`` float, after the train transform."""
+    images: Any
+    """``[B, 3, H, W]`` float after the train transform (uint8 with ``data.normalize_on_device``),
+    or :class:`~vlcontrast.data.gpu_decode.EncodedImages` with ``data.decode=gpu``."""
     texts: torch.Tensor
     """``[B, L]`` long token ids."""
     sample_ids: torch.Tensor
@@ -108,6 +109,7 @@ class TrainLoader:
         self.epoch = epoch
         self.seen_samples = 0
         self._base_bad: dict[str, int] = {}
+        self._base_fallback: dict[str, int] = {}
         self._base_examined = 0
         self._steps_done = 0
         nw = stream.num_workers
@@ -115,6 +117,7 @@ class TrainLoader:
         self._batches = [0] * nw
         self._last: list[Any] = [None] * nw
         self._epoch_bad: list[dict[str, int]] = [{} for _ in range(nw)]
+        self._epoch_fallback: list[dict[str, int]] = [{} for _ in range(nw)]
         self._epoch_examined = [0] * nw
         self._resume_epoch: int | None = None
         if resume_state is not None:
@@ -130,6 +133,16 @@ class TrainLoader:
         """Skipped samples (and shard events) per reason, over batches received so far."""
         total = dict(self._base_bad)
         for counts in self._epoch_bad:
+            for reason, n in counts.items():
+                total[reason] = total.get(reason, 0) + n
+        return {k: v for k, v in sorted(total.items()) if v}
+
+    @property
+    def fallback_samples(self) -> dict[str, int]:
+        """``data.decode=gpu``: images the workers decoded on the CPU, per reason
+        (:data:`~vlcontrast.data.gpu_decode.FALLBACK_REASONS`), over batches received so far."""
+        total = dict(self._base_fallback)
+        for counts in self._epoch_fallback:
             for reason, n in counts.items():
                 total[reason] = total.get(reason, 0) + n
         return {k: v for k, v in sorted(total.items()) if v}
@@ -162,6 +175,7 @@ class TrainLoader:
                 self._last[worker] = meta["last"]
                 self._epoch_bad[worker] = meta["bad"]
                 self._epoch_examined[worker] = meta["examined"]
+                self._epoch_fallback[worker] = meta.get("fallback", {})
                 self._steps_done += 1
                 self.seen_samples += len(sample_ids)
                 self._check_rate(where, final=False)
@@ -171,11 +185,35 @@ class TrainLoader:
                    SAMPLE_REASONS + SHARD_REASONS}
             if any(bad.values()):
                 logger.warning("%s: skipped %s", where, {k: v for k, v in bad.items() if v})
+            fallback: dict[str, int] = {}
+            for counts in self._epoch_fallback:
+                for reason, n in counts.items():
+                    fallback[reason] = fallback.get(reason, 0) + n
+            if fallback:
+                logger.warning("%s: data.decode=gpu decoded these images on the CPU: %s", where,
+                               fallback)
         finally:
             del iterator
 
-    def state_dict(self) -> dict:
-        """JSON-able position after the last batch handed out, for this rank."""
+    def mark(self) -> dict:
+        """The position after the last batch handed out (cheap: a few short lists), for
+        :meth:`state_dict` later, when more batches have been taken (a prefetch)."""
+        return {
+            "epoch": self.epoch,
+            "steps_done": self._steps_done,
+            "worker_batches": list(self._batches),
+            "worker_positions": list(self._positions),
+            "worker_last_sample": list(self._last),
+            "seen_samples": self.seen_samples,
+            "examined_samples": self._base_examined + sum(self._epoch_examined),
+            "bad_samples": self.bad_samples,
+            "fallback_samples": self.fallback_samples,
+        }
+
+    def state_dict(self, mark: dict | None = None) -> dict:
+        """JSON-able position after the last batch handed out, for this rank (or at ``mark``,
+        from :meth:`mark`)."""
+        mark = mark if mark is not None else self.mark()
         return {
             "version": STATE_VERSION,
             "mode": self._stream.mode,
@@ -187,24 +225,18 @@ class TrainLoader:
             "steps_per_epoch": self.steps_per_epoch,
             "num_samples": self.num_samples,
             "shards_digest": self._shard_set.digest(),
-            "shard_order": (epoch_order(len(self._shard_set.urls), self._stream.seed, self.epoch)
+            "shard_order": (epoch_order(len(self._shard_set.urls), self._stream.seed,
+                                        mark["epoch"])
                             if self._stream.mode == "epoch" else None),
-            "epoch": self.epoch,
-            "steps_done": self._steps_done,
-            "worker_batches": list(self._batches),
-            "worker_positions": list(self._positions),
-            "worker_last_sample": list(self._last),
-            "seen_samples": self.seen_samples,
-            "examined_samples": self._base_examined + sum(self._epoch_examined),
-            "bad_samples": self.bad_samples,
+            **mark,
         }
 
-    def gather_state_dict(self) -> dict:
+    def gather_state_dict(self, mark: dict | None = None) -> dict:
         """``{"ranks": [state of rank 0, rank 1, ...]}``: a collective when a process group
         exists (call on every rank), so one file restores every rank's exact position."""
         import torch.distributed as dist
 
-        state = self.state_dict()
+        state = self.state_dict(mark)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             states: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(states, state)
@@ -224,6 +256,8 @@ class TrainLoader:
 
     def _fold_counts(self) -> None:
         self._base_bad = self.bad_samples
+        self._base_fallback = self.fallback_samples
+        self._epoch_fallback = [{} for _ in self._epoch_fallback]
         self._base_examined += sum(self._epoch_examined)
         self._epoch_bad = [{} for _ in self._epoch_bad]
         self._epoch_examined = [0] * len(self._epoch_examined)
@@ -246,6 +280,7 @@ class TrainLoader:
                               f"expected {STATE_VERSION}")
         self.seen_samples = int(state["seen_samples"])
         self._base_bad = dict(state["bad_samples"])
+        self._base_fallback = dict(state.get("fallback_samples") or {})
         self._base_examined = int(state["examined_samples"])
         epoch, steps_done = int(state["epoch"]), int(state["steps_done"])
         stream = self._stream

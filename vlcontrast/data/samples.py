@@ -36,6 +36,7 @@ from typing import Any, Callable
 from PIL import Image
 
 from vlcontrast.errors import LoaderError
+from .crops import image_digest
 from .tar_reader import SHARD_EVENTS
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
@@ -124,6 +125,9 @@ class Inspected:
     caption: str | tuple[str, ...]
     """One caption, or several (a tuple) from which training draws one per epoch."""
     sample_id: int | None
+    digest: int | None = None
+    """The CRC-32 of the encoded image (:func:`~vlcontrast.data.crops.image_digest`): what seeds
+    the image's augmentation on either decode path."""
 
 
 def find_image(members: dict[str, bytes], extensions: tuple[str, ...] = IMAGE_EXTENSIONS
@@ -267,7 +271,7 @@ def inspect_sample(key: str, members: dict[str, bytes], *, ids: IdRule | None = 
         image = open_image(image_bytes, max_image_pixels)
         if isinstance(image, str):
             return image
-    return Inspected(image, caption, sample_id)
+    return Inspected(image, caption, sample_id, image_digest(image_bytes))
 
 
 def decode_sample(key: str, members: dict[str, bytes], *, preprocess: Callable, id_offset: int = 0,
@@ -284,7 +288,10 @@ def decode_sample(key: str, members: dict[str, bytes], *, preprocess: Callable, 
 def transform_sample(sample: Inspected, preprocess: Callable) -> tuple[Any, str, int] | str:
     """(image tensor, caption, sample id) of an inspected sample, or ``transform_error``."""
     try:
-        tensor = preprocess(sample.image)
+        if getattr(preprocess, "takes_digest", False) and sample.digest is not None:
+            tensor = preprocess(sample.image, digest=sample.digest)
+        else:
+            tensor = preprocess(sample.image)
     except Exception:  # noqa: BLE001 - counted; the rate limit stops systematic failures
         return "transform_error"
     return tensor, sample.caption, sample.sample_id  # type: ignore[return-value]

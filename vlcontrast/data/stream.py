@@ -21,6 +21,7 @@ with an ``epoch`` attribute (epoch-seeded augmentation) gets the epoch in the wo
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -122,6 +123,8 @@ class Tally:
     max_bad_fraction: float
     counts: dict[str, int] = field(default_factory=dict)
     good: int = 0
+    fallbacks: dict[str, int] = field(default_factory=dict)
+    """Images decoded on the CPU under ``data.decode=gpu``, per reason (not bad samples)."""
 
     @property
     def examined(self) -> int:
@@ -171,6 +174,12 @@ def decode(numbered: Iterable[tuple[int, Row]], shard_set: ShardSet, tally: Tall
     offered to ``cache``; rows it served (:class:`Kept`) skip what was done to them already.
     A sample with several captions gets one per epoch (:func:`choose_caption`)."""
     required = getattr(shard_set, "ids_required", True)
+    gpu_plan = getattr(preprocess, "gpu_plan", None)
+    if gpu_plan is not None:
+        yield from decode_for_gpu(numbered, shard_set, tally, preprocess=preprocess,
+                                  max_image_pixels=max_image_pixels, keys=keys, seed=seed,
+                                  epoch=epoch)
+        return
     # A transform with ``image_ids`` (train.feature_cache.ImagePlaceholder) stands for stored
     # features: images are not decoded, and only those samples are kept.
     image_ids = getattr(preprocess, "image_ids", None)
@@ -192,6 +201,55 @@ def decode(numbered: Iterable[tuple[int, Row]], shard_set: ShardSet, tally: Tall
                 cache.keep(shard, row, key, result)
         if isinstance(result, Inspected):
             result = transform_sample(result, preprocess)
+        if isinstance(result, str):
+            tally.bad(result)
+            continue
+        tally.good += 1
+        image, caption, sample_id = result
+        if isinstance(caption, tuple):
+            caption = choose_caption(caption, seed=seed, epoch=epoch, sample_id=sample_id,
+                                     url=shard_set.urls[shard], key=key)
+        yield Decoded(position, image, caption, sample_id, [shard_set.urls[shard], key])
+
+
+def decode_for_gpu(numbered: Iterable[tuple[int, Row]], shard_set: ShardSet, tally: Tally, *,
+                   preprocess: Callable, max_image_pixels: int, keys: Members = DEFAULT_MEMBERS,
+                   seed: int = 0, epoch: int = 0) -> Iterator[Decoded]:
+    """Stage, ``data.decode=gpu``: each usable row with a JPEG the GPU takes becomes an
+    :class:`~.gpu_decode.EncodedSample` (its bytes and the crop the CPU path would draw), read
+    from the header without decoding; other images are decoded and cropped here, counted in
+    ``tally.fallbacks``; bad rows are counted and dropped as in :func:`decode`."""
+    from .crops import draw_crop
+    from .gpu_decode import EncodedSample, probe_jpeg
+    from .samples import find_image, open_image
+
+    required = getattr(shard_set, "ids_required", True)
+    plan_ = preprocess.gpu_plan
+    generator = torch.Generator()
+    for position, (shard, row, key, members) in numbered:
+        result = inspect_sample(key, members,
+                                ids=IdRule(shard_set.id_offsets[shard], shard_set.id_space,
+                                           required),
+                                max_image_pixels=max_image_pixels, keys=keys, decode_image=False)
+        if isinstance(result, Inspected):
+            image_bytes = find_image(members, keys.image)  # type: ignore[arg-type]
+            probe = probe_jpeg(image_bytes, max_image_pixels)  # type: ignore[arg-type]
+            if isinstance(probe, tuple):
+                augment_key = preprocess.key(result.digest)
+                params = draw_crop(augment_key, probe[0], probe[1], plan_.scale, plan_.ratio,
+                                   plan_.flip_p, generator)
+                result = (EncodedSample(image_bytes, (*params, augment_key)),  # type: ignore
+                          result.caption, result.sample_id)
+            elif probe == "decompression_bomb":
+                result = probe
+            else:
+                image = open_image(image_bytes, max_image_pixels)  # type: ignore[arg-type]
+                if isinstance(image, str):
+                    result = image
+                else:
+                    count(tally.fallbacks, probe)
+                    result = transform_sample(dataclasses.replace(result, image=image),
+                                              preprocess)
         if isinstance(result, str):
             tally.bad(result)
             continue
@@ -251,13 +309,22 @@ class CachedTokenizer:
 
 
 def collate(batch: list[Decoded], tokenizer: Callable, *, worker: int, batches_done: int,
-            tally: Tally) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
-    """Stage: (images, token ids, sample ids, meta) with the worker's position after the batch."""
+            tally: Tally, encoded: bool = False) -> tuple[Any, torch.Tensor, torch.Tensor, dict]:
+    """Stage: (images, token ids, sample ids, meta) with the worker's position after the batch.
+    ``encoded`` (``data.decode=gpu``): the images as :class:`~.gpu_decode.EncodedImages`."""
     texts = tokenizer([s.caption for s in batch])
     meta = {"worker": worker, "position": batch[-1].position, "batches": batches_done,
-            "bad": dict(tally.counts), "examined": tally.examined, "last": batch[-1].last}
-    return (torch.stack([s.image for s in batch]), torch.as_tensor(texts).long(),
-            torch.tensor([s.sample_id for s in batch]), meta)
+            "bad": dict(tally.counts), "examined": tally.examined, "last": batch[-1].last,
+            "fallback": dict(tally.fallbacks)}
+    images = [s.image for s in batch]
+    if encoded:
+        from .gpu_decode import collate_images
+
+        stacked: Any = collate_images(images)
+    else:
+        stacked = torch.stack(images)
+    return (stacked, torch.as_tensor(texts).long(), torch.tensor([s.sample_id for s in batch]),
+            meta)
 
 
 class SlotStream(IterableDataset):
@@ -361,9 +428,11 @@ class SlotStream(IterableDataset):
         samples = decode(fresh, self.shard_set, tally, preprocess=self.preprocess,
                          max_image_pixels=self.max_image_pixels, cache=self.cache,
                          keys=self.keys, seed=self.seed, epoch=self.epoch)
+        encoded = getattr(self.preprocess, "gpu_plan", None) is not None
         for batch in itertools.islice(batched(samples, self.batch_size), quota - done):
             done += 1
-            yield collate(batch, self.tokenizer, worker=worker, batches_done=done, tally=tally)
+            yield collate(batch, self.tokenizer, worker=worker, batches_done=done, tally=tally,
+                          encoded=encoded)
         if done < quota:
             raise LoaderError(
                 f"{tally.where}: ran out of samples after {done} of {quota} batches even after "

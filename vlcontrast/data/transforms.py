@@ -71,6 +71,13 @@ class BatchNormalizer:
         return f"{type(self).__name__}(mean={self.mean}, std={self.std})"
 
 
+def splits_normalization(transform) -> bool:
+    """Whether :func:`split_normalization` can cut ``transform`` (not timm's pipeline)."""
+    steps = list(getattr(transform, "transforms", []))
+    return (len(steps) >= 2 and isinstance(steps[-2], T.ToTensor)
+            and isinstance(steps[-1], T.Normalize))
+
+
 def split_normalization(transform) -> tuple[T.Compose, BatchNormalizer]:
     """(the transform up to uint8, the normaliser of its last two steps) of an open_clip transform.
 
@@ -78,8 +85,7 @@ def split_normalization(transform) -> tuple[T.Compose, BatchNormalizer]:
     one) and ``Normalize``, which is what open_clip builds unless timm's pipeline is used.
     """
     steps = list(getattr(transform, "transforms", []))
-    if (len(steps) < 2 or not isinstance(steps[-2], T.ToTensor)
-            or not isinstance(steps[-1], T.Normalize)):
+    if not splits_normalization(transform):
         raise ConfigError("data.normalize_on_device=true needs a training transform that ends in "
                          f"ToTensor and Normalize; this model's is {transform!r} (timm's pipeline, "
                          "model.augment.use_timm, is not supported: set data.normalize_on_device=false)")

@@ -12,9 +12,11 @@ augments exactly like an uninterrupted one with any number of loader workers.
 from __future__ import annotations
 
 import zlib
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
+
+from vlcontrast.data.crops import augment_key, seeded_call, with_shared_crop
 
 
 class SeededTransform:
@@ -22,52 +24,145 @@ class SeededTransform:
 
     The data loader applies it in its worker processes (or in this process with 0 workers), where
     it would otherwise draw from a random stream that depends on the worker count and restarts on
-    resume. Seeding each image from its pixels makes a resumed run augment exactly like an
-    uninterrupted one, with any number of workers, and leaves the training stream (dropout) alone.
+    resume. Seeding each image from its encoded bytes (the loader passes their CRC-32 as
+    ``digest``; :mod:`vlcontrast.data.crops`) makes a resumed run augment exactly like an
+    uninterrupted one, with any number of workers, on either decode path (``data.decode``), and
+    leaves the training stream (dropout) alone. A call without a digest hashes the decoded pixels.
     """
 
+    takes_digest = True
+    """The loader passes each image's digest (:func:`vlcontrast.data.samples.transform_sample`)."""
+
     def __init__(self, transform, seed: int, *, random: bool = True):
-        self.transform = transform
+        self.transform = with_shared_crop(transform) if random else transform
         self.seed = seed
         self.random = random  # False: a deterministic transform (data.augment=false), not seeded
         self.epoch = 0
         # The loader decodes no image for a transform that names the samples it stands for.
         self.image_ids = getattr(transform, "image_ids", None)
+        # data.decode=gpu: the loader reads crop parameters from the plan instead of decoding.
+        self.gpu_plan = getattr(transform, "gpu_plan", None)
 
-    def __call__(self, image):
+    def key(self, digest: int) -> int:
+        """The augmentation key of the image with this digest in the current epoch."""
+        return augment_key(self.seed, self.epoch, digest)
+
+    def __call__(self, image, digest: int | None = None):
         if not self.random:
             return self.transform(image)
-        key = zlib.crc32(image.tobytes(), zlib.crc32(f"{self.seed}/{self.epoch}".encode()))
-        generator = torch.default_generator
-        state = generator.get_state()
-        # Seed only the CPU generator the transforms draw from: torch.manual_seed would also queue
-        # a lazy CUDA seed, which formats the whole Python stack on every call (a CUDA build on a
-        # machine without a GPU: +0.35-0.4 ms per image, more than a 32 px train transform).
-        generator.manual_seed(key)
-        try:
-            return self.transform(image)
-        finally:
-            generator.set_state(state)
+        if digest is None:
+            digest = zlib.crc32(image.tobytes())
+        return self.apply(image, self.key(digest))
+
+    def apply(self, image, key: int):
+        """The transform of ``image`` with its randomness seeded by ``key``."""
+        return seeded_call(self.transform, image, key)
+
+
+class DeviceFeed:
+    """Moves a step's micro-batches to the training device, transformed, on a side CUDA stream.
+
+    ``transform`` is the per-batch half of the image transform: a
+    :class:`~vlcontrast.data.transforms.BatchNormalizer` (uint8 batches, ``data.normalize_on_device``)
+    or a :class:`~vlcontrast.data.gpu_decode.GpuBatchTransform` (``data.decode=gpu``); None moves
+    float images as they are. :meth:`prepare` enqueues the copies and kernels of the next step on
+    the side stream, after everything already enqueued on the compute stream
+    (``side.wait_stream(current)``: memory the compute stream freed may be reused); :meth:`hand_over`
+    makes the compute stream wait for them and tells the caching allocator that the compute
+    stream uses the tensors (``record_stream``), so their memory is not given to the side
+    stream's next batch while the step still reads it. ``cuda`` is ``torch.cuda`` (a stand-in in
+    the tests). On a CPU device both are plain moves.
+    """
+
+    def __init__(self, device, dtype: torch.dtype, transform=None, *, cuda=torch.cuda):
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.transform = transform
+        self.cuda = cuda
+        self.stream = cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+
+    def move(self, batch):
+        images = batch.images
+        if self.transform is not None:
+            images = self.transform(images, self.device, self.dtype)
+        else:
+            images = images.to(device=self.device, dtype=self.dtype, non_blocking=True)
+        return batch._replace(images=images,
+                              texts=batch.texts.to(self.device, non_blocking=True),
+                              sample_ids=batch.sample_ids.to(self.device, non_blocking=True))
+
+    def prepare(self, micro_batches: list) -> list:
+        """The micro-batches on the device, their work enqueued on the side stream."""
+        if self.stream is None:
+            return [self.move(b) for b in micro_batches]
+        self.stream.wait_stream(self.cuda.current_stream(self.device))
+        with self.cuda.stream(self.stream):
+            return [self.move(b) for b in micro_batches]
+
+    def hand_over(self, ready: list) -> list:
+        """``ready`` (from :meth:`prepare`), safe to use on the compute stream."""
+        if self.stream is None:
+            return ready
+        current = self.cuda.current_stream(self.device)
+        current.wait_stream(self.stream)
+        for batch in ready:
+            for tensor in (batch.images, batch.texts, batch.sample_ids):
+                tensor.record_stream(current)
+        return ready
+
+
+class _Step(NamedTuple):
+    batches: list
+    mark: dict | None
+    """The loader's position after these batches (:meth:`TrainLoader.mark`)."""
+    epoch: int
 
 
 class TrainBatches:
-    """Micro-batches for each optimizer step, across epochs; resumable."""
+    """Micro-batches for each optimizer step, across epochs; resumable.
 
-    def __init__(self, build: Callable[..., object], augment: SeededTransform, accum_steps: int):
+    With a :class:`DeviceFeed` the step's batches come back on the device, and the next step's are
+    taken from the loader and prepared on the feed's side stream before this one is returned
+    (while this step computes); the position, epoch and counts reported are those of the batches
+    handed out, not of the one prepared ahead, so a checkpoint resumes exactly."""
+
+    def __init__(self, build: Callable[..., object], augment: SeededTransform, accum_steps: int,
+                 feed: DeviceFeed | None = None):
         """``build(resume_state=None)`` makes the rank's loader (at a saved position if given)."""
         self._build = build
         self.augment = augment
         self.accum_steps = accum_steps
+        self.feed = feed
         self.loader = build(resume_state=None)
         self._iterator = None
+        self._ahead: _Step | None = None
+        self._handed: _Step | None = None
+
+    @property
+    def feeds_device(self) -> bool:
+        """True: :meth:`next_step` returns batches already on the device, transformed."""
+        return self.feed is not None
 
     @property
     def epoch(self) -> int:
-        return self.loader.epoch
+        return self._handed.epoch if self._handed is not None else self.loader.epoch
 
     @property
     def bad_samples(self) -> dict[str, int]:
+        if self._handed is not None and self._handed.mark is not None:
+            return self._handed.mark["bad_samples"]
         return self.loader.bad_samples
+
+    @property
+    def fallback_samples(self) -> dict[str, int]:
+        """``data.decode=gpu``: images decoded on the CPU, per reason (workers and this process)."""
+        if self._handed is not None and self._handed.mark is not None:
+            total = dict(self._handed.mark.get("fallback_samples", {}))
+        else:
+            total = dict(getattr(self.loader, "fallback_samples", {}))
+        for reason, n in getattr(getattr(self.feed, "transform", None), "fallbacks", {}).items():
+            total[reason] = total.get(reason, 0) + n
+        return total
 
     @property
     def id_space(self) -> int:
@@ -84,22 +179,43 @@ class TrainBatches:
             yield from self.loader
             self.loader.set_epoch(self.loader.epoch + 1)
 
-    def next_step(self) -> list:
-        """The ``accum_steps`` micro-batches of the next optimizer step."""
+    def _take(self) -> _Step:
         if self._iterator is None:
             self._iterator = self._stream()
         # The loader's own random draws (0 workers) leave the training stream alone.
         with torch.random.fork_rng(devices=[]):
-            return [next(self._iterator) for _ in range(self.accum_steps)]
+            batches = [next(self._iterator) for _ in range(self.accum_steps)]
+        mark = self.loader.mark() if hasattr(self.loader, "mark") else None
+        return _Step(batches, mark, self.loader.epoch)
+
+    def next_step(self) -> list:
+        """The ``accum_steps`` micro-batches of the next optimizer step."""
+        if self.feed is None:
+            self._handed = None
+            return self._take().batches
+        if self._ahead is None:
+            step = self._take()
+            self._ahead = step._replace(batches=self.feed.prepare(step.batches))
+        self._handed = self._ahead
+        ready = self.feed.hand_over(self._handed.batches)
+        # The next step's batches: their copies and decoding run on the side stream while the
+        # step about to be launched with ``ready`` computes.
+        step = self._take()
+        self._ahead = step._replace(batches=self.feed.prepare(step.batches))
+        return ready
 
     def start_epoch(self, epoch: int) -> None:
         """Begin ``epoch`` from its start (a resume whose per-rank positions do not apply)."""
         self.loader.set_epoch(epoch)
         self._iterator = None
+        self._ahead = self._handed = None
 
     def state_dict(self) -> dict:
+        if self._handed is not None and self._handed.mark is not None:
+            return self.loader.state_dict(self._handed.mark)
         return self.loader.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         self.loader = self._build(resume_state=state)
         self._iterator = None
+        self._ahead = self._handed = None

@@ -37,11 +37,12 @@ from vlcontrast.config import DataConfig, RunConfig, to_dict
 from vlcontrast.data.samples import Members
 from vlcontrast.data.loader import build_train_loader
 from vlcontrast.data.sources import check_ids_available
-from vlcontrast.data.transforms import split_normalization
+from vlcontrast.data.gpu_decode import GpuDecodeTransform, check_gpu_decode
+from vlcontrast.data.transforms import split_normalization, splits_normalization
 from vlcontrast.errors import ConfigError
 from vlcontrast.losses import LOSSES, build_loss
 from vlcontrast.models import build_model
-from vlcontrast.train.batches import SeededTransform, TrainBatches
+from vlcontrast.train.batches import DeviceFeed, SeededTransform, TrainBatches
 from vlcontrast.train.checkpoint import Checkpointer, RNGState
 from vlcontrast.train.engine import build_engine, clamp_logit_scale, num_parameters
 from vlcontrast.train.evaluate import Evaluator
@@ -73,6 +74,8 @@ def train(config: RunConfig) -> dict[str, Any]:
                           image_cache_dir=_image_cache_dir(config))
     preflight(config, evaluator)
     device, dtype = env.device, precision.parameter_dtype
+    if config.data.decode == "gpu":
+        check_gpu_decode(config.data, device)  # before the model: a one-line error
     needs_ids = build_loss(config.loss.name, id_space=1, **config.loss.options).needs_sample_ids
     check_ids_available(config.data, needs_ids, who=f"loss={config.loss.name}")  # before the model
     run_dir, config_yaml = Path(config.output_dir), yaml.safe_dump(to_dict(config), sort_keys=False)
@@ -80,13 +83,15 @@ def train(config: RunConfig) -> dict[str, Any]:
 
     bundle = build_model(config.model, siglip=LOSSES[config.loss.name].uses_logit_bias,
                          device=device)
-    transform, normalizer = train_transform(config.data, bundle)
+    transform, normalizer = train_transform(config.data, bundle, device)
     features = _locked_image_features(config, bundle.model)
     if features is not None:  # training never sees the images: none is decoded
-        transform = features.placeholder()
+        transform, normalizer = features.placeholder(), None
+    feed = (DeviceFeed(device, dtype, normalizer)
+            if device.type == "cuda" and config.data.device_prefetch and features is None else None)
     data = _train_batches(config.data, config.seed, config.train.accum_steps, env,
                           bundle.tokenizer, transform, needs_ids,
-                          row_snapshot_dir=_row_snapshot_dir(config))
+                          row_snapshot_dir=_row_snapshot_dir(config), feed=feed)
     loss_fn = build_loss(config.loss.name, chunk_size=config.loss.chunk_size,
                          id_space=data.id_space, optimizer_betas=config.optim.betas,
                          optimizer_eps=config.optim.eps, **config.loss.options).to(device)
@@ -126,7 +131,8 @@ def train(config: RunConfig) -> dict[str, Any]:
                 micro_batches = features.swap(micro_batches)
             log.timer.mark("data")
             outcome = train_step(engine, loss_fn, micro_batches, state.step + 1, device, dtype,
-                                 log.timer, momentum, stop, normalizer)
+                                 log.timer, momentum, stop,
+                                 None if data.feeds_device else normalizer)
             if outcome.skipped:
                 loss_fn.rollback()  # a skipped step leaves the loss's state as it was
                 guard.skipped_step(state.step + 1, outcome.skipped)
@@ -174,19 +180,30 @@ def train(config: RunConfig) -> dict[str, Any]:
 # set-up helpers
 
 
-def train_transform(data: DataConfig, bundle):
-    """(the loader's per-image training transform, the per-batch normaliser or None).
+def train_transform(data: DataConfig, bundle, device=None):
+    """(the loader's per-image training transform, the per-batch half or None).
 
     open_clip's training transform (random crop) unless ``data.augment`` is off, then its
-    evaluation transform; cut after the crop when ``data.normalize_on_device`` is on."""
+    evaluation transform; cut after the crop when ``data.normalize_on_device`` is on (unset: on
+    for a CUDA ``device``); with ``data.decode=gpu`` the workers get the crop plan and the
+    per-batch half decodes and augments on the device (vlcontrast/data/gpu_decode.py)."""
     transform = bundle.preprocess_train if data.augment else bundle.preprocess_val
-    if data.normalize_on_device:
+    if data.decode == "gpu":
+        check_gpu_decode(data, device)
+        plan = GpuDecodeTransform(transform)
+        return plan, plan.batch_transform()
+    normalize = data.normalize_on_device
+    if normalize is None:
+        normalize = (device is not None and torch.device(device).type == "cuda"
+                     and splits_normalization(transform))
+    if normalize:
         return split_normalization(transform)
     return transform, None
 
 
 def _train_batches(data: DataConfig, seed: int, accum_steps: int, env, tokenizer,
-                   transform, needs_ids: bool = False, row_snapshot_dir: str = "") -> TrainBatches:
+                   transform, needs_ids: bool = False, row_snapshot_dir: str = "",
+                   feed: DeviceFeed | None = None) -> TrainBatches:
     """This rank's batch stream, augmented with ``transform`` by (seed, epoch, image);
     ``needs_ids``: the loss keeps per-sample state, so every sample must carry a numeric id;
     ``row_snapshot_dir``: see :func:`_row_snapshot_dir`."""
@@ -196,7 +213,7 @@ def _train_batches(data: DataConfig, seed: int, accum_steps: int, env, tokenizer
     build = functools.partial(build_train_loader, data, augment, tokenizer, seed=seed,
                               rank=env.rank, world_size=env.world_size, device=env.device,
                               needs_sample_ids=needs_ids, row_snapshot_dir=row_snapshot_dir)
-    return TrainBatches(build, augment, accum_steps)
+    return TrainBatches(build, augment, accum_steps, feed)
 
 
 def _row_snapshot_dir(config: RunConfig) -> str:

@@ -127,6 +127,9 @@ class StepLogger:
         values.update({k: float(v) for k, v in result.items() if k != "loss"})
         values.update({f"time/{k}": v / attempts for k, v in self.timer.read().items()})
         values.update({f"data/bad_{k}": v for k, v in data.bad_samples.items()})
+        # data.decode=gpu: images decoded on the CPU instead, per reason.
+        values.update({f"data/fallback_{k}": v
+                       for k, v in getattr(data, "fallback_samples", {}).items()})
         self._window_start = time.perf_counter()
         self._window_samples = self._window_attempts = 0
         return values
