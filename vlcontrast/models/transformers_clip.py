@@ -53,11 +53,12 @@ from typing import Any
 
 import torch
 
+from vlcontrast.checkpoints import TRANSFORMERS_CONFIG_FILE as CONFIG_FILE
+from vlcontrast.checkpoints import TRANSFORMERS_MODEL_TYPE as MODEL_TYPE
+from vlcontrast.checkpoints import is_transformers_clip  # noqa: F401 - part of this module's API
 from vlcontrast.errors import ConfigError
 
-CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-MODEL_TYPE = "clip"
 BOS_ID, EOS_ID = 49406, 49407
 """``<|startoftext|>`` and ``<|endoftext|>`` in the CLIP BPE (open_clip's ``sot``/``eot``)."""
 LAYER_NORM_EPS = 1e-5
@@ -338,18 +339,6 @@ def write_tokenizer_files(folder: Path, context_length: int) -> None:
 
 # ------------------------------------------------------------------------------------------------
 # transformers -> open_clip
-
-
-def is_transformers_clip(path: str | Path) -> bool:
-    """Whether ``path`` is a directory holding a transformers ``CLIPModel`` (``config.json`` with
-    ``model_type: clip``)."""
-    config = Path(path) / CONFIG_FILE
-    if not config.is_file():
-        return False
-    try:
-        return json.loads(config.read_text()).get("model_type") == MODEL_TYPE
-    except (OSError, ValueError):
-        return False
 
 
 def _activation(config: dict, what: str) -> bool:
