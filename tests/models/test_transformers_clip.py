@@ -348,3 +348,15 @@ def test_export_command_both_forms(trained, tmp_path, capsys):
 def _write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
+
+
+def test_a_locked_tower_from_a_clipmodel_directory_keys_the_feature_cache_as_its_run(trained):
+    """``model.lock_image_features`` with ``model.pretrained=CLIPModel dir``: the cache key names
+    the same image tower as the run it was exported from (the mapping copies its tensors)."""
+    from vlcontrast.train.feature_cache import cache_key
+
+    tmp, data, run, out = trained
+    keys = [cache_key(load_config(BASE, _overrides(tmp, data, "k", f"model.pretrained={start}"))
+                      .model, load_config(BASE, _overrides(tmp, data, "k")).data)
+            for start in (run, out)]
+    assert keys[0]["image_tower_sha256"] == keys[1]["image_tower_sha256"] is not None

@@ -75,8 +75,10 @@ def run_classify(args) -> int:
                       batch_size=args.batch_size, workers=args.workers,
                       progress=not args.no_progress, alpha=args.alpha)
     print(format_classification(result, as_json=args.json))
-    print(f"vlcontrast classify: {alpha_summary(result.transparent, len(result.kept), args.alpha)}",
-          file=sys.stderr)
+    if result.transparent or args.alpha != "white":  # nothing to say for opaque images as trained
+        print(f"vlcontrast classify: "
+              f"{alpha_summary(result.transparent, len(result.kept), args.alpha)}",
+              file=sys.stderr)
     if args.figure:
         from vlcontrast.inference.classify import plot_classification
 
@@ -114,9 +116,10 @@ def run_embed(args) -> int:
                                   workers=args.workers, alpha=args.alpha, **common)
         from vlcontrast.data.samples import alpha_summary
 
-        print(f"vlcontrast embed: "
-              f"{alpha_summary(embeddings.transparent, len(embeddings.ids), args.alpha)}",
-              file=sys.stderr)
+        if embeddings.transparent or args.alpha != "white":
+            print(f"vlcontrast embed: "
+                  f"{alpha_summary(embeddings.transparent, len(embeddings.ids), args.alpha)}",
+                  file=sys.stderr)
     written = write_embeddings(embeddings, out)
     if embeddings.reasons:
         why = ", ".join(f"{reason}: {n}" for reason, n in sorted(embeddings.reasons.items()))
