@@ -31,10 +31,13 @@ from vlcontrast.errors import CheckpointError
 
 WEIGHTS_FILE = "model.pt"
 MODEL_CONFIG_FILE = "model_config.json"
-EXPORT_WEIGHTS_FILE = "open_clip_pytorch_model.bin"
+EXPORT_WEIGHTS_FILE = "open_clip_model.safetensors"
 EXPORT_CONFIG_FILE = "open_clip_config.json"
 """What ``vlcontrast export open_clip`` writes (beside ``<model_name>.json``); open_clip's own
-``local-dir:`` names."""
+``local-dir:`` and ``hf-hub:`` names (the safetensors file is the one they look for first)."""
+EXPORT_PICKLED_WEIGHTS_FILE = "open_clip_pytorch_model.bin"
+"""The weights of exports written before they were safetensors (a pickled state dict, read as
+tensors only)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -75,22 +78,62 @@ def resolve_weights(path: str | Path, what: str = "--checkpoint") -> Path:
     return found
 
 
+TRANSFORMERS_CONFIG_FILE = "config.json"
+TRANSFORMERS_MODEL_TYPE = "clip"
+
+
+def is_transformers_clip(path: str | Path) -> bool:
+    """Whether ``path`` is a directory holding a transformers ``CLIPModel`` (its ``config.json``
+    says ``model_type: clip``), e.g. ``vlcontrast export --format transformers``'s."""
+    import json
+
+    config = Path(path) / TRANSFORMERS_CONFIG_FILE
+    if not config.is_file():
+        return False
+    try:
+        return json.loads(config.read_text()).get("model_type") == TRANSFORMERS_MODEL_TYPE
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def export_weights(path: str | Path) -> Path | None:
+    """The weights file of an open_clip export directory (safetensors, else an older export's
+    pickle), or None."""
+    for name in (EXPORT_WEIGHTS_FILE, EXPORT_PICKLED_WEIGHTS_FILE):
+        if (Path(path) / name).is_file():
+            return Path(path) / name
+    return None
+
+
 def is_export(path: str | Path) -> bool:
     """Whether ``path`` is an open_clip export (``vlcontrast export open_clip``'s directory)."""
-    return (Path(path) / EXPORT_WEIGHTS_FILE).is_file() and (Path(path) / EXPORT_CONFIG_FILE).is_file()
+    return export_weights(path) is not None and (Path(path) / EXPORT_CONFIG_FILE).is_file()
+
+
+def read_weights(path: str | Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """A state dict from a ``.safetensors`` file, or from a pickled one (``model.pt``, an older
+    export's ``.bin``) read by :func:`load_file`: tensors only, never code (a file holding code
+    is a one-line :class:`CheckpointError`)."""
+    if str(path).endswith(".safetensors"):
+        from safetensors.torch import load_file as load_safetensors
+
+        return load_safetensors(str(path), device=str(device))
+    return load_file(Path(path), map_location=device)
 
 
 def resolve_model_files(path: str | Path, what: str = "--checkpoint") -> Path:
-    """The directory holding a model's weights: an export as it is, else :func:`resolve_weights`
+    """The directory holding a model's weights: an export or a transformers ``CLIPModel``
+    directory as it is, else :func:`resolve_weights`
     (run directory -> its latest checkpoint, a ``checkpoints/`` directory, a checkpoint); raises
     ``FileNotFoundError`` naming ``what`` and the three accepted forms."""
-    if is_export(path):
+    if is_export(path) or is_transformers_clip(path):
         return Path(path)
     found = resolve_checkpoint(path, require=WEIGHTS_FILE)
     if found is None:
         raise FileNotFoundError(f"{what} {str(path)!r}: no {WEIGHTS_FILE}, no checkpoints/latest "
                                 f"and no {EXPORT_WEIGHTS_FILE} there (expected a run directory, a "
-                                "checkpoint directory or a `vlcontrast export open_clip` directory)")
+                                "checkpoint directory, a `vlcontrast export` directory or a "
+                                "transformers CLIPModel directory)")
     return found
 
 

@@ -132,11 +132,15 @@ class DataConfig:
 class ModelConfig:
     name: str = "vlc-tiny"
     """An open_clip model name (RN50, ViT-B-32, ...), a model config shipped with vlcontrast
-    (``vlc-micro``, ``vlc-tiny``, ...), a path to an open_clip model-config JSON, or a bare name
-    found as ``configs/models/<name>.json`` under the current directory (a folder for your own)."""
+    (``vlc-micro``, ``vlc-tiny``, ...), a path to an open_clip model-config JSON, a bare name
+    found as ``configs/models/<name>.json`` under the current directory (a folder for your own),
+    or a transformers ``CLIPModel`` directory (its config, mapped to open_clip's)."""
     pretrained: str = ""
-    """Initial weights: an open_clip ``pretrained`` tag, an open_clip weights file, or a vlcontrast
-    run or checkpoint directory (its ``model.pt``; the model configs must match). Empty: random."""
+    """Initial weights: an open_clip ``pretrained`` tag, an open_clip weights file, a vlcontrast
+    run or checkpoint directory (its ``model.pt``), or a transformers ``CLIPModel`` directory
+    (``vlcontrast export --format transformers``'s, or a Hub CLIP saved locally); the model
+    configs must match (``model.name`` may name the ``CLIPModel`` directory itself). Empty:
+    random."""
     hf_model_dir: str = ""
     """Local Hugging Face model directory for the text tower (sets ``text_cfg.hf_model_name``)."""
     grad_checkpointing: bool = False

@@ -1,21 +1,31 @@
-"""Export a vlcontrast checkpoint as an open_clip model (weights + model config).
+"""Export a vlcontrast checkpoint for other tools: open_clip's layout or a transformers CLIPModel.
 
 ``export_open_clip(CKPT, DIR)`` writes::
 
-    DIR/<model_name>.json             the open_clip model config (for open_clip.add_model_config)
-    DIR/open_clip_config.json         {"model_cfg", "preprocess_cfg"} (for "local-dir:DIR")
-    DIR/open_clip_pytorch_model.bin   the model's state dict
+    DIR/<model_name>.json               the open_clip model config (for open_clip.add_model_config)
+    DIR/open_clip_config.json           {"model_cfg", "preprocess_cfg", "vlcontrast"} ("local-dir:DIR")
+    DIR/open_clip_model.safetensors     the model's state dict
+    DIR/README.md                       what it is, how to load it, the transparency rule
 
-so either of these loads it with the same embeddings as the checkpoint::
+so either of these loads it with the same embeddings as the checkpoint, without unpickling::
 
     open_clip.add_model_config("DIR/<model_name>.json")
     model, _, preprocess = open_clip.create_model_and_transforms(
-        "<model_name>", pretrained="DIR/open_clip_pytorch_model.bin")
+        "<model_name>", pretrained="DIR/open_clip_model.safetensors")
     model, _, preprocess = open_clip.create_model_and_transforms("local-dir:DIR")
 
-and CLIP_benchmark evaluates it with ``--model <model_name> --pretrained DIR/open_clip_pytorch_model.bin``
-once the config is registered (or ``--model local-dir:DIR``). A Hugging Face text tower keeps pointing
-at the local directory recorded in the config.
+(uploaded to the Hugging Face Hub as it is, ``hf-hub:ORG/NAME`` finds the same two files), and
+CLIP_benchmark evaluates it with ``--model local-dir:DIR``. A Hugging Face text tower keeps
+pointing at the local directory recorded in the config.
+
+``export_transformers(CKPT, DIR)`` writes a transformers ``CLIPModel`` directory (``config.json``,
+``model.safetensors``, the processor's ``preprocessor_config.json``, the tokenizer's files and a
+README) for a ViT image tower with open_clip's text transformer; the mapping and what it refuses:
+:mod:`vlcontrast.models.transformers_clip`.
+
+Both say which transparency rule the model was trained with (``white``: composited on white,
+:data:`~vlcontrast.data.samples.TRAINING_ALPHA`), in their config and README: other tools drop the
+alpha channel instead (``convert("RGB")``), which changes what a transparent image looks like.
 """
 
 from __future__ import annotations
@@ -23,24 +33,44 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from vlcontrast.checkpoints import EXPORT_CONFIG_FILE, EXPORT_WEIGHTS_FILE
+from vlcontrast.data.samples import TRAINING_ALPHA
+from vlcontrast.errors import ConfigError
 
 WEIGHTS_NAME = EXPORT_WEIGHTS_FILE
+FORMATS = ("open_clip", "transformers")
+
+
+def _provenance(folder: Path, model_name: str) -> dict:
+    return {"exported_by": "vlcontrast", "checkpoint": str(folder), "model_name": model_name,
+            "trained_alpha": TRAINING_ALPHA,
+            "trained_alpha_means": "transparent images were composited on white in training; "
+                                   "read them the same way for the trained behaviour"}
+
+
+def _save_safetensors(state: dict, path: Path, metadata: dict) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {key: value.detach().to("cpu").contiguous() for key, value in state.items()}
+    save_file(tensors, str(path), metadata={"format": "pt", **{k: str(v) for k, v in
+                                                              metadata.items()}})
+
+
+def _load(checkpoint):
+    from vlcontrast.checkpoints import resolve_weights
+    from vlcontrast.models import load_model_from_checkpoint
+
+    folder = resolve_weights(checkpoint)
+    return folder, load_model_from_checkpoint(folder, device="cpu")
 
 
 def export_open_clip(checkpoint, out_dir) -> dict:
     """Write CKPT (run dir -> latest, or a checkpoint dir) as an open_clip model in ``out_dir``.
 
-    Returns ``{"checkpoint", "model_name", "model_config", "open_clip_config", "weights"}`` (paths as
-    strings).
+    Returns ``{"checkpoint", "model_name", "model_config", "open_clip_config", "weights",
+    "readme"}`` (paths as strings).
     """
-    from vlcontrast.checkpoints import resolve_weights
-    from vlcontrast.models import load_model_from_checkpoint
-
-    folder = resolve_weights(checkpoint)
-    bundle = load_model_from_checkpoint(folder, device="cpu")
+    folder, bundle = _load(checkpoint)
     meta = bundle.model_config
     model_cfg = dict(meta["model_cfg"])
     # open_clip builds the SigLIP bias parameter only when the config asks for it; the scale is a
@@ -53,14 +83,102 @@ def export_open_clip(checkpoint, out_dir) -> dict:
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    provenance = _provenance(folder, bundle.model_name)
     config_path = out / f"{bundle.model_name}.json"
     config_path.write_text(json.dumps(model_cfg, indent=2) + "\n")
     open_clip_config = out / EXPORT_CONFIG_FILE
     open_clip_config.write_text(json.dumps({"model_cfg": model_cfg,
-                                            "preprocess_cfg": preprocess_cfg}, indent=2) + "\n")
+                                            "preprocess_cfg": preprocess_cfg,
+                                            "vlcontrast": provenance}, indent=2) + "\n")
     weights = out / WEIGHTS_NAME
-    state = {key: value.detach().cpu().contiguous() for key, value in bundle.model.state_dict().items()}
-    torch.save(state, weights)
+    _save_safetensors(bundle.model.state_dict(), weights, {"trained_alpha": TRAINING_ALPHA})
+    readme = out / "README.md"
+    readme.write_text(_readme_open_clip(bundle.model_name, folder))
     return {"checkpoint": str(folder), "model_name": bundle.model_name,
             "model_config": str(config_path), "open_clip_config": str(open_clip_config),
-            "weights": str(weights)}
+            "weights": str(weights), "readme": str(readme)}
+
+
+def export_transformers(checkpoint, out_dir) -> dict:
+    """Write CKPT as a transformers ``CLIPModel`` directory in ``out_dir``; a one-line
+    :class:`ConfigError` naming the part that has no ``CLIPModel`` counterpart, before anything
+    is written. Returns ``{"checkpoint", "model_name", "config", "weights", "readme"}``."""
+    from vlcontrast.models import transformers_clip as mapping
+
+    folder, bundle = _load(checkpoint)
+    model_cfg = bundle.model_config["model_cfg"]
+    state = bundle.model.state_dict()
+    preprocess_cfg = dict(getattr(bundle.model.visual, "preprocess_cfg", {}) or {})
+    mapping.check_mappable(model_cfg, state, preprocess_cfg)
+    tensors = mapping.to_transformers_state_dict(state)
+    provenance = _provenance(folder, bundle.model_name)
+    config = mapping.transformers_config(model_cfg, state, {"vlcontrast": provenance})
+    processor = mapping.image_processor_config(preprocess_cfg,
+                                               config["vision_config"]["image_size"])
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / mapping.CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    weights = out / mapping.WEIGHTS_FILE
+    _save_safetensors(tensors, weights, {"trained_alpha": TRAINING_ALPHA})
+    (out / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
+    mapping.write_tokenizer_files(out, config["text_config"]["max_position_embeddings"])
+    (out / "processor_config.json").write_text(json.dumps({"processor_class": "CLIPProcessor"},
+                                                          indent=2) + "\n")
+    readme = out / "README.md"
+    readme.write_text(_readme_transformers(bundle.model_name, folder))
+    return {"checkpoint": str(folder), "model_name": bundle.model_name,
+            "config": str(out / mapping.CONFIG_FILE), "weights": str(weights),
+            "readme": str(readme)}
+
+
+def export_model(checkpoint, out_dir, format: str = "open_clip") -> dict:
+    """``vlcontrast export``: :func:`export_open_clip` or :func:`export_transformers`."""
+    if format not in FORMATS:
+        raise ConfigError(f"--format {format!r}: use one of {', '.join(FORMATS)}")
+    exporter = export_open_clip if format == "open_clip" else export_transformers
+    return exporter(checkpoint, out_dir)
+
+
+ALPHA_NOTE = """## Transparency
+
+Trained with transparency composited on white (`trained_alpha: white`). open_clip's transforms,
+CLIP_benchmark and transformers' processors drop the alpha channel instead (`convert("RGB")`),
+so a transparent image they read is not what this model saw in training: composite it on white
+first for the trained behaviour (`vlcontrast eval ... --alpha white`, the default), or compare
+with other tools under their rule (`--alpha drop`).
+"""
+
+
+def _readme_open_clip(model_name: str, folder: Path) -> str:
+    return f"""# {model_name} (open_clip)
+
+Exported by vlcontrast from `{folder}`.
+
+```python
+import open_clip
+model, _, preprocess = open_clip.create_model_and_transforms("local-dir:THIS_DIRECTORY")
+tokenizer = open_clip.get_tokenizer("local-dir:THIS_DIRECTORY")
+```
+
+Weights: `{WEIGHTS_NAME}` (safetensors). CLIP_benchmark: `--model local-dir:THIS_DIRECTORY`.
+
+{ALPHA_NOTE}"""
+
+
+def _readme_transformers(model_name: str, folder: Path) -> str:
+    return f"""# {model_name} (transformers CLIPModel)
+
+Exported by vlcontrast from `{folder}`.
+
+```python
+from transformers import pipeline
+classify = pipeline("zero-shot-image-classification", model="THIS_DIRECTORY")
+print(classify("photo.jpg", candidate_labels=["a cat", "a dog"]))
+```
+
+`CLIPModel.from_pretrained` and `CLIPProcessor.from_pretrained` load it as well. Weights:
+`model.safetensors`; the processor resizes the shortest side, centre-crops and normalises as
+open_clip's evaluation transform does; the tokenizer is open_clip's CLIP BPE.
+
+{ALPHA_NOTE}"""

@@ -1,6 +1,9 @@
-"""Export round trip: vlcontrast checkpoint -> open_clip -> same embeddings -> CLIP_benchmark."""
+"""Export round trip: vlcontrast checkpoint -> open_clip -> same embeddings -> CLIP_benchmark
+(its Python API, and its command line on transparent PNGs read with ``--alpha drop``)."""
 
+import io
 import json
+import tarfile
 
 import open_clip
 import pytest
@@ -30,12 +33,57 @@ def embeddings(model, preprocess, tokenizer):
 
 
 def test_export_writes_open_clip_files(exported, tiny):
+    from safetensors.torch import load_file
+
     out, info = exported
     assert info["model_name"] == TINY_NAME
     assert json.loads((out / f"{TINY_NAME}.json").read_text())["embed_dim"] == 32
-    assert json.loads((out / "open_clip_config.json").read_text())["model_cfg"]["embed_dim"] == 32
-    state = torch.load(info["weights"], weights_only=True)
+    config = json.loads((out / "open_clip_config.json").read_text())
+    assert config["model_cfg"]["embed_dim"] == 32
+    assert config["vlcontrast"]["trained_alpha"] == "white"
+    assert "composited on white" in (out / "README.md").read_text()
+    # safetensors only: no pickle travels with an export
+    assert info["weights"].endswith("open_clip_model.safetensors")
+    assert not list(out.glob("*.bin")) and not list(out.glob("*.pt"))
+    state = load_file(info["weights"])
     assert set(state) == set(tiny[0].state_dict())
+    for key, value in tiny[0].state_dict().items():
+        assert torch.equal(state[key], value), key
+
+
+def test_open_clip_loads_export_without_unpickling(exported, tiny, monkeypatch):
+    """``local-dir:`` (and ``hf-hub:``, which looks for the same file first) finds the
+    safetensors file; torch.load, the only way to unpickle, is never called."""
+    out, _ = exported
+
+    def no_pickles(*args, **kwargs):
+        raise AssertionError("torch.load called: the export was unpickled")
+
+    monkeypatch.setattr(torch, "load", no_pickles)
+    local, _, preprocess = open_clip.create_model_and_transforms(f"local-dir:{out}")
+    local.eval()
+    images, texts = embeddings(local, preprocess, open_clip.get_tokenizer(f"local-dir:{out}"))
+    expected_images, expected_texts = embeddings(*tiny)
+    torch.testing.assert_close(images, expected_images, atol=1e-6, rtol=0)
+    torch.testing.assert_close(texts, expected_texts, atol=1e-6, rtol=0)
+
+
+def test_older_pickled_export_still_loads(exported, tiny, tmp_path):
+    """An export written before safetensors (``open_clip_pytorch_model.bin``) is read as tensors
+    only, and gives the same model."""
+    import shutil
+
+    from vlcontrast.models import load_model_from_checkpoint
+
+    out, info = exported
+    old = tmp_path / "old"
+    old.mkdir()
+    for name in (f"{TINY_NAME}.json", "open_clip_config.json"):
+        shutil.copy(out / name, old / name)
+    torch.save(tiny[0].state_dict(), old / "open_clip_pytorch_model.bin")
+    bundle = load_model_from_checkpoint(old)
+    images, _ = embeddings(bundle.model, tiny[1], bundle.tokenizer)
+    torch.testing.assert_close(images, embeddings(*tiny)[0], atol=1e-6, rtol=0)
 
 
 def test_open_clip_loads_export_with_same_embeddings(exported, tiny):
@@ -113,3 +161,113 @@ def test_clip_benchmark_zeroshot_on_export_matches_ours(exported, tiny, tmp_path
     assert ours["top1"] == pytest.approx(theirs["acc1"])
     assert ours["top5"] == pytest.approx(theirs["acc5"])
     assert ours["mean_per_class_recall"] == pytest.approx(theirs["mean_per_class_recall"])
+
+
+def transparent_png(index: int) -> bytes:
+    """A PNG with transparency: RGBA with varied alpha over coloured transparent pixels, a
+    grey-with-alpha (LA) image, or a palette image with a transparent entry."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(500 + index)
+    size = 40 + 4 * (index % 3)
+    colour = rng.integers(0, 256, size=(size, size, 3), dtype=np.uint8)
+    alpha = np.where(rng.random((size, size)) < 0.5, 0, rng.integers(1, 256, (size, size)))
+    kind = index % 3
+    if kind == 0:
+        image = Image.fromarray(np.dstack([colour, alpha.astype(np.uint8)]), "RGBA")
+    elif kind == 1:
+        image = Image.fromarray(np.dstack([colour[..., 0], alpha.astype(np.uint8)]), "LA")
+    else:
+        image = Image.fromarray(colour).convert("P", palette=Image.ADAPTIVE, colors=16)
+        image.info["transparency"] = 3
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", **({"transparency": 3} if kind == 2 else {}))
+    return buffer.getvalue()
+
+
+def write_transparent_wds(folder, labels, classnames, templates):
+    (folder / "test").mkdir(parents=True)
+    with tarfile.open(folder / "test" / "0.tar", "w") as archive:
+        for index, label in enumerate(labels):
+            for name, data in ((f"s{index:07d}.png", transparent_png(index)),
+                               (f"s{index:07d}.cls", str(label).encode())):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                archive.addfile(info, io.BytesIO(data))
+    (folder / "test" / "nshards.txt").write_text("1")
+    (folder / "classnames.txt").write_text("\n".join(classnames) + "\n")
+    (folder / "zeroshot_classification_templates.txt").write_text("\n".join(templates) + "\n")
+
+
+def test_alpha_drop_reproduces_clip_benchmark_cli_on_transparent_pngs(exported, tmp_path,
+                                                                      monkeypatch, capsys):
+    """CLIP_benchmark's own command line on the export and `vlcontrast eval zeroshot --alpha drop`
+    on the same webdataset folder of transparent PNGs give the same numbers, to the bit; the
+    default rule (white) reads other pixels."""
+    import sys
+
+    from clip_benchmark import cli as clip_benchmark_cli
+    from clip_benchmark.metrics import zeroshot_classification
+    from PIL import Image
+
+    from vlcontrast.data.samples import decode_image, has_transparency
+    from vlcontrast.evaluation import run_zeroshot_cli
+
+    def accuracy(output, target, topk=(1,)):  # CLIP_benchmark's, with .item() for numpy 2
+        pred = output.topk(max(topk), 1, True, True)[1].t()
+        correct = pred.eq(target.view(1, -1).expand_as(pred))
+        return [correct[:k].reshape(-1).float().sum().item() / len(target) for k in topk]
+
+    monkeypatch.setattr(zeroshot_classification, "accuracy", accuracy)
+    out, _ = exported
+    classnames = ["cat", "dog", "car", "tree", "boat", "house"]
+    labels = [i % 6 for i in range(36)]
+    write_transparent_wds(tmp_path / "wds", labels, classnames, ["a photo of a {c}.", "the {c}"])
+    assert all(has_transparency(Image.open(io.BytesIO(transparent_png(i)))) for i in range(36))
+
+    theirs_file = tmp_path / "theirs.json"
+    monkeypatch.setattr(sys, "argv", [
+        "clip_benchmark", "eval", "--model", f"local-dir:{out}", "--pretrained", "export",
+        "--dataset", "wds/transparent", "--dataset_root", str(tmp_path / "wds"),
+        "--task", "zeroshot_classification", "--no_amp", "--num_workers", "0",
+        "--batch_size", "8", "--output", str(theirs_file), "--quiet"])
+    clip_benchmark_cli.main()
+    theirs = json.loads(theirs_file.read_text())["metrics"]
+
+    capsys.readouterr()
+    dropped = run_zeroshot_cli(str(out), str(tmp_path / "wds"), batch_size=8, workers=0,
+                               device="cpu", alpha="drop")
+    err = capsys.readouterr().err
+    assert "36 of 36 images had transparency; --alpha drop" in err
+    ours = dropped["metrics"]
+    assert ours["num_images"] == 36 and ours["num_transparent"] == 36
+    assert dropped["alpha"] == "drop"
+    for mine, their in (("top1", "acc1"), ("top5", "acc5"),
+                        ("mean_per_class_recall", "mean_per_class_recall")):
+        # the same numbers; ours pass through torchmetrics' float32, theirs are float64
+        assert ours[mine] == pytest.approx(theirs[their], rel=1e-7, abs=0), mine
+    assert round(ours["top1"] * 36) == round(theirs["acc1"] * 36)  # the same count of images
+
+    # the pixels the model sees are the same, bit for bit, as CLIP_benchmark's reader gives
+    from clip_benchmark.datasets.builder import build_dataset
+
+    from vlcontrast.evaluation.datasets import build_zeroshot_loader, resolve_zeroshot_data
+
+    _, _, preprocess = open_clip.create_model_and_transforms(f"local-dir:{out}")
+    reference = [image for image, _ in build_dataset(
+        "wds/transparent", root=str(tmp_path / "wds"), transform=preprocess, split="test")]
+    loader = build_zeroshot_loader(resolve_zeroshot_data(str(tmp_path / "wds")), preprocess,
+                                   batch_size=36, alpha="drop")
+    images, read_labels, _, notes = next(iter(loader.loader))
+    assert torch.equal(images, torch.stack(reference)) and notes.transparent == 36
+    assert read_labels.tolist() == labels
+
+    white = run_zeroshot_cli(str(out), str(tmp_path / "wds"), batch_size=8, workers=0,
+                             device="cpu")
+    assert white["alpha"] == "white" and white["metrics"]["num_transparent"] == 36
+    # the two rules hand the model different pixels for every one of these images
+    for index in range(36):
+        on_white, _ = decode_image(transparent_png(index), alpha="white")
+        as_dropped, _ = decode_image(transparent_png(index), alpha="drop")
+        assert on_white.tobytes() != as_dropped.tobytes()

@@ -172,3 +172,33 @@ def test_compare_checkpoints_script_writes_table(tmp_path, tiny_checkpoint, monk
     assert table[0].startswith("| checkpoint | retrieval/image_to_text_R@1")
     assert len(table) == 4 and table[2] .split("|")[2] == table[3].split("|")[2]
     assert json.loads((tmp_path / "cmp" / "comparison.json").read_text())[0]["retrieval/num_images"] == 6
+
+
+def test_retrieval_alpha_rule_counts_and_reads_transparent_images(tmp_path, tiny):
+    """``alpha`` reaches the retrieval reader: transparent images are counted, ``drop`` reads
+    them as ``convert("RGB")`` does, and without ``alpha`` the result is the trainer's (no new
+    keys, white)."""
+    from tests.evaluation.test_export import transparent_png
+
+    model, preprocess, tokenizer = tiny
+    write_retrieval_shards(tmp_path / "plain", 8, per_shard=4)
+    made = iter(range(8))
+
+    def transparent_half(members):
+        index = next(made)
+        if index % 2:
+            members = {k: v for k, v in members.items() if k != "jpg"}
+            members["png"] = transparent_png(3 * index)  # RGBA, LA or palette transparency
+        return members
+
+    _rewrite_members(tmp_path / "plain", tmp_path / "mixed", transparent_half)
+    common = dict(batch_size=4, workers=0, device="cpu", progress=False)
+    trainer = evaluate_retrieval(model, preprocess, tokenizer, str(tmp_path / "mixed"), **common)
+    white = evaluate_retrieval(model, preprocess, tokenizer, str(tmp_path / "mixed"),
+                               alpha="white", **common)
+    dropped = evaluate_retrieval(model, preprocess, tokenizer, str(tmp_path / "mixed"),
+                                 alpha="drop", **common)
+    assert "num_transparent" not in trainer
+    assert white["num_transparent"] == dropped["num_transparent"] == 4
+    assert {k: v for k, v in white.items() if k != "num_transparent"} == trainer
+    assert dropped["val_loss"] != white["val_loss"]

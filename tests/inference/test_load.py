@@ -100,8 +100,9 @@ def test_device_choice():
 
 
 def test_a_path_without_a_model_is_a_one_line_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="run directory, a checkpoint directory or a "
-                       "`vlcontrast export open_clip` directory") as err:
+    with pytest.raises(FileNotFoundError, match="run directory, a checkpoint directory, a "
+                       "`vlcontrast export` directory or a transformers CLIPModel directory"
+                       ) as err:
         vlcontrast.load(tmp_path, device="cpu")
     assert "\n" not in str(err.value)
 

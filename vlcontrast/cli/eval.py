@@ -30,6 +30,10 @@ def register(sub) -> None:
                        "CLIP_benchmark webdataset dir")
         p.add_argument("--out", default=None, help="JSON file to write")
         add_run_options(p)
+        p.add_argument("--alpha", choices=["white", "drop"], default="white",
+                       help="transparent images: white composites them on white, as in training (default); drop "
+                           "throws the alpha channel away with convert(\"RGB\"), as open_clip, "
+                           "CLIP_benchmark and transformers do")
         if name == "retrieval":
             p.add_argument("--max-samples", type=int, default=0, help="0: all")
             p.add_argument("--image-key", default="",
@@ -61,11 +65,11 @@ def run_eval(args) -> int:
         runner.run_retrieval_cli(args.checkpoint, args.data, args.out, batch_size=args.batch_size,
                                  workers=args.workers, max_samples=args.max_samples,
                                  device=args.device, image_key=args.image_key,
-                                 caption_key=args.caption_key)
+                                 caption_key=args.caption_key, alpha=args.alpha)
     elif args.what == "zeroshot":
         runner.run_zeroshot_cli(args.checkpoint, args.data, args.out, classnames=args.classnames,
                                 templates=args.templates, batch_size=args.batch_size,
-                                workers=args.workers, device=args.device)
+                                workers=args.workers, device=args.device, alpha=args.alpha)
     else:
         if not args.retrieval and not args.zeroshot:
             raise ConfigError("eval compare: give --retrieval and/or --zeroshot")

@@ -1,16 +1,27 @@
 """``vlcontrast export`` and ``vlcontrast verify``: what follows a finished run (its checkpoint as
-open_clip weights, its metrics against chance)."""
+open_clip weights or a transformers CLIPModel, its metrics against chance)."""
 
 from __future__ import annotations
 
 import json
 
+from vlcontrast.errors import ConfigError
+
+EXPORT_FORMATS = ("open_clip", "transformers")
+
 
 def register(sub) -> None:
-    export = sub.add_parser("export", help="export a checkpoint for other tools")
-    export.add_argument("format", choices=["open_clip"])
-    export.add_argument("--checkpoint", required=True)
-    export.add_argument("--out", required=True)
+    export = sub.add_parser(
+        "export", help="export a checkpoint for other tools: vlcontrast export --format "
+        "transformers RUN OUT (or the older form: vlcontrast export open_clip --checkpoint RUN "
+        "--out OUT)")
+    export.add_argument("paths", nargs="*", metavar="RUN OUT",
+                        help="the run (or checkpoint) directory and the directory to write")
+    export.add_argument("--format", choices=EXPORT_FORMATS, default=None,
+                        help="open_clip (default): open_clip's local-dir layout; transformers: a "
+                        "CLIPModel directory for transformers' CLIPModel, CLIPProcessor, pipeline")
+    export.add_argument("--checkpoint", default=None, help="instead of RUN")
+    export.add_argument("--out", default=None, help="instead of OUT")
     export.set_defaults(func=run_export)
 
     verify = sub.add_parser("verify", help="check a finished run's metrics against chance")
@@ -23,10 +34,28 @@ def register(sub) -> None:
     verify.set_defaults(func=run_verify)
 
 
-def run_export(args) -> int:
-    from vlcontrast.export import export_open_clip
+def export_arguments(args) -> tuple[str, str, str]:
+    """``(format, checkpoint, out)`` from either form of ``vlcontrast export``."""
+    paths = list(args.paths)
+    format = args.format
+    if paths and paths[0] in EXPORT_FORMATS:  # the older form: `export open_clip --checkpoint ...`
+        given = paths.pop(0)
+        if format not in (None, given):
+            raise ConfigError(f"export: format {given!r} and --format {format!r}; give one")
+        format = given
+    checkpoint = args.checkpoint or (paths.pop(0) if paths else None)
+    out = args.out or (paths.pop(0) if paths else None)
+    if checkpoint is None or out is None or paths:
+        raise ConfigError("export: give the run and the output directory, e.g. vlcontrast export "
+                          "--format transformers runs/mine exported/mine")
+    return format or "open_clip", checkpoint, out
 
-    print(json.dumps(export_open_clip(args.checkpoint, args.out), indent=2))
+
+def run_export(args) -> int:
+    from vlcontrast.export import export_model
+
+    format, checkpoint, out = export_arguments(args)
+    print(json.dumps(export_model(checkpoint, out, format), indent=2))
     return 0
 
 

@@ -44,6 +44,10 @@ def register(sub) -> None:
         p.add_argument("--workers", type=int, default=2, help="image loader processes")
         p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
         p.add_argument("--no-progress", action="store_true")
+        p.add_argument("--alpha", choices=["white", "drop"], default="white",
+                       help="transparent images: white composites them on white, as in training (default); drop "
+                           "throws the alpha channel away with convert(\"RGB\"), as open_clip, "
+                           "CLIP_benchmark and transformers do")
     classify_cmd.set_defaults(func=run_classify)
     embed_cmd.set_defaults(func=run_embed)
 
@@ -52,6 +56,7 @@ def run_classify(args) -> int:
     from vlcontrast.evaluation.datasets import read_templates
     from vlcontrast.inference import (DEFAULT_TEMPLATES, classify, find_images,
                                       format_classification, parse_labels, resolve_device)
+    from vlcontrast.data.samples import alpha_summary
     from vlcontrast.inference.images import skipped_summary
 
     # Every input is checked before the model is built.
@@ -68,8 +73,12 @@ def run_classify(args) -> int:
     result = classify(bundle.model, bundle.preprocess_val, bundle.tokenizer, paths, labels,
                       templates=templates, top_k=args.top_k, device=device,
                       batch_size=args.batch_size, workers=args.workers,
-                      progress=not args.no_progress)
+                      progress=not args.no_progress, alpha=args.alpha)
     print(format_classification(result, as_json=args.json))
+    if result.transparent or args.alpha != "white":  # nothing to say for opaque images as trained
+        print(f"vlcontrast classify: "
+              f"{alpha_summary(result.transparent, len(result.kept), args.alpha)}",
+              file=sys.stderr)
     if args.figure:
         from vlcontrast.inference.classify import plot_classification
 
@@ -104,7 +113,13 @@ def run_embed(args) -> int:
         embeddings = embed_texts(bundle.model, bundle.tokenizer, texts, **common)
     else:
         embeddings = embed_images(bundle.model, bundle.preprocess_val, paths=paths, shards=shards,
-                                  workers=args.workers, **common)
+                                  workers=args.workers, alpha=args.alpha, **common)
+        from vlcontrast.data.samples import alpha_summary
+
+        if embeddings.transparent or args.alpha != "white":
+            print(f"vlcontrast embed: "
+                  f"{alpha_summary(embeddings.transparent, len(embeddings.ids), args.alpha)}",
+                  file=sys.stderr)
     written = write_embeddings(embeddings, out)
     if embeddings.reasons:
         why = ", ".join(f"{reason}: {n}" for reason, n in sorted(embeddings.reasons.items()))

@@ -229,6 +229,68 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
+ALPHA_RULES = ("white", "drop")
+"""What a reader does with transparency. ``white``: composite it on white (:func:`to_rgb`), the
+rule of the converters and of training. ``drop``: ``convert("RGB")`` right after decoding, which
+throws the alpha channel away and keeps whatever colour the transparent pixels store (often
+black): what open_clip's transforms, CLIP_benchmark's readers and transformers' processors do."""
+TRAINING_ALPHA = "white"
+"""The rule every vlcontrast model is trained with (the converters and the training reader)."""
+
+
+def has_transparency(image: Image.Image) -> bool:
+    """Whether :func:`to_rgb` would change the image's pixels: an alpha channel (or palette
+    transparency) with at least one pixel that is not fully opaque."""
+    if image.mode == "P":
+        if "transparency" not in image.info:
+            return False
+        image = image.convert("RGBA")
+    if image.mode not in ("RGBA", "LA", "PA", "RGBa", "La"):
+        return False
+    return image.getchannel("A").getextrema()[0] < 255
+
+
+def check_alpha(alpha: str, what: str = "--alpha") -> str:
+    """``alpha`` when it is one of :data:`ALPHA_RULES`, else a one-line error."""
+    from vlcontrast.errors import ConfigError
+
+    if alpha not in ALPHA_RULES:
+        raise ConfigError(f"{what} {alpha!r}: use white (transparency on white, as in training) "
+                          "or drop (open_clip's and CLIP_benchmark's convert(\"RGB\"))")
+    return alpha
+
+
+def alpha_summary(transparent: int, total: int, alpha: str) -> str:
+    """The line the commands print: how many images had transparency and which rule read them."""
+    rule = ("composited on white, as in training" if alpha == "white" else
+            "alpha dropped by convert(\"RGB\"), as open_clip and CLIP_benchmark read images")
+    return f"{transparent} of {total} images had transparency; --alpha {alpha}: {rule}"
+
+
+def decode_image(image_bytes: bytes, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+                 alpha: str = TRAINING_ALPHA) -> tuple[Image.Image, bool] | str:
+    """``(RGB image, whether it had transparency)`` under the rule ``alpha``
+    (:data:`ALPHA_RULES`), or the reason it cannot be used (as :func:`open_image`)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(image_bytes))
+            width, height = image.size
+            if width * height > max_image_pixels:
+                return "decompression_bomb"
+            image.load()
+        with warnings.catch_warnings():
+            # PIL's advice to convert palette images with transparency to RGBA first: the rule
+            # decides that, and "drop" must not.
+            warnings.filterwarnings("ignore", message="Palette images with Transparency")
+            transparent = has_transparency(image)
+            return (to_rgb(image) if alpha == "white" else image.convert("RGB")), transparent
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        return "decompression_bomb"
+    except Exception:  # noqa: BLE001 - PIL raises many types for broken files
+        return "undecodable_image"
+
+
 def open_image(image_bytes: bytes, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
                ) -> Image.Image | str:
     """The decoded RGB image (transparency on white, :func:`to_rgb`), or ``decompression_bomb`` /

@@ -24,7 +24,12 @@ when there are fewer shards than ranks) and keeps every ``stride``-th sample, so
 use every rank.
 
 Skipped samples reach the caller as the ``skipped`` element of every batch: an ``int`` (the number
-of samples skipped) whose ``reasons`` attribute counts them, and any shard events, per reason.
+of samples skipped) whose ``reasons`` attribute counts them, and any shard events, per reason; its
+``transparent`` attribute counts the batch's images that had transparency.
+
+Transparency follows one of :data:`~vlcontrast.data.samples.ALPHA_RULES` (``alpha``): ``white``,
+the training rule, by default; ``drop`` reads images as open_clip, CLIP_benchmark and
+transformers do (:func:`~vlcontrast.data.samples.decode_image`).
 """
 
 from __future__ import annotations
@@ -41,8 +46,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from vlcontrast.data.samples import (DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MEMBERS,  # noqa: F401
-                                     IMAGE_EXTENSIONS, Members, find_image, inspect_sample,
-                                     open_image, read_json, read_label)
+                                     IMAGE_EXTENSIONS, TRAINING_ALPHA, Members, decode_image,
+                                     find_image, inspect_sample, read_json,
+                                     read_label)
 from vlcontrast.data.shards import read_sizes
 from vlcontrast.data.spec import DEFAULT_SPLIT, expand_spec
 from vlcontrast.data.tar_reader import SHARD_EVENTS, read_shard
@@ -101,55 +107,67 @@ def sample_captions(files: dict[str, bytes]) -> list[str]:
     return []
 
 
+def transformed_image(image_bytes: bytes, preprocess, max_image_pixels: int, alpha: str):
+    """``(image tensor, whether it had transparency)`` of an image member under the rule
+    ``alpha``, or the reason it is skipped."""
+    decoded = decode_image(image_bytes, max_image_pixels, alpha)
+    if isinstance(decoded, str):
+        return decoded
+    image, transparent = decoded
+    try:
+        return preprocess(image), transparent
+    except Exception:  # noqa: BLE001 - counted, as in training
+        return "transform_error"
+
+
 class RetrievalDecoder:
-    """(key, files) -> (image tensor, captions), or the reason the sample is skipped (the
-    training loader's checks); a class so loader workers can pickle it."""
+    """(key, files) -> (image tensor, captions, transparent), or the reason the sample is skipped
+    (the training loader's checks); a class so loader workers can pickle it."""
 
     def __init__(self, preprocess, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
-                 members: Members = DEFAULT_MEMBERS):
+                 members: Members = DEFAULT_MEMBERS, alpha: str = TRAINING_ALPHA):
         self.preprocess = preprocess
         self.max_image_pixels = max_image_pixels
         self.members = members
+        self.alpha = alpha
 
     def __call__(self, key: str, files: dict[str, bytes]):
-        # The members training reads, so that both skip and count the same samples.
+        # The members training reads, so that both skip and count the same samples; the image is
+        # decoded last, as inspect_sample would, under this reader's transparency rule.
         default = self.members == DEFAULT_MEMBERS
         sample = inspect_sample(key, files, max_image_pixels=self.max_image_pixels,
-                                keys=self.members)
+                                keys=self.members, decode_image=False)
         if isinstance(sample, str):
             return sample
         if default:  # every caption the sample has (a .json list, or the .txt's lines)
             captions = sample_captions(files)
         else:  # data.caption_key / data.image_key: the members training reads
             captions = [sample.caption] if isinstance(sample.caption, str) else list(sample.caption)
-        try:
-            image = self.preprocess(sample.image)
-        except Exception:  # noqa: BLE001 - counted, as in training
-            return "transform_error"
-        return image, captions
+        image = transformed_image(find_image(files, self.members.image), self.preprocess,
+                                  self.max_image_pixels, self.alpha)
+        return image if isinstance(image, str) else (image[0], captions, image[1])
 
 
 def preprocessed_image(files: dict[str, bytes], preprocess,
-                       max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
-    """A sample's image member decoded and transformed, or the reason it is skipped."""
+                       max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+                       alpha: str = TRAINING_ALPHA):
+    """A sample's image member decoded and transformed with whether it had transparency, or the
+    reason it is skipped."""
     image_bytes = find_image(files)
     if image_bytes is None:
         return "missing_image"
-    image = open_image(image_bytes, max_image_pixels)
-    if isinstance(image, str):
-        return image
-    try:
-        return preprocess(image)
-    except Exception:  # noqa: BLE001 - counted, as in training
-        return "transform_error"
+    return transformed_image(image_bytes, preprocess, max_image_pixels, alpha)
 
 
 class ClassificationDecoder:
-    """(key, files) -> (image tensor, label) from CLIP_benchmark's ``.cls``, or the reason."""
+    """(key, files) -> (image tensor, label from CLIP_benchmark's ``.cls``, transparent), or the
+    reason."""
 
-    def __init__(self, preprocess, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
+    def __init__(self, preprocess, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+                 alpha: str = TRAINING_ALPHA):
         self.preprocess = preprocess
         self.max_image_pixels = max_image_pixels
+        self.alpha = alpha
 
     def __call__(self, key: str, files: dict[str, bytes]):
         if find_image(files) is None:
@@ -157,17 +175,17 @@ class ClassificationDecoder:
         label = read_label(files)
         if isinstance(label, str):
             return label
-        image = preprocessed_image(files, self.preprocess, self.max_image_pixels)
-        return image if isinstance(image, str) else (image, label)
+        image = preprocessed_image(files, self.preprocess, self.max_image_pixels, self.alpha)
+        return image if isinstance(image, str) else (image[0], label, image[1])
 
 
 class ImageDecoder(ClassificationDecoder):
-    """(key, files) -> (image tensor, the sample's key), or the reason: images of shards without
-    asking for captions or labels (``vlcontrast embed --images SHARDS``)."""
+    """(key, files) -> (image tensor, the sample's key, transparent), or the reason: images of
+    shards without asking for captions or labels (``vlcontrast embed --images SHARDS``)."""
 
     def __call__(self, key: str, files: dict[str, bytes]):
-        image = preprocessed_image(files, self.preprocess, self.max_image_pixels)
-        return image if isinstance(image, str) else (image, key)
+        image = preprocessed_image(files, self.preprocess, self.max_image_pixels, self.alpha)
+        return image if isinstance(image, str) else (image[0], key, image[1])
 
 
 @dataclass(frozen=True)
@@ -244,17 +262,20 @@ def row_limits_for(sizes: Sequence[int], max_samples: int) -> list[int]:
 
 class Skipped(int):
     """The number of samples a batch skipped; ``reasons`` counts them (and shard events) by the
-    training loader's reason names."""
+    training loader's reason names, ``transparent`` the batch's kept images that had
+    transparency."""
 
     reasons: dict[str, int]
+    transparent: int
 
-    def __new__(cls, reasons: dict[str, int]):
+    def __new__(cls, reasons: dict[str, int], transparent: int = 0):
         value = super().__new__(cls, sum(n for r, n in reasons.items() if r not in SHARD_EVENTS))
         value.reasons = dict(reasons)
+        value.transparent = int(transparent)
         return value
 
     def __getnewargs__(self):  # loader workers pickle it: rebuild from the reasons, not the int
-        return (self.reasons,)
+        return (self.reasons, self.transparent)
 
 
 def _collate(samples, stack_second: bool):
@@ -263,7 +284,7 @@ def _collate(samples, stack_second: bool):
     for _, item in samples:
         if isinstance(item, str):
             reasons[item] = reasons.get(item, 0) + 1
-    skipped = Skipped(reasons)
+    skipped = Skipped(reasons, sum(1 for _, item in kept if len(item) > 2 and item[2]))
     if not kept:
         return None, [], torch.zeros(0, dtype=torch.long), skipped
     keys = torch.tensor([key for key, _ in kept], dtype=torch.long)
@@ -301,16 +322,16 @@ def build_retrieval_loader(shards: str | Sequence[str], preprocess, *, batch_siz
                            workers: int = 0, rank: int = 0, world_size: int = 1,
                            max_samples: int = 0,
                            max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
-                           members: Members = DEFAULT_MEMBERS) -> EvalLoader:
+                           members: Members = DEFAULT_MEMBERS,
+                           alpha: str = TRAINING_ALPHA) -> EvalLoader:
     paths = resolve_shards(shards)
     limits = sizes = None
     if max_samples and max_samples > 0:
         sizes = shard_sizes(paths)
         limits = row_limits_for(sizes, max_samples)
 
-    dataset = TarEvalDataset(paths, RetrievalDecoder(preprocess, max_image_pixels, members),
-                             rank=rank,
-                             world_size=world_size, row_limits=limits)
+    dataset = TarEvalDataset(paths, RetrievalDecoder(preprocess, max_image_pixels, members, alpha),
+                             rank=rank, world_size=world_size, row_limits=limits)
     num_batches = None
     if sizes is not None:
         num_batches = sum(-(-n // batch_size) for n in dataset.planned_samples(sizes, workers))
@@ -319,21 +340,21 @@ def build_retrieval_loader(shards: str | Sequence[str], preprocess, *, batch_siz
 
 
 def build_image_shards_loader(shards: str | Sequence[str], preprocess, *, batch_size: int,
-                              workers: int = 0) -> EvalLoader:
+                              workers: int = 0, alpha: str = TRAINING_ALPHA) -> EvalLoader:
     """The images of shards in dataset order, one process: batches ``(images or None, sample
     keys list[str], global keys [B], skipped)``; captions are not needed."""
     paths = resolve_shards(shards)
-    dataset = TarEvalDataset(paths, ImageDecoder(preprocess))
+    dataset = TarEvalDataset(paths, ImageDecoder(preprocess, alpha=alpha))
     name = shards if isinstance(shards, str) else ",".join(shards)
     return EvalLoader(_loader(dataset, batch_size, workers, collate_retrieval), None, name)
 
 
 def build_image_files_loader(paths: Sequence[str | os.PathLike], preprocess, *, batch_size: int,
-                             workers: int = 0) -> EvalLoader:
+                             workers: int = 0, alpha: str = TRAINING_ALPHA) -> EvalLoader:
     """Image files in the given order, one process: batches ``(images or None, labels (all 0),
     keys [B] = positions in ``paths``, skipped)``; unreadable files are skipped and counted as
     zero-shot evaluation counts them."""
-    dataset = FolderEvalDataset([(str(path), 0) for path in paths], preprocess, 0, 1)
+    dataset = FolderEvalDataset([(str(path), 0) for path in paths], preprocess, 0, 1, alpha)
     return EvalLoader(_loader(dataset, batch_size, workers, collate_classification),
                       -(-len(dataset) // batch_size), "image files")
 
@@ -457,9 +478,10 @@ def resolve_zeroshot_data(data_dir: str, classnames: str | Sequence[str] | None 
 class FolderEvalDataset(Dataset):
     """This rank's samples of an ImageFolder (every ``world_size``-th file), as ``(key, decoded)``."""
 
-    def __init__(self, samples: Sequence[tuple[str, int]], preprocess, rank: int, world_size: int):
+    def __init__(self, samples: Sequence[tuple[str, int]], preprocess, rank: int, world_size: int,
+                 alpha: str = TRAINING_ALPHA):
         self.indices = list(range(rank, len(samples), world_size))
-        self.samples, self.preprocess = samples, preprocess
+        self.samples, self.preprocess, self.alpha = samples, preprocess, alpha
 
     def __len__(self):
         return len(self.indices)
@@ -469,24 +491,24 @@ class FolderEvalDataset(Dataset):
         path, label = self.samples[index]
         try:
             with open(path, "rb") as handle:
-                image = open_image(handle.read())
+                image_bytes = handle.read()
         except OSError:
             return index, "undecodable_image"
+        image = transformed_image(image_bytes, self.preprocess, DEFAULT_MAX_IMAGE_PIXELS,
+                                  self.alpha)
         if isinstance(image, str):
             return index, image  # skipped and counted under the training loader's name
-        try:
-            return index, (self.preprocess(image), label)
-        except Exception:  # noqa: BLE001 - counted, as in training
-            return index, "transform_error"
+        return index, (image[0], label, image[1])
 
 
 def build_zeroshot_loader(data: ZeroShotData, preprocess, *, batch_size: int, workers: int = 0,
-                          rank: int = 0, world_size: int = 1) -> EvalLoader:
+                          rank: int = 0, world_size: int = 1,
+                          alpha: str = TRAINING_ALPHA) -> EvalLoader:
     if data.kind == "wds":
-        dataset = TarEvalDataset(data.shards, ClassificationDecoder(preprocess), rank=rank,
-                                 world_size=world_size)
+        dataset = TarEvalDataset(data.shards, ClassificationDecoder(preprocess, alpha=alpha),
+                                 rank=rank, world_size=world_size)
         return EvalLoader(_loader(dataset, batch_size, workers, collate_classification), None,
                           data.root)
-    dataset = FolderEvalDataset(data.samples, preprocess, rank, world_size)
+    dataset = FolderEvalDataset(data.samples, preprocess, rank, world_size, alpha)
     return EvalLoader(_loader(dataset, batch_size, workers, collate_classification),
                       -(-len(dataset) // batch_size), data.root)

@@ -105,6 +105,7 @@ class RetrievalEmbeddings:
     text_to_image: torch.Tensor    # [N_texts] index into image_features
     first_caption: torch.Tensor    # [N_images] index of each image's first caption
     skipped: int                   # samples that could not be decoded (all ranks)
+    transparent: int = 0           # images that had transparency (all ranks)
 
 
 RetrievalBatch = tuple  # (image features [B, D] or None, captions list[list[str]], keys [B], skipped)
@@ -130,9 +131,10 @@ def encode_retrieval_images(model, preprocess, tokenizer, loader, *, device, pro
             # Everything in this batch failed to decode; still take part in the forward passes.
             encode_images(model, image_dummy(preprocess, device, dtype), device, dtype)
             encode_texts(model, text_dummy(tokenizer, device), device)
-            yield None, [], keys, int(batch_skipped)
+            yield None, [], keys, batch_skipped
             continue
-        yield encode_images(model, images, device, dtype).cpu(), captions, keys, int(batch_skipped)
+        # batch_skipped is an int; the reader's also carries the batch's transparency count
+        yield encode_images(model, images, device, dtype).cpu(), captions, keys, batch_skipped
 
 
 @torch.no_grad()
@@ -148,9 +150,10 @@ def embed_retrieval(model, preprocess, tokenizer, loader, *, device, progress=Fa
         encoded = encode_retrieval_images(model, preprocess, tokenizer, loader, device=device,
                                           progress=progress, total_batches=total_batches)
     image_parts, key_parts, text_parts, text_key_parts, text_pos_parts = [], [], [], [], []
-    skipped = 0
+    skipped = transparent = 0
     for features, captions, keys, batch_skipped in encoded:
         skipped += int(batch_skipped)
+        transparent += getattr(batch_skipped, "transparent", 0)
         if features is None:
             continue
         image_parts.append(features)
@@ -175,22 +178,25 @@ def embed_retrieval(model, preprocess, tokenizer, loader, *, device, progress=Fa
     text_keys, text_features = text_keys[order], text_features[order]
     text_to_image = torch.searchsorted(image_keys, text_keys)
     first_caption = torch.searchsorted(text_to_image, torch.arange(image_keys.shape[0]))
-    skipped_total = torch.tensor([skipped], device=torch.device(device))
+    totals = torch.tensor([skipped, transparent], device=torch.device(device))
     if get_world_size() > 1:
-        dist.all_reduce(skipped_total)
+        dist.all_reduce(totals)
+    skipped, transparent = totals.tolist()
     return RetrievalEmbeddings(image_features, image_keys, text_features, text_to_image,
-                               first_caption, int(skipped_total.item()))
+                               first_caption, int(skipped), int(transparent))
 
 
 @torch.no_grad()
-def embed_labelled_images(model, preprocess, loader, *, device, progress=False, total_batches=None
+def embed_labelled_images(model, preprocess, loader, *, device, progress=False, total_batches=None,
+                          counts: dict | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Encode batches ``(images, labels [B], keys [B], skipped)``; return gathered, key-sorted
-    ``(keys, image_features, labels, skipped)``."""
+    ``(keys, image_features, labels, skipped)``. ``counts``: a dict that receives
+    ``transparent``, the images (all ranks) that had transparency."""
     model = unwrap_model(model)
     dtype = model_dtype(model)
     feature_parts, label_parts, key_parts = [], [], []
-    skipped = 0
+    skipped = transparent = 0
     for batch in encode_in_lockstep(loader, device, progress=progress, total=total_batches,
                                     description="embed images"):
         if batch is None or batch[0] is None:
@@ -200,6 +206,7 @@ def embed_labelled_images(model, preprocess, loader, *, device, progress=False, 
             continue
         images, labels, keys, batch_skipped = batch
         skipped += int(batch_skipped)
+        transparent += getattr(batch_skipped, "transparent", 0)
         feature_parts.append(encode_images(model, images, device, dtype).cpu())
         label_parts.append(labels)
         key_parts.append(keys)
@@ -208,10 +215,13 @@ def embed_labelled_images(model, preprocess, loader, *, device, progress=False, 
     keys = torch.cat(key_parts) if key_parts else torch.zeros(0, dtype=torch.long)
     features = _agree_on_width(features, device)
     keys, features, labels = gather_sorted(keys, features, labels, device=device)
-    skipped_total = torch.tensor([skipped], device=torch.device(device))
+    totals = torch.tensor([skipped, transparent], device=torch.device(device))
     if get_world_size() > 1:
-        dist.all_reduce(skipped_total)
-    return keys, features, labels, int(skipped_total.item())
+        dist.all_reduce(totals)
+    skipped, transparent = totals.tolist()
+    if counts is not None:
+        counts["transparent"] = int(transparent)
+    return keys, features, labels, int(skipped)
 
 
 def _agree_on_width(features: torch.Tensor, device) -> torch.Tensor:

@@ -71,7 +71,8 @@ def evaluate_retrieval(model, preprocess, tokenizer, shards: str | Sequence[str]
                        batch_size: int = 256, workers: int = 4, device="cpu",
                        max_samples: int = 0, logit_scale: float | None = None,
                        chunk_size: int = 4096, progress: bool = True,
-                       members=None, image_cache: str | Path | None = None) -> dict:
+                       members=None, image_cache: str | Path | None = None,
+                       alpha: str | None = None) -> dict:
     """Image-text retrieval on webdataset shards (see ``datasets.py`` for layouts).
 
     ``logit_scale`` is the multiplier for the validation loss (already exponentiated); by default
@@ -88,17 +89,21 @@ def evaluate_retrieval(model, preprocess, tokenizer, shards: str | Sequence[str]
     runs of one process whose image tower does not change
     (:mod:`vlcontrast.evaluation.image_cache`); ignored with several ranks.
 
+    ``alpha``: the transparency rule (:data:`~vlcontrast.data.samples.ALPHA_RULES`); given, the
+    result also holds ``num_transparent`` (images that had transparency) and the image cache is
+    not used. None: ``white``, the training rule, and the result as the trainer logs it.
+
     Returns ``retrieval_metrics`` keys plus ``val_loss``, ``val_loss_batch_size``, ``num_skipped``.
     """
     rank, world = get_rank(), get_world_size()
-    from vlcontrast.data.samples import DEFAULT_MEMBERS
+    from vlcontrast.data.samples import DEFAULT_MEMBERS, TRAINING_ALPHA
 
     members = members or DEFAULT_MEMBERS
     loader = build_retrieval_loader(shards, preprocess, batch_size=batch_size, workers=workers,
                                     rank=rank, world_size=world, max_samples=max_samples,
-                                    members=members)
+                                    members=members, alpha=alpha or TRAINING_ALPHA)
     with _eval_mode(model):
-        if image_cache and world == 1:
+        if image_cache and world == 1 and alpha is None:
             from vlcontrast.evaluation.datasets import resolve_shards
             from vlcontrast.evaluation.embed import encode_retrieval_images
             from vlcontrast.evaluation.image_cache import cached_retrieval_images, retrieval_key
@@ -138,6 +143,8 @@ def evaluate_retrieval(model, preprocess, tokenizer, shards: str | Sequence[str]
             result["val_loss"] = clip_validation_loss(images, first, scale, batch_size)
             result["val_loss_batch_size"] = int(batch_size)
         result["num_skipped"] = embeddings.skipped
+        if alpha is not None:
+            result["num_transparent"] = embeddings.transparent
         return result
 
     return _share_from_rank0(compute, device)
@@ -146,7 +153,7 @@ def evaluate_retrieval(model, preprocess, tokenizer, shards: str | Sequence[str]
 def evaluate_zeroshot(model, preprocess, tokenizer, data_dir, classnames=None,
                       templates=None, *, batch_size: int = 256, workers: int = 4, device="cpu",
                       split: str = "test", progress: bool = True,
-                      image_cache: str | Path | None = None) -> dict:
+                      image_cache: str | Path | None = None, alpha: str | None = None) -> dict:
     """Zero-shot classification of an ImageNet val dir, an ImageFolder or a CLIP_benchmark wds set.
 
     ``data_dir``: a directory, or its :class:`~vlcontrast.evaluation.datasets.ZeroShotData`
@@ -157,22 +164,30 @@ def evaluate_zeroshot(model, preprocess, tokenizer, data_dir, classnames=None,
     ``image_cache``: a file that keeps the image features between runs of one process whose image
     tower does not change (:mod:`vlcontrast.evaluation.image_cache`); ignored with several ranks.
 
+    ``alpha``: the transparency rule (:data:`~vlcontrast.data.samples.ALPHA_RULES`); given, the
+    result also holds ``num_transparent`` (images that had transparency) and the image cache is
+    not used. None: ``white``, the training rule, and the result as the trainer logs it.
+
     Returns ``top1``, ``top5``, ``mean_per_class_recall``, ``num_images``, ``num_classes``,
     ``num_templates``, ``num_skipped``.
     """
+    from vlcontrast.data.samples import TRAINING_ALPHA
+
     rank, world = get_rank(), get_world_size()
     data = (data_dir if isinstance(data_dir, ZeroShotData)
             else resolve_zeroshot_data(data_dir, classnames, templates, split=split))
     data_dir = data.root
     num_classes = len(data.classnames)
     first, last = rank * num_classes // world, (rank + 1) * num_classes // world
+    counts: dict[str, int] = {}
 
     def embed() -> tuple[torch.Tensor, torch.Tensor, int]:
         loader = build_zeroshot_loader(data, preprocess, batch_size=batch_size, workers=workers,
-                                       rank=rank, world_size=world)
+                                       rank=rank, world_size=world,
+                                       alpha=alpha or TRAINING_ALPHA)
         _, features, labels, skipped = embed_labelled_images(
             model, preprocess, loader.loader, device=device, progress=progress,
-            total_batches=loader.num_batches)
+            total_batches=loader.num_batches, counts=counts)
         return features, labels, skipped
 
     with _eval_mode(model):
@@ -181,7 +196,7 @@ def evaluate_zeroshot(model, preprocess, tokenizer, data_dir, classnames=None,
                                           data.templates, device=device, batch_size=batch_size,
                                           progress=progress, synchronize=True)
         classifier = all_gather_variable(local.t().contiguous()).t().contiguous()
-        if image_cache and world == 1:
+        if image_cache and world == 1 and alpha is None:
             from vlcontrast.evaluation.image_cache import cache_key, cached_image_features
 
             key = cache_key(clip, data, preprocess, batch_size=batch_size, dtype=model_dtype(clip))
@@ -205,6 +220,8 @@ def evaluate_zeroshot(model, preprocess, tokenizer, data_dir, classnames=None,
     result = metrics.compute()
     result.update(num_images=int(features.shape[0]), num_classes=num_classes,
                   num_templates=len(data.templates), num_skipped=skipped)
+    if alpha is not None:
+        result["num_transparent"] = counts["transparent"]
     return result
 
 
@@ -271,36 +288,58 @@ def _load(checkpoint, device):
     return resolve_model_files(checkpoint), load_model_from_checkpoint(checkpoint, device=device)
 
 
+def _report_alpha(task: str, metrics: dict, alpha: str) -> None:
+    import sys
+
+    from vlcontrast.data.samples import alpha_summary
+
+    if get_rank() == 0:
+        print(f"vlcontrast eval {task}: "
+              f"{alpha_summary(metrics['num_transparent'], metrics['num_images'], alpha)}",
+              file=sys.stderr, flush=True)
+
+
 def run_retrieval_cli(checkpoint, data, out=None, batch_size: int = 256, workers: int = 4,
                       max_samples: int = 0, device: str | None = None, image_key: str = "",
-                      caption_key: str = "") -> dict:
+                      caption_key: str = "", alpha: str = "white") -> dict:
     """``vlcontrast eval retrieval``: load CKPT (run dir -> latest), evaluate, write ``out`` JSON.
-    ``image_key``/``caption_key``: as ``data.image_key``/``data.caption_key`` (empty: default)."""
-    from vlcontrast.data.samples import Members
+    ``image_key``/``caption_key``: as ``data.image_key``/``data.caption_key`` (empty: default).
+    ``alpha``: the transparency rule (:data:`~vlcontrast.data.samples.ALPHA_RULES`); how many
+    images had transparency is printed and recorded (``num_transparent``)."""
+    from vlcontrast.data.samples import Members, check_alpha
 
+    alpha = check_alpha(alpha)
     members = Members.parse(image_key, caption_key) if (image_key or caption_key) else None
     device = _setup_device(device)
     folder, bundle = _load(checkpoint, device)
     metrics = evaluate_retrieval(bundle.model, bundle.preprocess_val, bundle.tokenizer, data,
                                  batch_size=batch_size, workers=workers, device=device,
-                                 max_samples=max_samples, members=members)
+                                 max_samples=max_samples, members=members, alpha=alpha)
+    _report_alpha("retrieval", metrics, alpha)
     return _write_record("retrieval", folder, bundle, data, metrics, out,
                          {"num_texts": metrics["num_texts"], "batch_size": batch_size,
-                          "max_samples": max_samples})
+                          "max_samples": max_samples, "alpha": alpha})
 
 
 def run_zeroshot_cli(checkpoint, data, out=None, classnames=None, templates=None,
-                     batch_size: int = 256, workers: int = 4, device: str | None = None) -> dict:
-    """``vlcontrast eval zeroshot``: load CKPT, classify ``data`` zero-shot, write ``out`` JSON."""
+                     batch_size: int = 256, workers: int = 4, device: str | None = None,
+                     alpha: str = "white") -> dict:
+    """``vlcontrast eval zeroshot``: load CKPT, classify ``data`` zero-shot, write ``out`` JSON.
+    ``alpha``: as for :func:`run_retrieval_cli`."""
+    from vlcontrast.data.samples import check_alpha
+
+    alpha = check_alpha(alpha)
     resolved = resolve_zeroshot_data(data, classnames, templates)  # its errors before the model
     device = _setup_device(device)
     folder, bundle = _load(checkpoint, device)
     metrics = evaluate_zeroshot(bundle.model, bundle.preprocess_val, bundle.tokenizer, resolved,
-                                batch_size=batch_size, workers=workers, device=device)
+                                batch_size=batch_size, workers=workers, device=device,
+                                alpha=alpha)
+    _report_alpha("zeroshot", metrics, alpha)
     return _write_record("zeroshot", folder, bundle, data, metrics, out,
                          {"classnames": str(classnames) if classnames else None,
                           "templates": str(templates) if templates else None,
-                          "batch_size": batch_size})
+                          "batch_size": batch_size, "alpha": alpha})
 
 
 COMPARISON_COLUMNS = {

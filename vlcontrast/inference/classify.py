@@ -63,6 +63,8 @@ class Classification:
     probs: torch.Tensor             # [N_kept, C] every label's probability
     skipped: list[int]
     reasons: dict[str, int]
+    alpha: str = "white"            # the transparency rule the images were read with
+    transparent: int = 0            # read images that had transparency
 
     def to_dict(self) -> dict:
         return {
@@ -77,20 +79,27 @@ class Classification:
             "num_skipped": len(self.skipped),
             "skipped": [str(self.paths[index]) for index in self.skipped],
             "skipped_reasons": self.reasons,
+            "alpha": self.alpha,
+            "num_transparent": self.transparent,
         }
 
 
 @torch.no_grad()
 def classify(model, preprocess, tokenizer, paths: Sequence[Path], labels: Sequence[str], *,
              templates: Sequence[str] = DEFAULT_TEMPLATES, top_k: int = 5, device="cpu",
-             batch_size: int = 64, workers: int = 0, progress: bool = True) -> Classification:
-    """Classify the images at ``paths`` among ``labels`` (see the module docstring)."""
+             batch_size: int = 64, workers: int = 0, progress: bool = True,
+             alpha: str = "white") -> Classification:
+    """Classify the images at ``paths`` among ``labels`` (see the module docstring); ``alpha``:
+    the transparency rule (:data:`~vlcontrast.data.samples.ALPHA_RULES`)."""
+    from vlcontrast.data.samples import check_alpha
+
     from vlcontrast.evaluation.datasets import check_templates
     from vlcontrast.evaluation.embed import unwrap_model
     from vlcontrast.evaluation.zeroshot import build_zeroshot_classifier
     from vlcontrast.inference.images import embed_image_files, skipped_summary
 
     templates = check_templates(list(templates), "--templates")
+    alpha = check_alpha(alpha)
     if top_k < 1:
         raise ConfigError(f"--top-k {top_k}: must be at least 1")
     model = unwrap_model(model)
@@ -98,7 +107,7 @@ def classify(model, preprocess, tokenizer, paths: Sequence[Path], labels: Sequen
     classifier = build_zeroshot_classifier(model, tokenizer, list(labels), templates,
                                            device=device, batch_size=batch_size)
     images = embed_image_files(model, preprocess, paths, device=device, batch_size=batch_size,
-                               workers=workers, progress=progress)
+                               workers=workers, progress=progress, alpha=alpha)
     if not images.kept:
         raise ConfigError(f"none of the {len(paths)} images could be read ("
                           f"{skipped_summary(paths, images)}); check the files")
@@ -107,7 +116,8 @@ def classify(model, preprocess, tokenizer, paths: Sequence[Path], labels: Sequen
     probs = logits.softmax(dim=-1).cpu()
     top = probs.topk(min(top_k, len(labels)), dim=-1)
     return Classification(list(paths), list(labels), templates, images.kept, top.indices,
-                          top.values, probs, images.skipped, images.reasons)
+                          top.values, probs, images.skipped, images.reasons, alpha,
+                          images.transparent)
 
 
 def format_classification(result: Classification, as_json: bool = False) -> str:

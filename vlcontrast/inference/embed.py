@@ -25,6 +25,7 @@ class Embeddings:
     ids: list[str]
     skipped: list[str] = field(default_factory=list)
     reasons: dict[str, int] = field(default_factory=dict)
+    transparent: int = 0            # images that had transparency (texts: 0)
 
 
 def ids_path(out: str | os.PathLike) -> Path:
@@ -75,46 +76,53 @@ def embed_texts(model, tokenizer, texts: Sequence[str], *, device="cpu", batch_s
 @torch.no_grad()
 def embed_images(model, preprocess, *, paths: Sequence[Path] | None = None, shards=None,
                  device="cpu", batch_size: int = 256, workers: int = 0,
-                 progress: bool = True) -> Embeddings:
+                 progress: bool = True, alpha: str = "white") -> Embeddings:
     """Encode image files (ids: their paths) or the images of webdataset shards in the one shard
-    grammar (ids: the samples' keys). Unreadable images are skipped and counted."""
+    grammar (ids: the samples' keys). Unreadable images are skipped and counted; transparency
+    follows the rule ``alpha`` (:data:`~vlcontrast.data.samples.ALPHA_RULES`)."""
+    from vlcontrast.data.samples import check_alpha
     from vlcontrast.evaluation.embed import unwrap_model
+
+    alpha = check_alpha(alpha)
 
     model = unwrap_model(model)
     if paths is not None:
         from vlcontrast.inference.images import embed_image_files
 
         found = embed_image_files(model, preprocess, paths, device=device, batch_size=batch_size,
-                                  workers=workers, progress=progress)
+                                  workers=workers, progress=progress, alpha=alpha)
         if not found.kept:
             raise ConfigError(f"--images: none of the {len(paths)} images could be read "
                               f"({found.reasons}); check the files")
         return Embeddings(found.features.numpy(), [str(paths[i]) for i in found.kept],
-                          [str(paths[i]) for i in found.skipped], found.reasons)
+                          [str(paths[i]) for i in found.skipped], found.reasons,
+                          found.transparent)
     return _embed_shard_images(model, preprocess, shards, device=device, batch_size=batch_size,
-                               workers=workers, progress=progress)
+                               workers=workers, progress=progress, alpha=alpha)
 
 
 def _embed_shard_images(model, preprocess, shards, *, device, batch_size, workers,
-                        progress) -> Embeddings:
+                        progress, alpha) -> Embeddings:
     from vlcontrast.evaluation.datasets import build_image_shards_loader
     from vlcontrast.evaluation.embed import encode_images, encode_in_lockstep, model_dtype
 
-    loader = build_image_shards_loader(shards, preprocess, batch_size=batch_size, workers=workers)
+    loader = build_image_shards_loader(shards, preprocess, batch_size=batch_size, workers=workers,
+                                       alpha=alpha)
     dtype = model_dtype(model)
-    parts, ids, reasons = [], [], {}
+    parts, ids, reasons, transparent = [], [], {}, 0
     for images, keys, _, skipped in encode_in_lockstep(loader.loader, device, progress=progress,
                                                        description="embed images",
                                                        synchronize=False):
         for reason, n in skipped.reasons.items():
             reasons[reason] = reasons.get(reason, 0) + n
+        transparent += skipped.transparent
         if images is not None:
             parts.append(encode_images(model, images, device, dtype).cpu())
             ids.extend(keys)
     if not parts:
         raise ConfigError(f"--images {loader.name!r}: no readable image in these shards "
                           f"({reasons}); check them with `vlcontrast prep check`")
-    return Embeddings(torch.cat(parts).numpy(), ids, [], reasons)
+    return Embeddings(torch.cat(parts).numpy(), ids, [], reasons, transparent)
 
 
 def _temporary(path: Path) -> Path:

@@ -49,17 +49,22 @@ class ImageFeatures:
     kept: list[int]
     skipped: list[int]                     # indices into paths of the unreadable images
     reasons: dict[str, int] = field(default_factory=dict)   # skipped images per reason
+    transparent: int = 0                   # read images that had transparency
 
 
 @torch.no_grad()
 def embed_image_files(model, preprocess, paths: Sequence[Path], *, device, batch_size: int = 64,
-                      workers: int = 0, progress: bool = True) -> ImageFeatures:
-    """Encode image files in batches (a progress bar on a terminal, plain lines in a log)."""
+                      workers: int = 0, progress: bool = True,
+                      alpha: str = "white") -> ImageFeatures:
+    """Encode image files in batches (a progress bar on a terminal, plain lines in a log);
+    transparency is treated by the rule ``alpha`` (:data:`~vlcontrast.data.samples.ALPHA_RULES`)."""
     from vlcontrast.evaluation.datasets import build_image_files_loader
     from vlcontrast.evaluation.embed import embed_labelled_images
 
-    loader = build_image_files_loader(paths, preprocess, batch_size=batch_size, workers=workers)
+    loader = build_image_files_loader(paths, preprocess, batch_size=batch_size, workers=workers,
+                                      alpha=alpha)
     reasons: dict[str, int] = {}
+    counts: dict[str, int] = {}
 
     def counted(batches):
         for batch in batches:
@@ -69,11 +74,11 @@ def embed_image_files(model, preprocess, paths: Sequence[Path], *, device, batch
 
     keys, features, _, _ = embed_labelled_images(model, preprocess, counted(loader.loader),
                                                  device=device, progress=progress,
-                                                 total_batches=loader.num_batches)
+                                                 total_batches=loader.num_batches, counts=counts)
     kept = keys.tolist()
     kept_set = set(kept)
     skipped = [index for index in range(len(paths)) if index not in kept_set]
-    return ImageFeatures(features, kept, skipped, reasons)
+    return ImageFeatures(features, kept, skipped, reasons, counts.get("transparent", 0))
 
 
 def skipped_summary(paths: Sequence[Path], result: ImageFeatures, limit: int = 3) -> str:

@@ -47,7 +47,8 @@ class WhiteBackground:
 
 def load_bundle(path: str | Path, device=None, what: str = "vlcontrast.load"):
     """The :class:`~vlcontrast.models.ModelBundle` of a run directory (its latest checkpoint), a
-    checkpoint directory or a ``vlcontrast export open_clip`` directory, in eval mode."""
+    checkpoint directory, a ``vlcontrast export`` directory or a transformers ``CLIPModel``
+    directory, in eval mode."""
     from vlcontrast.models import load_model_from_checkpoint
 
     return load_model_from_checkpoint(path, device=resolve_device(device), what=what)
@@ -56,8 +57,8 @@ def load_bundle(path: str | Path, device=None, what: str = "vlcontrast.load"):
 def load(path: str | Path, device: str | torch.device | None = None):
     """``(model, preprocess, tokenizer)`` of a trained model, as open_clip hands them out.
 
-    ``path``: a run directory (its latest checkpoint), a checkpoint directory or a
-    ``vlcontrast export open_clip`` directory. ``device``: ``None`` (CUDA when available, else the
+    ``path``: a run directory (its latest checkpoint), a checkpoint directory, a
+    ``vlcontrast export`` directory or a transformers ``CLIPModel`` directory. ``device``: ``None`` (CUDA when available, else the
     CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. The model is in eval mode; call it as an open_clip
     model::
 

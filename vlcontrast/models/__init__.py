@@ -4,11 +4,14 @@
 model name (``RN50``, ``ViT-B-32`` ...), a model config shipped in ``vlcontrast/models/configs/``
 (``vlc-micro``, ``vlc-tiny`` ...), a path to an open_clip model-config JSON, or a name found in
 ``configs/models/`` under the current directory; a Hugging Face text tower loads from a local
-directory (``model.hf_model_dir``). ``model.pretrained`` loads open_clip weights or a vlcontrast
-checkpoint, and ``model.lock_image``/``model.lock_text`` lock towers as open_clip does (LiT).
-:func:`load_model_from_checkpoint` rebuilds the model of a vlcontrast checkpoint (or of its open_clip
-export) for evaluation, export and :func:`vlcontrast.load`; open_clip's "initialized randomly"
-warning is silenced while a model whose weights come right after is built. Nothing here re-implements open_clip: it only resolves configs and registers them.
+directory (``model.hf_model_dir``). ``model.pretrained`` loads open_clip weights, a vlcontrast
+checkpoint or a transformers ``CLIPModel`` directory (:mod:`.transformers_clip` maps its tensors),
+and ``model.lock_image``/``model.lock_text`` lock towers as open_clip does (LiT).
+:func:`load_model_from_checkpoint` rebuilds the model of a vlcontrast checkpoint, of an export or of
+a ``CLIPModel`` directory for evaluation, export and :func:`vlcontrast.load`;
+:func:`load_pretrained_model` takes every form ``model.pretrained`` takes (a teacher's loader).
+open_clip's "initialized randomly" warning is silenced while a model whose weights come right after
+is built. Nothing here re-implements open_clip: it only resolves configs and registers them.
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ from typing import Any, Callable
 
 import torch
 
-from vlcontrast.checkpoints import (EXPORT_CONFIG_FILE, EXPORT_WEIGHTS_FILE, MODEL_CONFIG_FILE,
-                                    WEIGHTS_FILE, is_export, load_file, resolve_model_files,
-                                    resolve_weights)
+from vlcontrast.checkpoints import (EXPORT_CONFIG_FILE, MODEL_CONFIG_FILE, WEIGHTS_FILE,
+                                    export_weights, is_export, is_transformers_clip,
+                                    read_weights, resolve_model_files, resolve_weights)
 from vlcontrast.errors import ConfigError
 
 PACKAGE_CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -105,6 +108,12 @@ def resolve_model_config(name: str, hf_model_dir: str = "") -> tuple[str, dict[s
 
     model_cfg = None
     candidate = find_model_config_file(name)
+    if candidate is None and is_transformers_clip(name):
+        from vlcontrast.models.transformers_clip import open_clip_config
+
+        model_cfg = open_clip_config(json.loads((Path(name) / "config.json").read_text()),
+                                     f"model.name={name!r}")
+        name = transformers_model_name(name)
     if candidate is not None:
         try:
             model_cfg = json.loads(candidate.read_text())
@@ -153,9 +162,15 @@ def build_model(model_cfg, *, siglip: bool = False, device: str | torch.device =
         bias = -10.0
     if bias is not None:
         kwargs["init_logit_bias"] = bias
-    checkpoint = _vlcontrast_checkpoint(model_cfg.pretrained)
-    open_clip_weights = None if checkpoint is not None else (model_cfg.pretrained or None)
-    quiet = weights_loaded_afterwards() if checkpoint is not None else nullcontext()
+    transformers_state, preprocess = None, {}
+    if model_cfg.pretrained and is_transformers_clip(model_cfg.pretrained):
+        transformers_state, preprocess = _transformers_start(model_cfg.pretrained, cfg,
+                                                             model_cfg.name)
+        kwargs.update(_preprocess_kwargs(preprocess))
+    checkpoint = _vlcontrast_checkpoint(model_cfg.pretrained) if transformers_state is None else None
+    weights_after = checkpoint is not None or transformers_state is not None
+    open_clip_weights = None if weights_after else (model_cfg.pretrained or None)
+    quiet = weights_loaded_afterwards() if weights_after else nullcontext()
     with warnings.catch_warnings(), quiet:
         # open_clip lists colour jitter and grayscale as "unused" although it applies them;
         # ModelConfig.check refuses the options it would really drop.
@@ -167,6 +182,9 @@ def build_model(model_cfg, *, siglip: bool = False, device: str | torch.device =
     if checkpoint is not None:
         load_weights(model, checkpoint / WEIGHTS_FILE, f"model.pretrained={model_cfg.pretrained!r}",
                      device)
+    if transformers_state is not None:
+        load_state(model, transformers_state, f"model.pretrained={model_cfg.pretrained!r}",
+                   Path(model_cfg.pretrained), device)
     lock_towers(model, model_cfg)
     if model_cfg.grad_checkpointing:
         model.set_grad_checkpointing(True)
@@ -174,7 +192,71 @@ def build_model(model_cfg, *, siglip: bool = False, device: str | torch.device =
     tokenizer = open_clip.get_tokenizer(registered)
     stored = {"model_name": name, "model_cfg": cfg, "init_logit_scale": init_scale,
               "init_logit_bias": bias}
+    overrides = _preprocess_kwargs(preprocess)
+    if overrides:  # only then: checkpoints of every other start keep their model_config.json
+        stored["preprocess"] = overrides
     return ModelBundle(model, preprocess_train, preprocess_val, tokenizer, name, stored)
+
+
+def transformers_model_name(folder: str | Path) -> str:
+    """The open_clip name a ``CLIPModel`` directory's config is registered under."""
+    return f"transformers-{Path(folder).resolve().name}"
+
+
+def _preprocess_kwargs(preprocess: dict) -> dict:
+    from vlcontrast.models.transformers_clip import preprocess_overrides
+
+    return preprocess_overrides(preprocess) if preprocess else {}
+
+
+def _transformers_start(folder: str, cfg: dict, name: str) -> tuple[dict, dict]:
+    """The open_clip state dict and preprocessing of a ``CLIPModel`` directory named by
+    ``model.pretrained``, after checking that ``model.name``'s config is its config."""
+    from vlcontrast.models.transformers_clip import load_transformers_clip
+
+    what = f"model.pretrained={folder!r}"
+    derived, state, preprocess = load_transformers_clip(folder, "model.pretrained")
+    difference = config_difference(derived, cfg)
+    if difference:
+        raise ConfigError(f"{what} is a transformers CLIPModel whose {difference}; "
+                          f"set model.name={folder} to build its own config")
+    return state, preprocess
+
+
+TRAINING_ONLY_OPTIONS = ("patch_dropout", "output_tokens")
+"""Options that change training, not the weights: a start may differ there."""
+
+
+def config_difference(expected: dict, actual: dict) -> str:
+    """'' when two open_clip model configs build the same network (each tower's options filled
+    with open_clip's defaults), else ``"<key> is <expected>, model.name's is <actual>"``."""
+    from open_clip.model import CLIPTextCfg, CLIPVisionCfg
+
+    if int(expected["embed_dim"]) != int(actual["embed_dim"]):
+        return f"embed_dim is {expected['embed_dim']}, model.name's is {actual['embed_dim']}"
+    if bool(expected.get("quick_gelu")) != bool(actual.get("quick_gelu")):
+        return (f"quick_gelu is {bool(expected.get('quick_gelu'))}, model.name's is "
+                f"{bool(actual.get('quick_gelu'))}")
+    for part, kind in (("vision_cfg", CLIPVisionCfg), ("text_cfg", CLIPTextCfg)):
+        try:
+            mine = vars(kind(**expected[part]))
+            theirs = vars(kind(**actual[part]))
+        except TypeError as err:
+            return f"{part} cannot be compared ({err})"
+        for key, value in mine.items():
+            if key in TRAINING_ONLY_OPTIONS:
+                continue
+            other = theirs.get(key)
+            if isinstance(value, (list, tuple)) or isinstance(other, (list, tuple)):
+                same = list(value if isinstance(value, (list, tuple)) else [value]) == \
+                    list(other if isinstance(other, (list, tuple)) else [other])
+            elif isinstance(value, float) or isinstance(other, float):
+                same = value is not None and other is not None and math.isclose(value, other)
+            else:
+                same = value == other
+            if not same:
+                return f"{part}.{key} is {value!r}, model.name's is {other!r}"
+    return ""
 
 
 def _vlcontrast_checkpoint(pretrained: str) -> Path | None:
@@ -190,12 +272,20 @@ def _vlcontrast_checkpoint(pretrained: str) -> Path | None:
 
 def load_weights(model: torch.nn.Module, path: Path, what: str,
                  device: str | torch.device = "cpu") -> None:
-    """Load a vlcontrast ``model.pt`` (tensors only, no code runs) into ``model``.
+    """Load a vlcontrast ``model.pt`` or an export's weights (safetensors, or tensors-only
+    pickles: no code runs) into ``model`` (:func:`load_state`)."""
+    load_state(model, read_weights(path, device), what, path, device)
+
+
+def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor], what: str, path: Path,
+               device: str | torch.device = "cpu") -> None:
+    """Load a state dict with open_clip's names into ``model``; ``path`` names its source in
+    errors.
 
     Frozen batch norms (``lock_image_freeze_bn_stats``) have no ``num_batches_tracked``; a
     checkpoint and a model that differ only there still load.
     """
-    state = load_file(path, map_location=device)  # a file holding code: one-line CheckpointError
+    state = {key: value.to(device) for key, value in state.items()}
     try:
         result = model.load_state_dict(state, strict=False)
     except RuntimeError as err:  # shape mismatches raise even when not strict
@@ -301,16 +391,26 @@ def _export_meta(folder: Path) -> dict[str, Any]:
 def load_model_from_checkpoint(path: str | Path, device: str | torch.device = "cpu",
                                what: str = "--checkpoint") -> ModelBundle:
     """Rebuild a model with its weights, in eval mode, from a vlcontrast run directory (its
-    latest checkpoint), a checkpoint directory or a ``vlcontrast export open_clip`` directory.
+    latest checkpoint), a checkpoint directory, a ``vlcontrast export`` directory (open_clip's
+    layout) or a transformers ``CLIPModel`` directory.
 
-    ``what`` names the argument in errors. Either way the model is built from the stored open_clip
-    config and the weights are loaded with ``torch.load(weights_only=True)``, so all three give the
-    same model, transforms and tokenizer."""
+    ``what`` names the argument in errors. Every form builds the model from an open_clip config
+    and loads tensors only (safetensors, or ``torch.load(weights_only=True)``), so a checkpoint
+    and its exports give the same model, transforms and tokenizer."""
     import open_clip
 
     folder = resolve_model_files(path, what)
-    if is_export(folder):
-        meta, weights = _export_meta(folder), folder / EXPORT_WEIGHTS_FILE
+    state = None
+    if is_transformers_clip(folder):
+        from vlcontrast.models.transformers_clip import load_transformers_clip
+
+        model_cfg, state, preprocess = load_transformers_clip(folder, what)
+        meta = {"model_name": transformers_model_name(folder), "model_cfg": model_cfg,
+                "init_logit_scale": float(state["logit_scale"]), "init_logit_bias": None,
+                "preprocess": _preprocess_kwargs(preprocess)}
+        weights = folder
+    elif is_export(folder):
+        meta, weights = _export_meta(folder), export_weights(folder)
     else:
         meta = json.loads((folder / MODEL_CONFIG_FILE).read_text())
         weights = folder / WEIGHTS_FILE
@@ -318,10 +418,54 @@ def load_model_from_checkpoint(path: str | Path, device: str | torch.device = "c
     kwargs: dict[str, Any] = {"init_logit_scale": meta.get("init_logit_scale", math.log(1 / 0.07))}
     if meta.get("init_logit_bias") is not None:
         kwargs["init_logit_bias"] = meta["init_logit_bias"]
+    kwargs.update(meta.get("preprocess") or {})
     with weights_loaded_afterwards():
         model, preprocess_train, preprocess_val = open_clip.create_model_and_transforms(
             registered, device=device, output_dict=True, pretrained_text=False, **kwargs)
-    load_weights(model, weights, f"{what} {str(path)!r}", device)
+    if state is not None:
+        load_state(model, state, f"{what} {str(path)!r}", weights, device)
+    else:
+        load_weights(model, weights, f"{what} {str(path)!r}", device)
     model.eval()
     tokenizer = open_clip.get_tokenizer(registered)
     return ModelBundle(model, preprocess_train, preprocess_val, tokenizer, meta["model_name"], meta)
+
+
+def load_pretrained_model(source: str | Path, pretrained: str = "", *,
+                          device: str | torch.device = "cpu",
+                          what: str = "model.pretrained") -> ModelBundle:
+    """A model with its weights, in eval mode, from every form ``model.pretrained`` takes: the
+    loader a teacher uses (``distill.teacher`` and ``distill.teacher_pretrained``).
+
+    ``source`` a directory, ``pretrained`` empty: a vlcontrast run (its latest checkpoint), a
+    checkpoint, a ``vlcontrast export`` directory or a transformers ``CLIPModel`` directory
+    (:func:`load_model_from_checkpoint`). Otherwise ``source`` names the model as ``model.name``
+    does (an open_clip name, a config shipped with vlcontrast, a model-config JSON) and
+    ``pretrained`` is an open_clip tag or weights file, a vlcontrast run or checkpoint directory,
+    or a ``CLIPModel`` directory whose config must be ``source``'s (empty: random weights).
+    ``what`` names the option in errors.
+    """
+    import open_clip
+
+    if not pretrained and Path(source).is_dir():
+        return load_model_from_checkpoint(source, device, what)
+    name, cfg = resolve_model_config(str(source))
+    registered = _register_config(name, cfg)
+    state, preprocess, checkpoint = None, {}, None
+    if pretrained and is_transformers_clip(pretrained):
+        state, preprocess = _transformers_start(str(pretrained), cfg, str(source))
+    elif pretrained and Path(pretrained).is_dir():
+        checkpoint = _vlcontrast_checkpoint(str(pretrained))
+    weights_after = state is not None or checkpoint is not None
+    with weights_loaded_afterwards() if weights_after else nullcontext():
+        model, preprocess_train, preprocess_val = open_clip.create_model_and_transforms(
+            registered, pretrained=None if weights_after else (pretrained or None), device=device,
+            output_dict=True, pretrained_text=False, **_preprocess_kwargs(preprocess))
+    if state is not None:
+        load_state(model, state, f"{what}={str(pretrained)!r}", Path(pretrained), device)
+    elif checkpoint is not None:
+        load_weights(model, checkpoint / WEIGHTS_FILE, f"{what}={str(pretrained)!r}", device)
+    model.eval()
+    stored = {"model_name": name, "model_cfg": cfg}
+    return ModelBundle(model, preprocess_train, preprocess_val, open_clip.get_tokenizer(registered),
+                       name, stored)

@@ -45,11 +45,18 @@ CHUNK = 256
 
 
 def tower_digest(weights: Path) -> str:
-    """sha256 over the image tower's tensors (``visual.*``) of a ``model.pt``: the cache does not
+    """sha256 over the image tower's tensors (``visual.*``) of a ``model.pt``, or of a
+    transformers ``CLIPModel`` directory's tensors mapped to open_clip's names: the cache does not
     depend on the text tower, the temperature or the bias (SigLIP's warm start changes those)."""
+    from vlcontrast.checkpoints import is_transformers_clip
     from vlcontrast.evaluation.image_cache import tensors_digest
 
-    state = torch.load(weights, map_location="cpu", weights_only=True)
+    if is_transformers_clip(weights):
+        from vlcontrast.models.transformers_clip import load_transformers_clip
+
+        _, state, _ = load_transformers_clip(weights)
+    else:
+        state = torch.load(weights, map_location="cpu", weights_only=True)
     return tensors_digest({k: v for k, v in state.items() if k.startswith("visual.")})
 
 
@@ -66,7 +73,10 @@ def cache_key(model: ModelConfig, data: DataConfig) -> dict[str, Any]:
     locking, the training shards and their manifest, and the transform."""
     from vlcontrast.checkpoints import resolve_weights
 
-    weights = resolve_weights(model.pretrained) / "model.pt" if model.pretrained else None
+    from vlcontrast.checkpoints import is_transformers_clip
+
+    weights = (Path(model.pretrained) if is_transformers_clip(model.pretrained) else
+               resolve_weights(model.pretrained) / "model.pt") if model.pretrained else None
     manifests = []
     for part in str(data.train).split("::"):
         path = Path(part.split("@")[0])
