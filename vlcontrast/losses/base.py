@@ -270,6 +270,11 @@ class ContrastiveLoss(nn.Module):
         nothing to undo.
         """
 
+    def rollback_where(self, skipped: Tensor) -> None:
+        """:meth:`rollback` when the 0-dim device flag ``skipped`` is non-zero, without reading it
+        on the host (the trainer calls it after every step). Stateless losses have nothing to
+        undo."""
+
     # ---- driver -----------------------------------------------------------------------------
 
     def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: Tensor | float,

@@ -92,22 +92,38 @@ class StepLogger:
     def eval(self, step: int, values: dict[str, Any]) -> None:
         self.metrics.log(step, values, kind="eval")
 
-    def skipped(self, step: int, reason: str, result: dict, bad_in_a_row: int) -> None:
+    def skipped(self, step: int, reason: str, loss: float, bad_in_a_row: int) -> None:
         self.metrics.log(step, {"skipped": reason, "consecutive_bad_steps": bad_in_a_row,
-                                "loss": float(result["loss"].detach())}, kind="skip")
+                                "loss": loss}, kind="skip")
+
+    def count(self, global_batch: int) -> None:
+        """An attempt counted as applied (the loop learns of skips later: :meth:`uncount`)."""
+        self._window_samples += global_batch
+        if self.progress is not None:
+            self.progress.update(1)
+
+    def uncount(self, global_batch: int, attempts: int = 1) -> None:
+        """``attempts`` counted attempts turned out skipped."""
+        self._window_samples -= global_batch * attempts
+        if self.progress is not None:
+            self.progress.update(-attempts)
+
+    def record(self, step: int, *, state, engine, result: dict, data,
+               counts: dict[str, int]) -> None:
+        """At a log step (the loop settled the step first): write the training record."""
+        values = self._record(state, engine, result, data, counts)
+        self.metrics.log(step, values)
+        if self.progress is not None:
+            self.progress.set_postfix(**{"loss": f"{values['loss']:.3f}",
+                                         "samples/s": f"{values['samples_per_s']:.0f}"})
 
     def applied(self, step: int, global_batch: int, *, state, engine, result: dict,
                 data, counts: dict[str, int]) -> None:
         """After an applied step: advance the window; at log steps write the record."""
-        self._window_samples += global_batch
+        self.count(global_batch)
         if self.should_log(step):
-            values = self._record(state, engine, result, data, counts)
-            self.metrics.log(step, values)
-            if self.progress is not None:
-                self.progress.set_postfix(**{"loss": f"{values['loss']:.3f}",
-                                             "samples/s": f"{values['samples_per_s']:.0f}"})
-        if self.progress is not None:
-            self.progress.update(1)
+            self.record(step, state=state, engine=engine, result=result, data=data,
+                        counts=counts)
 
     def _record(self, state, engine, result, data, counts) -> dict[str, Any]:
         from vlcontrast.train.engine import read_logit_scale
