@@ -84,8 +84,9 @@ def unstep_schedule(scheduler, steps: int) -> None:
     if steps <= 0 or scheduler is None:
         return
     scheduler.last_epoch -= steps
-    values = scheduler.get_lr() if not hasattr(scheduler, "_get_closed_form_lr") else \
-        scheduler._get_closed_form_lr()
+    lambdas = getattr(scheduler, "lr_lambdas", None)  # LambdaLR (ours): its closed form
+    values = ([base * factor(scheduler.last_epoch) for factor, base in zip(lambdas, scheduler.base_lrs)]
+              if lambdas is not None else scheduler.get_lr())
     for group, lr in zip(scheduler.optimizer.param_groups, values):
         group["lr"] = lr
     scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
