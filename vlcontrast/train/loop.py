@@ -113,7 +113,8 @@ def train(config: RunConfig) -> dict[str, Any]:
     resumed = checkpointer.resume(config.train.resume)
     if resumed is False:  # another world size: start the saved epoch afresh
         data.start_epoch(state.epoch)
-    log = _step_logger(config, env, total_steps, precision, resumed_at=state.step)
+    log = _step_logger(config, env, total_steps, precision, resumed_at=state.step,
+                       model_config=bundle.model_config)
     if resumed is not None:
         log.event(state.step, {"resumed_from": str(checkpointer.last_good)})
 
@@ -334,10 +335,18 @@ def _build_engine(model, config: RunConfig, total_steps: int, env):
     return engine, checkpoint_bytes
 
 
-def _step_logger(config: RunConfig, env, total_steps: int, precision: Precision, resumed_at: int):
+def _step_logger(config: RunConfig, env, total_steps: int, precision: Precision, resumed_at: int,
+                 model_config: dict | None = None):
+    from vlcontrast.models.flops import peak_flops, train_flops_per_sample
+
     metrics = MetricsLogger(Path(config.output_dir), config.logging, enabled=env.rank == 0,
                             config=to_dict(config))
+    flops = peak = None
+    if env.device.type == "cuda":
+        flops = train_flops_per_sample(model_config or {})
+        peak = peak_flops(torch.cuda.get_device_name(env.device), config.train.peak_tflops)
     return StepLogger(metrics, every=config.train.log_every, total_steps=total_steps,
                       device=env.device, loss_scaling=precision.loss_scaling,
                       start_step=resumed_at,
-                      progress=env.rank == 0 and config.logging.progress)
+                      progress=env.rank == 0 and config.logging.progress,
+                      flops_per_sample=flops, peak_flops=peak)

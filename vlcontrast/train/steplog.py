@@ -61,8 +61,12 @@ class StepTimer:
 
 class StepLogger:
     def __init__(self, metrics, *, every: int, total_steps: int, device: torch.device,
-                 loss_scaling: bool = False, start_step: int = 0, progress: bool = False):
+                 loss_scaling: bool = False, start_step: int = 0, progress: bool = False,
+                 flops_per_sample: float | None = None, peak_flops: float | None = None):
         self.metrics = metrics
+        # MFU beside samples_per_s: on CUDA only (a CPU has no meaningful bf16 peak here).
+        self.flops_per_sample = flops_per_sample if device.type == "cuda" else None
+        self.peak_flops = peak_flops
         self.every = every
         self.total_steps = total_steps
         self.loss_scaling = loss_scaling
@@ -134,6 +138,13 @@ class StepLogger:
                   "loss": float(result["loss"].detach()), "lr": engine.get_lr()[0],
                   "logit_scale": read_logit_scale(engine),
                   "samples_per_s": self._window_samples / max(elapsed, 1e-9), **counts}
+        if self.flops_per_sample and self.peak_flops:
+            # Per GPU: the window's samples are the global batch's, over every rank's device.
+            from vlcontrast.distributed import get_world_size
+
+            world = get_world_size()
+            values["mfu"] = (values["samples_per_s"] / world * self.flops_per_sample
+                             / self.peak_flops)
         grad_norm = engine.get_global_grad_norm()
         if grad_norm is not None:
             values["grad_norm"] = float(grad_norm)
