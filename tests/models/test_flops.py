@@ -44,6 +44,8 @@ def test_the_analytic_count_matches_torchs_flop_counter(name):
     analytic = forward_flops_per_sample(MODELS[name])
     assert analytic == pytest.approx(counted, rel=0.03), (analytic, counted)
     assert train_flops_per_sample(MODELS[name]) == pytest.approx(3 * analytic)
+    # A model bundle's model_config holds open_clip's under "model_cfg".
+    assert forward_flops_per_sample({"model_name": name, "model_cfg": MODELS[name]}) == analytic
 
 
 @pytest.mark.parametrize("name, gflops", [("ViT-B-32", 44.3), ("RN50", 54.5)])

@@ -107,7 +107,9 @@ def text_flops(text: dict[str, Any], embed_dim: int) -> float:
 
 def forward_flops_per_sample(model_config: dict[str, Any]) -> float | None:
     """FLOPs of one image-text pair's forward through both towers; None for towers this count
-    does not know (timm or Hugging Face towers)."""
+    does not know (timm or Hugging Face towers). ``model_config`` is open_clip's model config, or
+    a model bundle's ``model_config`` that holds it under ``model_cfg``."""
+    model_config = model_config.get("model_cfg", model_config)
     vision, text = model_config.get("vision_cfg", {}), model_config.get("text_cfg", {})
     if vision.get("timm_model_name") or text.get("hf_model_name"):
         return None
