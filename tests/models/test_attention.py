@@ -23,7 +23,10 @@ def test_every_attention_call_of_both_towers_is_sdpa(name, image_calls, monkeypa
     real = F.scaled_dot_product_attention
 
     def counted(query, key, value, *args, **kwargs):
-        calls.append((tuple(query.shape), kwargs.get("attn_mask") is not None))
+        # torch's multi-head attention passes (attn_mask, dropout_p, is_causal) positionally.
+        mask = args[0] if args else kwargs.get("attn_mask")
+        causal = args[2] if len(args) > 2 else kwargs.get("is_causal", False)
+        calls.append((tuple(query.shape), mask is not None or bool(causal)))
         return real(query, key, value, *args, **kwargs)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", counted)
@@ -39,5 +42,7 @@ def test_every_attention_call_of_both_towers_is_sdpa(name, image_calls, monkeypa
     assert vision_calls == expected_vision
     assert text_calls == config["text_cfg"]["layers"]
     # The text tower's causal mask goes in as an explicit mask (memory-efficient kernel, not
-    # flash, on a GPU: docs/training.md, "Compiled towers and attention").
+    # flash, on a GPU: docs/training.md, "Compiled towers and attention"); the image tower's
+    # attention is unmasked.
     assert all(masked for _, masked in calls[vision_calls:])
+    assert not any(masked for _, masked in calls[:vision_calls])
