@@ -249,7 +249,9 @@ def versions(device) -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
-def run(args) -> dict:
+def run(args, written=None) -> dict:
+    """Every (model, batch, feed, arm); ``written(result)`` after each row (the JSON so far is
+    on disk when a time limit stops the run)."""
     device_kind = args.device or ("cuda" if _cuda() else "cpu")
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if device_kind == "cpu" else "cuda")
     import torch
@@ -270,6 +272,12 @@ def run(args) -> dict:
     info = versions(device)
     peak = peak_flops(info["device_name"], args.peak_tflops) if device.type == "cuda" else None
     rows = []
+    setup = {"precision": precision.name, "warmup": args.warmup, "steps": args.steps,
+             "workers": workers, "log_every": args.log_every,
+             "flops_note": "training FLOPs per pair = 3 x analytic forward "
+                           "(vlcontrast/models/flops.py)",
+             "peak_flops": peak}
+    result = {"info": info, "setup": setup, "rows": rows}
     pin = device.type == "cuda"
     for model_name in models:
         from vlcontrast.config import ModelConfig
@@ -311,18 +319,15 @@ def run(args) -> dict:
                         row["ratio_to_plain"] = row["samples_per_s"] / base
                     rows.append(row)
                     print(_line(row), flush=True)
+                    if written is not None:
+                        written(result)
                     if hasattr(holder, "destroy"):
                         holder.destroy()
                     del step, holder, model
                     gc.collect()
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
-    setup = {"precision": precision.name, "warmup": args.warmup, "steps": args.steps,
-             "workers": workers, "log_every": args.log_every,
-             "flops_note": "training FLOPs per pair = 3 x analytic forward "
-                           "(vlcontrast/models/flops.py)",
-             "peak_flops": peak}
-    return {"info": info, "setup": setup, "rows": rows}
+    return result
 
 
 def _cuda() -> bool:
@@ -358,14 +363,18 @@ def table(result: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    result = run(args)
-    print("\n" + table(result))
+    written = None
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-        (out / f"step_{stamp}.json").write_text(json.dumps(result, indent=2))
-        (out / "step.md").write_text(table(result) + "\n")
+
+        def written(result):
+            (out / f"step_{stamp}.json").write_text(json.dumps(result, indent=2))
+            (out / "step.md").write_text(table(result) + "\n")
+
+    result = run(args, written)
+    print("\n" + table(result))
     return 0
 
 

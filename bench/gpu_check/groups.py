@@ -387,12 +387,15 @@ def check_step(ctx: Context) -> None:
            "--models", ",".join(s.step_models), "--batches", ",".join(map(str, s.step_batches)),
            "--warmup", str(s.step_warmup), "--steps", str(s.step_steps),
            "--workers", str(s.workers), "--device", s.device]
+    if s.step_arms:
+        cmd += ["--arms", ",".join(s.step_arms)]
     started = time.perf_counter()
     rc = ctx.jobs.run_command("step", cmd, log)
     results = sorted(out.glob("step_*.json"))
-    if rc != 0 or not results:
+    if rc != 0:  # the rows measured before a failure or a time limit are still reported
         ctx.report.add("step", "bench_step.py", "fail",
                        f"exit {rc}: {tail(log, 600)}", time.perf_counter() - started)
+    if not results:
         return
     result = json.loads(results[-1].read_text())
     for row in result["rows"]:

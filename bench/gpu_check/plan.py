@@ -75,6 +75,8 @@ class Settings:
     step_models: tuple[str, ...] = ()
     """The ``step`` group's models (bench/bench_step.py ``--models``)."""
     step_batches: tuple[int, ...] = ()
+    step_arms: tuple[str, ...] = ()
+    """bench/bench_step.py ``--arms`` (empty: its default four)."""
     step_warmup: int = 10
     step_steps: int = 30
 
