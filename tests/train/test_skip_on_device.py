@@ -147,5 +147,20 @@ def test_the_loop_learns_of_a_skip_at_the_next_log_step_and_counts_it_exactly(
     assert records[-1]["skipped_steps"] == 1
     assert records[-1]["lr"] == pytest.approx(5e-4 * cosine_with_warmup(10, 6)(6))
     assert records[-1]["samples_seen"] == 6 * 8
+    # The loss's similarity diagnostics are computed at log steps (and only there).
+    assert all("positive_similarity" in r for r in records)
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == [
         "step_00000003", "step_00000006"]
+
+
+def test_similarity_diagnostics_are_left_out_when_turned_off():
+    from vlcontrast.losses import build_loss
+
+    loss_fn = build_loss("infonce")
+    image = torch.nn.functional.normalize(torch.randn(4, 8), dim=-1)
+    text = torch.nn.functional.normalize(torch.randn(4, 8), dim=-1)
+    full = loss_fn(image, text, torch.tensor(10.0))
+    loss_fn.diagnostics = False
+    lean = loss_fn(image, text, torch.tensor(10.0))
+    assert "positive_similarity" in full and set(lean) == {"loss"}
+    assert torch.equal(full["loss"], lean["loss"])

@@ -127,6 +127,7 @@ def train(config: RunConfig) -> dict[str, Any]:
             if features is not None:  # model.lock_image_features: the tower's stored output
                 micro_batches = features.swap(micro_batches)
             log.timer.mark("data")
+            loss_fn.diagnostics = log.should_log(state.step + 1)  # read at log steps only
             outcome = train_step(engine, loss_fn, micro_batches, state.step + 1, device, dtype,
                                  log.timer, momentum, stop, normalizer)
             # Counted as applied until the ledger is read (a skipped update changed nothing on
