@@ -58,7 +58,9 @@ class FiniteCheckedAdamW(torch.optim.AdamW):
         applied = self._applied_steps()
         if self.lr_factors is not None and applied is not None:
             factors = self.lr_factors.to(applied.device)
-            factor = factors[applied.long().clamp(max=factors.numel() - 1)]
+            # index_select, not factors[index]: indexing with a 0-dim tensor may read it on the host.
+            index = applied.long().clamp(max=factors.numel() - 1).reshape(1)
+            factor = factors.index_select(0, index).reshape(())
             for group in self.param_groups:
                 group["lr"] = factor * group.get("initial_lr", group["lr"])
         try:
