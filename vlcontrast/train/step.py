@@ -78,10 +78,12 @@ class StepLedger:
     settle shows that some were skipped (docs/training.md, "Host synchronisations")."""
 
     def __init__(self):
-        self._pending: list[tuple[int, StepOutcome]] = []
+        # (step, agreed flags, this rank's loss): small device tensors only, no graph kept.
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
 
     def record(self, step: int, outcome: StepOutcome) -> None:
-        self._pending.append((step, outcome))
+        loss = outcome.result["loss"].detach().float().reshape(1)
+        self._pending.append((step, outcome.flags.float().reshape(-1), loss))
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -91,12 +93,10 @@ class StepLedger:
         pending, self._pending = self._pending, []
         if not pending:
             return []
-        rows = torch.stack([torch.cat([outcome.flags.float().reshape(-1),
-                                       outcome.result["loss"].detach().float().reshape(1)
-                                       .to(outcome.flags.device)])
-                            for _, outcome in pending]).tolist()
+        rows = torch.stack([torch.cat([flags, loss.to(flags.device)])
+                            for _, flags, loss in pending]).tolist()
         attempts = []
-        for (step, _), (loss_bad, skipped, stop, loss) in zip(pending, rows):
+        for (step, _, _), (loss_bad, skipped, stop, loss) in zip(pending, rows):
             if loss_bad > 0 and not skipped > 0:
                 raise RuntimeError(f"step {step}: an update was applied although a rank's loss "
                                    "was non-finite; the replicas may have diverged")
