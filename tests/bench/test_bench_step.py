@@ -102,3 +102,54 @@ def test_the_step_group_runs_bench_step_in_one_subprocess_and_reports_each_row(t
     full = plan.settings_for(False, tmp_path)
     assert full.step_models == ("ViT-B-32", "RN50") and full.step_batches == (128, 512)
     assert plan.estimate_seconds("step", (), []) <= 8 * 60
+
+
+def test_the_throughput_groups_synthetic_rows_feed_both_trainers_the_same_loader(tmp_path):
+    """vlcontrast's synthetic row runs open_clip's synthetic dataset through a loader with the
+    data workers open_clip's synthetic row gets (not a loader-free fixed batch)."""
+    from bench.gpu_check import groups, plan
+    from bench.gpu_check.report import Report
+
+    class Jobs:
+        def __init__(self):
+            self.jobs, self.commands = [], []
+
+        def run(self, name, job, timeout_s=None):
+            self.jobs.append(job)
+            return {"error": "stop here"}
+
+        def run_command(self, name, cmd, log, timeout_s=None, device=None):
+            self.commands.append(cmd)
+            Path(log).parent.mkdir(parents=True, exist_ok=True)
+            Path(log).write_text("")
+            return 1
+
+    settings = plan.settings_for(True, tmp_path)
+    jobs = Jobs()
+    ctx = groups.Context(settings, Report(), jobs, tmp_path, "data", "val")
+    with pytest.raises(RuntimeError):
+        groups.throughput_vlcontrast(ctx, settings.models["ViT"], "vit", True)
+    with pytest.raises(RuntimeError):
+        groups.throughput_open_clip(ctx, settings.models["ViT"], "vit", True)
+    (job,) = jobs.jobs
+    assert job["synthetic"] == "loader" and job["synthetic_samples"] > 0
+    assert job["overrides"]["data.workers"] == settings.workers
+    (command,) = jobs.commands
+    args = json.loads(Path(command[-1]).read_text())  # open_clip's arguments, as launched
+    text = json.dumps(args)
+    assert "synthetic" in text and str(settings.workers) in text
+    assert args["args"][args["args"].index("--workers") + 1] == str(settings.workers)
+
+
+def test_the_synthetic_loader_stream_yields_pinned_batches_with_ids(monkeypatch):
+    import torch
+
+    from bench.gpu_check.worker import LoaderBatches
+
+    images, texts = torch.zeros(4, 3, 8, 8), torch.zeros(4, 5, dtype=torch.long)
+    loader = [(images, texts)] * 2
+    stream = LoaderBatches(loader, 4, 16)
+    batches = [stream.next_step() for _ in range(3)]  # the third starts a new epoch
+    assert stream.epoch == 1 and stream.accum_steps == 1
+    for (batch,) in batches:
+        assert batch.images is images and torch.equal(batch.sample_ids, torch.arange(4))
