@@ -134,7 +134,7 @@ def train(config: RunConfig) -> dict[str, Any]:
             # the device: the losses and the towers' copy were conditioned on its flag).
             ledger.record(state.step + 1, outcome)
             state.advance(global_batch, epoch=data.epoch)
-            log.count(global_batch)
+            log.count(global_batch, state.step)
             clamp_logit_scale(engine)
             if momentum is not None:
                 momentum.update(engine.module, outcome.skipped_flag)

@@ -75,6 +75,7 @@ class StepLogger:
         self._window_samples = 0
         self._window_attempts = 0
         self.progress = None
+        self._progress_pending = 0  # attempts whose progress tick waits for their record
         if progress:
             from vlcontrast.progress import Progress
 
@@ -100,17 +101,25 @@ class StepLogger:
         self.metrics.log(step, {"skipped": reason, "consecutive_bad_steps": bad_in_a_row,
                                 "loss": loss}, kind="skip")
 
-    def count(self, global_batch: int) -> None:
-        """An attempt counted as applied (the loop learns of skips later: :meth:`uncount`)."""
+    def count(self, global_batch: int, step: int | None = None) -> None:
+        """An attempt counted as applied (the loop learns of skips later: :meth:`uncount`). At a
+        log step (``step``) the progress line waits for the record's loss and samples/s."""
         self._window_samples += global_batch
-        if self.progress is not None:
+        if self.progress is None:
+            return
+        if step is not None and self.should_log(step):
+            self._progress_pending += 1
+        else:
             self.progress.update(1)
 
     def uncount(self, global_batch: int, attempts: int = 1) -> None:
         """``attempts`` counted attempts turned out skipped."""
         self._window_samples -= global_batch * attempts
         if self.progress is not None:
-            self.progress.update(-attempts)
+            pending = min(self._progress_pending, attempts)
+            self._progress_pending -= pending
+            if attempts > pending:
+                self.progress.update(pending - attempts)
 
     def record(self, step: int, *, state, engine, result: dict, data,
                counts: dict[str, int]) -> None:
@@ -120,11 +129,14 @@ class StepLogger:
         if self.progress is not None:
             self.progress.set_postfix(**{"loss": f"{values['loss']:.3f}",
                                          "samples/s": f"{values['samples_per_s']:.0f}"})
+            if self._progress_pending:
+                self.progress.update(self._progress_pending)
+                self._progress_pending = 0
 
     def applied(self, step: int, global_batch: int, *, state, engine, result: dict,
                 data, counts: dict[str, int]) -> None:
         """After an applied step: advance the window; at log steps write the record."""
-        self.count(global_batch)
+        self.count(global_batch, step)
         if self.should_log(step):
             self.record(step, state=state, engine=engine, result=result, data=data,
                         counts=counts)
@@ -160,6 +172,8 @@ class StepLogger:
 
     def close(self) -> None:
         if self.progress is not None:
+            if self._progress_pending:
+                self.progress.update(self._progress_pending)
             self.progress.close()
             self.progress = None
         self.metrics.close()
