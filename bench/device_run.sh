@@ -7,7 +7,8 @@
 #
 # e.g. through the device tool: run(command="bench/device_run.sh syncs,losses", carry=[".whl"]).
 # The check runs in /tmp/gpu_check (its shards, runs and job logs stay on the machine's disk);
-# gpu_check.md, gpu_check.json, tracebacks.txt and a tarball of the job logs are copied to $OUT
+# gpu_check.md, gpu_check.json, tracebacks.txt, the step group's step_<date>.json and step.md and a
+# tarball of the job logs are copied to $OUT
 # (the folder the device tool brings back) when it is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,5 +31,7 @@ rc=$?
 if [ -n "${OUT:-}" ]; then
     cp "$CHECK_OUT"/gpu_check.md "$CHECK_OUT"/gpu_check.json "$CHECK_OUT"/tracebacks.txt "$OUT"/ 2>/dev/null
     tar -czf "$OUT"/job_logs.tar.gz -C "$CHECK_OUT" jobs 2>/dev/null
+    # The step group's raw numbers (bench/bench_step.py): for bench/results/gpu_check/.
+    cp "$CHECK_OUT"/step/step_*.json "$CHECK_OUT"/step/step.md "$OUT"/ 2>/dev/null
 fi
 exit $rc

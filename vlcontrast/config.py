@@ -260,7 +260,10 @@ class TrainConfig:
     max_bad_steps: int = 5
     """Consecutive non-finite steps tolerated before the job stops."""
     compile: bool = False
-    """torch.compile the towers."""
+    """torch.compile the towers (docs/training.md, "Compiled towers": start-up cost, recompiles)."""
+    peak_tflops: float = 0.0
+    """The device's peak dense bf16 TFLOP/s for the ``mfu`` column of the step log; 0: looked up
+    by the GPU's name (vlcontrast/models/flops.py, ``PEAK_TFLOPS``)."""
     dist_timeout_s: int = 600
     """Collective timeout: a dead rank makes the others fail after this many seconds."""
     stop_at_step: int = 0
@@ -280,6 +283,7 @@ class TrainConfig:
         _require(self.dist_timeout_s >= 1, "train.dist_timeout_s", self.dist_timeout_s,
                  "must be >= 1")
         _require(self.stop_at_step >= 0, "train.stop_at_step", self.stop_at_step, "must be >= 0")
+        _require(self.peak_tflops >= 0, "train.peak_tflops", self.peak_tflops, "must be >= 0")
 
 
 @dataclass

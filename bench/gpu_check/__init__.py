@@ -4,7 +4,7 @@
 
 Groups (``--only``, comma list; docs/training.md "GPU check" gives what each runs, its estimated
 time on one H100 and the order to run them in): ``syncs``, ``losses``, ``resume``, ``matrix``,
-``throughput``, ``memory``.
+``step``, ``throughput``, ``memory``.
 
 The orchestrating process never imports DeepSpeed and never trains: every training (and every
 memory probe) runs in its own subprocess (``python -m bench.gpu_check.worker JOB.json``), because
@@ -19,7 +19,8 @@ towers at 32 px, 2 steps, a diagonal of the precision x ZeRO matrix; ``--reduced
 ``tests/bench/test_gpu_check.py`` runs it inside ``make test``.
 """
 
-GROUPS = ("syncs", "losses", "resume", "matrix-rn", "matrix-vit", "throughput", "memory")
+GROUPS = ("syncs", "losses", "resume", "matrix-rn", "matrix-vit", "step", "throughput",
+          "memory")
 """In the order they run, cheapest signal first. The precision x ZeRO matrix is one group per
 tower family so that each fits one device call (``--only matrix`` names both)."""
 

@@ -11,6 +11,7 @@ import re
 import shutil
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -365,9 +366,55 @@ def check_syncs(ctx: Context) -> None:
         return ("pass" if ok else "fail"), (
             f"{per_step:.2f} host syncs per steady-state step at ZeRO 0 {precision} "
             f"({counts[short]} in {short} steps, {counts[long]} in {long}; the documented "
-            f"{limit}: one flag read of vlcontrast's, one overflow read of its fp32 optimizer)")
+            f"{limit}: vlcontrast's flags stay on the device between log steps, the overflow "
+            "check is the fused AdamW's found_inf)")
 
     ctx.report.timed("syncs", "per step", count)
+
+
+# --------------------------------------------------------------------------------------------
+# step: vlcontrast's step against a plain PyTorch step (bench/bench_step.py)
+
+
+def check_step(ctx: Context) -> None:
+    """bench/bench_step.py in one subprocess: every arm and feed per model and batch; a row per
+    measurement, the table, the JSON beside the report (``OUT/step/step_<date>.json``)."""
+    s = ctx.settings
+    out = ctx.out / "step"
+    shutil.rmtree(out, ignore_errors=True)
+    log = ctx.out / "jobs" / "step.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(REPO / "bench" / "bench_step.py"), "--out", str(out),
+           "--models", ",".join(s.step_models), "--batches", ",".join(map(str, s.step_batches)),
+           "--warmup", str(s.step_warmup), "--steps", str(s.step_steps),
+           "--workers", str(s.workers), "--device", s.device]
+    if s.step_arms:
+        cmd += ["--arms", ",".join(s.step_arms)]
+    started = time.perf_counter()
+    rc = ctx.jobs.run_command("step", cmd, log)
+    results = sorted(out.glob("step_*.json"))
+    if rc != 0:  # the rows measured before a failure or a time limit are still reported
+        ctx.report.add("step", "bench_step.py", "fail",
+                       f"exit {rc}: {tail(log, 600)}", time.perf_counter() - started)
+    if not results:
+        return
+    result = json.loads(results[-1].read_text())
+    for row in result["rows"]:
+        detail = f"{row['ms_per_step']:.1f} ms/step, {row['samples_per_s']:.0f} samples/s"
+        if "mfu" in row:
+            detail += f", MFU {100 * row['mfu']:.1f}%"
+        if "ratio_to_plain" in row:
+            detail += f", {row['ratio_to_plain']:.2f}x plain"
+        ctx.report.add("step", f"{row['model']} b{row['batch']} {row['feed']} {row['arm']}",
+                       "pass", detail, row.get("wall_s", 0.0))
+    ctx.report.info["step"] = result
+    ctx.report.tables["Step (vlcontrast against a plain PyTorch step)"] = step_table(result)
+
+
+def step_table(result: dict) -> str:
+    from bench.bench_step import table
+
+    return table(result)
 
 
 # --------------------------------------------------------------------------------------------
@@ -385,7 +432,11 @@ def throughput_vlcontrast(ctx: Context, model: str, tag: str, synthetic: bool) -
         "checkpoint.every": 0, "eval.zeroshot": "", "eval.retrieval": "none"})
     run_dir = Path(overrides["output_dir"])
     try:
-        result = ctx.train(name, overrides, synthetic=synthetic)
+        # The synthetic row: open_clip's synthetic loader, as open_clip's own synthetic row runs.
+        job = ({"synthetic": "loader",
+                "synthetic_samples": s.throughput_batch * (s.throughput_steps + 2 * s.workers + 2)}
+               if synthetic else {})
+        result = ctx.train(name, overrides, **job)
         records = train_records(run_dir)
     finally:
         drop_checkpoints(run_dir)
@@ -459,9 +510,12 @@ def throughput_table(results: dict, setup: str) -> str:
     def ratio(numbers, key):
         return f"{numbers[key]:.2f}x" if key in numbers else "–"
 
-    lines = [f"{setup}. Shards: the same webdataset shards for both trainers. Synthetic: open_clip "
-             "`--dataset-type synthetic` (one blank image, transformed per sample) and vlcontrast "
-             "fed one fixed in-memory batch (no loader): the step alone.", "",
+    lines = [f"{setup}. Shards: both trainers read the same webdataset shards. Synthetic: both "
+             "are fed open_clip's synthetic dataset (`--dataset-type synthetic`: one blank image "
+             "through the training transform per sample) by the same pinned DataLoader with the "
+             "same number of workers (open_clip's own for it, the gpu-check worker's copy of it "
+             "for vlcontrast), so both carry the same loader load; the step alone, without any "
+             "loader, is the `step` group's table.", "",
              f"Matched: {openclip_launch.DIFFERENCES_MATCHED}. "
              f"{openclip_launch.DIFFERENCES_LEFT[0].upper()}{openclip_launch.DIFFERENCES_LEFT[1:]}.",
              "",
@@ -555,4 +609,5 @@ def check_memory(ctx: Context) -> None:
 GROUP_FUNCTIONS = {"matrix-rn": functools.partial(check_matrix, group="matrix-rn"),
                    "matrix-vit": functools.partial(check_matrix, group="matrix-vit"),
                    "losses": check_losses, "resume": check_resume,
-                   "syncs": check_syncs, "throughput": check_throughput, "memory": check_memory}
+                   "syncs": check_syncs, "step": check_step, "throughput": check_throughput,
+                   "memory": check_memory}

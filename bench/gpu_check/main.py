@@ -40,6 +40,12 @@ def parse_args(argv: list[str] | None):
                         help="comma list: the matrix group runs only the cells whose case name "
                              "contains one of these (e.g. 'RN50 fp32 zero1,ViT-B-32 fp16'), to "
                              "rerun a failed cell without the whole group")
+    parser.add_argument("--step-models", default="",
+                        help="comma list: the step group measures only these models (default "
+                             "ViT-B-32,RN50; one per device call if both near its 8 minutes)")
+    parser.add_argument("--step-arms", default="",
+                        help="comma list: the step group's arms (bench/bench_step.py --arms, e.g. "
+                             "'plain,vlcontrast,vlcontrast+compile')")
     parser.add_argument("--plan", action="store_true",
                         help="print the plan (groups, estimates, disk budget) and exit")
     args = parser.parse_args(argv)
@@ -76,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         settings.matrix_cases = tuple(x.strip() for x in args.cases.split(",") if x.strip())
     if args.memory_losses:
         settings.memory_losses = tuple(x.strip() for x in args.memory_losses.split(",") if x.strip())
+    if args.step_models:
+        settings.step_models = tuple(x.strip() for x in args.step_models.split(",") if x.strip())
+    if args.step_arms:
+        settings.step_arms = tuple(x.strip() for x in args.step_arms.split(",") if x.strip())
     families = sorted(set(checks.shipped_families()) & set(settings.models))
     precisions = checks.precisions()
     estimates = {g: estimate_seconds(g, precisions, families) for g in args.groups}

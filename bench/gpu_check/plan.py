@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 # Host synchronisations per steady-state step, vlcontrast's and DeepSpeed's together, of the
 # configurations the `syncs` group trains (ZeRO 0; docs/training.md, "Host synchronisations").
 # tests/train/test_host_syncs.py counts them on CPU and checks this table against its count.
-HOST_SYNCS_PER_STEP = {"zero0_amp_bf16": 2, "zero0_fp32": 2}
+HOST_SYNCS_PER_STEP = {"zero0_amp_bf16": 0, "zero0_fp32": 0}
 
 # Representative towers of each family: full size on a GPU (the shipped CC3M configs' RN50 and
 # open_clip's ViT-B-32, the two of the throughput comparison), micro ones for the CPU variant.
@@ -72,6 +72,13 @@ class Settings:
     """Run only the matrix cells whose case name contains one of these (empty: all)."""
     models: dict[str, str] = field(default_factory=dict)
     memory_model: str = ""
+    step_models: tuple[str, ...] = ()
+    """The ``step`` group's models (bench/bench_step.py ``--models``)."""
+    step_batches: tuple[int, ...] = ()
+    step_arms: tuple[str, ...] = ()
+    """bench/bench_step.py ``--arms`` (empty: its default four)."""
+    step_warmup: int = 10
+    step_steps: int = 30
 
     @property
     def train_samples(self) -> int:
@@ -93,7 +100,8 @@ def settings_for(reduced: bool, out: Path, workers: int | None = None) -> Settin
                         throughput_precision="amp_bf16",
                         workers=workers or max(1, min(8, (os.cpu_count() or 2) - 2)),
                         loss_batch=1024, memory_sizes=MEMORY_SIZES, memory_micro=4096,
-                        models=dict(FULL_MODELS), memory_model=str(memory_model))
+                        models=dict(FULL_MODELS), memory_model=str(memory_model),
+                        step_models=tuple(STEP_BATCH_S), step_batches=STEP_BATCHES)
     models = {}
     for family, model_cfg in MICRO_CONFIGS.items():
         path = models_dir / f"gpu-check-{family.lower()}-micro.json"
@@ -104,7 +112,8 @@ def settings_for(reduced: bool, out: Path, workers: int | None = None) -> Settin
                     throughput_steps=6, throughput_log_every=1, throughput_precision="fp32",
                     workers=workers or 1, loss_batch=64, memory_sizes=(64,), memory_micro=32,
                     memory_losses=("infonce", "decl"), models=models,
-                    memory_model=str(memory_model))
+                    memory_model=str(memory_model), step_models=("vlc-micro",),
+                    step_batches=(8,), step_warmup=1, step_steps=2)
 
 
 def matrix_group(family: str) -> str:
@@ -156,6 +165,16 @@ PROBE_S = 12.0
 step over up to 64 micro-batches of 4096."""
 
 
+STEP_BATCHES = (128, 512)
+STEP_BATCH_S = {"ViT-B-32": {128: 0.061, 512: 0.126}, "RN50": {128: 0.07, 512: 0.16}}
+"""Seconds per step of the plain step (amp_bf16): ViT-B-32 measured on an H200 on 2026-11-27
+(the issue's A/B), RN50 guessed from its 1.2x FLOPs."""
+STEP_ARM_S = 6.0
+"""One arm of the step group apart from its steps: a fresh model copy, AdamW or the DeepSpeed
+engine, and (loader feed) the loader's workers starting."""
+STEP_ARMS, STEP_FEEDS, STEP_WARMUP_AND_STEPS = 4, 2, 40
+
+
 FULL_MATRIX_STEPS, FULL_THROUGHPUT_STEPS, FULL_TRAIN_SAMPLES, FULL_LOSSES = 3, 50, 7680, 9
 
 
@@ -187,6 +206,13 @@ def estimate_seconds(group: str, precisions: tuple[str, ...], families: list[str
         return shards + sum(per_model)
     if group == "memory":
         return FULL_LOSSES * len(MEMORY_SIZES) * PROBE_S
+    if group == "step":  # one process: per model, batch, feed and arm a measured loop
+        total = START_S
+        for model, per_batch in STEP_BATCH_S.items():
+            total += FAMILY_EXTRA_S.get(model, 0.0)
+            for seconds in per_batch.values():
+                total += STEP_ARMS * STEP_FEEDS * (STEP_WARMUP_AND_STEPS * seconds + STEP_ARM_S)
+        return total
     raise KeyError(group)
 
 

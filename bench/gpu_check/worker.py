@@ -4,8 +4,9 @@ Kinds (``JOB["kind"]``):
 
 - ``info``: versions and the device's name (the orchestrator imports no DeepSpeed);
 - ``train``: ``vlcontrast.train.train`` of ``JOB["overrides"]``, optionally counting host
-  synchronisations (``count_syncs``) or fed one fixed in-memory batch (``synthetic``: the step
-  without the loader);
+  synchronisations (``count_syncs``), fed one fixed in-memory batch (``synthetic: true``: the step
+  without a loader) or open_clip's synthetic loader (``synthetic: "loader"``, the throughput
+  group's control: the same loader open_clip's synthetic row runs);
 - ``losses``: every loss chunked against dense on the device, and DeCL's EMA update under bf16;
 - ``probe``: the memory group's probe of one (loss, global batch): a loss-only pass on random
   features, then one GradCache step of the fixed model.
@@ -143,6 +144,60 @@ def install_fixed_batches() -> None:
     loop._train_batches = fixed
 
 
+class LoaderBatches(FixedBatches):
+    """Stands in for ``TrainBatches`` with open_clip's own synthetic loader: its
+    ``SyntheticDataset`` (one blank image through the training transform per sample, "Dummy
+    caption") in a ``DataLoader`` of ``workers`` processes, pinned on CUDA, exactly as
+    ``open_clip_train.main --dataset-type synthetic`` builds it. The throughput group's synthetic
+    row feeds both trainers this way, so both carry the same loader load."""
+
+    def __init__(self, loader, batch_size: int, id_space: int):
+        super().__init__([], id_space)
+        self.accum_steps = 1
+        self.loader, self.batch_size = loader, batch_size
+        self._iterator = iter(loader)
+        self._ids = None
+
+    def next_step(self) -> list:
+        import torch
+
+        from vlcontrast.data.loader import Batch
+
+        try:
+            images, texts = next(self._iterator)
+        except StopIteration:
+            self.epoch += 1
+            self._iterator = iter(self.loader)
+            images, texts = next(self._iterator)
+        if self._ids is None:
+            self._ids = torch.arange(images.shape[0])
+            if images.is_pinned():
+                self._ids = self._ids.pin_memory()  # a pageable copy would be a host sync
+        return [Batch(images, texts, self._ids)]
+
+
+def install_open_clip_synthetic_loader(workers: int, samples: int) -> None:
+    """Replace the train loop's batch stream by :class:`LoaderBatches` (``samples`` per epoch)."""
+    from vlcontrast.train import loop
+
+    def stream(data, seed, accum_steps, env, tokenizer, transform, needs_ids=False,
+               row_snapshot_dir=""):
+        import torch
+        from open_clip_train.data import SyntheticDataset
+
+        if accum_steps != 1 or needs_ids:
+            raise RuntimeError("the synthetic loader control feeds one micro-batch without ids")
+        dataset = SyntheticDataset(transform=transform, image_size=(224, 224),
+                                   dataset_size=samples, tokenizer=tokenizer)
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_size=data.batch_size, shuffle=True, num_workers=workers,
+            pin_memory=env.device.type == "cuda", drop_last=True,
+            persistent_workers=False)  # as open_clip builds it
+        return LoaderBatches(loader, data.batch_size, max(data.id_space, data.batch_size))
+
+    loop._train_batches = stream
+
+
 # --------------------------------------------------------------------------------------------
 # train
 
@@ -157,7 +212,9 @@ def job_train(job: dict) -> dict:
     config = load_config(None, [f"{k}={_yaml(v)}" for k, v in job["overrides"].items()])
     if job.get("empty_dir", True):
         shutil.rmtree(config.output_dir, ignore_errors=True)
-    if job.get("synthetic"):
+    if job.get("synthetic") == "loader":
+        install_open_clip_synthetic_loader(config.data.workers, job["synthetic_samples"])
+    elif job.get("synthetic"):
         install_fixed_batches()
     from vlcontrast.train import StopRequested, train
 

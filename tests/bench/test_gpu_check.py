@@ -97,10 +97,10 @@ def test_full_matrix_is_pairwise_over_precision_and_stage():
     assert len(reduced) == 8 and {z for _, _, z, _ in reduced} == set(range(4))
 
 
-def test_every_group_is_estimated_within_8_minutes_and_all_within_30():
+def test_every_group_is_estimated_within_8_minutes_and_all_within_35():
     estimates = {g: plan.estimate_seconds(g, groups.precisions(), ["RN", "ViT"]) for g in GROUPS}
     assert all(0 < s <= 8 * 60 for s in estimates.values()), estimates
-    assert sum(estimates.values()) <= 30 * 60, estimates
+    assert sum(estimates.values()) <= 35 * 60, estimates
     # docs/training.md quotes them.
     doc = (REPO / "docs" / "training.md").read_text()
     for group, seconds in estimates.items():

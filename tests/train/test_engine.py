@@ -57,7 +57,8 @@ def _combinations():
 
 
 def _nan_gradient_on_one_rank(rank, world_size, combinations):
-    from vlcontrast.train.engine import build_engine
+    from vlcontrast.train.engine import build_engine, count_skipped
+    from vlcontrast.train.step import skip_flag
 
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     outcome = {}
@@ -83,9 +84,15 @@ def _nan_gradient_on_one_rank(rank, world_size, combinations):
                 loss = loss * float("nan")
             engine.backward(loss)
             engine.step()
+            # What the loop does: the step's device flag (ZeRO 0 fp32: decided by the fused
+            # kernel's found_inf, unknown to DeepSpeed), read, and the skip counted back.
+            skipped, _ = skip_flag(engine, torch.device("cpu"))
+            applied = not bool(skipped)
+            if not applied:
+                count_skipped(engine, 1)
             after = weights()
             moved = any(not torch.equal(a, b) for a, b in zip(before, after))
-            steps.append((engine.was_step_applied(), moved, engine.get_lr()[0]))
+            steps.append((applied, moved, engine.get_lr()[0]))
         outcome[(stage, precision)] = steps
     return outcome
 

@@ -97,7 +97,8 @@ def _run(engine, loss_fn, batches, k):
         before = _params(engine)
         timer.start()
         outcome = train_step(engine, loss_fn, _split(batch, k), step, device, torch.float32, timer)
-        assert outcome.skipped is None and not outcome.stop_signalled
+        settled = outcome.read()
+        assert settled.skipped is None and not settled.stop_signalled
         after = _params(engine)
         updates.append({n: before[n] - after[n] for n in before})  # SGD, lr 1: the gradient
     assert set(timer.read()) >= {"forward", "loss", "backward", "step"}

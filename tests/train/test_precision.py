@@ -196,6 +196,8 @@ def test_logit_scale_clamp_holds_on_the_master_under_every_stage():
 
 
 def _train_towers(rank, world_size, cases):
+    from vlcontrast.train.step import skip_flag
+
     from vlcontrast.config import ModelConfig
     from vlcontrast.losses import build_loss
     from vlcontrast.models import build_model
@@ -230,7 +232,8 @@ def _train_towers(rank, world_size, cases):
             engine.backward(result["loss"])
             engine.step()
             losses.append(float(result["loss"]))
-            applied.append(engine.was_step_applied())
+            # The step's own flag: ZeRO 0 fp32/amp_bf16 decide on the device (found_inf).
+            applied.append(not bool(skip_flag(engine, torch.device("cpu"))[0]))
         outcome[(model_name, precision, stage)] = {
             "losses": losses, "applied": applied,
             "feature_dtype": str(out["image_features"].dtype),

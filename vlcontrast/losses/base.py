@@ -221,6 +221,9 @@ class ContrastiveLoss(nn.Module):
     needs_sample_ids = False
     needs_momentum_features = False
     ema_decay: float | None = None
+    diagnostics = True
+    """Add the similarity diagnostics to the result; the trainer turns them off between log
+    steps (a dozen small kernels a step that nobody reads)."""
 
     def __init__(self, *, chunk_size: int = 0):
         super().__init__()
@@ -275,6 +278,11 @@ class ContrastiveLoss(nn.Module):
         nothing to undo.
         """
 
+    def rollback_where(self, skipped: Tensor) -> None:
+        """:meth:`rollback` when the 0-dim device flag ``skipped`` is non-zero, without reading it
+        on the host (the trainer calls it after every step). Stateless losses have nothing to
+        undo."""
+
     # ---- driver -----------------------------------------------------------------------------
 
     def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: Tensor | float,
@@ -296,7 +304,8 @@ class ContrastiveLoss(nn.Module):
             terms.append(self.score_rows(anchors, candidates, scale, batch.offset, context,
                                          batch.num_negatives, positive))
         result = self.reduce(batch, terms, state)
-        result.update(similarity_diagnostics(batch))
+        if self.diagnostics:
+            result.update(similarity_diagnostics(batch))
         return result
 
     def make_batch(self, image_features, text_features, logit_scale, logit_bias, sample_ids, step,

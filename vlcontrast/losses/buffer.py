@@ -135,6 +135,21 @@ class SampleBuffer:
             self.owner.log_u.index_put_((undo["rows"],), undo["previous"])
             self.owner.visited.copy_(undo["visited"])
 
+    def rollback_where(self, skipped: torch.Tensor) -> None:
+        """:meth:`rollback` decided on the device: where ``skipped`` (a 0-dim device flag) is
+        non-zero the rows the last :meth:`write` changed get their previous values back, else they
+        keep the new ones; no host read. A second call does nothing."""
+        undo, self.undo = self.undo, None
+        if undo is None:
+            return
+        with torch.no_grad():
+            skip = skipped.to(device=self.owner.log_u.device, dtype=torch.bool)
+            rows = undo["rows"]
+            # Repeated rows carry the same previous and the same new value: deterministic.
+            kept = torch.where(skip, undo["previous"], self.owner.log_u[rows])
+            self.owner.log_u.index_put_((rows,), kept)
+            self.owner.visited.copy_(torch.where(skip, undo["visited"], self.owner.visited))
+
     def save_full(self, destination: dict, prefix: str) -> None:
         """Put the whole id space's ``log u`` in a state dict being saved (gathered when sharded:
         a collective, so every rank saves)."""

@@ -187,6 +187,13 @@ class DeCLLoss(ContrastiveLoss):
         if self.buffer is not None:
             self.buffer.rollback()
 
+    def rollback_where(self, skipped: torch.Tensor) -> None:
+        """:meth:`rollback` of the buffer rows decided on the device by the 0-dim flag
+        ``skipped`` (the trainer's skip decision, never read on the host). The draw counter only
+        moves for forwards without ``step=``, which training never makes."""
+        if self.buffer is not None:
+            self.buffer.rollback_where(skipped)
+
     def buffer_coverage(self) -> Tensor:
         """Fraction of the id space visited at least once (a 0-dim tensor on the device)."""
         return self.buffer.coverage()

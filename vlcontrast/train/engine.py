@@ -18,7 +18,8 @@ import torch
 
 from vlcontrast.config import DeepSpeedConfig, OptimConfig, TrainConfig
 from vlcontrast.distributed import set_gpu_defaults
-from vlcontrast.train.optimizer import FLAT_ALIGN, build_optimizer
+from vlcontrast.train.optimizer import (FLAT_ALIGN, FiniteCheckedAdamW, build_optimizer,
+                                        unstep_schedule)
 from vlcontrast.train.precision import Precision
 
 
@@ -189,6 +190,16 @@ def build_engine(model: torch.nn.Module, *, optim: OptimConfig, train: TrainConf
         # stay those of the eager model.
         engine.compile()
     return engine, ds_config
+
+
+def count_skipped(engine, steps: int) -> None:
+    """The loop learned that ``steps`` updates were skipped on the device (:class:`FiniteCheckedAdamW`):
+    DeepSpeed counted them as applied and advanced its lr scheduler, so take those back. DeepSpeed's
+    own optimizers (ZeRO 1-3, bf16/fp16) told it on the host; nothing to correct there."""
+    if steps <= 0 or not isinstance(engine.optimizer, FiniteCheckedAdamW):
+        return
+    unstep_schedule(engine.lr_scheduler, steps)
+    engine.skipped_steps += steps
 
 
 def _master_copies(engine, param: torch.nn.Parameter) -> list[torch.Tensor]:

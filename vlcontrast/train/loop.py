@@ -3,7 +3,8 @@
 Each concern is a component that decides for itself when to act (see docs/training.md, "The train
 loop"): :class:`~vlcontrast.train.batches.TrainBatches` (the data stream and its position),
 :func:`~vlcontrast.train.step.train_step` (one optimizer step, GradCache over micro-batches, the
-step's one flag collective), :class:`~vlcontrast.train.state.TrainState` (step, samples seen,
+step's one flag collective, left on the device), :class:`~vlcontrast.train.step.StepLedger` (the
+flags, read only when the host needs them), :class:`~vlcontrast.train.state.TrainState` (step, samples seen,
 epoch), :class:`~vlcontrast.train.guard.DivergenceGuard` (skipped and bad steps),
 :class:`~vlcontrast.train.momentum.MomentumTowers` (DeCL's EMA towers),
 :class:`~vlcontrast.train.steplog.StepLogger` (timing window, records, progress) and
@@ -44,7 +45,8 @@ from vlcontrast.losses import LOSSES, build_loss
 from vlcontrast.models import build_model
 from vlcontrast.train.batches import DeviceFeed, SeededTransform, TrainBatches
 from vlcontrast.train.checkpoint import Checkpointer, RNGState
-from vlcontrast.train.engine import build_engine, clamp_logit_scale, num_parameters
+from vlcontrast.train.engine import (build_engine, clamp_logit_scale, count_skipped,
+                                     num_parameters)
 from vlcontrast.train.evaluate import Evaluator
 from vlcontrast.train.guard import DivergenceGuard, TrainingDiverged
 from vlcontrast.train.metrics import MetricsLogger
@@ -53,7 +55,7 @@ from vlcontrast.train.precision import Precision
 from vlcontrast.train.preflight import preflight
 from vlcontrast.train.report import finish_run
 from vlcontrast.train.state import TrainState
-from vlcontrast.train.step import StepOutcome, train_step
+from vlcontrast.train.step import Attempt, StepLedger, StepOutcome, train_step
 from vlcontrast.train.steplog import StepLogger
 from vlcontrast.train.stop import StopRequested, StopSignal
 
@@ -117,11 +119,13 @@ def train(config: RunConfig) -> dict[str, Any]:
     resumed = checkpointer.resume(config.train.resume)
     if resumed is False:  # another world size: start the saved epoch afresh
         data.start_epoch(state.epoch)
-    log = _step_logger(config, env, total_steps, precision, resumed_at=state.step)
+    log = _step_logger(config, env, total_steps, precision, resumed_at=state.step,
+                       model_config=bundle.model_config)
     if resumed is not None:
         log.event(state.step, {"resumed_from": str(checkpointer.last_good)})
 
     engine.train()
+    ledger = StepLedger()
     try:
         while state.step < total_steps:
             log.attempt()
@@ -130,25 +134,30 @@ def train(config: RunConfig) -> dict[str, Any]:
             if features is not None:  # model.lock_image_features: the tower's stored output
                 micro_batches = features.swap(micro_batches)
             log.timer.mark("data")
+            loss_fn.diagnostics = log.should_log(state.step + 1)  # read at log steps only
             outcome = train_step(engine, loss_fn, micro_batches, state.step + 1, device, dtype,
                                  log.timer, momentum, stop,
                                  None if data.feeds_device else normalizer)
-            if outcome.skipped:
-                loss_fn.rollback()  # a skipped step leaves the loss's state as it was
-                guard.skipped_step(state.step + 1, outcome.skipped)
-                log.skipped(state.step + 1, outcome.skipped, outcome.result, guard.bad_in_a_row)
-                guard.check(state.step + 1, outcome.skipped)
-            else:
-                guard.applied()
-                state.advance(global_batch, epoch=data.epoch)
-                clamp_logit_scale(engine)
-                if momentum is not None:
-                    momentum.update(engine.module)
-                log.applied(state.step, global_batch, state=state, engine=engine,
-                            result=outcome.result, data=data, counts=guard.counts())
+            # Counted as applied until the ledger is read (a skipped update changed nothing on
+            # the device: the losses and the towers' copy were conditioned on its flag).
+            ledger.record(state.step + 1, outcome)
+            state.advance(global_batch, epoch=data.epoch)
+            log.count(global_batch, state.step)
+            clamp_logit_scale(engine)
+            if momentum is not None:
+                momentum.update(engine.module, outcome.skipped_flag)
+            if not (outcome.skip_known or _host_needs_to_know(
+                    state.step, total_steps, log, checkpointer, evaluator, config.train, stop,
+                    env.world_size)):
+                continue
+            last, signalled = _settle(ledger, engine, state, guard, log, global_batch)
+            if last.skipped is None:
+                if log.should_log(state.step):
+                    log.record(state.step, state=state, engine=engine, result=outcome.result,
+                               data=data, counts=guard.counts())
                 if evaluator.should_evaluate(state.step, total_steps):
                     log.eval(state.step, evaluator.evaluate(engine.module, bundle, device))
-            reason = _stop_reason(stop, outcome, config.train.stop_at_step, state.step)
+            reason = _stop_reason(stop, signalled, config.train.stop_at_step, state.step)
             checkpointer.maybe_save(state.step, force=reason is not None)
             if reason is not None:
                 log.event(state.step, {"stopped": reason, "checkpoint": str(checkpointer.last_good)})
@@ -246,13 +255,46 @@ def _locked_image_features(config: RunConfig, model):
     return features
 
 
-def _stop_reason(stop: StopSignal, outcome: StepOutcome, stop_at_step: int,
+def _host_needs_to_know(step: int, total_steps: int, log: StepLogger, checkpointer,
+                        evaluator: Evaluator, train_config, stop: StopSignal,
+                        world_size: int) -> bool:
+    """Whether the host must learn now which of the pending attempts were applied: before a log
+    record, an evaluation, a checkpoint or the end, or to stop. The same answer on every rank (a
+    signal to one rank of several is agreed at the next of these; alone, at once)."""
+    return (log.should_log(step) or checkpointer.due(step) or step >= total_steps
+            or evaluator.should_evaluate(step, total_steps)
+            or 0 < train_config.stop_at_step <= step or (world_size == 1 and stop.pending))
+
+
+def _settle(ledger: StepLedger, engine, state: TrainState, guard: DivergenceGuard,
+            log: StepLogger, global_batch: int) -> tuple[Attempt, bool]:
+    """Read the pending attempts (one host read), log and count the skipped ones and take back
+    what was counted for them. Returns (the last attempt, a stop was signalled on some rank)."""
+    attempts = ledger.settle()
+    skipped = 0
+    for attempt in attempts:
+        if attempt.skipped is None:
+            guard.applied()
+            continue
+        step = attempt.step - skipped  # the host counted the earlier skips of the window
+        skipped += 1
+        guard.skipped_step(step, attempt.skipped)
+        log.skipped(step, attempt.skipped, attempt.loss, guard.bad_in_a_row)
+        guard.check(step, attempt.skipped)
+    if skipped:
+        state.retract(skipped, global_batch)
+        log.uncount(global_batch, skipped)
+        count_skipped(engine, skipped)
+    return attempts[-1], any(attempt.stop_signalled for attempt in attempts)
+
+
+def _stop_reason(stop: StopSignal, signalled: bool, stop_at_step: int,
                  step: int) -> str | None:
     """Why to stop after this step (the same answer on every rank), or None."""
-    signalled = stop.reason(outcome.stop_signalled)
-    if signalled is None and 0 < stop_at_step <= step:
+    reason = stop.reason(signalled)
+    if reason is None and 0 < stop_at_step <= step:
         return "train.stop_at_step"
-    return signalled
+    return reason
 
 
 def _momentum_towers(engine, loss_fn, zero_stage: int,
@@ -313,10 +355,18 @@ def _build_engine(model, config: RunConfig, total_steps: int, env):
     return engine, checkpoint_bytes
 
 
-def _step_logger(config: RunConfig, env, total_steps: int, precision: Precision, resumed_at: int):
+def _step_logger(config: RunConfig, env, total_steps: int, precision: Precision, resumed_at: int,
+                 model_config: dict | None = None):
+    from vlcontrast.models.flops import peak_flops, train_flops_per_sample
+
     metrics = MetricsLogger(Path(config.output_dir), config.logging, enabled=env.rank == 0,
                             config=to_dict(config))
+    flops = peak = None
+    if env.device.type == "cuda":
+        flops = train_flops_per_sample(model_config or {})
+        peak = peak_flops(torch.cuda.get_device_name(env.device), config.train.peak_tflops)
     return StepLogger(metrics, every=config.train.log_every, total_steps=total_steps,
                       device=env.device, loss_scaling=precision.loss_scaling,
                       start_step=resumed_at,
-                      progress=env.rank == 0 and config.logging.progress)
+                      progress=env.rank == 0 and config.logging.progress,
+                      flops_per_sample=flops, peak_flops=peak)

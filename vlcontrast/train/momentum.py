@@ -59,14 +59,23 @@ class MomentumTowers:
         self._ema = list(self.model.parameters())
 
     @torch.no_grad()
-    def update(self, live: torch.nn.Module) -> None:
-        """ema <- ema + (1 - decay) * (live - ema), in fp32, for every parameter at once."""
+    def update(self, live: torch.nn.Module, skipped: torch.Tensor | None = None) -> None:
+        """ema <- ema + (1 - decay) * (live - ema), in fp32, for every parameter at once; with
+        ``skipped`` (the step's 0-dim device flag) a skipped step leaves the copy as it was,
+        decided on the device."""
         sources = [p.detach() for p in live.parameters()]
         if len(sources) != len(self._ema):
             raise RuntimeError(f"momentum towers: the live model has {len(sources)} parameters, "
                                f"the EMA copy {len(self._ema)}")
         sources = [s if s.dtype == torch.float32 else s.float() for s in sources]
-        torch._foreach_lerp_(self._ema, sources, 1.0 - self.decay)
+        if skipped is None:
+            torch._foreach_lerp_(self._ema, sources, 1.0 - self.decay)
+            return
+        weight = (1.0 - skipped.to(device=self._ema[0].device, dtype=torch.float32)) \
+            * (1.0 - self.decay)
+        steps = torch._foreach_sub(sources, self._ema)
+        torch._foreach_mul_(steps, weight)
+        torch._foreach_add_(self._ema, steps)
 
     @torch.no_grad()
     def features(self, batches) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ Non-finite gradients. DeepSpeed's ZeRO (1, 2, 3) and bf16/fp16 optimizers check 
 gradients themselves: on inf/NaN the update is skipped on every rank, the lr schedule does not
 advance and ``engine.was_step_applied()`` is False. Its plain fp32 path (ZeRO 0, fp32 or amp_bf16)
 hands the gradients to the client optimizer unchecked; :class:`FiniteCheckedAdamW` gives that path
-the same contract, so the loop has one test for every stage and precision.
+the same contract, decided on the device (no host read), with the schedule by applied step.
 """
 
 from __future__ import annotations
@@ -23,25 +23,75 @@ from vlcontrast.errors import ConfigError
 
 
 class FiniteCheckedAdamW(torch.optim.AdamW):
-    """AdamW that skips its update on every rank alike when any gradient is non-finite.
+    """Fused AdamW that skips its update on every rank alike when any gradient is non-finite,
+    decided on the device: no host synchronisation.
 
-    DeepSpeed reads ``optimizer.overflow`` after ``step()``: when it is True the step counts as
-    skipped (``engine.skipped_steps``) and the lr scheduler is not stepped, exactly as for its own
-    mixed-precision optimizers. This optimizer serves only ZeRO 0, where DeepSpeed has already
+    ``step()`` sets ``found_inf`` (a 0-dim fp32 device tensor, 1.0 when some gradient holds
+    inf/NaN), which torch's fused kernel reads: a flagged step leaves the parameters, both moments
+    and the step count untouched. This optimizer serves only ZeRO 0, where DeepSpeed has already
     all-reduced the gradients before ``step()``: every rank holds the same sum, a NaN on one rank is
-    a NaN on all, so the local check agrees everywhere and needs no collective of its own.
+    a NaN on all, so the flag agrees everywhere without a collective of its own.
+
+    DeepSpeed reads ``overflow`` (a host bool) after ``step()`` to skip its lr scheduler; it stays
+    False here and the schedule is kept exact on the device instead: with ``lr_factors`` (the
+    schedule's multiplier by applied step, :func:`build_optimizer` sets it) the kernel's learning
+    rate is ``initial_lr * lr_factors[applied steps]``, the applied steps being the fused state's
+    own step count, which a skipped step does not advance. The host scheduler, which DeepSpeed
+    steps on every attempt, is put back when the loop learns of a skip (:func:`unstep_schedule`).
     """
 
     def __init__(self, params, **kwargs):
+        kwargs["fused"] = True  # found_inf is read only by the fused kernels
         super().__init__(params, **kwargs)
         self.overflow = False
+        self.found_inf: torch.Tensor | None = None
+        self.lr_factors: torch.Tensor | None = None
 
     def step(self, closure=None):
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        self.overflow = bool(grads) and not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all())
-        if self.overflow:
-            return None
-        return super().step(closure)
+        if not grads:
+            return super().step(closure)
+        norms = torch.stack(torch._foreach_norm(grads))
+        self.found_inf = (~torch.isfinite(norms)).any().to(torch.float32)
+        self.overflow = False
+        floats = [group["lr"] for group in self.param_groups]
+        applied = self._applied_steps()
+        if self.lr_factors is not None and applied is not None:
+            factors = self.lr_factors.to(applied.device)
+            # index_select, not factors[index]: indexing with a 0-dim tensor may read it on the host.
+            index = applied.long().clamp(max=factors.numel() - 1).reshape(1)
+            factor = factors.index_select(0, index).reshape(())
+            for group in self.param_groups:
+                group["lr"] = factor * group.get("initial_lr", group["lr"])
+        try:
+            return super().step(closure)
+        finally:
+            for group, lr in zip(self.param_groups, floats):
+                group["lr"] = lr
+
+    def _applied_steps(self) -> torch.Tensor | None:
+        """The fused state's step count (applied updates; a skipped one is taken back in the
+        kernel's wake), or None before the first step."""
+        for group in self.param_groups:
+            for param in group["params"]:
+                step = self.state.get(param, {}).get("step")
+                if isinstance(step, torch.Tensor):
+                    return step
+        return None
+
+
+def unstep_schedule(scheduler, steps: int) -> None:
+    """Take back ``steps`` of ``scheduler``'s advances (skipped updates that DeepSpeed counted as
+    applied) and set the optimizer's learning rates to the schedule's value again."""
+    if steps <= 0 or scheduler is None:
+        return
+    scheduler.last_epoch -= steps
+    lambdas = getattr(scheduler, "lr_lambdas", None)  # LambdaLR (ours): its closed form
+    values = ([base * factor(scheduler.last_epoch) for factor, base in zip(lambdas, scheduler.base_lrs)]
+              if lambdas is not None else scheduler.get_lr())
+    for group, lr in zip(scheduler.optimizer.param_groups, values):
+        group["lr"] = lr
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
 
 
 FLAT_ALIGN = 16
@@ -123,6 +173,10 @@ def build_optimizer(model: torch.nn.Module, optim: OptimConfig, total_steps: int
     groups = parameter_groups(model, optim.weight_decay, optim.temperature_lr, align=align)
     optimizer = optimizer_class(groups, lr=optim.lr,
                                 betas=optim.betas, eps=optim.eps, fused=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, cosine_with_warmup(optim.warmup_steps, total_steps, optim.min_lr / optim.lr))
+    factor = cosine_with_warmup(optim.warmup_steps, total_steps, optim.min_lr / optim.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    if finite_checked:  # the schedule by applied step, on the device (FiniteCheckedAdamW)
+        device = next(p.device for group in groups for p in group["params"])
+        optimizer.lr_factors = torch.tensor([factor(step) for step in range(total_steps + 1)],
+                                            dtype=torch.float32).to(device)
     return optimizer, scheduler

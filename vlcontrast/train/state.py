@@ -25,6 +25,11 @@ class TrainState:
         self.samples_seen += global_batch
         self.epoch = epoch
 
+    def retract(self, steps: int, global_batch: int) -> None:
+        """``steps`` attempts counted by :meth:`advance` turned out skipped."""
+        self.step -= steps
+        self.samples_seen -= steps * global_batch
+
     def state_dict(self) -> dict[str, int]:
         return {"step": self.step, "samples_seen": self.samples_seen, "epoch": self.epoch}
 

@@ -6,16 +6,24 @@ features are computed once, then each micro-batch is embedded again with gradien
 random state and the cached feature gradients are back-propagated. The result equals one batch of
 k x micro-batch with the activation memory of one micro-batch.
 
-Host synchronisation. A step issues exactly one small collective of its own: after the update, a
-two-element flag tensor ``[loss non-finite here, stop signal here]`` is summed over ranks and read
-once. Everything else that every rank must agree on comes from DeepSpeed's own checks:
+Host synchronisation. Nothing in a steady-state step reads a device value on the host. Whether
+the update was applied is a device flag, and every rank agrees on it without a read:
 
 * a rank whose loss is non-finite back-propagates NaN (``loss * nan``); the gradient reduction
-  spreads it and DeepSpeed's overflow check (all-reduced inside the optimizer step, for every ZeRO
-  stage and precision; ``FiniteCheckedAdamW`` for plain fp32) skips the update on every rank, the
-  lr schedule does not advance and ``engine.was_step_applied()`` is False everywhere;
-* the flag sum then tells every rank whether the skipped step was a loss or a gradient fault, and
-  whether any rank received a stop signal: all ranks stop at the same step.
+  spreads it to every rank;
+* at ZeRO 0 with fp32 parameters (fp32, amp_bf16) :class:`~vlcontrast.train.optimizer.FiniteCheckedAdamW`
+  turns "some gradient is non-finite" into a device flag that torch's fused AdamW reads in its
+  kernel (``found_inf``): the update, the moments and the step count stay as they were, on every
+  rank alike (the gradients were all-reduced before the check);
+* DeepSpeed's ZeRO 1-3 and bf16/fp16 optimizers check the gradients themselves and know on the
+  host whether they skipped (their own reads, listed in docs/training.md).
+
+The step then issues one small collective of its own, ``[loss non-finite, skipped, stop signal]``
+summed over ranks, and leaves the result on the device. :class:`StepLedger` keeps these flags and
+reads them all at once when the host needs to know (a log, checkpoint or evaluation step, the last
+step, a skip DeepSpeed already saw): see :mod:`vlcontrast.train.loop`. The losses' state is undone
+on the device in the same step (``rollback_where``), so a skipped step changes nothing whenever
+the host learns of it.
 """
 
 from __future__ import annotations
@@ -32,10 +40,69 @@ from vlcontrast import distributed as dist_utils
 class StepOutcome:
     result: dict[str, Any]
     """The loss's outputs (tensors; read them at log steps only)."""
+    flags: torch.Tensor
+    """``[loss non-finite, update skipped, stop signal]`` summed over ranks, on the device: read
+    through :class:`StepLedger` (or :meth:`read`) when the host needs them."""
+    skipped_flag: torch.Tensor
+    """This step's update was skipped (0/1, float, on the training device; the same on every
+    rank): what the losses' and the momentum towers' state is conditioned on."""
+    skip_known: bool = False
+    """The host already knows this step was skipped (DeepSpeed's own optimizers read their overflow
+    check): reading the flags now costs nothing extra."""
+
+    def read(self) -> "Attempt":
+        """The flags as host values (a host synchronisation)."""
+        loss_bad, skipped, stop = (value > 0 for value in self.flags.tolist())
+        return Attempt(0, "loss" if skipped and loss_bad else "gradients" if skipped else None,
+                       stop, float("nan"), loss_bad)
+
+
+@dataclass
+class Attempt:
+    """One settled attempt at a step, as the host learns it from :class:`StepLedger`."""
+
+    step: int
     skipped: str | None
     """None: the update was applied. "loss" or "gradients": what was non-finite."""
-    stop_signalled: bool = False
-    """Some rank received a stop signal during this step."""
+    stop_signalled: bool
+    """Some rank received a stop signal during this attempt."""
+    loss: float
+    """This rank's loss of the attempt."""
+    loss_bad: bool = False
+
+
+class StepLedger:
+    """The attempts whose flags the host has not read yet, read all at once by :meth:`settle`.
+
+    The loop counts every attempt as applied when it makes it and corrects its counters when a
+    settle shows that some were skipped (docs/training.md, "Host synchronisations")."""
+
+    def __init__(self):
+        # (step, agreed flags, this rank's loss): small device tensors only, no graph kept.
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+
+    def record(self, step: int, outcome: StepOutcome) -> None:
+        loss = outcome.result["loss"].detach().float().reshape(1)
+        self._pending.append((step, outcome.flags.float().reshape(-1), loss))
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def settle(self) -> list[Attempt]:
+        """Every pending attempt's agreed flags and this rank's loss: one host read for all."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return []
+        rows = torch.stack([torch.cat([flags, loss.to(flags.device)])
+                            for _, flags, loss in pending]).tolist()
+        attempts = []
+        for (step, _, _), (loss_bad, skipped, stop, loss) in zip(pending, rows):
+            if loss_bad > 0 and not skipped > 0:
+                raise RuntimeError(f"step {step}: an update was applied although a rank's loss "
+                                   "was non-finite; the replicas may have diverged")
+            reason = ("loss" if loss_bad > 0 else "gradients") if skipped > 0 else None
+            attempts.append(Attempt(step, reason, stop > 0, loss, loss_bad > 0))
+        return attempts
 
 
 def _to_device(batch, device, dtype, normalizer=None):
@@ -105,7 +172,24 @@ def train_step(engine, loss_fn, micro_batches, step: int, device, dtype, timer,
                                          momentum_features, timer)
     engine.step()
     timer.mark("step")
-    return _agree(engine, result, bad, stop is not None and stop.pending, step)
+    skipped, known = skip_flag(engine, device)
+    outcome = _agree(result, bad, skipped, stop is not None and stop.pending, known)
+    rollback = getattr(loss_fn, "rollback_where", None)
+    if rollback is not None:  # a skipped step leaves the loss's state as it was
+        rollback(skipped)
+    return outcome
+
+
+def skip_flag(engine, device) -> tuple[torch.Tensor, bool]:
+    """(1.0 on the device when the last ``engine.step()`` skipped its update, else 0.0;
+    whether the host already knew). Same value on every rank, no host read of ours."""
+    found_inf = getattr(engine.optimizer, "found_inf", None)
+    if isinstance(found_inf, torch.Tensor):  # FiniteCheckedAdamW: decided on the device
+        return found_inf.reshape(()), False
+    # DeepSpeed's own optimizers read their overflow check on the host (their sync, not ours):
+    # a fill kernel puts it on the device, no copy.
+    skipped = not engine.was_step_applied()
+    return torch.full((), float(skipped), device=device), skipped
 
 
 def plain_backward(engine, loss_fn, batch, sample_ids, step: int, momentum_features, timer):
@@ -171,17 +255,13 @@ def gradcache_backward(engine, loss_fn, batches, sample_ids, step: int, device,
     timer.mark("backward")
     return result, bad
 
-def _agree(engine, result, bad: torch.Tensor, stop_pending: bool, step: int) -> StepOutcome:
-    """The step's one collective: ``[loss non-finite, stop signal]`` summed over ranks."""
+def _agree(result, bad: torch.Tensor, skipped: torch.Tensor, stop_pending: bool,
+           known: bool) -> StepOutcome:
+    """The step's one collective: ``[loss non-finite, skipped, stop signal]`` summed over ranks,
+    left on the device."""
     # torch.full writes the flag on the device with a fill kernel; new_tensor/torch.tensor would
     # copy it from the host, a blocking copy from pageable memory on CUDA.
-    flags = torch.stack([bad.to(torch.float32),
+    flags = torch.stack([bad.to(torch.float32), skipped.to(torch.float32),
                          torch.full((), float(stop_pending), device=bad.device)])
     flags = dist_utils.all_reduce_sum(flags.to(dist_utils.flag_device()))
-    loss_bad, signalled = (value > 0 for value in flags.tolist())
-    applied = engine.was_step_applied()
-    if applied and loss_bad:
-        raise RuntimeError(f"step {step}: DeepSpeed applied an update although a rank's loss was "
-                           "non-finite; the replicas may have diverged")
-    skipped = None if applied else "loss" if loss_bad else "gradients"
-    return StepOutcome(result, skipped, signalled)
+    return StepOutcome(result, flags, skipped.to(torch.float32), known)

@@ -61,8 +61,12 @@ class StepTimer:
 
 class StepLogger:
     def __init__(self, metrics, *, every: int, total_steps: int, device: torch.device,
-                 loss_scaling: bool = False, start_step: int = 0, progress: bool = False):
+                 loss_scaling: bool = False, start_step: int = 0, progress: bool = False,
+                 flops_per_sample: float | None = None, peak_flops: float | None = None):
         self.metrics = metrics
+        # MFU beside samples_per_s: on CUDA only (a CPU has no meaningful bf16 peak here).
+        self.flops_per_sample = flops_per_sample if device.type == "cuda" else None
+        self.peak_flops = peak_flops
         self.every = every
         self.total_steps = total_steps
         self.loss_scaling = loss_scaling
@@ -71,6 +75,7 @@ class StepLogger:
         self._window_samples = 0
         self._window_attempts = 0
         self.progress = None
+        self._progress_pending = 0  # attempts whose progress tick waits for their record
         if progress:
             from vlcontrast.progress import Progress
 
@@ -92,22 +97,49 @@ class StepLogger:
     def eval(self, step: int, values: dict[str, Any]) -> None:
         self.metrics.log(step, values, kind="eval")
 
-    def skipped(self, step: int, reason: str, result: dict, bad_in_a_row: int) -> None:
+    def skipped(self, step: int, reason: str, loss: float, bad_in_a_row: int) -> None:
         self.metrics.log(step, {"skipped": reason, "consecutive_bad_steps": bad_in_a_row,
-                                "loss": float(result["loss"].detach())}, kind="skip")
+                                "loss": loss}, kind="skip")
+
+    def count(self, global_batch: int, step: int | None = None) -> None:
+        """An attempt counted as applied (the loop learns of skips later: :meth:`uncount`). At a
+        log step (``step``) the progress line waits for the record's loss and samples/s."""
+        self._window_samples += global_batch
+        if self.progress is None:
+            return
+        if step is not None and self.should_log(step):
+            self._progress_pending += 1
+        else:
+            self.progress.update(1)
+
+    def uncount(self, global_batch: int, attempts: int = 1) -> None:
+        """``attempts`` counted attempts turned out skipped."""
+        self._window_samples -= global_batch * attempts
+        if self.progress is not None:
+            pending = min(self._progress_pending, attempts)
+            self._progress_pending -= pending
+            if attempts > pending:
+                self.progress.update(pending - attempts)
+
+    def record(self, step: int, *, state, engine, result: dict, data,
+               counts: dict[str, int]) -> None:
+        """At a log step (the loop settled the step first): write the training record."""
+        values = self._record(state, engine, result, data, counts)
+        self.metrics.log(step, values)
+        if self.progress is not None:
+            self.progress.set_postfix(**{"loss": f"{values['loss']:.3f}",
+                                         "samples/s": f"{values['samples_per_s']:.0f}"})
+            if self._progress_pending:
+                self.progress.update(self._progress_pending)
+                self._progress_pending = 0
 
     def applied(self, step: int, global_batch: int, *, state, engine, result: dict,
                 data, counts: dict[str, int]) -> None:
         """After an applied step: advance the window; at log steps write the record."""
-        self._window_samples += global_batch
+        self.count(global_batch, step)
         if self.should_log(step):
-            values = self._record(state, engine, result, data, counts)
-            self.metrics.log(step, values)
-            if self.progress is not None:
-                self.progress.set_postfix(**{"loss": f"{values['loss']:.3f}",
-                                             "samples/s": f"{values['samples_per_s']:.0f}"})
-        if self.progress is not None:
-            self.progress.update(1)
+            self.record(step, state=state, engine=engine, result=result, data=data,
+                        counts=counts)
 
     def _record(self, state, engine, result, data, counts) -> dict[str, Any]:
         from vlcontrast.train.engine import read_logit_scale
@@ -118,6 +150,13 @@ class StepLogger:
                   "loss": float(result["loss"].detach()), "lr": engine.get_lr()[0],
                   "logit_scale": read_logit_scale(engine),
                   "samples_per_s": self._window_samples / max(elapsed, 1e-9), **counts}
+        if self.flops_per_sample and self.peak_flops:
+            # Per GPU: the window's samples are the global batch's, over every rank's device.
+            from vlcontrast.distributed import get_world_size
+
+            world = get_world_size()
+            values["mfu"] = (values["samples_per_s"] / world * self.flops_per_sample
+                             / self.peak_flops)
         grad_norm = engine.get_global_grad_norm()
         if grad_norm is not None:
             values["grad_norm"] = float(grad_norm)
@@ -136,6 +175,8 @@ class StepLogger:
 
     def close(self) -> None:
         if self.progress is not None:
+            if self._progress_pending:
+                self.progress.update(self._progress_pending)
             self.progress.close()
             self.progress = None
         self.metrics.close()
