@@ -497,7 +497,9 @@ def check_throughput(ctx: Context) -> None:
     ctx.report.info["throughput"] = results
     setup = (f"batch {s.throughput_batch} per GPU, {s.throughput_precision}, {s.workers} data "
              f"worker(s) per GPU, {s.throughput_steps} steps (median of the windows after the first third)")
-    ctx.report.info["throughput_setup"] = {"setup": setup,
+    # batch_per_gpu and precision are read by a GPU study's --plan (vlcontrast/study/budget.py).
+    ctx.report.info["throughput_setup"] = {"setup": setup, "batch_per_gpu": s.throughput_batch,
+                                           "precision": s.throughput_precision,
                                            "matched": openclip_launch.DIFFERENCES_MATCHED,
                                            "different": openclip_launch.DIFFERENCES_LEFT}
     ctx.report.tables["Throughput (samples/s per GPU)"] = throughput_table(results, setup)

@@ -33,6 +33,9 @@ def parse_args(argv: list[str] | None):
                         help=f"comma-separated groups, run in the order {', '.join(GROUPS)}")
     parser.add_argument("--workers", type=int, default=0,
                         help="data workers of the throughput runs (0: min(8, cores - 2))")
+    parser.add_argument("--throughput-batch", type=int, default=0,
+                        help="batch per GPU of the throughput runs (0: the preset's, 128 on a "
+                             "GPU); a GPU study's --plan prices only measured batches")
     parser.add_argument("--memory-losses", default="",
                         help="comma list: the memory group probes only these losses (default all; "
                              "split the group over two device calls if it nears their 10 minutes)")
@@ -80,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = settings_for(reduced, out, workers=args.workers or None)
     if args.cases:
         settings.matrix_cases = tuple(x.strip() for x in args.cases.split(",") if x.strip())
+    if args.throughput_batch:
+        settings.throughput_batch = args.throughput_batch
     if args.memory_losses:
         settings.memory_losses = tuple(x.strip() for x in args.memory_losses.split(",") if x.strip())
     if args.step_models:

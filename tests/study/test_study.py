@@ -341,7 +341,7 @@ def test_further_comparisons_pair_two_losses_neither_of_them_infonce(tmp_path):
 
 
 def _fake_run_cell(calls):
-    """Stands in for the training subprocess: writes a result file as run_cell does."""
+    """Stands in for the training subprocess: writes a result file as the engine's run_one does."""
     def fake(config, cell, fingerprint=None):
         calls.append(cell.name)
         path = result_path(config, cell)
@@ -358,32 +358,60 @@ def _fake_run_cell(calls):
     return fake
 
 
+def _run(path, overrides=(), stage="all"):
+    return run_study(load_study_config(path, list(overrides)), stage)
+
+
 def test_resume_skips_finished_cells_and_reruns_changed_ones(tmp_path, monkeypatch):
-    import vlcontrast.study.runner as runner
+    import vlcontrast.study.engine as engine
 
     calls: list[str] = []
-    monkeypatch.setattr(runner, "run_cell", _fake_run_cell(calls))
-    monkeypatch.setattr(runner, "prepare_data", lambda config: None)
+    monkeypatch.setattr(engine, "run_one", _fake_run_cell(calls))
+    monkeypatch.setattr(engine, "prepare", lambda config: None)
     path = _write(tmp_path / "s.yaml", _tiny_study(tmp_path))
-    first = run_study(path, ["grid.seeds=[0]"])
+    first = _run(path, ["grid.seeds=[0]"])
     assert sorted(first.ran) == sorted(calls) == ["dcl-b16-s0", "dcl-b8-s0", "infonce-b16-s0",
                                                   "infonce-b8-s0"]
     # A new session: no run directories, only the committed result files.
     shutil.rmtree(tmp_path / "study")
     calls.clear()
-    second = run_study(path, ["grid.seeds=[0, 1]"])
+    second = _run(path, ["grid.seeds=[0, 1]"])
     assert sorted(second.ran) == ["dcl-b16-s1", "dcl-b8-s1", "infonce-b16-s1", "infonce-b8-s1"]
     rows = list(csv.DictReader(open(tmp_path / "committed" / "study.csv")))
     assert len(rows) == 8 and {r["status"] for r in rows} == {"ok"}
     # A change that alters one loss's run config reruns exactly that loss's cells.
     calls.clear()
-    third = run_study(path, ["grid.seeds=[0, 1]", "cell_overrides={dcl: [optim.weight_decay=0.05]}"])
+    third = _run(path, ["grid.seeds=[0, 1]", "cell_overrides={dcl: [optim.weight_decay=0.05]}"])
     assert sorted(third.ran) == ["dcl-b16-s0", "dcl-b16-s1", "dcl-b8-s0", "dcl-b8-s1"]
-    # --report-only trains nothing.
+    # --report-only (the report stage) trains nothing.
     calls.clear()
-    run_study(path, ["grid.seeds=[0, 1, 2]"], report_only=True)
+    _run(path, ["grid.seeds=[0, 1, 2]"], stage="report")
     assert calls == []
     assert "Cells not run yet: 4" in (tmp_path / "committed" / "study.md").read_text()
+
+
+def test_a_failed_grid_cell_is_reported_and_not_retried_in_the_same_call(tmp_path, monkeypatch):
+    import vlcontrast.study.engine as engine
+
+    calls: list[str] = []
+    fake = _fake_run_cell(calls)
+
+    def failing(config, cell):
+        if cell.name == "dcl-b16-s0":
+            calls.append(cell.name)
+            cell.run_dir.mkdir(parents=True, exist_ok=True)
+            record = {"cell": cell.name, "status": "failed", "returncode": 1, "wall_s": 0.0,
+                      "error": "Traceback\nValueError: boom\n"}
+            (cell.run_dir / "study_cell.json").write_text(json.dumps(record))
+            return record
+        return fake(config, cell)
+
+    monkeypatch.setattr(engine, "run_one", failing)
+    monkeypatch.setattr(engine, "prepare", lambda config: None)
+    result = _run(_write(tmp_path / "s.yaml", _tiny_study(tmp_path)))
+    assert calls.count("dcl-b16-s0") == 1 and result.failed == ["dcl-b16-s0"]
+    assert "| dcl-b16-s0 | failed | Traceback / ValueError: boom |" in (
+        tmp_path / "committed" / "study.md").read_text()
 
 
 @pytest.mark.slow
@@ -398,7 +426,7 @@ def test_tiny_study_records_a_crash_continues_and_resumes(tmp_path, monkeypatch)
     config_path = _write(tmp_path / "study.yaml", values)
     out = Path(values["output_dir"])
 
-    first = run_study(config_path)
+    first = _run(config_path)
     assert sorted(first.ran) == ["dcl-b16-s0", "dcl-b8-s0", "infonce-b16-s0", "infonce-b8-s0"]
     assert (tmp_path / "data" / "train" / "manifest.json").is_file()  # generated on first use
 
@@ -428,7 +456,7 @@ def test_tiny_study_records_a_crash_continues_and_resumes(tmp_path, monkeypatch)
     # files untouched; the crashed one runs again.
     finished = {name: (committed / "cells" / f"{name}.json").stat().st_mtime_ns for name in rows}
     shutil.rmtree(out / "cells")
-    second = run_study(config_path)
+    second = _run(config_path)
     assert second.ran == ["dcl-b16-s0"]
     for name, mtime in finished.items():
         assert (committed / "cells" / f"{name}.json").stat().st_mtime_ns == mtime, name
@@ -477,16 +505,16 @@ def test_the_shared_checkpoint_is_trained_once_and_its_digest_kept(tmp_path, mon
 
 
 def test_study_data_is_reused_only_while_it_is_the_asked_for_world(tmp_path):
-    from vlcontrast.study import runner
+    from vlcontrast.study import engine
 
     config = load_study_config(_write(tmp_path / "study.yaml", _tiny_study(tmp_path)))
-    runner.prepare_data(config)
+    engine.prepare(config)
     made = tmp_path / "data" / "synthetic.json"
     stamp = made.stat().st_mtime_ns
-    runner.prepare_data(config)
+    engine.prepare(config)
     assert made.stat().st_mtime_ns == stamp  # the same world: not rewritten
     stale = json.loads(made.read_text())
     stale["world_version"] = -1
     made.write_text(json.dumps(stale))
-    runner.prepare_data(config)
+    engine.prepare(config)
     assert json.loads(made.read_text())["world_version"] != -1  # another world: remade

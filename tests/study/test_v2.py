@@ -337,8 +337,9 @@ def _tiny_study(tmp_path, **changes):
 def test_a_tiny_v2_study_end_to_end(tmp_path, monkeypatch, capsys):
     """One synthetic dataset, one start, one batch size shared by both arms, two settings
     (SigLIP with its warm start), one lr factor, two final seeds: every stage for real."""
-    from vlcontrast.study.v2 import read_selected, run_study_v2
     from vlcontrast.study.design import final_cells
+    from vlcontrast.study.engine import run_study
+    from vlcontrast.study.v2 import read_selected
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     config = _tiny_study(tmp_path)
@@ -347,7 +348,7 @@ def test_a_tiny_v2_study_end_to_end(tmp_path, monkeypatch, capsys):
     before = plan_text(config)
     assert "sweep-lr: 0 of 2 known cells done" in before
     assert "final: 0 of 0 known cells done, 4 more not known yet" in before
-    run_study_v2(config, "all")
+    run_study(config, "all")
     after = plan_text(config)
     assert "sweep-lr: 2 of 2 known cells done" in after and "final: 4 of 4 known cells done" in after
     walls = [json.loads(f.read_text())["wall_s"] for f in config.results_path.rglob("*-s*.json")]
@@ -369,10 +370,11 @@ def test_a_tiny_v2_study_end_to_end(tmp_path, monkeypatch, capsys):
     assert "![lr sweeps, syn](sweeps-syn.png)" in report
     assert "| infonce | ×1 |" in report and "| siglip | ×1 |" in report
     # a rerun finds everything done: no cell runs (the training entry point is never called)
+    import vlcontrast.study.engine as engine
     import vlcontrast.study.v2 as v2
 
-    monkeypatch.setattr(v2, "run_cell_v2", lambda *a, **k: pytest.fail("reran a finished cell"))
-    run_study_v2(config, "all")
+    monkeypatch.setattr(engine, "run_one", lambda *a, **k: pytest.fail("reran a finished cell"))
+    run_study(config, "all")
 
     # --rerun: a finished cell trains again in a scratch directory and matches bit for bit...
     cell = finals[0]
@@ -410,7 +412,9 @@ def test_a_kept_start_is_restored_bit_for_bit_never_retrained(tmp_path, monkeypa
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     config = _tiny_study(tmp_path, parallel=1)
-    v2.run_study_v2(config, "prepare")
+    from vlcontrast.study.engine import run_study
+
+    run_study(config, "prepare")
     kept, run_dir, cache = (kept_start_dir(config, "syn", 0), start_dir(config, "syn", 0),
                             features_path(config, "syn", 0))
     record = json.loads((config.results_path / "starts" / "syn-k0.json").read_text())
@@ -424,7 +428,9 @@ def test_a_kept_start_is_restored_bit_for_bit_never_retrained(tmp_path, monkeypa
 
     shutil.rmtree(tmp_path / "runs")
     monkeypatch.setattr(v2, "_run_training", lambda *a, **k: pytest.fail("retrained a kept start"))
-    v2.run_study_v2(config, "prepare")
+    from vlcontrast.study.engine import run_study
+
+    run_study(config, "prepare")
     assert v2.model_digest(run_dir) == record["digest"] and _sha(cache) == _sha(kept / "features.pt")
     rewarm = torch.load(start_dir(config, "syn", 0, "siglip") / "model.pt", weights_only=True)
     assert all(torch.equal(warm[key], rewarm[key]) for key in warm)
@@ -436,7 +442,9 @@ def test_a_kept_start_is_restored_bit_for_bit_never_retrained(tmp_path, monkeypa
     state = {key: value + 1e-3 if value.is_floating_point() else value for key, value in state.items()}
     torch.save(state, weights / "model.pt")
     cache.write_bytes(b"stale")
-    v2.run_study_v2(config, "prepare")
+    from vlcontrast.study.engine import run_study
+
+    run_study(config, "prepare")
     assert v2.model_digest(run_dir) == record["digest"] and _sha(cache) == _sha(kept / "features.pt")
 
 
@@ -521,7 +529,7 @@ def test_run_cells_reports_progress_per_cell_and_the_counts_at_the_end(monkeypat
     failures by name, and a closing line; finished cells are not run again."""
     from types import SimpleNamespace
 
-    import vlcontrast.study.v2 as v2
+    import vlcontrast.study.engine as engine
 
     cells = [SimpleNamespace(name=f"syn/final/c{i}") for i in range(4)]
     ran = []
@@ -532,10 +540,10 @@ def test_run_cells_reports_progress_per_cell_and_the_counts_at_the_end(monkeypat
             return {"status": "failed", "error": "Traceback\nRuntimeError: boom\n"}
         return {"status": "ok"}
 
-    monkeypatch.setattr(v2, "is_finished_v2", lambda config, cell: cell.name.endswith("c0"))
-    monkeypatch.setattr(v2, "run_cell_v2", fake_run)
+    monkeypatch.setattr(engine, "is_finished", lambda config, cell: cell.name.endswith("c0"))
+    monkeypatch.setattr(engine, "run_one", fake_run)
     config = SimpleNamespace(parallel=1, results_path=Path("res"))
-    assert v2.run_cells(config, cells) == ["syn/final/c2"]
+    assert engine.run_cells(config, cells) == ["syn/final/c2"]
     assert ran == ["syn/final/c1", "syn/final/c2", "syn/final/c3"]
     err = capsys.readouterr().err
     assert "study: 1 of 4 cells done, running 3" in err

@@ -1,8 +1,10 @@
-"""``vlcontrast study``: a grid of short trainings (v1) or the staged, tuned study (v2, a config
-with ``datasets:``)."""
+"""``vlcontrast study``: the study engine's command (vlcontrast/study/engine.py): a grid of short
+trainings (v1) or a staged, tuned study (a config with ``datasets:``), its plan, one cell (a SLURM
+array task's work) or the cells that can run now."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from vlcontrast.cli.environment import prepare_environment
@@ -15,9 +17,14 @@ def register(sub) -> None:
                        help="rebuild the CSV, tables and plots from the stored cell results")
     study.add_argument("--stage", default="all",
                        choices=("prepare", "sweep", "final", "report", "all"),
-                       help="v2 studies: run one stage (docs/loss-study-v2.md)")
+                       help="run one stage (docs/loss-study-v2.md)")
     study.add_argument("--plan", action="store_true",
-                       help="v2 studies: print the cells of each stage and the machine time")
+                       help="print the cells of each stage and their machine time (CPU model or "
+                            "measured GPU step times, cost_model)")
+    study.add_argument("--list-cells", action="store_true",
+                       help="print the names of the cells that can run now (a SLURM array's list)")
+    study.add_argument("--cell", nargs="+", default=[], metavar="CELL",
+                       help="run these cells only (skipped when finished): one array task's work")
     study.add_argument("--rerun", nargs="+", default=[], metavar="CELL",
                        help="v2 studies: train these finished cells again (scratch directory) "
                             "and compare with their committed results bit for bit")
@@ -30,38 +37,52 @@ def register(sub) -> None:
 
 def run_study_command(args) -> int:
     prepare_environment()
-    from vlcontrast.study import load_study_config, run_study
+    import shlex
+
+    from vlcontrast.study import engine, load_study_config
 
     config = load_study_config(args.config, args.overrides)
-    if config.datasets:  # study v2: stages (vlcontrast/study/v2.py)
-        import shlex
-
-        from vlcontrast.study.v2 import plan_text, run_study_v2
-
-        if args.plan:
-            print(plan_text(config))
-            return 0
-        if args.rerun:
-            from vlcontrast.study.v2 import rerun_cells
-
-            try:
-                return rerun_cells(config, args.rerun)
-            except ValueError as err:
-                raise SystemExit(str(err)) from None
-        stage = "report" if args.report_only else args.stage
-        pages = tuple(Path(page) for page in args.sync_docs)
-        for page in pages:
-            if not page.is_file():
-                raise SystemExit(f"--sync-docs {page}: no such file; name markdown pages that "
-                                 "hold generated study blocks (docs/loss-study-v2.md)")
-        if pages and stage not in ("final", "report", "all"):
-            raise SystemExit(f"--sync-docs: stage {stage!r} writes no report; use --stage report")
-        run_study_v2(config, stage, "vlcontrast study --config "
-                     + shlex.join([args.config, *args.overrides]), pages)
+    if args.plan:
+        print(engine.plan_text(config))
         return 0
-    if args.plan or args.stage != "all" or args.sync_docs or args.rerun:
-        raise SystemExit("--plan, --stage, --rerun and --sync-docs apply to v2 studies (a config "
-                         "with datasets:)")
-    run_study(args.config, args.overrides, report_only=args.report_only)
-    return 0
+    if args.list_cells:  # what a SLURM array runs next (slurm/study.sh)
+        part, cells = engine.next_round(config)
+        print("\n".join(cell.name for cell in cells), end="\n" if cells else "")
+        print(f"study: {len(cells)} cell(s) can run now ({part})", file=sys.stderr)
+        return 0
+    if args.cell:
+        try:
+            cells = [engine.find_cell(config, name) for name in args.cell]
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
+        failed = 0
+        for cell in cells:
+            if engine.is_finished(config, cell):
+                print(f"study: {cell.name} already finished (its fingerprint matches)",
+                      file=sys.stderr)
+                continue
+            record = engine.run_one(config, cell)
+            failed += record["status"] != "ok"
+            print(f"study: {cell.name} {record['status']} ({record['wall_s']} s)", file=sys.stderr)
+        return 1 if failed else 0
+    if args.rerun:
+        from vlcontrast.study.v2 import rerun_cells
 
+        if not config.datasets:
+            raise SystemExit("--rerun applies to staged studies (a config with datasets:)")
+        try:
+            return rerun_cells(config, args.rerun)
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
+    stage = "report" if args.report_only else args.stage
+    pages = tuple(Path(page) for page in args.sync_docs)
+    for page in pages:
+        if not page.is_file():
+            raise SystemExit(f"--sync-docs {page}: no such file; name markdown pages that "
+                             "hold generated study blocks (docs/loss-study-v2.md)")
+    if pages and (stage not in ("final", "report", "all") or not config.datasets):
+        raise SystemExit(f"--sync-docs: needs a staged study (datasets:) and a stage that writes "
+                         f"the report (--stage report), not {stage!r}")
+    engine.run_study(config, stage, "vlcontrast study --config "
+                     + shlex.join([args.config, *args.overrides]), pages)
+    return 0

@@ -2,22 +2,26 @@
 
 ``vlcontrast study --config configs/study/<name>.yaml [key=value ...]`` reads a
 :class:`StudyConfig`, makes the dataset if it is missing, runs every unfinished cell as its own
-training subprocess, stores one small result file per finished cell, and rebuilds the report
-(CSV, tables with confidence intervals and paired comparisons, plots) after every cell.
-See ``docs/loss-study.md``.
+training subprocess, stores one small result file per finished cell, and writes the report
+(CSV, tables with confidence intervals and paired comparisons, plots).
+See ``docs/loss-study.md``, ``docs/loss-study-v2.md`` and ``docs/study-gpu.md``.
 
-Modules: :mod:`.config` (the study's typed config), :mod:`.grid` (cells, overrides, learning-rate
-rule, fingerprints), :mod:`.cells` (running a cell, its result file), :mod:`.stats` (t intervals,
-paired t, Holm-Bonferroni, detectable difference), :mod:`.report` (CSV, markdown, plots), :mod:`.runner`
-(``run_study``).
+Modules: :mod:`.engine` (the stages, the one cell loop, the single-cell entry point),
+:mod:`.config` (the study's typed config), :mod:`.design` (the staged layout's cells: datasets,
+arms, sweeps, finals) and :mod:`.grid` (the grid layout's cells, study v1), :mod:`.cells`
+(running a training, its result file), :mod:`.v2` (starts, the tuning choice, reruns, the plan),
+:mod:`.budget` (machine-time estimates, CPU model and measured GPU step times), :mod:`.stats`
+(t intervals, paired t, Holm-Bonferroni, detectable difference), :mod:`.report` and
+:mod:`.report_v2` (the two layouts' reports), :mod:`.findings` (generated doc blocks).
 """
 
-from .cells import ensure_pretrained, is_finished, read_result, result_path, run_cell, summarise_run
+from .cells import ensure_pretrained, read_result, result_path, summarise_run
 from .config import StudyConfig, StudyData, StudyGrid, StudyPretrain, load_study_config
 from .grid import (Cell, cell_command, cell_fingerprint, cell_learning_rate, cell_overrides,
                    data_overrides, grid_cells, pretrain_command, pretrain_dir)
 from .report import collect_rows, comparison_family, markdown_tables, write_csv, write_report
-from .runner import StudyResult, prepare_data, run_study
+from .engine import (StudyResult, is_finished, next_round, prepare, run_cells, run_one,
+                     run_study)
 from .stats import (holm_adjust, mean_interval, minimum_detectable_difference, paired_comparison,
                     t_quantile, t_two_sided_p)
 
@@ -25,7 +29,7 @@ __all__ = [
     "Cell", "StudyConfig", "StudyPretrain", "ensure_pretrained", "pretrain_command", "pretrain_dir", "StudyData", "StudyGrid", "StudyResult", "cell_command",
     "cell_fingerprint", "cell_learning_rate", "cell_overrides", "collect_rows", "data_overrides",
     "comparison_family", "grid_cells", "holm_adjust", "is_finished", "load_study_config", "markdown_tables", "mean_interval",
-    "minimum_detectable_difference", "paired_comparison", "prepare_data", "read_result",
-    "result_path", "run_cell", "run_study", "summarise_run", "t_quantile", "t_two_sided_p", "write_csv",
+    "minimum_detectable_difference", "next_round", "paired_comparison", "prepare", "read_result",
+    "result_path", "run_cells", "run_one", "run_study", "summarise_run", "t_quantile", "t_two_sided_p", "write_csv",
     "write_report",
 ]

@@ -1,4 +1,6 @@
-"""Study v2's machine-time estimate (``vlcontrast study --plan``; docs/loss-study-v2.md, "Budget").
+"""Machine-time estimates of a staged study (``vlcontrast study --plan``): the CPU cost model of
+study v2 (docs/loss-study-v2.md, "Budget") and, for GPU studies (``cost_model: gpu``,
+docs/study-gpu.md), GPU-hours from the throughputs ``bench/gpu_check`` measured and committed.
 
 A cell with cached locked-tower features costs, on one core of the 2-core machine with a second
 cell on the other core (``vlc-rn-micro`` at 32 px, fp32, 1 thread):
@@ -20,6 +22,11 @@ than the model's InfoNCE.
 
 from __future__ import annotations
 
+import glob
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .config import StudyConfig
@@ -60,39 +67,122 @@ def _start_steps(config: StudyConfig) -> tuple[int, int]:
     return steps, batch
 
 
-def study_cost(config: StudyConfig) -> dict[str, Any]:
-    """Cells and core-seconds per part (starts, sweep-lr, sweep-hyper, final)."""
+def cell_counts(config: StudyConfig) -> dict[str, list[tuple[str, int, int, int]]]:
+    """{part: [(dataset, batch, steps, cells)]} of the planned cells: ``sweep-lr`` (lr factors x
+    the option combinations with their own lr sweep x sweep seeds), ``sweep-hyper`` (the other
+    option combinations x sweep seeds; none with ``sweep.joint``) and ``final`` (final seeds),
+    per setting summed. Edge extensions are not known before the sweep runs: not counted."""
     from .design import batch_steps, option_grid, settings
 
-    parts: dict[str, tuple[int, float]] = {}
     all_settings = settings(config)
-    trainings = batch_steps(config)
+    combos = {name: len(option_grid(all_settings[name])) for name in config.grid.losses}
+    per_training = {
+        "sweep-lr": sum(len(config.sweep.lr_factors) * (combos[n] if config.sweep.joint else 1)
+                        for n in config.grid.losses) * len(config.sweep.seeds),
+        "sweep-hyper": 0 if config.sweep.joint else sum(
+            combos[n] - 1 for n in config.grid.losses) * len(config.sweep.seeds),
+        "final": len(config.grid.losses) * len(config.grid.seeds)}
+    return {part: [(dataset, batch, steps, count) for dataset in config.datasets
+                   for (batch, steps) in batch_steps(config)]
+            for part, count in per_training.items()}
+
+
+def study_cost(config: StudyConfig) -> dict[str, Any]:
+    """Cells and core-seconds per part (starts, sweep-lr, sweep-hyper, final) by the CPU model."""
+    parts: dict[str, tuple[int, float]] = {}
     start_steps, start_batch = _start_steps(config)
     n_start = len(config.datasets) * config.starts.count
     start_s = sum(config.starts.count * (CELL_FIXED_S + start_steps * start_batch * START_SAMPLE_S
                                          + train_size(config, d) * CACHE_SAMPLE_S)
                   for d in config.datasets)
     parts["starts and feature caches"] = (n_start, start_s)
-
-    def per_setting(multiplier: dict[str, int], seeds: int) -> tuple[int, float]:
-        cells, seconds = 0, 0.0
-        for dataset in config.datasets:
-            size = train_size(config, dataset)
-            for (batch, steps) in trainings:
-                one = cell_seconds(batch, steps, size)
-                for name in config.grid.losses:
-                    count = multiplier[name] * seeds
-                    cells += count
-                    seconds += count * one
-        return cells, seconds
-
-    lr_count = {name: len(config.sweep.lr_factors) for name in config.grid.losses}
-    hyper_count = {name: len(option_grid(all_settings[name])) - 1 for name in config.grid.losses}
-    parts["sweep-lr"] = per_setting(lr_count, len(config.sweep.seeds))
-    parts["sweep-hyper"] = per_setting(hyper_count, len(config.sweep.seeds))
-    parts["final"] = per_setting({name: 1 for name in config.grid.losses}, len(config.grid.seeds))
+    sizes = {dataset: train_size(config, dataset) for dataset in config.datasets}
+    for part, rows in cell_counts(config).items():
+        parts[part] = (sum(count for *_, count in rows),
+                       sum(count * cell_seconds(batch, steps, sizes[dataset])
+                           for dataset, batch, steps, count in rows))
     total = sum(seconds for _, seconds in parts.values())
     per_seed = parts["final"][1] / max(1, len(config.grid.seeds))
     return {"parts": parts, "core_hours": total / 3600,
             "wall_hours": total / 3600 / max(1, config.parallel),
             "final_core_hours_per_seed": per_seed / 3600}
+
+
+# --------------------------------------------------------------------------------------------
+# GPU studies: measured step times
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """One measured training throughput of ``bench/gpu_check`` (its ``throughput`` group)."""
+    model: str
+    batch_per_gpu: int
+    precision: str
+    samples_per_s: float
+    """vlcontrast's samples per second per GPU, reading shards (the loader included)."""
+    device: str
+    source: str
+
+    @property
+    def step_s(self) -> float:
+        return self.batch_per_gpu / self.samples_per_s
+
+
+_SETUP = re.compile(r"batch (\d+) per GPU, (\w+)")
+
+
+def read_throughputs(pattern: str) -> tuple[list[Throughput], list[str]]:
+    """(measured throughputs, the files read) from committed ``bench/gpu_check`` JSON reports
+    matching ``pattern``: ``info.throughput[model].vlcontrast`` at the setup's batch per GPU and
+    precision (``info.throughput_setup``). Reports without a throughput group add nothing."""
+    files = sorted(glob.glob(pattern))
+    found = []
+    for path in files:
+        try:
+            info = json.loads(Path(path).read_text()).get("info", {})
+        except (OSError, ValueError):
+            continue
+        setup = info.get("throughput_setup") or {}
+        batch, precision = setup.get("batch_per_gpu"), setup.get("precision")
+        if batch is None and (match := _SETUP.search(str(setup.get("setup", "")))):
+            batch, precision = int(match.group(1)), match.group(2)
+        for model, numbers in (info.get("throughput") or {}).items():
+            rate = numbers.get("vlcontrast") if isinstance(numbers, dict) else None
+            if batch and precision and isinstance(rate, (int, float)) and rate > 0:
+                found.append(Throughput(model, int(batch), str(precision), float(rate),
+                                        str(info.get("device_name", "?")), path))
+    return found, files
+
+
+def gpu_cost(config: StudyConfig) -> dict[str, Any]:
+    """GPU-hours per part from measured throughputs (``gpu_measurements``): a cell of ``steps``
+    steps at global batch B on ``nproc`` GPUs takes steps x (B / nproc) / rate seconds on each
+    of its GPUs, where rate is the measured samples/s per GPU of this model and precision at
+    exactly B / nproc per GPU. A batch without such a measurement is not priced (named in
+    ``unmeasured``); evaluations and start-up are not counted."""
+    from vlcontrast.config import load_config
+
+    run = load_config(config.base, list(config.overrides))
+    model, precision = run.model.name, run.train.precision
+    measured, files = read_throughputs(config.gpu_measurements)
+    by_batch: dict[int, Throughput] = {}
+    for entry in measured:
+        if entry.model == model and entry.precision == precision:
+            by_batch.setdefault(entry.batch_per_gpu, entry)  # files in name order: the first wins
+    parts: dict[str, dict[str, Any]] = {}
+    unmeasured: dict[int, int] = {}
+    for part, rows in cell_counts(config).items():
+        cells = priced = 0
+        gpu_s = 0.0
+        for _dataset, batch, steps, count in rows:
+            cells += count
+            entry = by_batch.get(batch // config.nproc)
+            if entry is None:
+                unmeasured[batch] = unmeasured.get(batch, 0) + count
+                continue
+            priced += count
+            gpu_s += count * steps * entry.step_s * config.nproc
+        parts[part] = {"cells": cells, "priced": priced, "gpu_hours": gpu_s / 3600}
+    return {"model": model, "precision": precision, "files": files, "used": by_batch,
+            "parts": parts, "unmeasured": unmeasured,
+            "gpu_hours": sum(p["gpu_hours"] for p in parts.values())}

@@ -1,6 +1,7 @@
-"""Running one cell, and the small result file that outlives its run directory.
+"""Running one training, and the small result file that outlives its run directory.
 
-Each cell runs as its own ``python -m vlcontrast.cli train`` subprocess, so a crash (or a hang,
+Each cell (:func:`vlcontrast.study.engine.run_one`) runs as its own ``python -m vlcontrast.cli
+train`` subprocess (:func:`_run_training`), so a crash (or a hang,
 after ``cell_timeout_s``) costs one cell, not the study. ``study_cell.json`` in the run directory
 records status, return code, wall time and the tail of stderr. A cell that finishes gets a result
 file ``<results_dir>/<cell>.json``: its fingerprint, last and best evaluation, evaluation curve
@@ -29,8 +30,7 @@ from typing import Any
 from vlcontrast.train.metrics import read_metrics
 
 from .config import StudyConfig
-from .grid import (Cell, cell_command, cell_fingerprint, cell_learning_rate, pretrain_command,
-                   pretrain_dir)
+from .grid import Cell, pretrain_command, pretrain_dir
 from .warm import fork_cell, kill_group
 
 METRICS = ("zeroshot/top1", "zeroshot/top5", "retrieval/text_to_image_R@1",
@@ -55,14 +55,6 @@ def read_result(config: StudyConfig, cell: Cell) -> dict[str, Any] | None:
         return json.loads(path.read_text())
     except json.JSONDecodeError:
         return None
-
-
-def is_finished(config: StudyConfig, cell: Cell, fingerprint: str | None = None) -> bool:
-    """A result exists for this cell and was made with the same resolved run config."""
-    result = read_result(config, cell)
-    if result is None:
-        return False
-    return result.get("fingerprint") == (fingerprint or cell_fingerprint(config, cell))
 
 
 def _with_mean_recall(values: dict[str, Any]) -> dict[str, float]:
@@ -221,25 +213,6 @@ def _write_json(path: Path, value: dict[str, Any]) -> None:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(value, indent=1) + "\n")
     os.replace(tmp, path)  # a result file is whole or absent
-
-
-def run_cell(config: StudyConfig, cell: Cell, fingerprint: str | None = None) -> dict[str, Any]:
-    """Run one cell as a subprocess (fresh run directory); returns its ``study_cell.json`` record.
-
-    On success the cell's result file is written to ``results_dir``.
-    """
-    record = {"cell": cell.name, **_run_training(config, cell.run_dir, cell_command(config, cell))}
-    if record["status"] == "ok":
-        if not config.keep_checkpoints:
-            shutil.rmtree(cell.run_dir / "checkpoints", ignore_errors=True)
-        result = {"cell": cell.name, "loss": cell.loss, "global_batch": cell.global_batch,
-                  "seed": cell.seed, "steps": cell.steps,
-                  "lr": cell_learning_rate(config, cell.global_batch) if config.lr else None,
-                  "fingerprint": fingerprint or cell_fingerprint(config, cell),
-                  "wall_s": record["wall_s"], **summarise_run(cell.run_dir, cell.global_batch)}
-        _write_json(result_path(config, cell), result)
-    (cell.run_dir / "study_cell.json").write_text(json.dumps(record, indent=2))
-    return record
 
 
 # --------------------------------------------------------------------------------------------

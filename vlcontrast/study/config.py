@@ -82,7 +82,13 @@ class StudySweep:
     """Learning rates tried: these factors times the study's lr rule at each batch size."""
     extend_edges: int = 0
     """Factors that may be added past an edge: when the best factor is the largest (smallest)
-    tried, the sweep also tries it x2 (/2), up to this many times per training."""
+    tried, the sweep also tries it x2 (/2), up to this many times per training (the cap; a
+    winner still at an edge then is flagged in ``selected`` and printed by the sweep stage)."""
+    joint: bool = False
+    """False (study v2 as it ran): the lr is swept at the setting's reference options, then the
+    other option combinations are tried at that lr (``sweep-hyper``). True: every option
+    combination gets its own lr sweep (with the edge rule), and the best (options, lr) pair over
+    all of them wins, so the chosen options never run at an lr tuned for other options."""
     metric: str = "mean_R@1"
     """Validation metric that chooses (last evaluation; ties go to the earlier candidate)."""
     selected: str = ""
@@ -179,6 +185,13 @@ class StudyConfig:
     budget_hours: float = 0.0
     """Study v2: the machine time the study may take (both cores); ``--plan`` checks the
     estimate against it. 0: no check."""
+    cost_model: Literal["cpu", "gpu"] = "cpu"
+    """``--plan``'s price of a cell: ``cpu``, the 2-core machine's model (study/budget.py);
+    ``gpu``, GPU-hours from measured step times (``gpu_measurements``), never extrapolated."""
+    gpu_measurements: str = "bench/results/gpu_check/*.json"
+    """``cost_model: gpu``: the committed ``bench/gpu_check`` reports (a glob) whose throughput
+    group prices the cells: samples/s per GPU of the base config's model and precision at each
+    batch per GPU."""
     keep_checkpoints: bool = False
     """False: delete a finished cell's ``checkpoints/`` (the study only needs its metrics)."""
     cell_timeout_s: int = 1800
@@ -217,6 +230,8 @@ class StudyConfig:
         require(self.threads >= 0, "threads", self.threads, "must be >= 0")
         require(self.launcher in ("fork", "subprocess"), "launcher", self.launcher,
                 "must be fork (the warm launcher) or subprocess")
+        require(self.cost_model in ("cpu", "gpu"), "cost_model", self.cost_model,
+                "must be cpu or gpu")
         per_step = self.nproc * self.accum_steps
         for size in self.grid.global_batch_sizes:
             require(isinstance(size, int) and size >= per_step and size % per_step == 0,
@@ -258,16 +273,27 @@ class StudyConfig:
 # --------------------------------------------------------------------------------------------
 # study v2's sections (vlcontrast/study/design.py builds its cells from them)
 
-DATASET_KINDS = ("synthetic", "folder")
+DATASET_KINDS = ("synthetic", "folder", "shards")
 
 
 @dataclass
 class StudyDataset:
     kind: str = "synthetic"
     """``synthetic``: the embedded world (``vlcontrast prep synthetic``); ``folder``: class folders
-    of images converted by ``prep`` (the clip-art corpus)."""
+    of images converted by ``prep`` (the clip-art corpus); ``shards``: webdataset shards made
+    elsewhere (CC3M by ``vlcontrast prep cc3m``), named by ``train``, ``val`` and ``test``."""
     dir: str = ""
-    """Where the prepared dataset lives (``train/``, ``val/``, ``test/``, ...)."""
+    """Where the prepared dataset lives (``train/``, ``val/``, ``test/``, ...); shards: unused."""
+    train: str = ""
+    """shards: the training shards (a brace pattern, ``/data/cc3m/train/{00000..00330}.tar``)."""
+    val: str = ""
+    """shards: the validation split's retrieval shards (tuning), disjoint from ``train``."""
+    test: str = ""
+    """shards: the test split's retrieval shards (final cells)."""
+    val_zeroshot: str = ""
+    """shards: the zero-shot folder (one sub-folder per class) evaluated while tuning; empty: none."""
+    test_zeroshot: str = ""
+    """shards: the zero-shot folder of the final cells (ImageNet's validation set); empty: none."""
     generate: dict[str, Any] = field(default_factory=dict)
     """synthetic: keyword arguments of ``write_synthetic`` for the train and validation splits."""
     test_seed: int = 1
@@ -283,9 +309,10 @@ class StudyDataset:
     """folder: the converter's command after ``vlcontrast``, with ``{src}`` (a split's image folder)
     and ``{out}`` (its shard folder), e.g. ``[prep, folder, "{src}", "{out}"]``."""
     templates: list[str] = field(default_factory=list)
-    """folder: zero-shot prompt templates (``{}`` is the category name)."""
+    """folder: zero-shot prompt templates (``{}`` is the category name). shards: a one-element
+    list naming a templates file (empty: the zero-shot folder's own ``templates.txt``)."""
     size: int = 0
-    """folder: images in the corpus, for ``--plan``'s estimate only (0: 8,100)."""
+    """folder: images in the corpus (0: 8,100); shards: training pairs. For ``--plan`` only."""
 
 
 @dataclass
@@ -370,7 +397,15 @@ def check_v2(config: StudyConfig) -> None:
     for name, data in datasets(config).items():
         require(data.kind in DATASET_KINDS, f"datasets.{name}.kind", data.kind,
                 f"must be one of {DATASET_KINDS}")
-        require(bool(data.dir), f"datasets.{name}.dir", data.dir, "must be set")
+        require(bool(data.dir) or data.kind == "shards", f"datasets.{name}.dir", data.dir,
+                "must be set")
+        if data.kind == "shards":
+            for key in ("train", "val", "test"):
+                require(bool(getattr(data, key)), f"datasets.{name}.{key}", getattr(data, key),
+                        "must name the split's shards")
+            require(len(data.templates) <= 1, f"datasets.{name}.templates", data.templates,
+                    "shards: at most one templates file")
+            continue
         if data.kind == "folder":
             require(bool(data.source), f"datasets.{name}.source", data.source, "must be set")
             require(0 < data.val_fraction and 0 < data.test_fraction
@@ -416,7 +451,13 @@ def check_v2(config: StudyConfig) -> None:
     require(not set(config.sweep.seeds) & set(config.grid.seeds), "sweep.seeds", config.sweep.seeds,
             "must differ from the final seeds (grid.seeds): a setting chosen on a seed's validation "
             "score would carry that seed's luck into the test")
-    require(config.starts.count >= 1, "starts.count", config.starts.count, "must be >= 1")
+    require(config.starts.count >= 0, "starts.count", config.starts.count,
+            "must be >= 0 (0: every cell trains both towers from its seed's random weights)")
+    if config.starts.count == 0:
+        for name in config.grid.losses:
+            require(not all_settings[name].warm_start, f"settings.{name}.warm_start",
+                    all_settings[name].warm_start, "a warm start needs starts.count >= 1")
+
     require(config.lr > 0, "lr", config.lr, "a v2 study sweeps factors of the lr rule; set lr")
 
 

@@ -110,9 +110,10 @@ def lr_of(config: StudyConfig, global_batch: int, factor: float) -> float:
 def _cell(config: StudyConfig, dataset: str, stage: str, setting_name: str, setting: StudySetting,
           options: dict[str, Any], size: int, steps: int, factor: float, seed: int,
           arm_names: tuple[str, ...], tag: str) -> Cell2:
+    # Without starting checkpoints (starts.count 0) every cell trains from its seed's weights.
+    start = seed % config.starts.count if config.starts.count else 0
     cell = Cell2(dataset, stage, setting_name, setting.loss, dict(options), size, steps,
-                 lr_of(config, size, factor), factor, seed, seed % config.starts.count, arm_names,
-                 Path(), tag)
+                 lr_of(config, size, factor), factor, seed, start, arm_names, Path(), tag)
     cell.run_dir = Path(config.output_dir) / "cells" / cell.name
     return cell
 
@@ -126,22 +127,38 @@ def sweep_score(config: StudyConfig, cell: Cell2) -> float | None:
     return float(value) if isinstance(value, (int, float)) else None
 
 
+def lr_tag(factor: float, setting: StudySetting, options: dict[str, Any]) -> str:
+    """A sweep-lr cell's tag: the factor, and the swept options where they are not the reference."""
+    if options == reference_options(setting):
+        return f"lr{factor:g}"
+    return f"lr{factor:g}-{option_tag({k: options[k] for k in setting.sweep})}"
+
+
+def swept_options(config: StudyConfig, setting: StudySetting) -> list[dict[str, Any]]:
+    """The option combinations that get their own lr sweep: every one with ``sweep.joint``, else
+    the reference one only."""
+    return option_grid(setting) if config.sweep.joint else [reference_options(setting)]
+
+
 def tried_lr_factors(config: StudyConfig, dataset: str, name: str, size: int, steps: int,
-                     arm_names: tuple[str, ...] = ()) -> tuple[list[float], dict[float, float] | None]:
-    """One training's learning-rate sweep so far: (the factors it tries, their mean validation
-    scores over the sweep seeds once it is settled, else None).
+                     arm_names: tuple[str, ...] = (), options: dict[str, Any] | None = None
+                     ) -> tuple[list[float], dict[float, float] | None]:
+    """One lr sweep so far (a training at ``options``, default the reference options): (the
+    factors it tries, their mean validation scores over the sweep seeds once it is settled, else
+    None).
 
     It starts with ``sweep.lr_factors``. While the best factor is the largest (smallest) tried and
     fewer than ``sweep.extend_edges`` factors were added, the next one, x2 (/2), joins it. Ties go
     to the factor listed first, so an edge tied with an inner factor does not extend."""
     setting = settings(config)[name]
+    options = reference_options(setting) if options is None else options
     factors = list(config.sweep.lr_factors)
     while True:
         means = {}
         for factor in factors:
             scores = [sweep_score(config, _cell(config, dataset, "sweep-lr", name, setting,
-                                                reference_options(setting), size, steps, factor,
-                                                seed, arm_names, f"lr{factor:g}"))
+                                                options, size, steps, factor, seed, arm_names,
+                                                lr_tag(factor, setting, options)))
                       for seed in config.sweep.seeds]
             if any(score is None for score in scores):
                 return factors, None
@@ -158,26 +175,31 @@ def tried_lr_factors(config: StudyConfig, dataset: str, name: str, size: int, st
 
 
 def sweep_lr_cells(config: StudyConfig) -> list[Cell2]:
-    """Every training's sweep cells so far: ``sweep.lr_factors`` and the edge extensions its
-    finished cells call for (``tried_lr_factors``)."""
+    """Every lr sweep's cells so far: ``sweep.lr_factors`` and the edge extensions its finished
+    cells call for (``tried_lr_factors``); with ``sweep.joint`` one sweep per option combination."""
     out = []
     all_settings = settings(config)
     for dataset in config.datasets:
         for (size, steps), arm_names in batch_steps(config).items():
             for name in config.grid.losses:
                 setting = all_settings[name]
-                factors, _ = tried_lr_factors(config, dataset, name, size, steps, arm_names)
-                for factor in factors:
-                    for seed in config.sweep.seeds:
-                        out.append(_cell(config, dataset, "sweep-lr", name, setting,
-                                         reference_options(setting), size, steps, factor, seed,
-                                         arm_names, f"lr{factor:g}"))
+                for options in swept_options(config, setting):
+                    factors, _ = tried_lr_factors(config, dataset, name, size, steps, arm_names,
+                                                  options)
+                    for factor in factors:
+                        for seed in config.sweep.seeds:
+                            out.append(_cell(config, dataset, "sweep-lr", name, setting, options,
+                                             size, steps, factor, seed, arm_names,
+                                             lr_tag(factor, setting, options)))
     return out
 
 
 def sweep_hyper_cells(config: StudyConfig, chosen_lr: dict[tuple, float]) -> list[Cell2]:
     """The swept options' other combinations at the chosen lr factor of each
-    (dataset, setting, batch, steps); entries missing from ``chosen_lr`` are not ready yet."""
+    (dataset, setting, batch, steps); entries missing from ``chosen_lr`` are not ready yet. None
+    with ``sweep.joint`` (every combination has its own lr sweep)."""
+    if config.sweep.joint:
+        return []
     out = []
     all_settings = settings(config)
     for seed in config.sweep.seeds:
@@ -248,6 +270,10 @@ def split_paths(config: StudyConfig, dataset: str) -> dict[str, Any]:
                 "val": (root / "val", root / "zeroshot", root / "zeroshot" / "templates.txt"),
                 "test": (root / "test" / "val", root / "test" / "zeroshot",
                          root / "test" / "zeroshot" / "templates.txt")}
+    if data.kind == "shards":
+        templates = data.templates[0] if data.templates else ""
+        return {"train": data.train, "val": (data.val, data.val_zeroshot, templates),
+                "test": (data.test, data.test_zeroshot, templates)}
     return {"train": root / "train",
             **{split: (root / split, root / f"{split}-images", root / "templates.txt")
                for split in SPLITS}}
@@ -286,8 +312,9 @@ def cell_overrides_v2(config: StudyConfig, cell: Cell2) -> list[str]:
         f"train.log_every={max(1, cell.steps // config.log_points)}",
         f"eval.every={cell.steps // config.eval_points if config.eval_points > 1 else 0}",
         f"optim.lr={cell.lr:.6g}",
-        f"model.pretrained={start_dir(config, cell.dataset, cell.start, setting.warm_start)}",
-        f"model.lock_image_features={features_path(config, cell.dataset, cell.start)}",
+        *([f"model.pretrained={start_dir(config, cell.dataset, cell.start, setting.warm_start)}",
+           f"model.lock_image_features={features_path(config, cell.dataset, cell.start)}"]
+          if config.starts.count else []),
         "train.resume=",
         "train.stop_at_step=0",
         "logging.progress=false",
@@ -311,6 +338,10 @@ def dataset_recipe(config: StudyConfig, dataset: str) -> dict[str, Any]:
 
         return {"kind": "synthetic", "generate": data.generate, "test_seed": data.test_seed,
                 "world_version": WORLD_VERSION}
+    if data.kind == "shards":
+        return {"kind": "shards", "train": data.train, "val": data.val, "test": data.test,
+                "val_zeroshot": data.val_zeroshot, "test_zeroshot": data.test_zeroshot,
+                "templates": data.templates}
     from .splits import SPLIT_RULE_VERSION
 
     return {"kind": "folder", "source": data.source, "val": data.val_fraction,

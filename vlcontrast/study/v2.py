@@ -1,17 +1,13 @@
-"""Running study v2 in stages (docs/loss-study-v2.md):
+"""The staged layout's parts (docs/loss-study-v2.md); the engine (:mod:`.engine`) runs its stages:
 
-``prepare``  the datasets (synthetic world with its test draw; clip-art split and converted), the
-             starting checkpoints (``starts.count`` per dataset, digests recorded, evaluated on the
-             validation and test splits for the "learns" check), SigLIP's warm-start variants and
-             the locked tower's feature caches;
-``sweep``    the ``sweep-lr`` cells, the choice of each learning rate, the ``sweep-hyper`` cells at
-             it, and the committed record of the choices (``selected``);
-``final``    the final seeds of every chosen setting, on the test split;
-``report``   tables, figures, the tested family and the recommendation (``report_v2``).
-
-``all`` runs them in order. Every stage skips what is already done (result files with matching
-fingerprints, a current dataset, a start with its record), so the study resumes across sessions
-once ``results_dir`` and the ``selected`` file are committed.
+``prepare``  the datasets (synthetic world with its test draw; clip-art split and converted; shards
+             named by the config), the starting checkpoints (``starts.count`` per dataset, digests
+             recorded, evaluated on the validation and test splits for the "learns" check),
+             SigLIP's warm-start variants and the locked tower's feature caches;
+``sweep``    the choice of each learning rate (:func:`choose_lr`) and options, and the committed
+             record of the choices (:func:`write_selection`);
+``--rerun``  finished cells trained again and compared bit for bit (:func:`rerun_cells`);
+``--plan``   the cells of each stage and their machine time (:func:`plan_text`).
 """
 
 from __future__ import annotations
@@ -21,22 +17,16 @@ import json
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
-from .cells import (_run_training, _write_json, host_cpu, kill_running_cells, model_digest,
-                    summarise_run)
-from ..progress import Progress
+from .cells import _run_training, _write_json, host_cpu, model_digest, summarise_run
 from .config import StudyConfig
 from .design import (Cell2, batch_steps, cell_command_v2, cell_fingerprint_v2, datasets,
                      features_path, final_cells, is_finished_v2, kept_start_dir, option_grid,
                      finished_result, read_selected, result_path_v2, selected_path, selection_key, settings,
                      split_paths, start_command, start_dir, sweep_hyper_cells, sweep_lr_cells,
                      sweep_score, tried_lr_factors)
-
-STAGES = ("prepare", "sweep", "final", "report", "all")
-
 
 # --------------------------------------------------------------------------------------------
 # prepare
@@ -46,18 +36,10 @@ def prepare_datasets(config: StudyConfig) -> None:
     for name, data in datasets(config).items():
         root = Path(data.dir)
         if data.kind == "synthetic":
-            from vlcontrast.data.prep.synthetic import is_current, write_synthetic
-
-            generate = {"progress": False, **data.generate}
-            recipe = {k: generate[k] for k in ("train", "val", "zeroshot_per_class", "seed",
-                                               "image_size") if k in generate}
-            if not is_current(root, **recipe):
-                print(f"study: writing the synthetic world {name} to {root}", file=sys.stderr)
-                write_synthetic(root, **generate)
-            test = {**generate, "seed": data.test_seed, "train": 1}
-            test_recipe = {**recipe, "seed": data.test_seed, "train": 1}
-            if not is_current(root / "test", **test_recipe):
-                write_synthetic(root / "test", **test)
+            ensure_synthetic(root, data.generate)
+            ensure_synthetic(root / "test", {**data.generate, "seed": data.test_seed, "train": 1})
+        elif data.kind == "shards":
+            check_shards(name, data)
         else:
             from .splits import write_split_folders
 
@@ -73,6 +55,28 @@ def prepare_datasets(config: StudyConfig) -> None:
                 print(f"study: converting {name}/{split}: vlcontrast {' '.join(args)}",
                       file=sys.stderr, flush=True)
                 subprocess.run([sys.executable, "-m", "vlcontrast.cli", *args], check=True)
+
+
+def ensure_synthetic(root: Path, generate: dict[str, Any]) -> None:
+    """Write the synthetic world ``generate`` describes at ``root`` unless the one there is it
+    (same recipe, same world version): the cells' fingerprints assume the current world."""
+    from vlcontrast.data.prep.synthetic import is_current, write_synthetic
+
+    generate = {"progress": False, **generate}
+    recipe = {key: generate[key] for key in ("train", "val", "zeroshot_per_class", "seed",
+                                             "image_size") if key in generate}
+    if not is_current(root, **recipe):
+        print(f"study: writing the synthetic dataset to {root}", file=sys.stderr, flush=True)
+        write_synthetic(root, **generate)
+
+
+def check_shards(name: str, data) -> None:
+    """A ``shards`` dataset names shards made elsewhere (``vlcontrast prep cc3m``): every split's
+    shards must exist before any cell starts (the trainer's own resolver, its one-line errors)."""
+    from vlcontrast.data.spec import check_spec
+
+    for key in ("train", "val", "test"):
+        check_spec(f"study datasets.{name}.{key}", getattr(data, key))
 
 
 def write_siglip_start(source: Path, out: Path, logit_scale: float, logit_bias: float) -> None:
@@ -225,67 +229,6 @@ def ensure_starts(config: StudyConfig) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# cells
-
-
-def _start_digest(config: StudyConfig, dataset: str, k: int) -> str | None:
-    path = config.results_path / "starts" / f"{dataset}-k{k}.json"
-    return json.loads(path.read_text()).get("digest") if path.is_file() else None
-
-
-def run_cell_v2(config: StudyConfig, cell: Cell2) -> dict[str, Any]:
-    record = {"cell": cell.name, **_run_training(config, cell.run_dir, cell_command_v2(config, cell))}
-    if record["status"] == "ok":
-        shutil.rmtree(cell.run_dir / "checkpoints", ignore_errors=True)
-        result = {"cell": cell.name, "dataset": cell.dataset, "stage": cell.stage,
-                  "setting": cell.setting, "loss": cell.loss, "options": cell.options,
-                  "global_batch": cell.global_batch, "steps": cell.steps, "seed": cell.seed,
-                  "start": cell.start, "split": cell.split, "arms": list(cell.arms),
-                  "lr": cell.lr, "lr_factor": cell.lr_factor,
-                  "fingerprint": cell_fingerprint_v2(config, cell), "wall_s": record["wall_s"],
-                  "start_digest": _start_digest(config, cell.dataset, cell.start), "host": host_cpu(),
-                  **summarise_run(cell.run_dir, cell.global_batch)}
-        _write_json(result_path_v2(config, cell), result)
-    (cell.run_dir / "study_cell.json").write_text(json.dumps(record, indent=2))
-    return record
-
-
-def run_cells(config: StudyConfig, cells: list[Cell2]) -> list[str]:
-    """Run the unfinished ``cells``, ``parallel`` at a time; returns the names of failed ones.
-    Progress goes to stderr: a bar on a terminal, one line per finished cell (with the ETA) in a
-    log file, and a closing line with the counts."""
-    todo = [cell for cell in cells if not is_finished_v2(config, cell)]
-    print(f"study: {len(cells) - len(todo)} of {len(cells)} cells done, running {len(todo)}",
-          file=sys.stderr, flush=True)
-    failed = []
-    if not todo:
-        return failed
-    with Progress(total=len(cells), desc="study", unit="cell", initial=len(cells) - len(todo),
-                  every_n=1) as progress, \
-            ThreadPoolExecutor(max_workers=config.parallel) as pool:
-        futures = {pool.submit(run_cell_v2, config, cell): cell for cell in todo}
-        try:
-            for future in as_completed(futures):
-                cell, record = futures[future], future.result()
-                if record["status"] != "ok":
-                    failed.append(cell.name)
-                    last = record.get("error", "").strip().splitlines()[-1:] or [""]
-                    progress.write(f"study: {cell.name} {record['status']}: {last[0][:200]}")
-                progress.set_postfix(cell=cell.name, failed=len(failed))
-                progress.update(1)
-        except BaseException:
-            for future in futures:
-                future.cancel()
-            kill_running_cells()
-            raise
-    print(f"study: {len(todo) - len(failed)} of {len(todo)} cells ran"
-          + (f", {len(failed)} failed (rerun the stage to retry them: {', '.join(failed[:3])}"
-             + (", ..." if len(failed) > 3 else "") + ")" if failed else "")
-          + f"; results in {config.results_path}/", file=sys.stderr, flush=True)
-    return failed
-
-
-# --------------------------------------------------------------------------------------------
 # reruns
 
 EXACT_FIELDS = ("samples_seen", "last", "best", "curve", "loss_curve", "final_loss")
@@ -370,17 +313,6 @@ def rerun_cells(config: StudyConfig, names: list[str]) -> int:
     return 0 if identical == len(cells) else 1
 
 
-def run_lr_sweep(config: StudyConfig) -> None:
-    """The ``sweep-lr`` cells, in rounds: each round's results may call for edge extensions
-    (``sweep.extend_edges``), which the next round runs. Stops when nothing is left or a round
-    finishes none of its cells."""
-    while True:
-        cells = sweep_lr_cells(config)
-        todo = [cell for cell in cells if not is_finished_v2(config, cell)]
-        if not todo or len(run_cells(config, cells)) == len(todo):
-            return
-
-
 # --------------------------------------------------------------------------------------------
 # selection
 
@@ -403,6 +335,77 @@ def choose_lr(config: StudyConfig) -> dict[tuple, float]:
 def write_selection(config: StudyConfig) -> dict[str, Any]:
     """Choose each (dataset, setting, batch, steps)'s lr factor and options on the validation split
     and write the record (``selected``); entries whose sweep is unfinished are left out."""
+    chosen = joint_choice(config) if config.sweep.joint else _lr_then_options_choice(config)
+    record = {"metric": config.sweep.metric, "split": "val", "seeds": config.sweep.seeds,
+              "chosen": chosen}
+    path = selected_path(config)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    return record
+
+
+def joint_choice(config: StudyConfig) -> dict[str, Any]:
+    """``sweep.joint``: each option combination's own settled lr sweep gives its best factor; the
+    combination with the best mean validation score at its best factor wins (ties: the one listed
+    first, then the factor tried first). Trainings with an unsettled sweep are left out."""
+    all_settings = settings(config)
+    chosen: dict[str, Any] = {}
+    for dataset in config.datasets:
+        for (size, steps), arm_names in batch_steps(config).items():
+            for name in config.grid.losses:
+                setting = all_settings[name]
+                candidates = []
+                for options in option_grid(setting):
+                    factors, means = tried_lr_factors(config, dataset, name, size, steps,
+                                                      arm_names, options)
+                    if means is None:
+                        break
+                    factor = max(factors, key=lambda f: (means[f], -factors.index(f)))
+                    candidates.append({
+                        "options": options, "lr_factor": factor, "val": means[factor],
+                        "n": len(config.sweep.seeds),
+                        "lr_means": {f"{f:g}": means[f] for f in factors},
+                        "lr_at_edge": len(factors) > 1 and factor in (min(factors), max(factors))})
+                else:
+                    best = max(range(len(candidates)), key=lambda i: (candidates[i]["val"], -i))
+                    winner = candidates[best]
+                    lr_scores = {}
+                    for factor in tried_lr_factors(config, dataset, name, size, steps, arm_names,
+                                                   winner["options"])[0]:
+                        lr_scores[f"{factor:g}"] = [sweep_score(config, cell) for cell in [
+                            _sweep_cell(config, dataset, name, size, steps, arm_names,
+                                        winner["options"], factor, seed)
+                            for seed in config.sweep.seeds]]
+                    chosen[selection_key(dataset, name, size, steps)] = {
+                        "lr_factor": winner["lr_factor"], "options": winner["options"],
+                        "val": winner["val"], "lr_candidates": lr_scores,
+                        "candidates": candidates, "lr_at_edge": winner["lr_at_edge"],
+                        "joint": True}
+    return chosen
+
+
+def _sweep_cell(config: StudyConfig, dataset: str, name: str, size: int, steps: int,
+                arm_names: tuple[str, ...], options: dict[str, Any], factor: float, seed: int):
+    from .design import _cell, lr_tag
+
+    setting = settings(config)[name]
+    return _cell(config, dataset, "sweep-lr", name, setting, options, size, steps, factor, seed,
+                 arm_names, lr_tag(factor, setting, options))
+
+
+def edge_summary(config: StudyConfig) -> str:
+    """One line: the chosen learning rates still at an edge of their sweep after the cap of
+    ``sweep.extend_edges`` extensions (``lr_at_edge`` in ``selected``)."""
+    chosen = (read_selected(config) or {}).get("chosen", {})
+    at_edge = sorted(key for key, entry in chosen.items() if entry.get("lr_at_edge"))
+    text = (f"study: {len(at_edge)} of {len(chosen)} chosen learning rates at an edge of their "
+            f"sweep after the cap of {config.sweep.extend_edges} extension(s) (sweep.extend_edges)")
+    return text + (": " + ", ".join(at_edge[:6]) + (", ..." if len(at_edge) > 6 else "")
+                   if at_edge else "")
+
+
+def _lr_then_options_choice(config: StudyConfig) -> dict[str, Any]:
+    """Study v2's rule: the lr at the reference options, then the options at that lr."""
     chosen_lr = choose_lr(config)
     hyper = sweep_hyper_cells(config, chosen_lr)
     lr_cells = sweep_lr_cells(config)
@@ -437,50 +440,20 @@ def write_selection(config: StudyConfig) -> dict[str, Any]:
             "val": candidates[best]["val"], "lr_candidates": lr_scores, "candidates": candidates,
             "lr_at_edge": len(factors) > 1 and factor in (min(factors), max(factors)),
         }
-    record = {"metric": config.sweep.metric, "split": "val", "seeds": config.sweep.seeds,
-              "chosen": chosen}
-    path = selected_path(config)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
-    return record
+    return chosen
 
 
 # --------------------------------------------------------------------------------------------
-# the stages
-
-
-def run_study_v2(config: StudyConfig, stage: str = "all", command: str = "",
-                 sync_docs: tuple[Path, ...] = ()) -> None:
-    """Run ``stage``; the report (after ``final``, ``report``, ``all``) also rewrites the
-    generated blocks of the ``sync_docs`` pages (:mod:`vlcontrast.study.findings`)."""
-    if stage not in STAGES:
-        raise ValueError(f"--stage {stage!r}: one of {STAGES}")
-    from .runner import _exit_on_sigterm
-
-    _exit_on_sigterm()
-    if stage in ("prepare", "sweep", "final", "all"):
-        prepare_datasets(config)
-        ensure_starts(config)
-    if stage in ("sweep", "all"):
-        run_lr_sweep(config)
-        run_cells(config, sweep_hyper_cells(config, choose_lr(config)))
-        write_selection(config)
-    if stage in ("final", "all"):
-        selected = read_selected(config)
-        if selected is None:
-            raise FileNotFoundError(f"{selected_path(config)}: no selection yet; run --stage sweep")
-        run_cells(config, final_cells(config, selected))
-    if stage in ("final", "report", "all"):
-        from .findings import write_generated
-        from .report_v2 import final_results, write_report_v2
-
-        results = final_results(config)
-        write_report_v2(config, command, results)
-        write_generated(config, sync_docs, results)
+# the plan
 
 
 def plan_text(config: StudyConfig) -> str:
-    """The cells of each stage and the estimated machine time (``--plan``)."""
+    """The cells of each stage and their machine time (``--plan``): by the CPU model, or in
+    GPU-hours from measured step times (``cost_model: gpu``); a grid study: its cells."""
+    if not config.datasets:
+        return grid_plan_text(config)
+    if config.cost_model == "gpu":
+        return gpu_plan_text(config)
     from .budget import study_cost
 
     cost = study_cost(config)
@@ -499,6 +472,72 @@ def plan_text(config: StudyConfig) -> str:
         lines.append(f"  OVER BUDGET by {cost['wall_hours'] - config.budget_hours:.2f} h "
                      f"({cost['wall_hours'] / config.budget_hours - 1:.0%})")
     return "\n".join(lines + progress_lines(config, cost))
+
+
+def grid_plan_text(config: StudyConfig) -> str:
+    """A grid study (v1): losses x batch sizes x seeds, the steps of each batch, cells done."""
+    from .engine import is_finished
+    from .grid import grid_cells
+
+    cells = grid_cells(config)
+    done = sum(is_finished(config, cell) for cell in cells)
+    steps = {cell.global_batch: cell.steps for cell in cells}
+    return "\n".join([
+        f"study (grid): {len(config.grid.losses)} losses x {len(config.grid.global_batch_sizes)} "
+        f"batch sizes x {len(config.grid.seeds)} seeds = {len(cells)} cells; nothing tuned "
+        f"(one lr rule)",
+        *[f"  B={size}: {n} steps" for size, n in steps.items()],
+        f"  {done} of {len(cells)} cells done (result files in {config.results_path}/)"])
+
+
+def gpu_plan_text(config: StudyConfig) -> str:
+    """``--plan`` of a GPU study: cells per part and GPU-hours from measured throughputs only."""
+    from .budget import cell_counts, gpu_cost
+
+    cost = gpu_cost(config)
+    seeds, factors = len(config.sweep.seeds), len(config.sweep.lr_factors)
+    lines = [f"study: {len(config.datasets)} dataset(s), arms {list(config.arms)}, batches "
+             f"{config.grid.global_batch_sizes}, settings {config.grid.losses}; "
+             f"{cost['model']} {cost['precision']} on {config.nproc} GPU(s) per cell",
+             f"  tuning: {factors} lr factor(s) x {seeds} seed(s)"
+             + (" for every option combination (joint)" if config.sweep.joint
+                else " at the reference options, then the other options at the chosen lr")
+             + f"; edge rule: up to {config.sweep.extend_edges} extension(s) per sweep"]
+    for (size, steps), arm_names in batch_steps(config).items():
+        entry = cost["used"].get(size // config.nproc)
+        price = (f"{entry.step_s * 1000:.0f} ms per step measured ({entry.samples_per_s:.0f} "
+                 f"samples/s per GPU)" if entry else "no measured step time")
+        lines.append(f"  B={size}: {steps} steps ({'+'.join(arm_names)}), {size // config.nproc} "
+                     f"per GPU: {price}")
+    total_cells = 0
+    for part, numbers in cost["parts"].items():
+        total_cells += numbers["cells"]
+        unpriced = numbers["cells"] - numbers["priced"]
+        lines.append(f"  {part}: {numbers['cells']} cells, {numbers['gpu_hours']:.1f} GPU-hours"
+                     + (f" for {numbers['priced']} of them ({unpriced} not measured)"
+                        if unpriced else ""))
+    counted = sum(count for rows in cell_counts(config).values() for *_, count in rows)
+    assert counted == total_cells
+    unmeasured = cost["unmeasured"]
+    lines.append(f"  total {total_cells} cells, {cost['gpu_hours']:.1f} GPU-hours"
+                 + (f" for the {total_cells - sum(unmeasured.values())} measured ones"
+                    if unmeasured else ""))
+    sources = sorted({entry.source for entry in cost["used"].values()})
+    devices = sorted({entry.device for entry in cost["used"].values()})
+    if sources:
+        lines.append(f"  step times: {', '.join(sources)} (bench/gpu_check's throughput group, "
+                     f"{', '.join(devices)}; vlcontrast reading shards)")
+    if unmeasured:
+        batches = ", ".join(f"B={b} ({b // config.nproc} per GPU, {n} cells)"
+                            for b, n in sorted(unmeasured.items()))
+        lines.append(f"  NOT PRICED: no measured step time of {cost['model']} {cost['precision']} "
+                     f"at {batches} in {config.gpu_measurements} ({len(cost['files'])} report(s) "
+                     "read); measure each on the GPU with `python -m bench.gpu_check --only "
+                     "throughput --throughput-batch N` and commit its report; no number is "
+                     "extrapolated")
+    lines.append("  not counted: evaluations, start-up, checkpoints, edge extensions"
+                 + (f", {config.starts.count} start(s) per dataset" if config.starts.count else ""))
+    return "\n".join(lines)
 
 
 PACE_CELLS = 50

@@ -1,0 +1,336 @@
+"""The study engine: one stage runner, one cell loop and one single-cell entry point for every study.
+
+A study is a set of cells (short ``vlcontrast train`` runs), run in stages, each cell skipped once
+its result file with a matching fingerprint exists. Two cell layouts share this engine:
+
+* **staged** (a config with ``datasets:``, study v2 and ``configs/study/cc3m-gpu.yaml``; cells from
+  :mod:`.design`): ``prepare`` (datasets, starting checkpoints), ``sweep`` (learning rate and loss
+  options on the validation split, in rounds, then the committed choice), ``final`` (the chosen
+  settings at the final seeds, test split) and ``report`` (:mod:`.report_v2`);
+* **grid** (no ``datasets:``, study v1 ``configs/study/default.yaml``; cells from :mod:`.grid`):
+  the same stages with nothing to tune: ``prepare`` (the synthetic data and the one shared
+  start), ``final`` (loss x batch x seed at the fixed lr rule) and ``report`` (:mod:`.report`,
+  rebuilt after every cell). Its cell names, fingerprints and report layout are those its 121
+  committed result files were made with, so they stay readable and skipped.
+
+:func:`next_round` says which cells can run now (an lr sweep's edge extension needs the round
+before it; an option sweep needs the chosen lr; finals need the selection), so a study runs on one
+machine (:func:`run_study`, ``parallel`` cells at a time through :func:`run_cells`) or as a
+SLURM array (``slurm/study.sh``: each array task runs :func:`run_one` on one cell).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import signal
+import sys
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from ..progress import Progress
+from .cells import (_run_training, _write_json, ensure_pretrained, host_cpu, kill_running_cells,
+                    read_result, summarise_run)
+from .config import StudyConfig
+from .design import (Cell2, cell_command_v2, cell_fingerprint_v2, final_cells, finished_result,
+                     read_selected, result_path_v2, selected_path, sweep_hyper_cells,
+                     sweep_lr_cells)
+from .grid import Cell, cell_command, cell_fingerprint, cell_learning_rate, grid_cells
+
+STAGES = ("prepare", "sweep", "final", "report", "all")
+
+AnyCell = Cell | Cell2
+
+
+def staged(config: StudyConfig) -> bool:
+    """The staged layout (``datasets:``) or the grid layout."""
+    return bool(config.datasets)
+
+
+# --------------------------------------------------------------------------------------------
+# one cell
+
+
+def result_path(config: StudyConfig, cell: AnyCell) -> Path:
+    """Both layouts keep a cell's result at ``results_dir/<cell name>.json``."""
+    return config.results_path / f"{cell.name}.json"
+
+
+def fingerprint(config: StudyConfig, cell: AnyCell) -> str:
+    return cell_fingerprint_v2(config, cell) if isinstance(cell, Cell2) else cell_fingerprint(config, cell)
+
+
+def is_finished(config: StudyConfig, cell: AnyCell) -> bool:
+    """A result file whose fingerprint is this cell's (an unreadable file is not finished)."""
+    if isinstance(cell, Cell2):
+        return finished_result(config, cell) is not None
+    result = read_result(config, cell)
+    return result is not None and result.get("fingerprint") == cell_fingerprint(config, cell)
+
+
+def _start_digest(config: StudyConfig, dataset: str, k: int) -> str | None:
+    path = config.results_path / "starts" / f"{dataset}-k{k}.json"
+    return json.loads(path.read_text()).get("digest") if path.is_file() else None
+
+
+def _described(config: StudyConfig, cell: AnyCell, wall_s: float) -> dict[str, Any]:
+    """The fields of a cell's result file before its run summary (what it is, how long it took)."""
+    if isinstance(cell, Cell2):
+        return {"cell": cell.name, "dataset": cell.dataset, "stage": cell.stage,
+                "setting": cell.setting, "loss": cell.loss, "options": cell.options,
+                "global_batch": cell.global_batch, "steps": cell.steps, "seed": cell.seed,
+                "start": cell.start, "split": cell.split, "arms": list(cell.arms),
+                "lr": cell.lr, "lr_factor": cell.lr_factor,
+                "fingerprint": cell_fingerprint_v2(config, cell), "wall_s": wall_s,
+                "start_digest": _start_digest(config, cell.dataset, cell.start), "host": host_cpu()}
+    return {"cell": cell.name, "loss": cell.loss, "global_batch": cell.global_batch,
+            "seed": cell.seed, "steps": cell.steps,
+            "lr": cell_learning_rate(config, cell.global_batch) if config.lr else None,
+            "fingerprint": cell_fingerprint(config, cell), "wall_s": wall_s}
+
+
+def run_one(config: StudyConfig, cell: AnyCell) -> dict[str, Any]:
+    """Train one cell in a fresh run directory; on success write its result file (whole or
+    absent). Returns its ``study_cell.json`` record (status, return code, wall time, stderr tail).
+    The single-cell entry point of the loop below and of a SLURM array task."""
+    command = cell_command_v2(config, cell) if isinstance(cell, Cell2) else cell_command(config, cell)
+    record = {"cell": cell.name, **_run_training(config, cell.run_dir, command)}
+    if record["status"] == "ok":
+        if not config.keep_checkpoints:
+            shutil.rmtree(cell.run_dir / "checkpoints", ignore_errors=True)
+        _write_json(result_path(config, cell), {**_described(config, cell, record["wall_s"]),
+                                                **summarise_run(cell.run_dir, cell.global_batch)})
+    (cell.run_dir / "study_cell.json").write_text(json.dumps(record, indent=2))
+    return record
+
+
+# --------------------------------------------------------------------------------------------
+# the cell loop
+
+
+def run_cells(config: StudyConfig, cells: list[AnyCell],
+              after_each: Callable[[AnyCell, dict[str, Any]], None] | None = None) -> list[str]:
+    """Run the unfinished ``cells``, ``parallel`` at a time (threads only wait on the cells'
+    processes); returns the names of the failed ones. ``after_each(cell, record)`` runs in this
+    thread as each cell ends. Progress goes to stderr: a bar on a terminal, one line per finished
+    cell (with the ETA) in a log file, and a closing line with the counts. Ctrl-C or ``kill``
+    kills every running cell: none outlives the study."""
+    todo = [cell for cell in cells if not is_finished(config, cell)]
+    print(f"study: {len(cells) - len(todo)} of {len(cells)} cells done, running {len(todo)}",
+          file=sys.stderr, flush=True)
+    failed: list[str] = []
+    if not todo:
+        return failed
+    with Progress(total=len(cells), desc="study", unit="cell", initial=len(cells) - len(todo),
+                  every_n=1) as progress, \
+            ThreadPoolExecutor(max_workers=config.parallel) as pool:
+        futures = {pool.submit(run_one, config, cell): cell for cell in todo}
+        try:
+            for future in as_completed(futures):
+                cell, record = futures[future], future.result()
+                if record["status"] != "ok":
+                    failed.append(cell.name)
+                    last = record.get("error", "").strip().splitlines()[-1:] or [""]
+                    progress.write(f"study: {cell.name} {record['status']}: {last[0][:200]}")
+                if after_each is not None:
+                    after_each(cell, record)
+                progress.set_postfix(cell=cell.name, failed=len(failed))
+                progress.update(1)
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            kill_running_cells()
+            raise
+    print(f"study: {len(todo) - len(failed)} of {len(todo)} cells ran"
+          + (f", {len(failed)} failed (rerun the stage to retry them: {', '.join(failed[:3])}"
+             + (", ..." if len(failed) > 3 else "") + ")" if failed else "")
+          + f"; results in {config.results_path}/", file=sys.stderr, flush=True)
+    return failed
+
+
+# --------------------------------------------------------------------------------------------
+# what can run now
+
+
+def next_round(config: StudyConfig) -> tuple[str, list[AnyCell]]:
+    """(stage part, its unfinished cells that can run now). Staged layout: the lr sweep's cells
+    (edge extensions appear once the round before them is done), then the option sweeps at the
+    chosen lr (none when ``sweep.joint``), then, with the sweep settled and its choice written
+    (``selected``), the final cells. Grid layout: the unfinished grid cells. ``("done", [])``
+    when nothing is left."""
+    if not staged(config):
+        todo = [cell for cell in grid_cells(config) if not is_finished(config, cell)]
+        return ("final", todo) if todo else ("done", [])
+    from .v2 import choose_lr, write_selection
+
+    lr = [cell for cell in sweep_lr_cells(config) if not is_finished(config, cell)]
+    if lr:
+        return "sweep-lr", lr
+    hyper = [cell for cell in sweep_hyper_cells(config, choose_lr(config))
+             if not is_finished(config, cell)]
+    if hyper:
+        return "sweep-hyper", hyper
+    write_selection(config)
+    finals = [cell for cell in final_cells(config, read_selected(config))
+              if not is_finished(config, cell)]
+    return ("final", finals) if finals else ("done", [])
+
+
+def find_cell(config: StudyConfig, name: str) -> AnyCell:
+    """A cell of the study by name: any cell it has defined so far (sweep rounds, finals)."""
+    if staged(config):
+        from .v2 import known_cells
+
+        known: list[AnyCell] = list(known_cells(config))
+    else:
+        known = list(grid_cells(config))
+    for cell in known:
+        if cell.name == name:
+            return cell
+    example = known[0].name if known else "(none yet)"
+    raise ValueError(f"--cell {name}: no such cell in this study now (names look like {example}; "
+                     "`--list-cells` prints the ones that can run)")
+
+
+# --------------------------------------------------------------------------------------------
+# the stages
+
+
+def _exit_on_sigterm() -> None:
+    """``kill`` of the study raises SystemExit, so the running cells (their own sessions) are
+    killed too."""
+    def handler(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    try:
+        signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        pass
+
+
+def earlier_failures(config: StudyConfig, cells: list[Cell]) -> dict[str, dict[str, Any]]:
+    """Grid layout: failed or timed-out attempts still in this work tree, for the report."""
+    out = {}
+    for cell in cells:
+        record_path = cell.run_dir / "study_cell.json"
+        if record_path.is_file() and not is_finished(config, cell):
+            record = json.loads(record_path.read_text())
+            if record.get("status") != "ok":
+                out[cell.name] = record
+    return out
+
+
+def prepare(config: StudyConfig) -> None:
+    """The data and the starting checkpoint(s), each made only when missing or stale."""
+    from .v2 import ensure_starts, ensure_synthetic, prepare_datasets
+
+    if staged(config):
+        prepare_datasets(config)
+        ensure_starts(config)
+        return
+    if config.data.dir:
+        from vlcontrast.errors import ConfigError
+
+        root = Path(config.data.dir)
+        if config.data.generate:
+            ensure_synthetic(root, config.data.generate)
+        elif not (root / "train" / "manifest.json").is_file():
+            raise ConfigError(f"study data.dir={config.data.dir!r}: no train/manifest.json and no "
+                              "data.generate to make it")
+    ensure_pretrained(config)
+
+
+def write_report(config: StudyConfig, command: str = "", sync_docs: tuple[Path, ...] = (),
+                 failures: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]] | None:
+    """The layout's report from the result files; the grid layout returns its rows."""
+    if staged(config):
+        from .findings import write_generated
+        from .report_v2 import final_results, write_report_v2
+
+        results = final_results(config)
+        write_report_v2(config, command, results)
+        write_generated(config, sync_docs, results)
+        return None
+    from .report import write_report as write_grid_report
+
+    cells = grid_cells(config)
+    return write_grid_report(config, cells, command,
+                             earlier_failures(config, cells) if failures is None else failures)
+
+
+@dataclass
+class StudyResult:
+    ran: list[str] = field(default_factory=list)
+    """Cells run by this call (finished cells of an earlier call are skipped)."""
+    failed: list[str] = field(default_factory=list)
+    rows: list[dict[str, Any]] | None = None
+    """Grid layout: one ``study.csv`` row per cell, as reported."""
+
+
+def run_study(config: StudyConfig, stage: str = "all", command: str = "",
+              sync_docs: tuple[Path, ...] = ()) -> StudyResult:
+    """Run ``stage`` of the study (``all``: every stage in order). Every stage skips what is done,
+    so a study resumes across sessions once its result files (and ``selected``) are committed.
+    The report (``final``, ``report``, ``all``) of a staged study also rewrites the generated
+    blocks of the ``sync_docs`` pages (:mod:`.findings`)."""
+    if stage not in STAGES:
+        raise ValueError(f"--stage {stage!r}: one of {STAGES}")
+    out = Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "study_config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(config), sort_keys=False))
+    _exit_on_sigterm()
+    result = StudyResult()
+    working = stage in ("prepare", "sweep", "final", "all")
+    if working and (staged(config) or next_round(config)[1]):
+        prepare(config)
+    if stage in ("sweep", "all") and staged(config):
+        _run_rounds(config, ("sweep-lr", "sweep-hyper"), result)
+        from .v2 import edge_summary, write_selection
+
+        write_selection(config)
+        print(edge_summary(config), file=sys.stderr, flush=True)
+    if stage in ("final", "all"):
+        if staged(config) and read_selected(config) is None:
+            raise FileNotFoundError(f"{selected_path(config)}: no selection yet; run --stage sweep")
+        _run_rounds(config, ("final",), result, command)
+    if stage in ("final", "report", "all"):
+        result.rows = write_report(config, command, sync_docs)
+    if not staged(config):
+        done = sum(is_finished(config, cell) for cell in grid_cells(config))
+        print(f"study: {done} of {len(grid_cells(config))} cells finished; results in "
+              f"{config.results_path}/, report in {config.report_path}/study.md", file=sys.stderr,
+              flush=True)
+    return result
+
+
+def _run_rounds(config: StudyConfig, parts: tuple[str, ...], result: StudyResult,
+                command: str = "") -> None:
+    """Run :func:`next_round` while it names one of ``parts`` and each round finishes a cell."""
+    after_each = None
+    if not staged(config):  # the grid's report is rebuilt after every cell
+        failures = earlier_failures(config, grid_cells(config))
+
+        def after_each(cell, record):
+            if record["status"] == "ok":
+                failures.pop(cell.name, None)
+            else:
+                failures[cell.name] = record
+            write_report(config, command, failures=failures)
+
+    tried: set[str] = set()
+    while True:
+        part, cells = next_round(config)
+        # A round that offers only cells this call has tried already (failed ones) ends it: rerun
+        # the stage to retry them.
+        if part not in parts or not {cell.name for cell in cells} - tried:
+            return
+        cells = [cell for cell in cells if cell.name not in tried]
+        failed = run_cells(config, cells, after_each)
+        tried |= {cell.name for cell in cells}
+        result.ran += [cell.name for cell in cells]
+        result.failed += failed
