@@ -513,15 +513,22 @@ def gpu_plan_text(config: StudyConfig) -> str:
     for part, numbers in cost["parts"].items():
         total_cells += numbers["cells"]
         unpriced = numbers["cells"] - numbers["priced"]
-        lines.append(f"  {part}: {numbers['cells']} cells, {numbers['gpu_hours']:.1f} GPU-hours"
-                     + (f" for {numbers['priced']} of them ({unpriced} not measured)"
-                        if unpriced else ""))
+        if unpriced and not numbers["priced"]:
+            lines.append(f"  {part}: {numbers['cells']} cells, not priced (not measured)")
+        else:
+            lines.append(f"  {part}: {numbers['cells']} cells, {numbers['gpu_hours']:.1f} "
+                         "GPU-hours" + (f" for {numbers['priced']} of them ({unpriced} not "
+                                        "measured)" if unpriced else ""))
     counted = sum(count for rows in cell_counts(config).values() for *_, count in rows)
     assert counted == total_cells
     unmeasured = cost["unmeasured"]
-    lines.append(f"  total {total_cells} cells, {cost['gpu_hours']:.1f} GPU-hours"
-                 + (f" for the {total_cells - sum(unmeasured.values())} measured ones"
-                    if unmeasured else ""))
+    priced = total_cells - sum(unmeasured.values())
+    if not priced:
+        lines.append(f"  total {total_cells} cells; GPU-hours unknown: no cell's step time is "
+                     "measured")
+    else:
+        lines.append(f"  total {total_cells} cells, {cost['gpu_hours']:.1f} GPU-hours"
+                     + (f" for the {priced} measured ones" if unmeasured else ""))
     sources = sorted({entry.source for entry in cost["used"].values()})
     devices = sorted({entry.device for entry in cost["used"].values()})
     if sources:
@@ -531,8 +538,10 @@ def gpu_plan_text(config: StudyConfig) -> str:
         batches = ", ".join(f"B={b} ({b // config.nproc} per GPU, {n} cells)"
                             for b, n in sorted(unmeasured.items()))
         lines.append(f"  NOT PRICED: no measured step time of {cost['model']} {cost['precision']} "
-                     f"at {batches} in {config.gpu_measurements} ({len(cost['files'])} report(s) "
-                     "read); measure each on the GPU with `python -m bench.gpu_check --only "
+                     f"at {batches} in {config.gpu_measurements} (read: "
+                     f"{', '.join(cost['files']) or 'no file'}; a report without a throughput "
+                     "group prices nothing: its matrix rows time 3-step runs with start-up, not a "
+                     "step); measure each on the GPU with `python -m bench.gpu_check --only "
                      "throughput --throughput-batch N` and commit its report; no number is "
                      "extrapolated")
     lines.append("  not counted: evaluations, start-up, checkpoints, edge extensions"
