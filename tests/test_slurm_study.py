@@ -1,0 +1,221 @@
+"""The loss study as SLURM array jobs (slurm/study.sh, slurm/study_cells.sbatch) under a fake
+``sbatch`` on PATH, as tests/test_slurm.py does for training.
+
+The fake ``sbatch`` reads the script's ``#SBATCH`` lines, logs its options, and for
+``--array=A-B[%N]`` runs the script once per index with ``SLURM_ARRAY_TASK_ID`` set (``--wait``:
+it returns when all have, non-zero when one failed). ``PYTHON`` is a stand-in interpreter that runs
+the real ``vlcontrast`` command line with the training subprocess replaced by one that writes a
+run's files at once (a score that depends on the learning rate), so every round of a study runs:
+the lr sweep (with its edge extensions), the choice, the finals and the report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+FAKE_SBATCH = r'''
+import os, re, subprocess, sys
+options, args = {}, sys.argv[1:]
+while args and args[0].startswith("--"):
+    key, _, value = args.pop(0)[2:].partition("=")
+    options[key] = value
+script, script_args = args[0], args[1:]
+for line in open(script):
+    match = re.match(r"#SBATCH\s+--([\w-]+)(?:=(\S+))?", line)
+    if match:
+        options.setdefault(match.group(1), match.group(2) or "")
+with open(os.environ["FAKE_LOG"], "a") as log:
+    log.write(repr(("sbatch", options, script_args)) + "\n")
+env = dict(os.environ, SLURM_JOB_ID="4242", SLURM_ARRAY_JOB_ID="4242")
+for item in options.get("export", "ALL").split(",")[1:]:
+    key, _, value = item.partition("=")
+    env[key] = value
+first, _, last = options["array"].split("%")[0].partition("-")
+failed = 0
+for index in range(int(first), int(last or first) + 1):
+    failed += subprocess.call(["bash", script] + script_args,
+                              env=dict(env, SLURM_ARRAY_TASK_ID=str(index))) != 0
+sys.exit(1 if failed else 0)
+'''
+
+FAKE_PYTHON = r'''
+import json, os, re, sys
+from pathlib import Path
+assert sys.argv[1:3] == ["-m", "vlcontrast.cli"], sys.argv
+import vlcontrast.study.engine as engine
+
+def fake_training(config, run_dir, command):
+    """A cell's run at once: its validation score peaks at lr factor 2 (1e-3 x 2 at B=8)."""
+    with open(os.environ["FAKE_LOG"], "a") as log:
+        log.write(repr(("train", run_dir.name)) + "\n")
+    if os.environ.get("FAKE_FAIL") and os.environ["FAKE_FAIL"] in str(run_dir):
+        return {"status": "failed", "returncode": 1, "wall_s": 0.1, "command": command,
+                "error": "RuntimeError: boom"}
+    lr = float(next(a for a in command if a.startswith("optim.lr=")).split("=")[1])
+    seed = int(next(a for a in command if a.startswith("seed=")).split("=")[1])
+    score = 0.5 - abs(lr / 1e-3 - 2.0) * 0.1 + 0.001 * seed
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_text(json.dumps(
+        {"kind": "train", "step": 4, "samples_seen": 32, "loss": 1.0}) + "\n")
+    (run_dir / "results.json").write_text(json.dumps({"metrics": {
+        "step": 4, "samples_seen": 32, "retrieval/text_to_image_R@1": score,
+        "retrieval/image_to_text_R@1": score}}))
+    return {"status": "ok", "returncode": 0, "wall_s": 0.1, "command": command}
+
+engine._run_training = fake_training
+from vlcontrast.cli import main
+sys.exit(main(sys.argv[3:]))
+'''
+
+
+@pytest.fixture
+def fake_slurm(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, source in (("sbatch", FAKE_SBATCH), ("fake-python", FAKE_PYTHON)):
+        path = bin_dir / name
+        path.write_text(f"#!{sys.executable}\n{source}")
+        path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    log = tmp_path / "fake.log"
+
+    def run(config: Path, *args: str, env_extra: dict | None = None):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "VLC_STUDY"))}
+        env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", FAKE_LOG=str(log),
+                   PYTHON=str(bin_dir / "fake-python"), PYTHONPATH=str(REPO),
+                   VLC_STUDY_ROUNDS=str(tmp_path / "rounds"), TOKENIZERS_PARALLELISM="false")
+        env.update(env_extra or {})
+        proc = subprocess.run(["bash", "slurm/study.sh", str(config), *args], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=600)
+        events = [eval(line) for line in log.read_text().splitlines()] if log.is_file() else []
+        log.unlink(missing_ok=True)
+        return proc, events
+
+    return run
+
+
+def _study(tmp_path: Path) -> Path:
+    """A staged study on shard files (nothing to make), no starts, the edge rule: 2 settings, one
+    batch size, one sweep seed, lr factors 1 and 2 (the fake score peaks at 2: one extension to
+    4), 2 final seeds. Small: every command line of the driver is a fresh interpreter."""
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for name in ("train", "val", "test"):
+        (shards / f"{name}.tar").write_bytes(b"")
+    values = {
+        "output_dir": str(tmp_path / "out"), "results_dir": str(tmp_path / "res" / "cells"),
+        "report_dir": str(tmp_path / "res"), "base": str(REPO / "configs" / "demo.yaml"),
+        "lr": 1e-3, "warmup_fraction": 0.25, "eval_points": 1, "log_points": 1,
+        "lr_scaling": "none", "launcher": "subprocess",
+        "datasets": {"web": {"kind": "shards", "train": str(shards / "train.tar"),
+                             "val": str(shards / "val.tar"), "test": str(shards / "test.tar")}},
+        "starts": {"count": 0},
+        "arms": {"steps": {"steps": 4}},
+        "settings": {"infonce": {"loss": "infonce"}, "dcl": {"loss": "dcl"}},
+        "grid": {"losses": ["infonce", "dcl"], "global_batch_sizes": [8], "seeds": [0, 1]},
+        "sweep": {"seeds": [100], "lr_factors": [1.0, 2.0], "extend_edges": 1, "joint": True},
+        "comparisons": [["dcl", "infonce"]],
+    }
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+def _arrays(events):
+    return [e for e in events if e[0] == "sbatch"]
+
+
+def _trained(events):
+    return [e[1] for e in events if e[0] == "train"]
+
+
+def test_a_study_runs_as_array_rounds_then_reports_and_a_rerun_does_nothing(fake_slurm, tmp_path):
+    config = _study(tmp_path)
+    proc, events = fake_slurm(config, env_extra={"VLC_STUDY_CHUNK": "3"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    arrays = _arrays(events)
+    # round 1: 2 settings x 2 factors = 4 cells in ceil(4 / 3) = 2 tasks; x2 wins at the edge:
+    # round 2 adds x4 for each (2 cells, 1 task); x2 is then inside; round 3: the finals, 2
+    # settings x 2 seeds (2 tasks)
+    assert [a[1]["array"] for a in arrays] == ["0-1", "0-0", "0-1"]
+    for _, options, args in arrays:
+        assert options["wait"] == "" and options["gpus-per-node"] == "8"
+        assert options["export"] == "ALL,VLC_STUDY_CHUNK=3"
+        assert args[0] == str(config) and args[1].endswith(".txt")
+    rounds = sorted((tmp_path / "rounds").glob("round-*.txt"))
+    assert [len(p.read_text().split()) for p in rounds] == [4, 2, 4, 0]
+    assert rounds[1].read_text().split() == ["web/sweep-lr/infonce-b8-n4-lr4-s100",
+                                             "web/sweep-lr/dcl-b8-n4-lr4-s100"]
+    trained = _trained(events)
+    assert len(trained) == 10 == len(set(trained))  # every cell once
+    selected = json.loads((tmp_path / "res" / "selected.json").read_text())["chosen"]
+    assert selected["web/infonce/b8/n4"]["lr_factor"] == 2.0
+    assert selected["web/infonce/b8/n4"]["lr_at_edge"] is False
+    report = (tmp_path / "res" / "study.md").read_text()
+    assert "Final cells finished: 4" in report and "dcl − infonce" in report
+    # the driver again: nothing to run (prepare, one empty list, the report)
+    proc, events = fake_slurm(config)
+    assert proc.returncode == 0, proc.stderr
+    assert _arrays(events) == [] and _trained(events) == []
+
+
+def test_an_array_task_runs_its_chunk_of_the_list_and_skips_finished_cells(tmp_path, fake_slurm):
+    config = _study(tmp_path)
+    names = ["web/sweep-lr/infonce-b8-n4-lr1-s100", "web/sweep-lr/dcl-b8-n4-lr1-s100",
+             "web/sweep-lr/infonce-b8-n4-lr2-s100"]
+    listed = tmp_path / "list.txt"
+    listed.write_text("\n".join(names) + "\n")
+    log = tmp_path / "fake.log"
+    env = dict(os.environ, PYTHON=str(tmp_path / "bin" / "fake-python"), PYTHONPATH=str(REPO),
+               FAKE_LOG=str(log), VLC_STUDY_CHUNK="2", TOKENIZERS_PARALLELISM="false")
+
+    def task(index: int):
+        return subprocess.run(["bash", "slurm/study_cells.sbatch", str(config), str(listed)],
+                              cwd=REPO, env=dict(env, SLURM_ARRAY_TASK_ID=str(index)),
+                              capture_output=True, text=True, timeout=300)
+
+    first = task(1)  # lines 3-4 of the list: only line 3 exists
+    assert first.returncode == 0, first.stderr
+    assert [e[1] for e in map(eval, log.read_text().splitlines())] == ["infonce-b8-n4-lr2-s100"]
+    assert (tmp_path / "res" / "cells" / f"{names[2]}.json").is_file()
+    log.unlink()
+    again = task(1)  # a requeued task: its cell is finished, nothing trains
+    assert again.returncode == 0 and "already finished (its fingerprint matches)" in again.stderr
+    assert not log.exists()
+    beyond = task(2)
+    assert beyond.returncode == 0 and "has no cell" in beyond.stdout
+
+
+FAKE_STUDY_CLI = r'''
+import os, sys
+args = sys.argv[3:]
+with open(os.environ["FAKE_LOG"], "a") as log:
+    log.write(repr(("cli", args)) + "\n")
+if "--list-cells" in args:  # a cell that never finishes, then it alone
+    count = sum(1 for line in open(os.environ["FAKE_LOG"]) if "--list-cells" in line)
+    print("a/sweep-lr/x-s1\nb/sweep-lr/y-s1" if count == 1 else "b/sweep-lr/y-s1")
+sys.exit(1 if "--cell" in args and "b/sweep-lr/y-s1" in args else 0)
+'''
+
+
+def test_cells_that_fail_again_stop_the_driver_without_a_report(fake_slurm, tmp_path):
+    fake = tmp_path / "bin" / "fake-study"
+    fake.write_text(f"#!{sys.executable}\n{FAKE_STUDY_CLI}")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    proc, events = fake_slurm(tmp_path / "any.yaml", env_extra={"PYTHON": str(fake)})
+    assert proc.returncode == 1
+    assert "failed in the round before" in proc.stderr
+    assert "round 1 ended with failed task(s)" in proc.stdout
+    assert [a[1]["array"] for a in _arrays(events)] == ["0-1"]
+    commands = [e[1] for e in events if e[0] == "cli"]
+    assert commands[0][-2:] == ["--stage", "prepare"]
+    assert ["--stage", "report"] not in [c[-2:] for c in commands]
