@@ -152,3 +152,15 @@ def test_next_round_walks_sweep_options_selection_and_finals(tmp_path):
     for cell in cells:
         fake_result(config, cell, 0.4)
     assert engine.next_round(config) == ("done", [])
+
+
+def test_plan_of_the_grid_layout_counts_its_cells(monkeypatch, capsys):
+    from vlcontrast.cli import main
+
+    monkeypatch.chdir(ROOT)
+    assert main(["study", "--config", "configs/study/default.yaml", "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("study (grid): 6 losses x 4 batch sizes x 5 seeds = 120 cells")
+    # 64,000 samples per cell: ceil(64000 / B) steps
+    assert "  B=16: 4000 steps\n  B=64: 1000 steps\n  B=256: 250 steps\n  B=1024: 63 steps" in out
+    assert "120 of 120 cells done" in out

@@ -197,6 +197,24 @@ def find_cell(config: StudyConfig, name: str) -> AnyCell:
                      "`--list-cells` prints the ones that can run)")
 
 
+def plan_text(config: StudyConfig) -> str:
+    """``--plan``: a staged study's cells and machine time (:func:`.v2.plan_text`); a grid
+    study's cells (losses x batch sizes x seeds, the steps of each batch, how many are done)."""
+    if staged(config):
+        from .v2 import plan_text as staged_plan_text
+
+        return staged_plan_text(config)
+    cells = grid_cells(config)
+    done = sum(is_finished(config, cell) for cell in cells)
+    steps = {cell.global_batch: cell.steps for cell in cells}
+    return "\n".join([
+        f"study (grid): {len(config.grid.losses)} losses x {len(config.grid.global_batch_sizes)} "
+        f"batch sizes x {len(config.grid.seeds)} seeds = {len(cells)} cells; nothing tuned "
+        "(one lr rule)",
+        *[f"  B={size}: {n} steps" for size, n in steps.items()],
+        f"  {done} of {len(cells)} cells done (result files in {config.results_path}/)"])
+
+
 # --------------------------------------------------------------------------------------------
 # the stages
 

@@ -449,9 +449,7 @@ def _lr_then_options_choice(config: StudyConfig) -> dict[str, Any]:
 
 def plan_text(config: StudyConfig) -> str:
     """The cells of each stage and their machine time (``--plan``): by the CPU model, or in
-    GPU-hours from measured step times (``cost_model: gpu``); a grid study: its cells."""
-    if not config.datasets:
-        return grid_plan_text(config)
+    GPU-hours from measured step times (``cost_model: gpu``)."""
     if config.cost_model == "gpu":
         return gpu_plan_text(config)
     from .budget import study_cost
@@ -472,22 +470,6 @@ def plan_text(config: StudyConfig) -> str:
         lines.append(f"  OVER BUDGET by {cost['wall_hours'] - config.budget_hours:.2f} h "
                      f"({cost['wall_hours'] / config.budget_hours - 1:.0%})")
     return "\n".join(lines + progress_lines(config, cost))
-
-
-def grid_plan_text(config: StudyConfig) -> str:
-    """A grid study (v1): losses x batch sizes x seeds, the steps of each batch, cells done."""
-    from .engine import is_finished
-    from .grid import grid_cells
-
-    cells = grid_cells(config)
-    done = sum(is_finished(config, cell) for cell in cells)
-    steps = {cell.global_batch: cell.steps for cell in cells}
-    return "\n".join([
-        f"study (grid): {len(config.grid.losses)} losses x {len(config.grid.global_batch_sizes)} "
-        f"batch sizes x {len(config.grid.seeds)} seeds = {len(cells)} cells; nothing tuned "
-        f"(one lr rule)",
-        *[f"  B={size}: {n} steps" for size, n in steps.items()],
-        f"  {done} of {len(cells)} cells done (result files in {config.results_path}/)"])
 
 
 def gpu_plan_text(config: StudyConfig) -> str:
