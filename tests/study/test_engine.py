@@ -21,7 +21,6 @@ V1_REPORT = ("study.md", "study.csv", "comparisons.csv", "zeroshot_top1.png", "r
              "curves.png")
 
 
-@pytest.mark.slow
 def test_v1s_committed_report_regenerates_byte_for_byte_through_the_engine(tmp_path, monkeypatch):
     """``vlcontrast study --config configs/study/default.yaml --report-only`` is the engine's
     report stage of the grid layout; written elsewhere, every file equals the committed one."""
