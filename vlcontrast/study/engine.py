@@ -38,7 +38,7 @@ from .cells import (_run_training, _write_json, ensure_pretrained, host_cpu, kil
                     read_result, summarise_run)
 from .config import StudyConfig
 from .design import (Cell2, cell_command_v2, cell_fingerprint_v2, final_cells, finished_result,
-                     read_selected, result_path_v2, selected_path, sweep_hyper_cells,
+                     read_selected, selected_path, start_digest, sweep_hyper_cells,
                      sweep_lr_cells)
 from .grid import Cell, cell_command, cell_fingerprint, cell_learning_rate, grid_cells
 
@@ -73,11 +73,6 @@ def is_finished(config: StudyConfig, cell: AnyCell) -> bool:
     return result is not None and result.get("fingerprint") == cell_fingerprint(config, cell)
 
 
-def _start_digest(config: StudyConfig, dataset: str, k: int) -> str | None:
-    path = config.results_path / "starts" / f"{dataset}-k{k}.json"
-    return json.loads(path.read_text()).get("digest") if path.is_file() else None
-
-
 def _described(config: StudyConfig, cell: AnyCell, wall_s: float) -> dict[str, Any]:
     """The fields of a cell's result file before its run summary (what it is, how long it took)."""
     if isinstance(cell, Cell2):
@@ -87,7 +82,7 @@ def _described(config: StudyConfig, cell: AnyCell, wall_s: float) -> dict[str, A
                 "start": cell.start, "split": cell.split, "arms": list(cell.arms),
                 "lr": cell.lr, "lr_factor": cell.lr_factor,
                 "fingerprint": cell_fingerprint_v2(config, cell), "wall_s": wall_s,
-                "start_digest": _start_digest(config, cell.dataset, cell.start), "host": host_cpu()}
+                "start_digest": start_digest(config, cell.dataset, cell.start), "host": host_cpu()}
     return {"cell": cell.name, "loss": cell.loss, "global_batch": cell.global_batch,
             "seed": cell.seed, "steps": cell.steps,
             "lr": cell_learning_rate(config, cell.global_batch) if config.lr else None,
