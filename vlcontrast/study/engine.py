@@ -10,8 +10,8 @@ its result file with a matching fingerprint exists. Two cell layouts share this 
 * **grid** (no ``datasets:``, study v1 ``configs/study/default.yaml``; cells from :mod:`.grid`):
   the same stages with nothing to tune: ``prepare`` (the synthetic data and the one shared
   start), ``final`` (loss x batch x seed at the fixed lr rule) and ``report`` (:mod:`.report`,
-  rebuilt after every cell). Its cell names, fingerprints and report layout are those its 121
-  committed result files were made with, so they stay readable and skipped.
+  rebuilt after every cell). Its cell names, fingerprints and report layout are those its 120
+  committed cells were made with, so they stay readable and skipped.
 
 :func:`next_round` says which cells can run now (an lr sweep's edge extension needs the round
 before it; an option sweep needs the chosen lr; finals need the selection), so a study runs on one
