@@ -174,7 +174,7 @@ def findings(config: StudyConfig, rows, family: list[Tested]) -> str:
             sentences = _arm_findings(config, rows, family, dataset, arm)
             out.append(f"- arm `{arm}`: " + " ".join(sentences))
         out.append("")
-    if rows:
+    if rows and config.starts.count:  # without shared starts every seed is its own replicate
         out.append(_by_start_text(config, rows))
     return "\n".join(out).rstrip() + "\n"
 
