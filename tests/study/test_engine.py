@@ -38,6 +38,18 @@ def test_v1s_committed_report_regenerates_byte_for_byte_through_the_engine(tmp_p
         assert filecmp.cmp(tmp_path / name, V1 / name, shallow=False), name
 
 
+def test_v2s_committed_report_regenerates_byte_for_byte_through_the_engine(tmp_path, monkeypatch):
+    """The staged layout's report stage, from the 1,864 committed cells and selected.json."""
+    monkeypatch.chdir(ROOT)
+    config = load_study_config("configs/study/v2.yaml", [f"report_dir={tmp_path}"])
+    engine.run_study(config, "report", "vlcontrast study --config configs/study/v2.yaml")
+    written = sorted(path.name for path in tmp_path.iterdir() if path.name != "selected.json")
+    assert {"study.md", "findings.md", "comparisons.csv", "recommendation.md"} <= set(written)
+    for name in written:
+        assert filecmp.cmp(tmp_path / name, ROOT / "results" / "loss-study-v2" / name,
+                           shallow=False), name
+
+
 def test_v1_is_the_grid_layout_of_the_engine_and_nothing_is_left_to_run(monkeypatch):
     monkeypatch.chdir(ROOT)
     config = load_study_config("configs/study/default.yaml")
