@@ -38,6 +38,7 @@ from vlcontrast.data.samples import Members
 from vlcontrast.data.loader import build_train_loader
 from vlcontrast.data.sources import check_ids_available
 from vlcontrast.data.transforms import split_normalization
+from vlcontrast.distill import build_distiller
 from vlcontrast.errors import ConfigError
 from vlcontrast.losses import LOSSES, build_loss
 from vlcontrast.models import build_model
@@ -73,7 +74,8 @@ def train(config: RunConfig) -> dict[str, Any]:
                           image_cache_dir=_image_cache_dir(config))
     preflight(config, evaluator)
     device, dtype = env.device, precision.parameter_dtype
-    needs_ids = build_loss(config.loss.name, id_space=1, **config.loss.options).needs_sample_ids
+    needs_ids = (build_loss(config.loss.name, id_space=1, **config.loss.options).needs_sample_ids
+                 or bool(config.distill.teacher_features))  # stored teacher rows: by sample id
     check_ids_available(config.data, needs_ids, who=f"loss={config.loss.name}")  # before the model
     run_dir, config_yaml = Path(config.output_dir), yaml.safe_dump(to_dict(config), sort_keys=False)
     _configure_process(config.seed, precision, env, run_dir, config_yaml)
@@ -84,12 +86,18 @@ def train(config: RunConfig) -> dict[str, Any]:
     features = _locked_image_features(config, bundle.model)
     if features is not None:  # training never sees the images: none is decoded
         transform = features.placeholder()
+    distiller, tokenizer = build_distiller(config, bundle, device=device, precision=precision), \
+        bundle.tokenizer
+    if distiller is not None:  # each sample transformed and tokenized once per model
+        transform, tokenizer = distiller.views(config, bundle), distiller.tokenizer(tokenizer)
     data = _train_batches(config.data, config.seed, config.train.accum_steps, env,
-                          bundle.tokenizer, transform, needs_ids,
+                          tokenizer, transform, needs_ids,
                           row_snapshot_dir=_row_snapshot_dir(config))
     loss_fn = build_loss(config.loss.name, chunk_size=config.loss.chunk_size,
                          id_space=data.id_space, optimizer_betas=config.optim.betas,
                          optimizer_eps=config.optim.eps, **config.loss.options).to(device)
+    if distiller is not None:  # the term is added to whatever loss.name computes
+        loss_fn = distiller.wrap(loss_fn, config.loss.chunk_size)
     if features is not None and getattr(loss_fn, "needs_momentum_features", False):
         raise ConfigError(f"model.lock_image_features: loss {config.loss.name!r} with momentum "
                           "towers embeds the images itself; turn the cache off")
@@ -124,6 +132,8 @@ def train(config: RunConfig) -> dict[str, Any]:
             loss_fn.set_epoch(data.epoch)  # the epoch of the step's (last) micro-batch
             if features is not None:  # model.lock_image_features: the tower's stored output
                 micro_batches = features.swap(micro_batches)
+            if distiller is not None:  # the teacher's embeddings of this step's samples
+                micro_batches = distiller.prepare(micro_batches)
             log.timer.mark("data")
             outcome = train_step(engine, loss_fn, micro_batches, state.step + 1, device, dtype,
                                  log.timer, momentum, stop, normalizer)
@@ -190,7 +200,8 @@ def _train_batches(data: DataConfig, seed: int, accum_steps: int, env, tokenizer
     """This rank's batch stream, augmented with ``transform`` by (seed, epoch, image);
     ``needs_ids``: the loss keeps per-sample state, so every sample must carry a numeric id;
     ``row_snapshot_dir``: see :func:`_row_snapshot_dir`."""
-    augment = SeededTransform(transform, seed, random=data.augment)
+    augment = (transform if getattr(transform, "seeds_itself", False)  # distill.views
+               else SeededTransform(transform, seed, random=data.augment))
     # The training device, not "is there CUDA": a CPU run on a GPU host pins nothing and opens no
     # CUDA context.
     build = functools.partial(build_train_loader, data, augment, tokenizer, seed=seed,
