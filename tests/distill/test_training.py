@@ -138,9 +138,16 @@ def test_gradcache_equals_one_batch(data, teacher_file, tmp_path, kind):
     _train(tiny_config(data, tmp_path / "accum", data__batch_size=4, train__accum_steps=2,
                        **extra))
     one, accum = _weights(tmp_path / "one"), _weights(tmp_path / "accum")
-    assert _max_difference(one, accum) < 1e-5
+    assert _losses(tmp_path / "accum", "distill_loss") == pytest.approx(
+        _losses(tmp_path / "one", "distill_loss"), rel=1e-5)
+    assert _losses(tmp_path / "accum") == pytest.approx(_losses(tmp_path / "one"), rel=1e-5)
+    # AdamW turns float noise in near-zero gradients (attention key biases) into differences of
+    # ~2e-5 after 3 steps, without a teacher too; a lost gradient would differ by ~lr per step.
+    assert _max_difference(one, accum) < 1e-4
     if kind != "logits":
         assert "distill_projection.weight" in one
+        difference = one["distill_projection.weight"] - accum["distill_projection.weight"]
+        assert float(difference.abs().max()) < 1e-5
         start = _projection_start(teacher_file, data, tmp_path)
         assert float((one["distill_projection.weight"] - start).abs().max()) > 1e-5
 
