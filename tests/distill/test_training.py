@@ -267,3 +267,21 @@ def test_distillation_refuses_normalize_on_device(data, teacher_file, tmp_path):
     message = _one_line_error(data, tmp_path / "r", data__normalize_on_device=True,
                               **_teacher(teacher_file))
     assert "data.normalize_on_device" in message
+
+
+def test_prep_teacher_command(data, teacher_file, tmp_path, capsys):
+    from vlcontrast.cli import main
+    from vlcontrast.distill.offline import TeacherFeatures
+
+    out = tmp_path / "teacher.pt"
+    assert main(["prep", "teacher", str(data / "train"), str(out), "--teacher", "vlc-tiny",
+                 "--teacher-pretrained", str(teacher_file), "--augmentations", "2",
+                 "--no-progress"]) == 0
+    stored = TeacherFeatures(out)
+    assert stored.augmentations == 2 and stored.image.shape == (96, 2, 64)
+    assert stored.image.dtype == torch.float16
+    assert json.loads(capsys.readouterr().out)["samples"] == 96
+    assert main(["prep", "teacher", str(data / "train"), str(tmp_path / "x.pt"), "--teacher",
+                 "no-such-model", "--teacher-pretrained", "x"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and "distill.teacher='no-such-model'" in error
