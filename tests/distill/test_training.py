@@ -161,8 +161,9 @@ def _projection_start(teacher_file, data, tmp_path):
     config = tiny_config(data, tmp_path / "x", **_teacher(teacher_file, distill__kind="features",
                                                distill__projection=True))
     bundle = build_model(ModelConfig(name="vlc-micro"))
-    distiller = Distiller(config, bundle.model, bundle.model_config, device=torch.device("cpu"),
-                          precision=Precision("fp32"))
+    distiller = Distiller(config.distill, bundle.model, bundle.model_config, data=config.data,
+                          augment={}, seed=config.seed, zero_stage=0,
+                          device=torch.device("cpu"), precision=Precision("fp32"))
     return distiller.projection.weight.detach().clone()
 
 

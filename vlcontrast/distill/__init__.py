@@ -33,13 +33,18 @@ PROJECTION_NAME = "distill_projection"
 class Distiller:
     """The distillation set-up of one run (``distill.*``); see the package docstring."""
 
-    def __init__(self, config, model: nn.Module, student_config: dict[str, Any], *,
-                 device: torch.device, precision) -> None:
+    def __init__(self, distill, model: nn.Module, student_config: dict[str, Any], *, data,
+                 augment: dict[str, Any], seed: int, zero_stage: int, device: torch.device,
+                 precision) -> None:
+        """``distill``: the ``distill`` section; ``model``/``student_config``: the student (its
+        model and stored config); ``data``: the ``data`` section; ``augment``: ``model.augment``;
+        ``seed``: the run seed; ``zero_stage``: ``deepspeed.zero_stage``; ``precision``: the
+        run's :class:`~vlcontrast.train.precision.Precision`."""
         from vlcontrast.distill.offline import TeacherFeatures
         from vlcontrast.distill.teacher import Teacher, preprocess_config, teacher_identity
 
-        distill = config.distill
         self.config = distill
+        self.data, self.augment, self.seed = data, dict(augment), seed
         self.device = device
         self.teacher: Teacher | None = None
         self.features: TeacherFeatures | None = None
@@ -48,7 +53,7 @@ class Distiller:
             self.features = TeacherFeatures(distill.teacher_features)
             identity = (teacher_identity(distill.teacher, distill.teacher_pretrained)
                         if distill.teacher else None)
-            self.features.check(data=config.data, augment=config.model.augment, teacher=identity)
+            self.features.check(data=data, augment=self.augment, teacher=identity)
             if distill.augmentations not in (0, self.features.augmentations):
                 raise ConfigError(f"distill.augmentations={distill.augmentations}: "
                                   f"distill.teacher_features holds "
@@ -61,14 +66,15 @@ class Distiller:
                                         autocast=precision.autocast)
             teacher_dim = self.teacher.embed_dim
         student_dim = int(student_config["model_cfg"]["embed_dim"])
-        self.projection = self._projection(model, student_dim, teacher_dim, config)
+        self.projection = self._projection(model, student_dim, teacher_dim, zero_stage)
         self.student_preprocess = preprocess_config(model)
         self.loss: DistilledLoss | None = None
         self.layout = None
         self.student_tokens = 0
         self.teacher_tokens = False
 
-    def _projection(self, model, student_dim: int, teacher_dim: int, config) -> nn.Module | None:
+    def _projection(self, model, student_dim: int, teacher_dim: int,
+                    zero_stage: int) -> nn.Module | None:
         distill = self.config
         if distill.kind == "logits" or (student_dim == teacher_dim and not distill.projection):
             return None
@@ -76,11 +82,11 @@ class Distiller:
             raise ConfigError(f"distill.kind={distill.kind!r}: the student's embeddings have width "
                               f"{student_dim} and the teacher's {teacher_dim}; set "
                               "distill.projection=true (a learned map) or use distill.kind=logits")
-        if config.deepspeed.zero_stage == 3:
+        if zero_stage == 3:
             raise ConfigError("distill.projection=true: the projection is read outside the "
                               "model's forward, which ZeRO-3 partitions; use deepspeed.zero_stage "
                               "0, 1 or 2")
-        generator = torch.Generator().manual_seed(config.seed)
+        generator = torch.Generator().manual_seed(self.seed)
         projection = nn.Linear(student_dim, teacher_dim, bias=False)
         # Near an isometry (orthonormal columns or rows), seeded: the same on every rank.
         basis = torch.linalg.qr(torch.randn(max(student_dim, teacher_dim),
@@ -96,13 +102,13 @@ class Distiller:
     def needs_sample_ids(self) -> bool:
         return self.features is not None
 
-    def views(self, config, bundle):
+    def views(self, bundle):
         """The loader's image transform (:class:`~.views.DistillViews`) for the student model
-        ``bundle`` of run ``config``."""
+        ``bundle``."""
         from vlcontrast.distill.teacher import image_transforms
         from vlcontrast.distill.views import DistillViews, ViewLayout, image_shape
 
-        augment_images, seed, augment = config.data.augment, config.seed, config.model.augment
+        augment_images, seed, augment = self.data.augment, self.seed, self.augment
         student = bundle.preprocess_train if augment_images else bundle.preprocess_val
         teacher = None
         if self.teacher is not None:
@@ -153,11 +159,3 @@ class Distiller:
             teachers[0].logit_scale.to(self.device)))
         return batches
 
-
-def build_distiller(config, bundle, *, device: torch.device, precision) -> Distiller | None:
-    """The run's :class:`Distiller`, or None when ``distill.teacher``/``teacher_features`` are
-    unset. Call before the engine is built (the projection joins the model's weights)."""
-    if not config.distill.enabled:
-        return None
-    return Distiller(config, bundle.model, bundle.model_config, device=device,
-                     precision=precision)

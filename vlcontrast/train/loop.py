@@ -38,7 +38,7 @@ from vlcontrast.data.samples import Members
 from vlcontrast.data.loader import build_train_loader
 from vlcontrast.data.sources import check_ids_available
 from vlcontrast.data.transforms import split_normalization
-from vlcontrast.distill import build_distiller
+from vlcontrast.distill import Distiller
 from vlcontrast.errors import ConfigError
 from vlcontrast.losses import LOSSES, build_loss
 from vlcontrast.models import build_model
@@ -86,10 +86,9 @@ def train(config: RunConfig) -> dict[str, Any]:
     features = _locked_image_features(config, bundle.model)
     if features is not None:  # training never sees the images: none is decoded
         transform = features.placeholder()
-    distiller, tokenizer = build_distiller(config, bundle, device=device, precision=precision), \
-        bundle.tokenizer
+    distiller, tokenizer = _distiller(config, bundle, device, precision), bundle.tokenizer
     if distiller is not None:  # each sample transformed and tokenized once per model
-        transform, tokenizer = distiller.views(config, bundle), distiller.tokenizer(tokenizer)
+        transform, tokenizer = distiller.views(bundle), distiller.tokenizer(tokenizer)
     data = _train_batches(config.data, config.seed, config.train.accum_steps, env,
                           tokenizer, transform, needs_ids,
                           row_snapshot_dir=_row_snapshot_dir(config))
@@ -208,6 +207,16 @@ def _train_batches(data: DataConfig, seed: int, accum_steps: int, env, tokenizer
                               rank=env.rank, world_size=env.world_size, device=env.device,
                               needs_sample_ids=needs_ids, row_snapshot_dir=row_snapshot_dir)
     return TrainBatches(build, augment, accum_steps)
+
+
+def _distiller(config: RunConfig, bundle, device, precision: Precision) -> Distiller | None:
+    """``distill.*``: the teacher (or its stored embeddings) and the projection, which joins the
+    student's weights, so this runs before the engine is built; None without a teacher."""
+    if not config.distill.enabled:
+        return None
+    return Distiller(config.distill, bundle.model, bundle.model_config, data=config.data,
+                     augment=config.model.augment, seed=config.seed,
+                     zero_stage=config.deepspeed.zero_stage, device=device, precision=precision)
 
 
 def _row_snapshot_dir(config: RunConfig) -> str:
