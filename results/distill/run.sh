@@ -4,6 +4,7 @@
 # equal samples, 3 seeds. CPU only, one thread per process, two processes at a time.
 #
 #   results/distill/run.sh [data|teacher|students|table|all]
+#   ARMS=alone PARALLEL=1 results/distill/run.sh students    # the students that need no teacher
 #
 # The distilled students read the teacher's embeddings from `vlcontrast prep teacher` (offline);
 # online distillation gives the same numbers (tests/distill/test_training.py) and its cost per step
@@ -15,8 +16,8 @@ DATA=${DATA:-data/distill-synthetic}
 OUT=${OUT:-runs/distill}
 PYTHON=${PYTHON:-python}
 SEEDS=${SEEDS:-"0 1 2"}
-STUDENT_STEPS=${STUDENT_STEPS:-300}   # x batch 128 = 38,400 samples (3.8 passes)
-TEACHER_STEPS=${TEACHER_STEPS:-300}   # x batch 256 = 76,800 samples
+STUDENT_STEPS=${STUDENT_STEPS:-150}   # x batch 128 = 19,200 samples (1.9 passes)
+TEACHER_STEPS=${TEACHER_STEPS:-120}   # x batch 256 = 30,720 samples (3.1 passes)
 export OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu TOKENIZERS_PARALLELISM=false
 vlc() { nice -n 10 "$PYTHON" -m vlcontrast.cli "$@"; }
 
@@ -57,10 +58,11 @@ export -f student vlc
 export DATA OUT PYTHON STUDENT_STEPS
 export COMMON_STRING="${COMMON[*]}"
 
+ARMS=${ARMS:-"alone logits features interactive"}
 if [[ $STAGE == students || $STAGE == all ]]; then
   mkdir -p $OUT
-  for seed in $SEEDS; do for arm in alone logits features interactive; do echo "$seed $arm"; done
-  done | xargs -P 2 -L 1 bash -c 'COMMON=($COMMON_STRING); student "$0" "$1"'
+  for seed in $SEEDS; do for arm in $ARMS; do echo "$seed $arm"; done
+  done | xargs -P ${PARALLEL:-2} -L 1 bash -c 'COMMON=($COMMON_STRING); student "$0" "$1"'
 fi
 
 if [[ $STAGE == table || $STAGE == all ]]; then
