@@ -4,9 +4,8 @@
 
 Per arm: the mean over seeds of zero-shot top-1 and retrieval R@1 (both directions) with a 95%
 t-interval (3 seeds: t = 4.303), the mean paired difference to the student alone (same seed: same
-initialisation and data order) with its 95% interval, and the time per step of the training run
-(``metrics.jsonl``: the mean over log windows after the first of the summed phase times; offline
-distillation, so no teacher forward is in it; bench/bench_distill.py measures the online cost).
+initialisation and data order) with its 95% interval. No time per step: these runs shared a loaded
+machine, so their times measure the neighbours; bench/bench_distill.py measures each kind's cost.
 """
 
 from __future__ import annotations
@@ -29,24 +28,16 @@ def interval(values: list[float]) -> tuple[float, float]:
     return mean, T_975.get(len(values) - 1, 2.0) * statistics.stdev(values) / len(values) ** 0.5
 
 
-def step_ms(run: Path) -> float:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    windows = [row for row in rows if row.get("kind") == "train"][1:]
-    return 1e3 * statistics.fmean(sum(v for k, v in row.items() if k.startswith("time/"))
-                                  for row in windows)
-
-
 def main(root: Path) -> None:
-    teacher = json.loads((root / "teacher" / "results.json").read_text())
+    teacher = json.loads((root / "teacher" / "results.json").read_text())["metrics"]
     runs = {arm: sorted(root.glob(f"{arm}-[0-9]*/results.json")) for arm in ARMS}
-    results = {arm: {int(p.parent.name.rsplit("-", 1)[1]): json.loads(p.read_text())
+    results = {arm: {int(p.parent.name.rsplit("-", 1)[1]): json.loads(p.read_text())["metrics"]
                      for p in paths} for arm, paths in runs.items()}
     seeds = sorted(results["alone"])
-    print("| model | seeds | " + " | ".join(METRICS) + " | ms/step |")
-    print("|---|---:|" + "---:|" * (len(METRICS) + 1))
+    print("| model | seeds | " + " | ".join(METRICS) + " |")
+    print("|---|---:|" + "---:|" * len(METRICS))
     print("| teacher vlc-rn-tiny-32 (DCL) | 1 | "
-          + " | ".join(f"{100 * teacher[key]:.1f}" for key in METRICS.values())
-          + f" | {step_ms(root / 'teacher'):.0f} |")
+          + " | ".join(f"{100 * teacher[key]:.1f}" for key in METRICS.values()) + " |")
     for arm in ARMS:
         if not results[arm]:
             continue
@@ -60,9 +51,8 @@ def main(root: Path) -> None:
                 delta, delta_half = interval(paired)
                 cell += f" (Δ {delta:+.1f} ± {delta_half:.1f})"
             cells.append(cell)
-        cost = statistics.fmean(step_ms(p.parent) for p in runs[arm])
         name = "student vlc-rn-micro alone" if arm == "alone" else f"student + {arm}"
-        print(f"| {name} | {len(results[arm])} | " + " | ".join(cells) + f" | {cost:.0f} |")
+        print(f"| {name} | {len(results[arm])} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
