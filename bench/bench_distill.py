@@ -58,6 +58,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--samples", type=int, default=1024, help="synthetic training samples (16 steps of 64: the windows measured read the in-memory cache)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="the arms run round-robin this many times; each keeps its best round "
+                        "(a shared machine's neighbours slow some rounds down)")
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
@@ -89,14 +92,19 @@ def main() -> None:
         "offline interactive": {**offline, "distill.kind": "interactive",
                                 "distill.projection": "true"},
     }
-    results = {name: _run(root, name.replace(" ", "-"), args.steps, args.batch, extra)
-               for name, extra in arms.items()}
+    results: dict[str, dict] = {}
+    for round_ in range(args.rounds):
+        for name, extra in arms.items():
+            measured = _run(root, f"{name.replace(' ', '-')}-{round_}", args.steps, args.batch,
+                            extra)
+            if name not in results or measured["samples_per_s"] > results[name]["samples_per_s"]:
+                results[name] = measured
     base = results["student alone"]["samples_per_s"]
     student, teacher = _parameters(STUDENT), _parameters(TEACHER)
     print(f"student {STUDENT} {student / 1e6:.2f} M parameters, teacher {TEACHER} "
           f"{teacher / 1e6:.2f} M ({teacher / student:.1f}x); batch {args.batch}, "
-          f"{args.steps} steps, {args.threads} threads; prep teacher over {args.samples} "
-          f"samples: {prep_seconds:.1f} s\n")
+          f"{args.steps} steps, {args.threads} threads, best of {args.rounds} rounds; prep "
+          f"teacher over {args.samples} samples: {prep_seconds:.1f} s\n")
     print("| arm | samples/s | vs alone | data+teacher ms | loss ms | step total ms |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, values in results.items():
