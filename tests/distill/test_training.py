@@ -286,3 +286,33 @@ def test_prep_teacher_command(data, teacher_file, tmp_path, capsys):
                  "no-such-model", "--teacher-pretrained", "x"]) == 2
     error = capsys.readouterr().err.strip()
     assert error.count("\n") == 0 and "distill.teacher='no-such-model'" in error
+
+
+def _two_rank_runs(rank, world_size, data, teacher_file, out):
+    from vlcontrast.train import StopRequested
+
+    extra = _teacher(teacher_file, distill__kind="interactive", distill__projection=True,
+                     train__steps=4, checkpoint__every=2, deepspeed__zero_stage=2,
+                     train__accum_steps=2, data__batch_size=4, loss__chunk_size=3)
+    _train(tiny_config(data, out / "full", **extra))
+    try:
+        _train(tiny_config(data, out / "split", train__stop_at_step=2, **extra))
+    except StopRequested:
+        pass
+    _train(tiny_config(data, out / "split", train__resume="latest", **extra))
+    return True
+
+
+@pytest.mark.slow
+def test_two_processes_zero2_gradcache_chunked_resume(data, teacher_file, tmp_path):
+    """2 gloo ranks, ZeRO-2, GradCache, chunked rows, the projection: a run stopped at step 2 and
+    resumed ends with the weights of the uninterrupted run, and the projection trained."""
+    from tests.distributed import run_distributed
+
+    run_distributed(_two_rank_runs, 2, data, teacher_file, tmp_path, timeout=600)
+    full, split = _weights(tmp_path / "full"), _weights(tmp_path / "split")
+    assert _max_difference(full, split) <= 1e-6
+    midway = torch.load(tmp_path / "full" / "checkpoints" / "step_00000002" / "model.pt",
+                        weights_only=True)
+    difference = full["distill_projection.weight"] - midway["distill_projection.weight"]
+    assert float(difference.abs().max()) > 1e-5
