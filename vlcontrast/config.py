@@ -30,6 +30,8 @@ DeviceName = Literal["auto", "cpu", "cuda"]
 DataMode = Literal["epoch", "resampled"]
 DecodeDevice = Literal["cpu", "gpu"]
 ZeroStage = Literal[0, 1, 2, 3]
+DistillKind = Literal["logits", "features", "interactive"]
+"""Values of ``distill.kind`` (see :class:`DistillConfig`)."""
 
 PRECISIONS: tuple[str, ...] = typing.get_args(PrecisionName)
 
@@ -308,6 +310,46 @@ class CheckpointConfig:
 
 
 @dataclass
+class DistillConfig:
+    teacher: str = ""
+    """Teacher to learn from (empty: no distillation): an open_clip model name or model-config
+    JSON (weights from ``distill.teacher_pretrained``), or a vlcontrast run, checkpoint or export
+    directory. Frozen, in eval mode, never trained or checkpointed (docs/distillation.md)."""
+    teacher_pretrained: str = ""
+    """The teacher's weights when ``distill.teacher`` is a model name: an open_clip tag or a
+    weights file."""
+    weight: float = 1.0
+    """Multiplier of the distillation term, which is added to the loss of ``loss.name``."""
+    kind: DistillKind = "logits"
+    """``logits``: cross-entropy of the student's softmaxed similarity rows against the teacher's
+    (open_clip's DistillClipLoss); ``features``: squared distance between the student's (projected)
+    and the teacher's embeddings (CLIP-KD's feature mimicry); ``interactive``: the student's
+    embeddings contrasted against the teacher's of the other modality (CLIP-KD's ICL)."""
+    projection: bool = False
+    """``features``/``interactive`` with a teacher of another embedding width: a trainable linear
+    map from the student's width to the teacher's (saved with the model's weights)."""
+    teacher_features: str = ""
+    """A ``vlcontrast prep teacher`` file: the teacher's embeddings are read from it instead of
+    running the teacher (it must be made from the same shards; ``distill.teacher``, when set,
+    must be the teacher it was made with)."""
+    augmentations: int = 0
+    """K > 0: each epoch draws one of K seeded augmentations of every image (index
+    ``(seed + epoch) % K``), the ones ``prep teacher --augmentations K`` stores; 0: the run's own
+    per-epoch augmentation (online teacher only). With ``teacher_features`` the file's K is used."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.teacher or self.teacher_features)
+
+    def check(self) -> None:
+        _require(self.weight >= 0, "distill.weight", self.weight, "must be >= 0")
+        _require(self.augmentations >= 0, "distill.augmentations", self.augmentations,
+                 "must be >= 0")
+        _require(not self.teacher_pretrained or self.teacher, "distill.teacher_pretrained",
+                 self.teacher_pretrained, "needs distill.teacher (the model those weights are for)")
+
+
+@dataclass
 class EvalConfig:
     every: int = 0
     """Evaluate every N optimizer steps (0: only at the end)."""
@@ -350,11 +392,12 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def check(self) -> None:
-        for name in ("data", "model", "optim", "train", "deepspeed", "checkpoint"):
+        for name in ("data", "model", "optim", "train", "deepspeed", "checkpoint", "distill"):
             section = getattr(self, name)
             check_choices(section, name)
             if hasattr(section, "check"):
@@ -373,6 +416,16 @@ class RunConfig:
                  f"with model.{locked[0] if locked else 'lock_image'}=true would store the locked "
                  "tower rounded to 16 bits (DeepSpeed casts every parameter, and a locked one has "
                  "no fp32 master copy); use train.precision=amp_bf16 (fp32 weights, bf16 compute)")
+        if self.distill.enabled:
+            _require(not self.data.normalize_on_device, "data.normalize_on_device", True,
+                     "does not work with distillation (the teacher has its own normalisation); "
+                     "set it to false")
+            _require(self.data.decode != "gpu", "data.decode", self.data.decode,
+                     "does not work with distillation (the teacher's views are made by the "
+                     "loader's workers); set data.decode=cpu")
+            _require(not self.model.lock_image_features, "model.lock_image_features",
+                     self.model.lock_image_features, "does not work with distillation (the "
+                     "teacher needs the images); leave it empty")
         types = loss_option_types(self.loss.name)
         for key, value in self.loss.options.items():
             _require(key in defaults, f"loss.{key}", value,

@@ -147,10 +147,36 @@ def register(sub) -> None:
     check.add_argument("--workers", type=int, default=1, help="processes reading shards in parallel")
     check.add_argument("--no-decode", action="store_true", help="skip decoding images (much faster)")
     check.add_argument("--no-progress", action="store_true")
+
+    teacher = prep_sub.add_parser(
+        "teacher", help="embed every sample of training shards with a distillation teacher "
+        "(K seeded augmentations of each image and its caption) into one file that training reads "
+        "with distill.teacher_features (docs/distillation.md)")
+    teacher.add_argument("shards", help="training shards: a directory or spec, as data.train")
+    teacher.add_argument("out", help="output file (e.g. SHARDS/../teacher-ViT-B-32.pt)")
+    teacher.add_argument("--teacher", required=True,
+                         help="as distill.teacher: an open_clip model name, a model-config JSON, "
+                         "or a vlcontrast run, checkpoint or export directory")
+    teacher.add_argument("--teacher-pretrained", default="",
+                         help="as distill.teacher_pretrained: an open_clip tag or weights file")
+    teacher.add_argument("--augmentations", type=int, default=1, metavar="K",
+                         help="seeded augmentations per image (a run of E epochs uses E of them "
+                         "when K >= E); 0: the evaluation transform only, for data.augment=false")
+    teacher.add_argument("--augment", default="{}",
+                         help="the student run's model.augment as JSON (e.g. '{\"scale\": [0.5, "
+                         "1.0]}'), so the stored crops are the run's")
+    teacher.add_argument("--image-key", default="", help="as data.image_key")
+    teacher.add_argument("--caption-key", default="", help="as data.caption_key")
+    teacher.add_argument("--dtype", default="float16", choices=("float16", "float32"),
+                         help="stored precision of the embeddings")
+    teacher.add_argument("--device", default="cpu", help="where the teacher runs (cpu, cuda)")
+    teacher.add_argument("--no-progress", action="store_true")
     prep.set_defaults(func=run_prep)
 
 
 def run_prep(args) -> int:
+    if args.what == "teacher":
+        return _run_prep_teacher(args)
     if args.what == "synthetic":
         from vlcontrast.data.prep.synthetic import TrainMix, is_current, write_synthetic
 
@@ -236,3 +262,23 @@ def run_prep(args) -> int:
         print(report["summary"], file=sys.stderr)
     return 0 if report["trainable"] else 1
 
+
+
+def _run_prep_teacher(args) -> int:
+    from vlcontrast.distill.offline import write_teacher_features
+    from vlcontrast.errors import ConfigError
+
+    try:
+        augment = json.loads(args.augment)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"--augment={args.augment!r}: not JSON ({err})") from None
+    if not isinstance(augment, dict):
+        raise ConfigError(f"--augment={args.augment!r}: must be a JSON object, as model.augment")
+    summary = write_teacher_features(args.shards, args.out, teacher=args.teacher,
+                                     pretrained=args.teacher_pretrained,
+                                     augmentations=args.augmentations, augment=augment,
+                                     image_key=args.image_key, caption_key=args.caption_key,
+                                     dtype=args.dtype, device=args.device,
+                                     progress=not args.no_progress)
+    print(json.dumps(summary, indent=2))
+    return 0

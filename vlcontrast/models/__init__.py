@@ -292,7 +292,10 @@ def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor], what: str
         raise ConfigError(f"{what}: {path} does not fit this model; model.name must be the "
                          f"checkpoint's model ({str(err).splitlines()[-1].strip()})") from err
     missing = [k for k in result.missing_keys if not k.endswith("num_batches_tracked")]
-    unexpected = [k for k in result.unexpected_keys if not k.endswith("num_batches_tracked")]
+    # A distilled student's projection to the teacher's width (vlcontrast.distill) is a training
+    # aid, not part of the model.
+    unexpected = [k for k in result.unexpected_keys if not k.endswith("num_batches_tracked")
+                  and not k.startswith("distill_projection.")]
     if missing or unexpected:
         raise ConfigError(f"{what}: {path} does not fit this model (missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}); model.name must be the checkpoint's model")

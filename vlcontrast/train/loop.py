@@ -40,6 +40,7 @@ from vlcontrast.data.loader import build_train_loader
 from vlcontrast.data.sources import check_ids_available
 from vlcontrast.data.gpu_decode import GpuDecodeTransform, check_gpu_decode
 from vlcontrast.data.transforms import split_normalization, splits_normalization
+from vlcontrast.distill import Distiller
 from vlcontrast.errors import ConfigError
 from vlcontrast.losses import LOSSES, build_loss
 from vlcontrast.models import build_model
@@ -78,25 +79,32 @@ def train(config: RunConfig) -> dict[str, Any]:
     device, dtype = env.device, precision.parameter_dtype
     if config.data.decode == "gpu":
         check_gpu_decode(config.data, device)  # before the model: a one-line error
-    needs_ids = build_loss(config.loss.name, id_space=1, **config.loss.options).needs_sample_ids
+    needs_ids = (build_loss(config.loss.name, id_space=1, **config.loss.options).needs_sample_ids
+                 or bool(config.distill.teacher_features))  # stored teacher rows: by sample id
     check_ids_available(config.data, needs_ids, who=f"loss={config.loss.name}")  # before the model
     run_dir, config_yaml = Path(config.output_dir), yaml.safe_dump(to_dict(config), sort_keys=False)
     _configure_process(config.seed, precision, env, run_dir, config_yaml)
 
     bundle = build_model(config.model, siglip=LOSSES[config.loss.name].uses_logit_bias,
                          device=device)
-    transform, normalizer = train_transform(config.data, bundle, device)
+    transform, normalizer = train_transform(config.data, bundle, device,
+                                            distilling=config.distill.enabled)
     features = _locked_image_features(config, bundle.model)
     if features is not None:  # training never sees the images: none is decoded
         transform, normalizer = features.placeholder(), None
+    distiller, tokenizer = _distiller(config, bundle, device, precision), bundle.tokenizer
+    if distiller is not None:  # each sample transformed and tokenized once per model
+        transform, tokenizer = distiller.views(bundle), distiller.tokenizer(tokenizer)
     feed = (DeviceFeed(device, dtype, normalizer)
             if device.type == "cuda" and config.data.device_prefetch and features is None else None)
     data = _train_batches(config.data, config.seed, config.train.accum_steps, env,
-                          bundle.tokenizer, transform, needs_ids,
+                          tokenizer, transform, needs_ids,
                           row_snapshot_dir=_row_snapshot_dir(config), feed=feed)
     loss_fn = build_loss(config.loss.name, chunk_size=config.loss.chunk_size,
                          id_space=data.id_space, optimizer_betas=config.optim.betas,
                          optimizer_eps=config.optim.eps, **config.loss.options).to(device)
+    if distiller is not None:  # the term is added to whatever loss.name computes
+        loss_fn = distiller.wrap(loss_fn, config.loss.chunk_size)
     if features is not None and getattr(loss_fn, "needs_momentum_features", False):
         raise ConfigError(f"model.lock_image_features: loss {config.loss.name!r} with momentum "
                           "towers embeds the images itself; turn the cache off")
@@ -133,6 +141,8 @@ def train(config: RunConfig) -> dict[str, Any]:
             loss_fn.set_epoch(data.epoch)  # the epoch of the step's (last) micro-batch
             if features is not None:  # model.lock_image_features: the tower's stored output
                 micro_batches = features.swap(micro_batches)
+            if distiller is not None:  # the teacher's embeddings of this step's samples
+                micro_batches = distiller.prepare(micro_batches)
             log.timer.mark("data")
             loss_fn.diagnostics = log.should_log(state.step + 1)  # read at log steps only
             outcome = train_step(engine, loss_fn, micro_batches, state.step + 1, device, dtype,
@@ -189,12 +199,13 @@ def train(config: RunConfig) -> dict[str, Any]:
 # set-up helpers
 
 
-def train_transform(data: DataConfig, bundle, device=None):
+def train_transform(data: DataConfig, bundle, device=None, distilling: bool = False):
     """(the loader's per-image training transform, the per-batch half or None).
 
     open_clip's training transform (random crop) unless ``data.augment`` is off, then its
     evaluation transform; cut after the crop when ``data.normalize_on_device`` is on (unset: on
-    for a CUDA ``device``); with ``data.decode=gpu`` the workers get the crop plan and the
+    for a CUDA ``device``, off when ``distilling``: the loader packs the teacher's view beside the
+    student's, each normalised with its own model's statistics); with ``data.decode=gpu`` the workers get the crop plan and the
     per-batch half decodes and augments on the device (vlcontrast/data/gpu_decode.py)."""
     transform = bundle.preprocess_train if data.augment else bundle.preprocess_val
     if data.decode == "gpu":
@@ -203,7 +214,7 @@ def train_transform(data: DataConfig, bundle, device=None):
         return plan, plan.batch_transform()
     normalize = data.normalize_on_device
     if normalize is None:
-        normalize = (device is not None and torch.device(device).type == "cuda"
+        normalize = (not distilling and device is not None and torch.device(device).type == "cuda"
                      and splits_normalization(transform))
     if normalize:
         return split_normalization(transform)
@@ -216,13 +227,24 @@ def _train_batches(data: DataConfig, seed: int, accum_steps: int, env, tokenizer
     """This rank's batch stream, augmented with ``transform`` by (seed, epoch, image);
     ``needs_ids``: the loss keeps per-sample state, so every sample must carry a numeric id;
     ``row_snapshot_dir``: see :func:`_row_snapshot_dir`."""
-    augment = SeededTransform(transform, seed, random=data.augment)
+    augment = (transform if getattr(transform, "seeds_itself", False)  # distill.views
+               else SeededTransform(transform, seed, random=data.augment))
     # The training device, not "is there CUDA": a CPU run on a GPU host pins nothing and opens no
     # CUDA context.
     build = functools.partial(build_train_loader, data, augment, tokenizer, seed=seed,
                               rank=env.rank, world_size=env.world_size, device=env.device,
                               needs_sample_ids=needs_ids, row_snapshot_dir=row_snapshot_dir)
     return TrainBatches(build, augment, accum_steps, feed)
+
+
+def _distiller(config: RunConfig, bundle, device, precision: Precision) -> Distiller | None:
+    """``distill.*``: the teacher (or its stored embeddings) and the projection, which joins the
+    student's weights, so this runs before the engine is built; None without a teacher."""
+    if not config.distill.enabled:
+        return None
+    return Distiller(config.distill, bundle.model, bundle.model_config, data=config.data,
+                     augment=config.model.augment, seed=config.seed,
+                     zero_stage=config.deepspeed.zero_stage, device=device, precision=precision)
 
 
 def _row_snapshot_dir(config: RunConfig) -> str:

@@ -232,7 +232,10 @@ def gradcache_backward(engine, loss_fn, batches, sample_ids, step: int, device,
                      step=step, momentum_features=momentum_features)
     bad = ~torch.isfinite(result["loss"].detach()).all()
     leaves = [image_features, text_features, scale] + ([bias] if bias is not None else [])
-    grads = torch.autograd.grad(_poisoned(result["loss"], bad), leaves, allow_unused=True)
+    # Model weights the loss uses directly (distillation's projection) get their gradient here.
+    extra = list(getattr(loss_fn, "model_parameters", []))
+    grads = torch.autograd.grad(_poisoned(result["loss"], bad), leaves + extra, allow_unused=True)
+    grads, extra_grads = grads[:len(leaves)], grads[len(leaves):]
     timer.mark("loss")
     # 3) re-embed each micro-batch with gradient under the same random state and push the
     # cached feature gradients through it: sum_i <f_i, dL/df_i> has the towers' gradient of L.
@@ -248,6 +251,9 @@ def gradcache_backward(engine, loss_fn, batches, sample_ids, step: int, device,
                 surrogate = surrogate + (out["logit_scale"] * grads[2]).sum()
             if bias is not None and grads[3] is not None:
                 surrogate = surrogate + (out["logit_bias"] * grads[3]).sum()
+            for parameter, grad in zip(extra, extra_grads):
+                if grad is not None:
+                    surrogate = surrogate + (parameter * grad).sum()
         # DeepSpeed divides each micro-batch loss by gradient_accumulation_steps.
         engine.backward(surrogate * k)
         if i < k - 1:

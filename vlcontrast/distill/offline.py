@@ -1,0 +1,209 @@
+"""Teacher embeddings computed once (``vlcontrast prep teacher``) and read by training.
+
+Format: the feature cache's (``model.lock_image_features``, vlcontrast/train/feature_cache.py),
+one ``torch.save`` file of plain tensors read with ``weights_only=True``::
+
+    {"key": {...}, "ids": [N] long (sorted), "image": [N, K, D] float16, "text": [N, D] float16,
+     "logit_scale": scalar}
+
+``image[n, k]`` is the teacher's embedding of augmentation ``k`` of sample ``ids[n]`` (seeded as in
+:mod:`vlcontrast.distill.views`; ``K = 1`` and the evaluation transform with ``--augmentations
+0``), ``text[n]`` the embedding of its caption. Why one file beside the shards and not members
+inside them: the shards stay untouched and shareable, several teachers (or Ks) can sit beside the
+same shards, the lookup by sample id is one ``searchsorted`` on sorted ids, and the key below makes
+a stale file an error instead of silent wrong targets. Embeddings are stored in float16 (half the
+bytes; unit vectors lose under 1e-3 of each component), which is why the exactness test of
+online against offline uses ``--dtype float32``.
+
+The ``key`` records what the embeddings depend on: the teacher (its model and the sha256 of its
+weights file, or its open_clip tag), its image preprocessing, the augmentation options and K, the
+members read and the shard set (basenames and row counts, as the loader's resume check, plus each
+shard's byte size). Training compares it before step 1 and names what differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vlcontrast.errors import ConfigError
+from vlcontrast.distill.terms import TeacherBatch
+
+FORMAT = 1
+CHUNK = 256
+"""Images embedded per teacher forward when the file is written."""
+
+
+def shards_digest(data) -> dict[str, Any]:
+    """The identity of ``data.train``'s shards: the loader's shard-list digest and the files'
+    sizes (another dataset, or other bytes under the same names, gives another digest)."""
+    from vlcontrast.data.sources import resolve_shard_set
+
+    shard_set = resolve_shard_set(data, needs_sample_ids=True)
+    sizes = [os.path.getsize(url) if os.path.exists(url) else -1 for url in shard_set.urls]
+    files = hashlib.sha256(json.dumps([[os.path.basename(u), s] for u, s
+                                       in zip(shard_set.urls, sizes)]).encode()).hexdigest()[:16]
+    return {"shard_list": shard_set.digest(), "shard_bytes": files}
+
+
+def features_key(*, teacher: dict[str, Any], preprocess: dict[str, Any], augmentations: int,
+                 augment: dict[str, Any], data) -> dict[str, Any]:
+    return {"format": FORMAT, "teacher": teacher, "preprocess": preprocess,
+            "augmentations": augmentations, "augment": dict(augment),
+            "members": [data.image_key, data.caption_key], "data": shards_digest(data)}
+
+
+class _TeacherAugmentations:
+    """The prep's image transform: the teacher's K seeded augmentations of one image, stacked."""
+
+    image_ids = None
+
+    def __init__(self, train, val, augmentations: int):
+        self.train, self.val, self.augmentations = train, val, augmentations
+        self.random = augmentations > 0
+
+    def __call__(self, image) -> torch.Tensor:
+        from vlcontrast.distill.views import augmentation_key, seeded
+
+        if not self.augmentations:
+            return self.val(image)[None]
+        return torch.stack([seeded(self.train, image, augmentation_key(image, index))
+                            for index in range(self.augmentations)])
+
+
+@torch.no_grad()
+def write_teacher_features(shards: str, out: str | Path, *, teacher: str, pretrained: str = "",
+                           augmentations: int = 1, augment: dict[str, Any] | None = None,
+                           image_key: str = "", caption_key: str = "", dtype: str = "float16",
+                           device: str = "cpu", progress: bool = False) -> dict[str, Any]:
+    """Embed every sample of ``shards`` with the teacher: ``augmentations`` seeded augmentations of
+    each image (0: the evaluation transform only) and its caption; write the file ``out``."""
+    from vlcontrast.config import DataConfig
+    from vlcontrast.data.loader import build_train_loader
+    from vlcontrast.distill.teacher import Teacher, image_transforms, teacher_identity
+
+    if augmentations < 0:
+        raise ConfigError(f"--augmentations={augmentations}: must be >= 0")
+    if dtype not in ("float16", "float32"):
+        raise ConfigError(f"--dtype={dtype!r}: must be float16 or float32")
+    augment = dict(augment or {})
+    defaults = DataConfig()
+    data = DataConfig(train=str(shards), batch_size=1, workers=0, shuffle_buffer=0,
+                      augment=augmentations > 0, image_key=image_key or defaults.image_key,
+                      caption_key=caption_key or defaults.caption_key)
+    identity = teacher_identity(teacher, pretrained)
+    model = Teacher.load(teacher, pretrained, device=device)
+    key = features_key(teacher=identity, preprocess=model.preprocess,
+                       augmentations=augmentations, augment=augment, data=data)
+    train, val = image_transforms(model.model, augment)
+    loader = build_train_loader(data, _TeacherAugmentations(train, val, augmentations),
+                                model.tokenizer, seed=0, rank=0, world_size=1,
+                                needs_sample_ids=True)
+    ids, images, texts = [], [], []
+    pending: list = []
+    views = max(1, augmentations)
+
+    def flush():
+        if not pending:
+            return
+        batch_images = torch.cat([b.images for b in pending])  # [n * K, 3, H, W]
+        embedded = model.embed_images(batch_images)
+        images.append(embedded.reshape(-1, views, embedded.shape[-1]).cpu())
+        texts.append(model.embed_texts(torch.cat([b.texts for b in pending])).cpu())
+        ids.append(torch.cat([b.sample_ids for b in pending]))
+        pending.clear()
+
+    done = 0
+    for batch in loader:
+        pending.append(batch._replace(images=batch.images.reshape(-1, *batch.images.shape[2:])))
+        if len(pending) * views >= CHUNK:
+            flush()
+            done += 1
+            if progress and done % 10 == 0:
+                print(f"prep teacher: {sum(len(i) for i in ids)} samples", flush=True)
+    flush()
+    all_ids = torch.cat(ids)
+    order = torch.argsort(all_ids)
+    all_ids = all_ids[order]
+    if len(torch.unique(all_ids)) != len(all_ids):
+        raise ConfigError(f"prep teacher {shards!r}: sample ids are not unique; teacher features "
+                          "are keyed by sample id")
+    store = getattr(torch, dtype)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    torch.save({"key": key, "ids": all_ids,
+                "image": torch.cat(images)[order].to(store).contiguous(),
+                "text": torch.cat(texts)[order].to(store).contiguous(),
+                "logit_scale": model.logit_scale().cpu()}, tmp)
+    tmp.replace(out)
+    return {"path": str(out), "samples": len(all_ids), "augmentations": augmentations,
+            "dim": model.embed_dim, "key": key}
+
+
+class TeacherFeatures:
+    """A ``prep teacher`` file, checked against the run before step 1."""
+
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"distill.teacher_features={str(path)!r}: file does not exist "
+                              "(vlcontrast prep teacher SHARDS OUT makes it)")
+        try:
+            stored = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:  # noqa: BLE001 - any unreadable file is the same user error
+            raise ConfigError(f"distill.teacher_features={str(path)!r}: not a teacher-features "
+                              f"file ({type(err).__name__}); remake it with vlcontrast prep "
+                              "teacher") from None
+        if not isinstance(stored, dict) or stored.get("key", {}).get("format") != FORMAT:
+            raise ConfigError(f"distill.teacher_features={str(path)!r}: not a teacher-features "
+                              f"file of format {FORMAT}; remake it with vlcontrast prep teacher")
+        self.path = path
+        self.key: dict[str, Any] = stored["key"]
+        self.ids: torch.Tensor = stored["ids"]
+        self.image: torch.Tensor = stored["image"]
+        self.text: torch.Tensor = stored["text"]
+        self.scale: torch.Tensor = stored["logit_scale"].float().reshape(())
+
+    @property
+    def embed_dim(self) -> int:
+        return int(self.text.shape[1])
+
+    @property
+    def augmentations(self) -> int:
+        return int(self.key["augmentations"])
+
+    def check(self, *, data, augment: dict[str, Any], teacher: dict[str, Any] | None) -> None:
+        """A one-line error when the file was made for other data, another teacher (``teacher``:
+        the run's ``distill.teacher`` identity, None when unset) or other augmentations."""
+        where = f"distill.teacher_features={str(self.path)!r}"
+        expected = {"data": shards_digest(data), "members": [data.image_key, data.caption_key],
+                    "augment": dict(augment)}
+        if teacher is not None:
+            expected["teacher"] = teacher
+        differs = sorted(k for k, v in expected.items() if self.key.get(k) != v)
+        if differs:
+            raise ConfigError(f"{where}: made for another run ({', '.join(differs)} differ from "
+                              "this run's); remake it with vlcontrast prep teacher for these "
+                              "shards and this teacher")
+        if bool(self.augmentations) != bool(data.augment):
+            raise ConfigError(f"{where}: holds {self.augmentations} augmentations, but "
+                              f"data.augment={data.augment}; use --augmentations 0 with "
+                              "data.augment=false and K >= 1 with data.augment=true")
+
+    def lookup(self, sample_ids: torch.Tensor, index: torch.Tensor) -> TeacherBatch:
+        """The teacher's embeddings of ``sample_ids`` at augmentation ``index`` (both ``[B]``)."""
+        position = torch.searchsorted(self.ids, sample_ids).clamp_(max=len(self.ids) - 1)
+        found = self.ids[position] == sample_ids
+        if not bool(found.all()):
+            missing = sample_ids[~found][:5].tolist()
+            raise KeyError(f"distill.teacher_features: sample ids {missing} are not in "
+                           f"{self.path}")
+        view = index.clamp(max=self.image.shape[1] - 1)
+        return TeacherBatch(self.image[position, view].float(), self.text[position].float(),
+                            self.scale)
