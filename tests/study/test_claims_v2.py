@@ -190,7 +190,7 @@ def test_clipart_zero_shot_is_at_chance_from_the_start_and_left_out(final):
     assert report_v2.above_chance(config, "synthetic", ZS)
     readme = _normal((ROOT / "README.md").read_text())
     assert "![R@1 against batch size, both arms, clip art]" in readme
-    assert "zero-shot" not in readme[readme.index("In short"):readme.index("The figure for")]
+    assert "zero-shot" not in readme[readme.index("In short"):readme.index("Findings per dataset")]
     # the unsupported explanation is gone
     assert "improves clip-art retrieval, not zero-shot classification" not in text
 
