@@ -314,7 +314,7 @@ class DistillConfig:
     teacher: str = ""
     """Teacher to learn from (empty: no distillation): an open_clip model name or model-config
     JSON (weights from ``distill.teacher_pretrained``), or a vlcontrast run, checkpoint or export
-    directory. Frozen, in eval mode, never trained or checkpointed (docs/distillation.md)."""
+    directory, or a transformers ``CLIPModel`` directory. Frozen, in eval mode, never trained or checkpointed (docs/distillation.md)."""
     teacher_pretrained: str = ""
     """The teacher's weights when ``distill.teacher`` is a model name: an open_clip tag or a
     weights file."""

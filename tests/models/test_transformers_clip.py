@@ -360,3 +360,22 @@ def test_a_locked_tower_from_a_clipmodel_directory_keys_the_feature_cache_as_its
                       .model, load_config(BASE, _overrides(tmp, data, "k")).data)
             for start in (run, out)]
     assert keys[0]["image_tower_sha256"] == keys[1]["image_tower_sha256"] is not None
+
+
+def test_a_clipmodel_directory_is_a_teacher(trained):
+    """distill.teacher takes the forms model.pretrained takes: an exported CLIPModel directory
+    teaches with the run's embeddings, and its weights name it in a teacher-features file."""
+    from vlcontrast.distill.teacher import load_teacher_bundle, teacher_identity
+
+    _, _, run, exported = trained
+    teacher = load_teacher_bundle(str(exported), "")
+    ours = _ours(run)[0]
+    images = torch.rand(3, 3, 32, 32)
+    with torch.no_grad():
+        expected = F.normalize(ours.encode_image(images), dim=-1)
+        got = F.normalize(teacher.model.encode_image(images), dim=-1)
+    assert _cosines(got, expected).min() >= 0.9999
+    identity = teacher_identity(str(exported), "")
+    assert identity["weights_sha256"] == __import__("hashlib").sha256(
+        (exported / "model.safetensors").read_bytes()).hexdigest()
+    assert identity != teacher_identity(str(run), "")

@@ -37,16 +37,22 @@ def file_sha256(path: Path) -> str:
 def teacher_identity(teacher: str, pretrained: str) -> dict[str, Any]:
     """What names the teacher in a teacher-features file: the model and the sha256 of its weights
     file (an open_clip tag names itself). Read from the files, without building the model."""
-    from vlcontrast.checkpoints import (EXPORT_WEIGHTS_FILE, WEIGHTS_FILE, is_export,
-                                        resolve_model_files)
+    from vlcontrast.checkpoints import (WEIGHTS_FILE, export_weights, is_export,
+                                        is_transformers_clip, resolve_model_files)
 
     if Path(teacher).is_dir():
         try:
             folder = resolve_model_files(teacher, "distill.teacher")
         except (FileNotFoundError, ValueError) as err:
             raise ConfigError(f"distill.teacher={teacher!r}: {_first_line(err)}") from None
-        weights = folder / (EXPORT_WEIGHTS_FILE if is_export(folder) else WEIGHTS_FILE)
-        return {"weights_sha256": file_sha256(weights)}
+        if is_transformers_clip(folder):  # model.safetensors, its shards or an older .bin
+            files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin"))
+        else:
+            files = [export_weights(folder) if is_export(folder) else folder / WEIGHTS_FILE]
+        if len(files) == 1:
+            return {"weights_sha256": file_sha256(files[0])}
+        return {"weights_sha256": hashlib.sha256(
+            "".join(f"{p.name}:{file_sha256(p)}" for p in files).encode()).hexdigest()}
     if not pretrained:
         return {"model": teacher, "pretrained": ""}
     if Path(pretrained).is_dir():
@@ -70,8 +76,8 @@ def load_teacher_bundle(teacher: str, pretrained: str, device: str | torch.devic
         try:
             return load_model_from_checkpoint(teacher, device=device, what="distill.teacher")
         except (FileNotFoundError, ValueError, KeyError) as err:
-            raise ConfigError(f"distill.teacher={teacher!r}: not a vlcontrast run, checkpoint or "
-                              f"export ({_first_line(err)})") from None
+            raise ConfigError(f"distill.teacher={teacher!r}: not a vlcontrast run, checkpoint, "
+                              f"export or CLIPModel directory ({_first_line(err)})") from None
     if not pretrained:
         raise ConfigError(f"distill.teacher={teacher!r}: a model name needs its weights in "
                           "distill.teacher_pretrained (an open_clip tag, a weights file or a "
