@@ -197,3 +197,43 @@ def test_one_rank_without_zero_skips_deepspeeds_all_reduce_with_the_same_weights
         assert built is False, precision
         assert skipped == reduced, precision
         assert outcome[(precision, 1, False)][0] is True, precision
+
+
+def _two_worlds_in_one_process(rank, world_size):
+    """An engine, the group torn down, a new group, another engine: DeepSpeed's cached world
+    group of the first world must not reach the second (a stale one raises "not registered")."""
+    import os
+
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    from tests.distributed import free_port
+    from vlcontrast.train.engine import forget_stale_deepspeed_groups
+
+    _engine_for(torch.nn.Linear(4, 2))
+    first = groups._WORLD_GROUP
+    forget_stale_deepspeed_groups()
+    kept = first is not None and groups._WORLD_GROUP is first  # a live group stays cached
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(free_port())
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    engine = _engine_for(torch.nn.Linear(4, 2))  # builds on the new world
+    engine.backward(engine(torch.ones(3, 4)).sum())
+    engine.step()
+    fresh = groups._WORLD_GROUP is not None and groups._WORLD_GROUP is not first
+    return kept, fresh
+
+
+def _engine_for(model):
+    from vlcontrast.config import DeepSpeedConfig, OptimConfig, TrainConfig
+    from vlcontrast.train.engine import build_engine
+
+    engine, _ = build_engine(model, optim=OptimConfig(), train=TrainConfig(steps=2),
+                             deepspeed=DeepSpeedConfig(), micro_batch_size=3, world_size=1,
+                             total_steps=2)
+    return engine
+
+
+def test_a_new_process_group_gets_a_fresh_deepspeed_world_group():
+    ((kept, fresh),) = run_distributed(_two_worlds_in_one_process, 1)
+    assert kept and fresh

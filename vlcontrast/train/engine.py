@@ -123,6 +123,26 @@ def num_parameters(model: torch.nn.Module) -> int:
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 
 
+def forget_stale_deepspeed_groups() -> None:
+    """Drop DeepSpeed's cached clone of the world group when it belongs to a process group that
+    was torn down. DeepSpeed clones the world group on its first engine and keeps it for the
+    process's life; a process that destroys its group and initialises another (a notebook, a
+    test session, cells run one after another in one process) would otherwise hand the next
+    engine a group torch no longer knows ("Group ... is not registered")."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    cached = getattr(groups, "_WORLD_GROUP", None)
+    if cached is None:
+        return
+    try:
+        alive = dist.is_initialized() and bool(dist.get_process_group_ranks(cached))
+    except (KeyError, ValueError, RuntimeError):
+        alive = False
+    if not alive:
+        groups._WORLD_GROUP = None
+
+
 def skip_cpu_inference_comm_op() -> None:
     """Keep DeepSpeed's CPU backend from JIT-building its shared-memory all-reduce op.
 
@@ -162,6 +182,7 @@ def build_engine(model: torch.nn.Module, *, optim: OptimConfig, train: TrainConf
     from vlcontrast.models.norms import keep_batch_norm_statistics_fp32
 
     skip_cpu_inference_comm_op()
+    forget_stale_deepspeed_groups()
     vectorise_scalar_parameters(model)
     # bf16/fp16 cast the batch norms' weights but not their running statistics.
     keep_batch_norm_statistics_fp32(model)
