@@ -90,6 +90,10 @@ class FixedBatches:
         self.bad_samples: dict[str, int] = {}
         self.steps_per_epoch = 10**9
         self.accum_steps = len(micro_batches)
+        # Host batches, moved by the step itself: the controls take no side-stream feed
+        # (data.device_prefetch), so they measure the same step open_clip's loader feeds.
+        self.feeds_device = False
+        self.fallback_samples: dict[str, int] = {}
 
     def next_step(self) -> list:
         return self.micro_batches
@@ -119,7 +123,7 @@ def install_fixed_batches() -> None:
                            "control of bench/gpu_check needs the train loop's batch-stream hook")
 
     def fixed(data, seed, accum_steps, env, tokenizer, transform, needs_ids=False,
-              row_snapshot_dir=""):
+              row_snapshot_dir="", feed=None):
         micro = data.batch_size
         # The transform resizes and crops to the tower's input size, whatever the source size.
         one = transform(Image.new("RGB", (256, 256), (120, 90, 60)))
@@ -181,7 +185,7 @@ def install_open_clip_synthetic_loader(workers: int, samples: int) -> None:
     from vlcontrast.train import loop
 
     def stream(data, seed, accum_steps, env, tokenizer, transform, needs_ids=False,
-               row_snapshot_dir=""):
+               row_snapshot_dir="", feed=None):
         import torch
         from open_clip_train.data import SyntheticDataset
 
