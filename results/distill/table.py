@@ -1,6 +1,9 @@
 """The evidence table of results/distill/run.sh: teacher, student alone and each distilled student.
 
     python results/distill/table.py runs/distill > results/distill/table.md
+    python results/distill/table.py runs/distill-clipart > results/distill/table-clipart.md
+
+The model names come from each run's results.json, so one script serves both datasets.
 
 Per arm: the mean over seeds of zero-shot top-1 and retrieval R@1 (both directions) with a 95%
 t-interval (3 seeds: t = 4.303), the mean paired difference to the student alone (same seed: same
@@ -18,6 +21,7 @@ from pathlib import Path
 METRICS = {"zero-shot top-1": "zeroshot/top1", "image→text R@1": "retrieval/image_to_text_R@1",
            "text→image R@1": "retrieval/text_to_image_R@1"}
 ARMS = ("alone", "logits", "features", "interactive")
+LOSS_NAMES = {"dcl": "DCL", "infonce": "InfoNCE", "siglip": "SigLIP"}
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571}
 
 
@@ -29,14 +33,18 @@ def interval(values: list[float]) -> tuple[float, float]:
 
 
 def main(root: Path) -> None:
-    teacher = json.loads((root / "teacher" / "results.json").read_text())["metrics"]
+    teacher_run = json.loads((root / "teacher" / "results.json").read_text())
+    teacher = teacher_run["metrics"]
+    teacher_name = (f"{teacher_run['model']} "
+                    f"({LOSS_NAMES.get(teacher_run['loss'], teacher_run['loss'])})")
     runs = {arm: sorted(root.glob(f"{arm}-[0-9]*/results.json")) for arm in ARMS}
     results = {arm: {int(p.parent.name.rsplit("-", 1)[1]): json.loads(p.read_text())["metrics"]
                      for p in paths} for arm, paths in runs.items()}
     seeds = sorted(results["alone"])
+    student_name = json.loads(runs["alone"][0].read_text())["model"]
     print("| model | seeds | " + " | ".join(METRICS) + " |")
     print("|---|---:|" + "---:|" * len(METRICS))
-    print("| teacher vlc-rn-tiny-32 (DCL) | 1 | "
+    print(f"| teacher {teacher_name} | 1 | "
           + " | ".join(f"{100 * teacher[key]:.1f}" for key in METRICS.values()) + " |")
     for arm in ARMS:
         if not results[arm]:
@@ -51,7 +59,7 @@ def main(root: Path) -> None:
                 delta, delta_half = interval(paired)
                 cell += f" (Δ {delta:+.1f} ± {delta_half:.1f})"
             cells.append(cell)
-        name = "student vlc-rn-micro alone" if arm == "alone" else f"student + {arm}"
+        name = f"student {student_name} alone" if arm == "alone" else f"student + {arm}"
         print(f"| {name} | {len(results[arm])} | " + " | ".join(cells) + " |")
 
 
