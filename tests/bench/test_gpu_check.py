@@ -365,7 +365,8 @@ def test_reduced_check_runs_end_to_end_on_cpu(tmp_path):
     info = report["info"]
     assert info["orchestrator_imported_deepspeed"] is False
     trainings = (1 + 3 + len(matrix) + 4 + len(memory))  # decl run, resume, matrix, thr., memory
-    assert info["subprocesses"] == 1 + 1 + trainings  # + the version job and the loss job
+    # + the version job, the loss job and the step group's bench_step process
+    assert info["subprocesses"] == 1 + 1 + 1 + trainings
     assert not list((out / "runs").rglob("checkpoints")), "checkpoints left after their checks"
     markdown = (out / "gpu_check.md").read_text()
     assert "| group | case | status | detail | s |" in markdown
