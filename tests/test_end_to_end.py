@@ -27,8 +27,17 @@ def dataset(tmp_path_factory):
     return out
 
 
+def _fresh_environment() -> dict[str, str]:
+    """This process's environment without a rendezvous: a training run in this interpreter (an
+    earlier test in the same worker) leaves its rank and port there while its process group still
+    listens on that port; a run launched from here must choose its own."""
+    from vlcontrast.cli.launch import INHERITED_RENDEZVOUS
+
+    return {k: v for k, v in os.environ.items() if k not in INHERITED_RENDEZVOUS}
+
+
 def _train(dataset, run_dir, *extra, nproc=2, timeout=600):
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    env = dict(_fresh_environment(), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "vlcontrast.cli", "train", "--nproc", str(nproc),
            "--config", str(ROOT / "configs" / "demo.yaml"),
            f"output_dir={run_dir}", f"data.train={dataset}/train", f"data.val={dataset}/val",
@@ -121,7 +130,7 @@ def test_a_broken_loss_fails_verification(dataset, tmp_path):
     script = tmp_path / "broken.py"
     script.write_text(BROKEN_LOSS_SCRIPT)
     run_dir = tmp_path / "broken-run"
-    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    env = dict(_fresh_environment(), DS_ACCELERATOR="cpu")
     cmd = [sys.executable, str(script), "train", "--config", str(ROOT / "configs" / "demo.yaml"),
            f"output_dir={run_dir}", f"data.train={dataset}/train", f"data.val={dataset}/val",
            "eval.zeroshot=", "model.name=vlc-micro", "data.batch_size=64", "data.workers=1",

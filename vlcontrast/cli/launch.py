@@ -59,12 +59,21 @@ def torchrun_arguments(nproc: int, train_arguments: list[str]) -> list[str]:
             *train_arguments]
 
 
+INHERITED_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                        "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+
 def launch_local(nproc: int, train_arguments: list[str]) -> int:
     """Run ``vlcontrast train TRAIN_ARGUMENTS`` on ``nproc`` local ranks; the exit code."""
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     arguments = torchrun.parse_args(torchrun_arguments(nproc, train_arguments))
+    # A standalone launch picks its own rendezvous: a rank or port this process inherited (an outer
+    # launcher's, or one a single-process run in this interpreter set) would reach the ranks and
+    # have rank 0 listen on a port that may still be taken (EADDRINUSE).
+    for key in INHERITED_RENDEZVOUS:
+        os.environ.pop(key, None)
     saved = os.environ.get(failure.RANK_ERRORS_VARIABLE)
     with tempfile.TemporaryDirectory(prefix="vlcontrast-ranks-") as folder, HeldBack() as held:
         os.environ[failure.RANK_ERRORS_VARIABLE] = folder  # the ranks inherit it
