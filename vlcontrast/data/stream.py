@@ -201,15 +201,9 @@ def decode(numbered: Iterable[tuple[int, Row]], shard_set: ShardSet, tally: Tall
                 cache.keep(shard, row, key, result)
         if isinstance(result, Inspected):
             result = transform_sample(result, preprocess)
-        if isinstance(result, str):
-            tally.bad(result)
-            continue
-        tally.good += 1
-        image, caption, sample_id = result
-        if isinstance(caption, tuple):
-            caption = choose_caption(caption, seed=seed, epoch=epoch, sample_id=sample_id,
-                                     url=shard_set.urls[shard], key=key)
-        yield Decoded(position, image, caption, sample_id, [shard_set.urls[shard], key])
+        decoded = _counted(result, position, shard_set, shard, key, tally, seed, epoch)
+        if decoded is not None:
+            yield decoded
 
 
 def decode_for_gpu(numbered: Iterable[tuple[int, Row]], shard_set: ShardSet, tally: Tally, *,
@@ -250,15 +244,24 @@ def decode_for_gpu(numbered: Iterable[tuple[int, Row]], shard_set: ShardSet, tal
                     count(tally.fallbacks, probe)
                     result = transform_sample(dataclasses.replace(result, image=image),
                                               preprocess)
-        if isinstance(result, str):
-            tally.bad(result)
-            continue
-        tally.good += 1
-        image, caption, sample_id = result
-        if isinstance(caption, tuple):
-            caption = choose_caption(caption, seed=seed, epoch=epoch, sample_id=sample_id,
-                                     url=shard_set.urls[shard], key=key)
-        yield Decoded(position, image, caption, sample_id, [shard_set.urls[shard], key])
+        decoded = _counted(result, position, shard_set, shard, key, tally, seed, epoch)
+        if decoded is not None:
+            yield decoded
+
+
+def _counted(result, position: int, shard_set: ShardSet, shard: int, key: str, tally: Tally,
+             seed: int, epoch: int) -> "Decoded | None":
+    """The end of both decode stages: a bad row is counted and dropped (None); a good one is
+    counted and becomes a :class:`Decoded`, its caption chosen by (seed, epoch, sample)."""
+    if isinstance(result, str):
+        tally.bad(result)
+        return None
+    tally.good += 1
+    image, caption, sample_id = result
+    if isinstance(caption, tuple):
+        caption = choose_caption(caption, seed=seed, epoch=epoch, sample_id=sample_id,
+                                 url=shard_set.urls[shard], key=key)
+    return Decoded(position, image, caption, sample_id, [shard_set.urls[shard], key])
 
 
 def batched(samples: Iterable[Decoded], batch_size: int) -> Iterator[list[Decoded]]:
