@@ -7,13 +7,18 @@ Arms (each: ``--warmup`` steps, then ``--steps`` timed steps between two device 
   the lr set by hand, the logit-scale clamp;
 - ``plain+syncs``: ``plain`` plus the two host reads vlcontrast's step made before it kept its
   flags on the device (an overflow ``bool`` before the update, a flag ``tolist`` after it);
-- ``vlcontrast``: the train loop's own calls: ``train_step`` through the DeepSpeed engine of
-  ``build_engine`` (ZeRO 0), the logit-scale clamp, the step timer, the flag ledger read every
-  ``--log-every`` steps, vlcontrast's ``infonce``;
+- ``vlcontrast``: the train loop's own calls: ``train_step`` through the engine ``build_engine``
+  picks at ZeRO 0 (``train.engine=auto``: the plain step of vlcontrast/train/torch_engine.py),
+  the logit-scale clamp, the step timer, the flag ledger read every ``--log-every`` steps,
+  vlcontrast's ``infonce``;
+- ``vlcontrast+deepspeed``: ``vlcontrast`` through DeepSpeed's engine (``train.engine=deepspeed``),
+  what the step cost before the torch engine;
 - ``vlcontrast+syncs``: ``vlcontrast`` with the ledger read after every step (a host read a step,
   what the loop did before);
 - ``vlcontrast+compile`` (not in the default list: compiling takes a minute or more on a GPU):
-  ``vlcontrast`` with ``train.compile=true``.
+  ``vlcontrast`` with ``train.compile=true``;
+- ``vlcontrast+cudagraphs`` (not in the default list either): ``train.compile=true`` with
+  ``train.compile_mode=reduce-overhead``, the compiled step replayed as CUDA graphs.
 
 Feeds (``--feeds``): ``none``, one fixed batch in (pinned) memory, and ``loader``, the same
 synthetic ``DataLoader`` for every arm (``--workers`` processes decoding and transforming one PIL
@@ -46,8 +51,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: bench/ is on the path, the repository root not
     sys.path.insert(0, str(ROOT))
 
-ARMS = ("plain", "plain+syncs", "vlcontrast", "vlcontrast+syncs")
-OPTIONAL_ARMS = ("vlcontrast+compile",)
+ARMS = ("plain", "plain+syncs", "vlcontrast", "vlcontrast+syncs", "vlcontrast+deepspeed")
+OPTIONAL_ARMS = ("vlcontrast+compile", "vlcontrast+cudagraphs")
 FEEDS = ("none", "loader")
 MICRO = {"ViT": "vlc-micro", "RN": "vlc-rn-micro"}
 
@@ -70,6 +75,10 @@ def parse(argv=None):
                         help="loader processes (0: min(8, cores - 2))")
     parser.add_argument("--peak-tflops", type=float, default=0.0)
     parser.add_argument("--out", default="", help="folder for step_<date>.json and step.md")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="after each arm's timed steps, STEPS more under torch.profiler: "
+                             "its table of the costliest ops (self CPU time, and self CUDA time "
+                             "on a GPU) goes to --out as profile_<model>_b<batch>_<feed>_<arm>.txt")
     args = parser.parse_args(argv)
     wanted = [a for a in args.arms.split(",") if a]
     unknown = sorted(set(wanted) - set(ARMS + OPTIONAL_ARMS))
@@ -176,7 +185,7 @@ def plain_arm(model, device, precision, total: int, syncs: bool):
 
 
 def vlcontrast_arm(model, device, precision, batch: int, total: int, settle_every: int,
-                   compiled: bool):
+                   compiled: bool, engine_kind: str = "auto", compile_mode: str = "default"):
     """The loop's calls around one step (vlcontrast/train/loop.py), on one rank."""
     import torch
 
@@ -190,7 +199,9 @@ def vlcontrast_arm(model, device, precision, batch: int, total: int, settle_ever
     config = load_config(None, [f"train.precision={precision.name}", f"data.batch_size={batch}",
                                 f"train.steps={total}", "optim.lr=0.0005",
                                 "optim.warmup_steps=10", "loss.name=infonce",
-                                f"train.compile={'true' if compiled else 'false'}"])
+                                f"train.compile={'true' if compiled else 'false'}",
+                                f"train.engine={engine_kind}",
+                                f"train.compile_mode={compile_mode}"])
     engine, _ = build_engine(model, optim=config.optim, train=config.train,
                              deepspeed=config.deepspeed, micro_batch_size=batch,
                              total_steps=total + 10_000, world_size=1)
@@ -235,6 +246,27 @@ def measure(step, feed, fixed, warmup: int, steps: int, device) -> float:
         one(i)
     _sync(device)
     return (time.perf_counter() - start) / steps
+
+
+def profile(step, feed, fixed, first: int, steps: int, device, path: Path) -> None:
+    """``steps`` more steps under ``torch.profiler``; writes the op table to ``path`` (what the
+    step's host and device time go to, to compare arms by)."""
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for i in range(first, first + steps):
+            images, texts, ids = next(feed) if feed is not None else fixed
+            step(i, images, texts, ids)
+        _sync(device)
+    averages = prof.key_averages()
+    tables = [f"# {path.stem}: {steps} steps under torch.profiler", "",
+              "## by self CPU time", averages.table(sort_by="self_cpu_time_total", row_limit=25)]
+    if device.type == "cuda":
+        tables += ["", "## by self CUDA time",
+                   averages.table(sort_by="self_cuda_time_total", row_limit=25)]
+    path.write_text("\n".join(tables) + "\n")
 
 
 def versions(device) -> dict:
@@ -287,7 +319,7 @@ def run(args, written=None) -> dict:
         initial = copy.deepcopy(cpu_bundle.model.state_dict())
         for batch in batches:
             fixed = fixed_batch(cpu_bundle, batch, pin)
-            total = args.warmup + args.steps
+            total = args.warmup + args.steps + args.profile
             for feed_name in args.feed_list:
                 base = None
                 for arm in args.arm_list:
@@ -299,13 +331,21 @@ def run(args, written=None) -> dict:
                                                  syncs=arm.endswith("+syncs"))
                     else:
                         settle = 1 if arm.endswith("+syncs") else args.log_every
-                        step, holder = vlcontrast_arm(model, device, precision, batch, total,
-                                                      settle, compiled=arm.endswith("+compile"))
+                        step, holder = vlcontrast_arm(
+                            model, device, precision, batch, total, settle,
+                            compiled=arm.endswith(("+compile", "+cudagraphs")),
+                            engine_kind="deepspeed" if arm.endswith("+deepspeed") else "auto",
+                            compile_mode=("reduce-overhead" if arm.endswith("+cudagraphs")
+                                          else "default"))
                     feed = (loader_feed(cpu_bundle, batch, workers, total + 2 * workers + 2, pin)
                             if feed_name == "loader" else None)
                     started = time.perf_counter()
                     seconds = measure(step, feed, fixed, args.warmup, args.steps, device)
                     wall = time.perf_counter() - started
+                    if args.profile and args.out:
+                        name = f"profile_{model_name}_b{batch}_{feed_name}_{arm}".replace("+", "-")
+                        profile(step, feed, fixed, args.warmup + args.steps, args.profile, device,
+                                Path(args.out) / f"{name}.txt")
                     del feed
                     row = {"model": model_name, "batch": batch, "feed": feed_name, "arm": arm,
                            "ms_per_step": seconds * 1e3, "samples_per_s": batch / seconds,

@@ -1,4 +1,4 @@
-"""End-to-end training throughput: ``vlcontrast train`` (DeepSpeed) against open_clip's own trainer.
+"""End-to-end training throughput: ``vlcontrast train`` against open_clip's own trainer.
 
 Both trainers read the same synthetic webdataset shards, build the same open_clip model config
 (``vlcontrast/models/configs/vlc-micro.json`` by default, registered with ``open_clip.add_model_config`` for
@@ -19,6 +19,7 @@ every 0.1 s; shared pages count once per process, alike for both). Repetitions a
 
     python bench/bench_train.py                         # 1 and 2 processes, 3 repetitions
     python bench/bench_train.py --nprocs 1 --repeats 1 --steps 60
+    python bench/bench_train.py --deepspeed-engine      # also train.engine=deepspeed
 
 Prints a table and writes ``--output`` (default ``bench/results/train.md``).
 """
@@ -118,7 +119,8 @@ def _steady(values: list[tuple[int, float]], steps: int, skip_fraction: float) -
     return kept or [v for _, v in values[-1:]]
 
 
-def run_vlcontrast(args, nproc: int, work: Path, tag: str) -> dict:
+def run_vlcontrast(args, nproc: int, work: Path, tag: str, engine: str = "auto") -> dict:
+    tag = tag if engine == "auto" else f"{tag}-{engine}"
     run_dir = work / f"vlc-{tag}"
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "vlcontrast.cli", "train", "--nproc", str(nproc),
@@ -128,7 +130,8 @@ def run_vlcontrast(args, nproc: int, work: Path, tag: str) -> dict:
            "train.precision=fp32", f"train.log_every={args.log_every}", f"optim.lr={args.lr}",
            "optim.weight_decay=0.1", f"optim.warmup_steps={args.warmup}", "loss.name=infonce",
            "checkpoint.every=0", "checkpoint.keep=1", "eval.zeroshot=", "eval.retrieval=none",
-           "logging.tensorboard=false", "logging.progress=false", f"seed={args.seed}"]
+           "logging.tensorboard=false", "logging.progress=false", f"seed={args.seed}",
+           f"train.engine={engine}"]
     result = run_watched(cmd, _env(args, nproc), work / f"vlc-{tag}.log", args.timeout)
     records = []
     metrics = run_dir / "metrics.jsonl"
@@ -241,32 +244,42 @@ def build_report(args, runs: dict, versions: dict, command: str) -> str:
              "repetitions (min–max in brackets). Peak memory: the process tree's summed RSS.", "",
              "| processes | trainer | samples/s | peak RSS (MiB) | wall (s) | vlcontrast / open_clip |",
              "|---:|---|---:|---:|---:|---:|"]
+    ours_names = [name for name in TRAINERS if name != "open_clip"
+                  and any(key[0] == name for key in runs)]
     for nproc in args.nprocs:
-        ours, theirs = runs[("vlcontrast", nproc)], runs[("open_clip", nproc)]
-        ratio = statistics.median(r["samples_per_s"] for r in ours) / \
-            statistics.median(r["samples_per_s"] for r in theirs)
-        for name, results in (("vlcontrast", ours), ("open_clip", theirs)):
+        theirs = runs[("open_clip", nproc)]
+        for name in ours_names + ["open_clip"]:
+            results = runs[(name, nproc)]
             rates = [r["samples_per_s"] for r in results]
             rss = statistics.median(r["peak_rss"] for r in results) / 2**20
             wall = statistics.median(r["wall_s"] for r in results)
+            ratio = statistics.median(rates) / statistics.median(r["samples_per_s"] for r in theirs)
             lines.append(f"| {nproc} | {name} | {_fmt_range(rates)} | {rss:.0f} | {wall:.0f} | "
-                         + (f"**{ratio:.2f}×** |" if name == "vlcontrast" else " |"))
+                         + (f"**{ratio:.2f}×** |" if name != "open_clip" else " |"))
     lines += ["", "Where the time goes (milliseconds per step, medians). vlcontrast splits a step "
-              "into data wait, forward, loss, backward (DeepSpeed `engine.backward`) and optimizer "
+              "into data wait, forward, loss, backward (`engine.backward`) and optimizer "
               "step (`engine.step`); open_clip logs only data wait and the whole step.", "",
               "| processes | trainer | data | forward | loss | backward | step | whole step |",
               "|---:|---|---:|---:|---:|---:|---:|---:|"]
     for nproc in args.nprocs:
-        ours, theirs = runs[("vlcontrast", nproc)], runs[("open_clip", nproc)]
+        theirs = runs[("open_clip", nproc)]
         keys = ("data", "forward", "loss", "backward", "step")
-        split = {k: statistics.median(r["split_ms"].get(k, 0.0) for r in ours) for k in keys}
-        whole = 1000 * args.batch_size * nproc / statistics.median(r["samples_per_s"] for r in ours)
-        lines.append(f"| {nproc} | vlcontrast | " + " | ".join(f"{split[k]:.1f}" for k in keys)
-                     + f" | {whole:.1f} |")
+        for name in ours_names:
+            ours = runs[(name, nproc)]
+            split = {k: statistics.median(r["split_ms"].get(k, 0.0) for r in ours) for k in keys}
+            whole = 1000 * args.batch_size * nproc / statistics.median(r["samples_per_s"]
+                                                                       for r in ours)
+            lines.append(f"| {nproc} | {name} | " + " | ".join(f"{split[k]:.1f}" for k in keys)
+                         + f" | {whole:.1f} |")
         data = statistics.median(r["split_ms"]["data"] for r in theirs)
         step = statistics.median(r["split_ms"]["step"] for r in theirs)
         lines.append(f"| {nproc} | open_clip | {data:.1f} | – | – | – | – | {step:.1f} |")
     return "\n".join(lines) + "\n"
+
+
+TRAINERS = {"vlcontrast": run_vlcontrast,
+            "vlcontrast-deepspeed": lambda *a: run_vlcontrast(*a, engine="deepspeed"),
+            "open_clip": run_open_clip}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -288,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
                              "1 by default: on a shared machine multi-threaded OpenMP spin-waits "
                              "against other jobs and the numbers become noise")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--deepspeed-engine", action="store_true",
+                        help="also run vlcontrast through DeepSpeed's engine (train.engine="
+                             "deepspeed) beside the default, train.engine=auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=int, default=900, help="seconds per run")
     parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "train.md"))
@@ -297,11 +313,12 @@ def main(argv: list[str] | None = None) -> int:
     ensure_data(args)
     work = Path(tempfile.mkdtemp(prefix="bench_train_"))
     runs: dict = {}
-    trainers = {"vlcontrast": run_vlcontrast, "open_clip": run_open_clip}
+    trainers = {name: TRAINERS[name] for name in TRAINERS
+                if name != "vlcontrast-deepspeed" or args.deepspeed_engine}
     try:
         for repeat in range(args.repeats):
             for nproc in args.nprocs:
-                order = ["vlcontrast", "open_clip"]
+                order = list(trainers)
                 if (repeat + nproc) % 2:
                     order.reverse()
                 for name in order:

@@ -30,6 +30,8 @@ DeviceName = Literal["auto", "cpu", "cuda"]
 DataMode = Literal["epoch", "resampled"]
 DecodeDevice = Literal["cpu", "gpu"]
 ZeroStage = Literal[0, 1, 2, 3]
+EngineName = Literal["auto", "deepspeed", "torch"]
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 DistillKind = Literal["logits", "features", "interactive"]
 """Values of ``distill.kind`` (see :class:`DistillConfig`)."""
 
@@ -261,8 +263,15 @@ class TrainConfig:
     """Write a metrics.jsonl line every N optimizer steps."""
     max_bad_steps: int = 5
     """Consecutive non-finite steps tolerated before the job stops."""
+    engine: EngineName = "auto"
+    """What runs the step: ``deepspeed`` (DeepSpeed's engine), ``torch`` (a plain PyTorch step with
+    DistributedDataParallel, for ZeRO 0 with fp32/amp_bf16 and no deepspeed.overrides) or
+    ``auto`` (torch where it applies, else DeepSpeed). docs/training.md, "The step at ZeRO 0"."""
     compile: bool = False
     """torch.compile the towers (docs/training.md, "Compiled towers": start-up cost, recompiles)."""
+    compile_mode: CompileMode = "default"
+    """``torch.compile``'s mode with ``train.compile``: ``reduce-overhead`` replays the compiled
+    forward and backward as CUDA graphs (one micro-batch per step: train.accum_steps=1)."""
     peak_tflops: float = 0.0
     """The device's peak dense bf16 TFLOP/s for the ``mfu`` column of the step log; 0: looked up
     by the GPU's name (vlcontrast/models/flops.py, ``PEAK_TFLOPS``)."""
@@ -286,6 +295,13 @@ class TrainConfig:
                  "must be >= 1")
         _require(self.stop_at_step >= 0, "train.stop_at_step", self.stop_at_step, "must be >= 0")
         _require(self.peak_tflops >= 0, "train.peak_tflops", self.peak_tflops, "must be >= 0")
+        _require(self.compile_mode == "default" or self.compile, "train.compile_mode",
+                 self.compile_mode, "takes effect only with train.compile=true; set both")
+        _require(self.compile_mode != "reduce-overhead" or self.accum_steps == 1,
+                 "train.compile_mode", self.compile_mode,
+                 f"with train.accum_steps={self.accum_steps}: a CUDA graph's replay overwrites "
+                 "the outputs GradCache keeps from earlier micro-batches; use "
+                 "train.compile_mode=default or train.accum_steps=1")
 
 
 @dataclass
@@ -416,6 +432,10 @@ class RunConfig:
                  f"with model.{locked[0] if locked else 'lock_image'}=true would store the locked "
                  "tower rounded to 16 bits (DeepSpeed casts every parameter, and a locked one has "
                  "no fp32 master copy); use train.precision=amp_bf16 (fp32 weights, bf16 compute)")
+        if self.train.engine == "torch":
+            why_not = torch_engine_blocker(self.train, self.deepspeed)
+            _require(why_not is None, "train.engine", self.train.engine,
+                     f"{why_not}; use train.engine=auto or deepspeed")
         if self.distill.enabled:
             _require(not self.data.normalize_on_device, "data.normalize_on_device", True,
                      "does not work with distillation (the teacher has its own normalisation); "
@@ -433,6 +453,20 @@ class RunConfig:
             if typing.get_origin(types.get(key)) is Literal:
                 self.loss.options[key] = _coerce_choice(value, typing.get_args(types[key]),
                                                         f"loss.{key}")
+
+
+def torch_engine_blocker(train: TrainConfig, deepspeed: DeepSpeedConfig) -> str | None:
+    """None when the step can run without DeepSpeed's engine (``train.engine``: ZeRO 0, fp32
+    parameters, no DeepSpeed settings of the user's), else why not."""
+    if deepspeed.zero_stage != 0:
+        return (f"deepspeed.zero_stage={deepspeed.zero_stage} partitions the optimizer's state, "
+                "which is DeepSpeed's work")
+    if train.precision in ("bf16", "fp16"):
+        return (f"train.precision={train.precision} needs DeepSpeed's fp32 master-copy "
+                "optimizer")
+    if deepspeed.overrides:
+        return "deepspeed.overrides configure DeepSpeed's engine"
+    return None
 
 
 def _require(ok: bool, key: str, value: Any, why: str) -> None:

@@ -390,6 +390,8 @@ def check_step(ctx: Context) -> None:
            "--workers", str(s.workers), "--device", s.device]
     if s.step_arms:
         cmd += ["--arms", ",".join(s.step_arms)]
+    if s.step_profile:
+        cmd += ["--profile", str(s.step_profile)]
     started = time.perf_counter()
     rc = ctx.jobs.run_command("step", cmd, log)
     results = sorted(out.glob("step_*.json"))

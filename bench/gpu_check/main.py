@@ -49,6 +49,9 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--step-arms", default="",
                         help="comma list: the step group's arms (bench/bench_step.py --arms, e.g. "
                              "'plain,vlcontrast,vlcontrast+compile')")
+    parser.add_argument("--step-profile", type=int, default=0, metavar="STEPS",
+                        help="the step group profiles STEPS more steps of every arm "
+                             "(bench/bench_step.py --profile): op tables in OUT/step/")
     parser.add_argument("--plan", action="store_true",
                         help="print the plan (groups, estimates, disk budget) and exit")
     args = parser.parse_args(argv)
@@ -91,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         settings.step_models = tuple(x.strip() for x in args.step_models.split(",") if x.strip())
     if args.step_arms:
         settings.step_arms = tuple(x.strip() for x in args.step_arms.split(",") if x.strip())
+    settings.step_profile = args.step_profile
     families = sorted(set(checks.shipped_families()) & set(settings.models))
     precisions = checks.precisions()
     estimates = {g: estimate_seconds(g, precisions, families) for g in args.groups}

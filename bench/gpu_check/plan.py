@@ -76,6 +76,8 @@ class Settings:
     """The ``step`` group's models (bench/bench_step.py ``--models``)."""
     step_batches: tuple[int, ...] = ()
     step_arms: tuple[str, ...] = ()
+    step_profile: int = 0
+    """Steps of every arm under torch.profiler (0: none)."""
     """bench/bench_step.py ``--arms`` (empty: its default four)."""
     step_warmup: int = 10
     step_steps: int = 30
@@ -172,7 +174,7 @@ STEP_BATCH_S = {"ViT-B-32": {128: 0.061, 512: 0.126}, "RN50": {128: 0.07, 512: 0
 STEP_ARM_S = 6.0
 """One arm of the step group apart from its steps: a fresh model copy, AdamW or the DeepSpeed
 engine, and (loader feed) the loader's workers starting."""
-STEP_ARMS, STEP_FEEDS, STEP_WARMUP_AND_STEPS = 4, 2, 40
+STEP_ARMS, STEP_FEEDS, STEP_WARMUP_AND_STEPS = 5, 2, 40
 
 
 FULL_MATRIX_STEPS, FULL_THROUGHPUT_STEPS, FULL_TRAIN_SAMPLES, FULL_LOSSES = 3, 50, 7680, 9

@@ -21,7 +21,7 @@ def test_every_arm_runs_on_both_feeds_and_is_compared_with_the_plain_step(tmp_pa
            "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run([sys.executable, "bench/bench_step.py", "--models", "vlc-micro",
                            "--batches", "8", "--warmup", "1", "--steps", "2", "--workers", "1",
-                           "--device", "cpu", "--out", str(tmp_path)],
+                           "--device", "cpu", "--out", str(tmp_path), "--profile", "1"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     (written,) = tmp_path.glob("step_*.json")
@@ -39,6 +39,13 @@ def test_every_arm_runs_on_both_feeds_and_is_compared_with_the_plain_step(tmp_pa
     assert {"device_name", "torch", "deepspeed", "open_clip", "date"} <= set(result["info"])
     markdown = (tmp_path / "step.md").read_text()
     assert markdown.count("| vlc-micro | 8 |") == len(rows)
+    # --profile: one op table per row, of the arm's own ops.
+    profiles = sorted(tmp_path.glob("profile_*.txt"))
+    assert len(profiles) == len(rows)
+    for path in profiles:
+        text = path.read_text()
+        assert "by self CPU time" in text and "aten::" in text
+    assert "Optimizer.step" in (tmp_path / "profile_vlc-micro_b8_none_plain.txt").read_text()
 
 
 def test_the_table_shows_mfu_and_ratio_where_known():

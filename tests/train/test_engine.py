@@ -169,7 +169,8 @@ def _one_rank_steps(rank, world_size, precisions):
                 model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(),
                                             torch.nn.Linear(8, 2))
                 config = _config(deepspeed__zero_stage=stage, train__precision=precision,
-                                 data__batch_size=2, optim__warmup_steps=1)
+                                 data__batch_size=2, optim__warmup_steps=1,
+                                 train__engine="deepspeed")
                 engine, _ = build_engine(model, optim=config.optim, train=config.train,
                                          deepspeed=config.deepspeed, micro_batch_size=2,
                                          total_steps=10, world_size=world_size)
@@ -228,7 +229,7 @@ def _engine_for(model):
     from vlcontrast.config import DeepSpeedConfig, OptimConfig, TrainConfig
     from vlcontrast.train.engine import build_engine
 
-    engine, _ = build_engine(model, optim=OptimConfig(), train=TrainConfig(steps=2),
+    engine, _ = build_engine(model, optim=OptimConfig(), train=TrainConfig(steps=2, engine="deepspeed"),
                              deepspeed=DeepSpeedConfig(), micro_batch_size=3, world_size=1,
                              total_steps=2)
     return engine

@@ -32,11 +32,19 @@ MASK_NAN = ("torch.tensor(device=)", "deepspeed:runtime/utils.py:mask_nan_or_inf
 HAS_OVERFLOW = ("item", "deepspeed:runtime/zero/stage_1_and_2.py:has_overflow")
 STAGE3_NORM = ("torch.tensor(device=)", "deepspeed:runtime/zero/stage3.py:get_grad_norm_direct")
 ZERO_1_2_BF16 = {INVALID_NORM: 1, MASK_NAN: 2, HAS_OVERFLOW: 1}
+# DeepSpeed's ZeRO-0 clip builds max_norm and 1.0 on the host each step (train.engine=deepspeed).
+ZERO0_CLIP = ("torch.tensor(device=)", "deepspeed:runtime/utils.py:clip_grad_norm_")
 
 # configuration -> (overrides, vlcontrast's own syncs per step, DeepSpeed's syncs per step)
 CASES = {
     "zero0_fp32": ({"deepspeed__zero_stage": 0}, {}, {}),
     "zero0_amp_bf16": ({"deepspeed__zero_stage": 0, "train__precision": "amp_bf16"}, {}, {}),
+    # ZeRO 0 runs the torch engine (train.engine=auto); with clipping and GradCache it still
+    # reads nothing. DeepSpeed's engine, asked for, pays its clip's two host-built tensors.
+    "zero0_amp_bf16_clip_accum2": ({"deepspeed__zero_stage": 0, "train__precision": "amp_bf16",
+                                    "optim__grad_clip": 1.0, "train__accum_steps": 2}, {}, {}),
+    "zero0_fp32_deepspeed_clip": ({"deepspeed__zero_stage": 0, "train__engine": "deepspeed",
+                                   "optim__grad_clip": 1.0}, {}, {ZERO0_CLIP: 2}),
     "zero1_amp_bf16": ({"deepspeed__zero_stage": 1, "train__precision": "amp_bf16"}, {},
                        {INVALID_NORM: 1, MASK_NAN: 2}),
     "zero2_bf16": ({"deepspeed__zero_stage": 2, "train__precision": "bf16"}, {}, ZERO_1_2_BF16),

@@ -5,6 +5,7 @@ and both shipped tower families (ResNet, ViT) training under every precision the
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import torch
@@ -97,7 +98,8 @@ def test_build_engine_sets_gpu_defaults_only_for_cuda_models(monkeypatch):
     calls, configs = [], []
     monkeypatch.setattr(engine_module, "set_gpu_defaults", lambda: calls.append("gpu"))
     monkeypatch.setattr(deepspeed, "initialize",
-                        lambda **kw: configs.append(kw["config"]) or (object(), None, None, None))
+                        lambda **kw: configs.append(kw["config"])
+                        or (types.SimpleNamespace(), None, None, None))
     config = _config(deepspeed__zero_stage=1)
     sections = dict(optim=config.optim, train=config.train, deepspeed=config.deepspeed,
                     micro_batch_size=config.data.batch_size, total_steps=10, world_size=2)

@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from vlcontrast.config import DeepSpeedConfig, OptimConfig, TrainConfig
+from vlcontrast.config import DeepSpeedConfig, OptimConfig, TrainConfig, torch_engine_blocker
 from vlcontrast.distributed import set_gpu_defaults
+from vlcontrast.errors import ConfigError
 from vlcontrast.train.optimizer import (FLAT_ALIGN, FiniteCheckedAdamW, build_optimizer,
                                         unstep_schedule)
 from vlcontrast.train.precision import Precision
@@ -173,22 +174,49 @@ def flat_align(train: TrainConfig, deepspeed: DeepSpeedConfig) -> int:
     return FLAT_ALIGN if flattened else 1
 
 
+def engine_kind(train: TrainConfig, deepspeed: DeepSpeedConfig) -> str:
+    """"torch" or "deepspeed": what ``train.engine`` resolves to for this run (``auto``: the
+    plain step of :mod:`vlcontrast.train.torch_engine` wherever it applies)."""
+    why_not = torch_engine_blocker(train, deepspeed)
+    if train.engine == "torch" and why_not is not None:
+        raise ConfigError(f"train.engine='torch': {why_not}; use train.engine=auto or deepspeed")
+    if train.engine == "auto":
+        return "torch" if why_not is None else "deepspeed"
+    return train.engine
+
+
 def build_engine(model: torch.nn.Module, *, optim: OptimConfig, train: TrainConfig,
                  deepspeed: DeepSpeedConfig, micro_batch_size: int, total_steps: int,
                  world_size: int):
-    """(engine, ds_config): DeepSpeed engine with torch AdamW and a cosine schedule."""
-    import deepspeed as deepspeed_lib
-
+    """(engine, ds_config): with torch AdamW and a cosine schedule, DeepSpeed's engine and its
+    config, or (``train.engine``, :func:`engine_kind`) the plain ZeRO-0 step and None."""
     from vlcontrast.models.norms import keep_batch_norm_statistics_fp32
 
+    kind = engine_kind(train, deepspeed)
     skip_cpu_inference_comm_op()
     forget_stale_deepspeed_groups()
+    # Also for the torch engine: the checkpoint files keep one shape whichever engine wrote them.
     vectorise_scalar_parameters(model)
     # bf16/fp16 cast the batch norms' weights but not their running statistics.
     keep_batch_norm_statistics_fp32(model)
     device = model_device(model)
     if device.type == "cuda":
         set_gpu_defaults()
+    if kind == "torch":
+        from vlcontrast.train.torch_engine import TorchEngine
+
+        optimizer, scheduler = build_optimizer(model, optim, total_steps, finite_checked=True,
+                                               align=flat_align(train, deepspeed))
+        engine = TorchEngine(model, optimizer, scheduler, accum_steps=train.accum_steps,
+                             grad_clip=optim.grad_clip,
+                             autocast=Precision(train.precision).autocast,
+                             micro_batch_size=micro_batch_size, world_size=world_size)
+        if train.compile:
+            engine.compile(compile_kwargs=compile_kwargs(train))
+        engine.cudagraphs = train.compile and train.compile_mode == "reduce-overhead"
+        return engine, None
+    import deepspeed as deepspeed_lib
+
     # ZeRO 0 without DeepSpeed's mixed-precision optimizers: the client optimizer sees the
     # gradients unchecked (amp_bf16 keeps fp32 parameters and uses no DeepSpeed optimizer wrapper).
     plain = deepspeed.zero_stage == 0 and not Precision(train.precision).master_copy
@@ -209,8 +237,14 @@ def build_engine(model: torch.nn.Module, *, optim: OptimConfig, train: TrainConf
     if train.compile:
         # DeepSpeed compiles the wrapped module in place: parameter names (and so checkpoints)
         # stay those of the eager model.
-        engine.compile()
+        engine.compile(compile_kwargs=compile_kwargs(train))
+    engine.cudagraphs = train.compile and train.compile_mode == "reduce-overhead"
     return engine, ds_config
+
+
+def compile_kwargs(train: TrainConfig) -> dict[str, Any]:
+    """``torch.compile``'s keyword arguments for ``train.compile_mode`` (none for the default)."""
+    return {} if train.compile_mode == "default" else {"mode": train.compile_mode}
 
 
 def count_skipped(engine, steps: int) -> None:

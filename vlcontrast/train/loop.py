@@ -46,7 +46,7 @@ from vlcontrast.losses import LOSSES, build_loss
 from vlcontrast.models import build_model
 from vlcontrast.train.batches import DeviceFeed, SeededTransform, TrainBatches
 from vlcontrast.train.checkpoint import Checkpointer, RNGState
-from vlcontrast.train.engine import (build_engine, clamp_logit_scale, count_skipped,
+from vlcontrast.train.engine import (build_engine, clamp_logit_scale, count_skipped, engine_kind,
                                      num_parameters)
 from vlcontrast.train.evaluate import Evaluator
 from vlcontrast.train.guard import DivergenceGuard, TrainingDiverged
@@ -184,7 +184,9 @@ def train(config: RunConfig) -> dict[str, Any]:
                 "loss": config.loss.name, "model": bundle.model_name,
                 "world_size": env.world_size, "global_batch": global_batch,
                 "steps": state.step, "precision": precision.name,
-                "zero_stage": config.deepspeed.zero_stage, "skipped_steps": guard.skipped})
+                "zero_stage": config.deepspeed.zero_stage,
+                "engine": engine_kind(config.train, config.deepspeed),
+                "skipped_steps": guard.skipped})
     finally:
         log.close()
     dist_utils.barrier()
@@ -359,7 +361,8 @@ def _param_layouts(model, config: RunConfig) -> tuple[list[list[str]], list[list
 
 
 def _build_engine(model, config: RunConfig, total_steps: int, env):
-    """(engine, estimated checkpoint bytes); rank 0 writes deepspeed.json and checks the disk."""
+    """(engine, estimated checkpoint bytes); rank 0 writes deepspeed.json (DeepSpeed's engine)
+    and checks the disk."""
     engine, ds_config = build_engine(model, optim=config.optim, train=config.train,
                                      deepspeed=config.deepspeed,
                                      micro_batch_size=config.data.batch_size,
@@ -368,7 +371,8 @@ def _build_engine(model, config: RunConfig, total_steps: int, env):
     error = None
     if env.rank == 0:
         run_dir = Path(config.output_dir)
-        (run_dir / "deepspeed.json").write_text(json.dumps(ds_config, indent=2))
+        if ds_config is not None:  # DeepSpeed's engine (train.engine)
+            (run_dir / "deepspeed.json").write_text(json.dumps(ds_config, indent=2))
         try:
             ckpt.check_free_space(run_dir, checkpoint_bytes, f"output_dir={config.output_dir!r}")
         except OSError as err:

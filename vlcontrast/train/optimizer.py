@@ -47,12 +47,15 @@ class FiniteCheckedAdamW(torch.optim.AdamW):
         self.found_inf: torch.Tensor | None = None
         self.lr_factors: torch.Tensor | None = None
 
-    def step(self, closure=None):
+    def step(self, closure=None, grad_norm: torch.Tensor | None = None):
+        """``grad_norm``: the gradients' global norm when the caller has it (the clip computed
+        it): non-finite exactly when some gradient is, so it spares a second pass."""
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
         if not grads:
             return super().step(closure)
-        norms = torch.stack(torch._foreach_norm(grads))
-        self.found_inf = (~torch.isfinite(norms)).any().to(torch.float32)
+        if grad_norm is None:
+            grad_norm = torch.stack(torch._foreach_norm(grads))
+        self.found_inf = (~torch.isfinite(grad_norm)).any().to(torch.float32)
         self.overflow = False
         floats = [group["lr"] for group in self.param_groups]
         applied = self._applied_steps()

@@ -77,7 +77,8 @@ def finish_run(run_dir: Path, results: dict[str, Any], *, checkpoint, setup: dic
 
     (run_dir / "results.json").write_text(json.dumps(
         {"checkpoint": str(checkpoint) if checkpoint else None, "loss": setup["loss"],
-         "model": setup["model"], "world_size": setup["world_size"], "metrics": results},
+         "model": setup["model"], "world_size": setup["world_size"],
+         "engine": setup.get("engine"), "metrics": results},
         indent=2))
     write_report(run_dir, results, setup)
     print("\n" + results_table(results) + "\n", flush=True)

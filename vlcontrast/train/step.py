@@ -160,6 +160,10 @@ def train_step(engine, loss_fn, micro_batches, step: int, device, dtype, timer,
     (``data.normalize_on_device``).
     """
     k = len(micro_batches)
+    if getattr(engine, "cudagraphs", False):
+        # train.compile_mode=reduce-overhead: a new iteration of the CUDA graphs begins, so the
+        # previous step's graph outputs may be overwritten (nothing of them is kept).
+        torch.compiler.cudagraph_mark_step_begin()
     batches = [_to_device(b, device, dtype, normalizer) for b in micro_batches]
     sample_ids = torch.cat([b[2] for b in batches])
     momentum_features = momentum.features(batches) if momentum is not None else None
@@ -239,6 +243,9 @@ def gradcache_backward(engine, loss_fn, batches, sample_ids, step: int, device,
     timer.mark("loss")
     # 3) re-embed each micro-batch with gradient under the same random state and push the
     # cached feature gradients through it: sum_i <f_i, dL/df_i> has the towers' gradient of L.
+    # Under DistributedDataParallel (train.engine=torch) only the last micro-batch's backward is
+    # reduced, and every trainable parameter must receive its gradient there.
+    carrier = k - 1 if getattr(engine, "reduces_last_micro_batch", False) else 0
     image_grads = grads[0].split([b[0].shape[0] for b in batches])
     text_grads = grads[1].split([b[0].shape[0] for b in batches])
     for i, (images, texts, _) in enumerate(batches):
@@ -246,7 +253,7 @@ def gradcache_backward(engine, loss_fn, batches, sample_ids, step: int, device,
         out = engine(images, texts)
         surrogate = ((out["image_features"] * image_grads[i].to(out["image_features"].dtype)).sum()
                      + (out["text_features"] * text_grads[i].to(out["text_features"].dtype)).sum())
-        if i == 0:  # the temperature (and bias) enter the loss once per step
+        if i == carrier:  # the temperature (and bias) enter the loss once per step
             if grads[2] is not None:
                 surrogate = surrogate + (out["logit_scale"] * grads[2]).sum()
             if bias is not None and grads[3] is not None:
