@@ -263,3 +263,13 @@ def test_lock_image_pushes_back_through_the_text_tower_only(tiny, tmp_path):
     locked, both = reports[True]["rows"][0], reports[False]["rows"][0]
     assert locked["feature_relative_bias"] == both["feature_relative_bias"]  # same draws
     assert locked["parameter_relative_bias"] != both["parameter_relative_bias"] > 0
+
+
+def test_the_fast_clip_recipe_is_a_one_line_error_naming_the_fix():
+    """fast_clip's recipe follows the data epoch (gamma 1 in the first); the diagnostic has no
+    epochs, so it says what to pass instead of stopping inside the loss."""
+    from vlcontrast.diagnose.estimators import expand_losses
+
+    for name in ("sogclr", "fastclip"):
+        with pytest.raises(ValueError, match=rf"^{name}: recipe='fast_clip' .*pass {name}.gamma"):
+            expand_losses([name], 32, chunk_size=0, options={name: {"recipe": "fast_clip"}})

@@ -175,3 +175,23 @@ def test_plan_of_the_grid_layout_counts_its_cells(monkeypatch, capsys):
     # 64,000 samples per cell: ceil(64000 / B) steps
     assert "  B=16: 4000 steps\n  B=64: 1000 steps\n  B=256: 250 steps\n  B=1024: 63 steps" in out
     assert "120 of 120 cells done" in out
+
+
+def test_a_failed_dataset_conversion_is_one_error_naming_the_split_and_the_fix(tmp_path, monkeypatch):
+    """The prep command prints its own error; the study adds one line saying which split failed
+    and what to do, instead of subprocess's CalledProcessError traceback."""
+    import types
+
+    from vlcontrast.errors import DataPrepError
+    from vlcontrast.study import v2
+
+    (tmp_path / "splits.json").write_text("{}")
+    data = types.SimpleNamespace(dir=str(tmp_path), kind="folder", source=str(tmp_path),
+                                 templates=None, prep=["prep", "--no-such-option", "{src}"])
+    monkeypatch.setattr(v2, "datasets", lambda config: {"clipart": data})
+    with pytest.raises(DataPrepError) as caught:
+        v2.prepare_datasets(object())
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "converting clipart/train failed" in message and "exited 2" in message
+    assert "run the study again" in message

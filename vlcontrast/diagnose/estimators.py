@@ -303,6 +303,11 @@ def expand_losses(losses, size: int, chunk_size: int,
                            # loss_2 never reads the buffer: no warm-up needed.
                            Estimator("decl_loss2", live_2)]
         elif name in BUFFER_LOSSES:
+            if own.get("recipe", "vlcontrast") == "fast_clip":
+                raise ValueError(
+                    f"{name}: recipe='fast_clip' sets gamma by data epoch (1 in the first), and "
+                    "the diagnostic measures the buffer at one constant gamma; drop the recipe "
+                    f"option and pass {name}.gamma (the recipe's value after its first epoch)")
             if name == "fastclip":
                 for key in FASTCLIP_DROPPED:
                     own.pop(key, None)

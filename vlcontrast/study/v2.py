@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from vlcontrast.errors import DataPrepError
+
 from .cells import _run_training, _write_json, host_cpu, model_digest, summarise_run
 from .config import StudyConfig
 from .design import (Cell2, batch_steps, cell_command_v2, cell_fingerprint_v2, datasets,
@@ -54,7 +56,12 @@ def prepare_datasets(config: StudyConfig) -> None:
                     "{out}", str(root / split)) for a in data.prep]
                 print(f"study: converting {name}/{split}: vlcontrast {' '.join(args)}",
                       file=sys.stderr, flush=True)
-                subprocess.run([sys.executable, "-m", "vlcontrast.cli", *args], check=True)
+                done = subprocess.run([sys.executable, "-m", "vlcontrast.cli", *args])
+                if done.returncode != 0:  # the command printed its own one-line error above
+                    raise DataPrepError(
+                        f"study: converting {name}/{split} failed (vlcontrast {' '.join(args)} "
+                        f"exited {done.returncode}); fix what it reported above, or the "
+                        f"dataset's prep entry in the study config, and run the study again")
 
 
 def ensure_synthetic(root: Path, generate: dict[str, Any]) -> None:
