@@ -214,6 +214,7 @@ def vlcontrast_arm(model, device, precision, batch: int, total: int, settle_ever
         timer.start()
         micro = [Batch(images, texts, ids)]
         timer.mark("data")
+        loss_fn.diagnostics = (i + 1) % 10 == 0  # as the loop: at its log steps only
         outcome = train_step(engine, loss_fn, micro, i + 1, device, dtype, timer)
         ledger.record(i + 1, outcome)
         clamp_logit_scale(engine)
@@ -248,9 +249,12 @@ def measure(step, feed, fixed, warmup: int, steps: int, device) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def profile(step, feed, fixed, first: int, steps: int, device, path: Path) -> None:
+def profile(step, feed, fixed, first: int, steps: int, device, path: Path) -> dict:
     """``steps`` more steps under ``torch.profiler``; writes the op table to ``path`` (what the
-    step's host and device time go to, to compare arms by)."""
+    step's host and device time go to, to compare arms by) and returns the launch counts per
+    step: ``leaf_ops_per_step``, the aten ops that call no other aten op (each is a kernel
+    launch's host work on a GPU, whatever the device it ran on), and on CUDA
+    ``kernels_per_step``."""
     import torch
     from torch.profiler import ProfilerActivity
 
@@ -260,6 +264,15 @@ def profile(step, feed, fixed, first: int, steps: int, device, path: Path) -> No
             images, texts, ids = next(feed) if feed is not None else fixed
             step(i, images, texts, ids)
         _sync(device)
+    events = prof.events()
+    leaves = sum(1 for e in events if e.name.startswith("aten::")
+                 and not any(c.name.startswith("aten::") for c in e.cpu_children))
+    counts = {"leaf_ops_per_step": leaves / steps}
+    if device.type == "cuda":
+        from torch.autograd import DeviceType
+
+        counts["kernels_per_step"] = sum(1 for e in events
+                                         if e.device_type == DeviceType.CUDA) / steps
     averages = prof.key_averages()
     tables = [f"# {path.stem}: {steps} steps under torch.profiler", "",
               "## by self CPU time", averages.table(sort_by="self_cpu_time_total", row_limit=25)]
@@ -267,6 +280,7 @@ def profile(step, feed, fixed, first: int, steps: int, device, path: Path) -> No
         tables += ["", "## by self CUDA time",
                    averages.table(sort_by="self_cuda_time_total", row_limit=25)]
     path.write_text("\n".join(tables) + "\n")
+    return counts
 
 
 def versions(device) -> dict:
@@ -342,14 +356,15 @@ def run(args, written=None) -> dict:
                     started = time.perf_counter()
                     seconds = measure(step, feed, fixed, args.warmup, args.steps, device)
                     wall = time.perf_counter() - started
+                    counts = {}
                     if args.profile and args.out:
                         name = f"profile_{model_name}_b{batch}_{feed_name}_{arm}".replace("+", "-")
-                        profile(step, feed, fixed, args.warmup + args.steps, args.profile, device,
-                                Path(args.out) / f"{name}.txt")
+                        counts = profile(step, feed, fixed, args.warmup + args.steps,
+                                         args.profile, device, Path(args.out) / f"{name}.txt")
                     del feed
                     row = {"model": model_name, "batch": batch, "feed": feed_name, "arm": arm,
                            "ms_per_step": seconds * 1e3, "samples_per_s": batch / seconds,
-                           "wall_s": wall}
+                           "wall_s": wall, **counts}
                     value = mfu(row["samples_per_s"], flops, peak)
                     if value is not None:
                         row["mfu"] = value
@@ -379,8 +394,11 @@ def _cuda() -> bool:
 def _line(row: dict) -> str:
     extra = f", MFU {100 * row['mfu']:.1f}%" if "mfu" in row else ""
     ratio = f", {row['ratio_to_plain']:.2f}x plain" if "ratio_to_plain" in row else ""
+    ops = f", {row['leaf_ops_per_step']:.0f} ops/step" if "leaf_ops_per_step" in row else ""
+    ops += f", {row['kernels_per_step']:.0f} kernels/step" if "kernels_per_step" in row else ""
     return (f"[step] {row['model']} batch {row['batch']} feed {row['feed']:6s} {row['arm']:18s} "
-            f"{row['ms_per_step']:8.2f} ms/step {row['samples_per_s']:9.1f} samples/s{extra}{ratio}")
+            f"{row['ms_per_step']:8.2f} ms/step {row['samples_per_s']:9.1f} samples/s{extra}{ratio}"
+            f"{ops}")
 
 
 def table(result: dict) -> str:

@@ -52,6 +52,7 @@ class TorchEngine:
                  grad_clip: float, autocast: bool, micro_batch_size: int, world_size: int):
         self.module = module
         self.optimizer = optimizer
+        self.basic_optimizer = optimizer  # DeepSpeed's name for the client optimizer
         self.lr_scheduler = scheduler
         self.accum_steps = accum_steps
         self.grad_clip = grad_clip
