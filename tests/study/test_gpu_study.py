@@ -188,9 +188,13 @@ def _plan(overrides: list[str], capsys) -> str:
     return capsys.readouterr().out
 
 
-def test_plan_counts_the_cells_by_hand_and_says_no_step_time_is_measured(monkeypatch, capsys):
+def test_plan_counts_the_cells_by_hand_and_says_no_step_time_is_measured(tmp_path, monkeypatch,
+                                                                        capsys):
     monkeypatch.chdir(ROOT)
-    out = _plan([], capsys)
+    # The committed matrix-only reports: they hold no throughput group.
+    for name in ("2026-11-27-h200-run1.json", "2026-11-27-h200-run2.json"):
+        (tmp_path / name).write_bytes((ROOT / "bench" / "results" / "gpu_check" / name).read_bytes())
+    out = _plan([f"gpu_measurements={tmp_path}/*.json"], capsys)
     # 5 distinct trainings (B=1024 is shared by the arms); option combinations with their own lr
     # sweep: infonce 1, dcl 1, decl 2, siglip 1, sogclr 2, fastclip-global 4 = 11
     trainings, combos, factors, sweep_seeds, settings, seeds = 5, 11, 3, 2, 6, 5
@@ -201,9 +205,27 @@ def test_plan_counts_the_cells_by_hand_and_says_no_step_time_is_measured(monkeyp
     assert "  sweep-hyper: 0 cells" in out
     assert f"  final: {final} cells, not priced (not measured)" in out
     assert f"total {sweep + final} cells; GPU-hours unknown: no cell's step time is measured" in out
-    # the committed GPU reports hold no throughput group: named, and nothing invented
-    assert "bench/results/gpu_check/2026-11-27-h200-run2.json" in out and "NOT PRICED" in out
+    # reports without a throughput group: named, and nothing invented
+    assert f"{tmp_path}/2026-11-27-h200-run2.json" in out and "NOT PRICED" in out
     assert "GPU-hours for" not in out
+
+
+def test_plan_prices_what_the_committed_reports_measured_and_says_which_are_transcribed(
+        monkeypatch, capsys):
+    """The committed reports price B = 1024 (128 per GPU) from the first GPU session's shards
+    row (ViT-B-32, amp_bf16, 1,809 samples/s on one H200), marked as transcribed; B = 256 and
+    4,096 stay unpriced."""
+    monkeypatch.chdir(ROOT)
+    out = _plan([], capsys)
+    per_cell = 10000 * 1024 / 1809 / 3600  # GPU-hours of one B = 1024 cell
+    assert "B=1024: 10000 steps (steps+samples), 128 per GPU: 71 ms per step measured" in out
+    assert f"  sweep-lr: 330 cells, {66 * per_cell:.1f} GPU-hours for 66 of them" in out
+    assert f"  final: 150 cells, {30 * per_cell:.1f} GPU-hours for 30 of them" in out
+    assert f"total 480 cells, {96 * per_cell:.1f} GPU-hours for the 96 measured ones" in out
+    assert "transcribed, not a run's own report: bench/results/gpu_check/" \
+           "2026-11-27-h200-throughput-reported.json" in out
+    assert "NOT PRICED: no measured step time of ViT-B-32 amp_bf16 at B=256 (32 per GPU, 192 " \
+           "cells), B=4096 (512 per GPU, 192 cells)" in out
 
 
 def test_plan_prices_measured_batches_from_the_committed_report_format(tmp_path, monkeypatch, capsys):

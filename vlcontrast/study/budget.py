@@ -122,6 +122,9 @@ class Throughput:
     """vlcontrast's samples per second per GPU, reading shards (the loader included)."""
     device: str
     source: str
+    transcribed: bool = False
+    """The report's figures were copied from where a run reported them (its ``provenance``),
+    not written by the run itself."""
 
     @property
     def step_s(self) -> float:
@@ -150,7 +153,8 @@ def read_throughputs(pattern: str) -> tuple[list[Throughput], list[str]]:
             rate = numbers.get("vlcontrast") if isinstance(numbers, dict) else None
             if batch and precision and isinstance(rate, (int, float)) and rate > 0:
                 found.append(Throughput(model, int(batch), str(precision), float(rate),
-                                        str(info.get("device_name", "?")), path))
+                                        str(info.get("device_name", "?")), path,
+                                        transcribed=bool(info.get("provenance"))))
     return found, files
 
 

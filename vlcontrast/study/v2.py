@@ -523,6 +523,10 @@ def gpu_plan_text(config: StudyConfig) -> str:
     if sources:
         lines.append(f"  step times: {', '.join(sources)} (bench/gpu_check's throughput group, "
                      f"{', '.join(devices)}; vlcontrast reading shards)")
+        copied = sorted({e.source for e in cost["used"].values() if e.transcribed})
+        if copied:
+            lines.append(f"  transcribed, not a run's own report: {', '.join(copied)} (read its "
+                         "provenance; a committed run of the throughput group replaces it)")
     if unmeasured:
         batches = ", ".join(f"B={b} ({b // config.nproc} per GPU, {n} cells)"
                             for b, n in sorted(unmeasured.items()))
