@@ -7,6 +7,8 @@ cells (only ``ViT-B-32 fp32 zero2 uint8`` ran). :func:`finish_calls` packs that 
 with ``--memory-losses`` and ``--cases``:
 
     python -m bench.gpu_check.finish            # one line per device call
+    python -m bench.gpu_check.finish --sessions # every owed call (step, data, study, check),
+                                                # most wanted first, grouped by session
 
 Each line is a ``bench/device_run.sh`` command for the device tool (carry ``.whl``). The
 estimates are the measured matrix cells of the H200 runs (36-64 s each, start-up included) and a
@@ -86,12 +88,75 @@ def finish_calls(losses: list[str], precisions: tuple[str, ...], families: list[
     return calls
 
 
+SESSION_CALL_S = 13 * 60.0
+"""Device time a session can give its calls: 15 minutes less the machine's start (1-2 min)."""
+DATA_CALL_S = 6 * 60.0
+"""``bench/device_data.sh``: the cuda-marked decode tests and the loader bench (its own header)."""
+
+
+def queue() -> list[tuple[str, str, float]]:
+    """Every device call still owed, most wanted first: (what it answers, the device tool's
+    command, estimated seconds). The step table (issue "GPU speed") first, then the data path's
+    end-to-end rows, the study plan's missing step times, the compiled arms, and the rest of the
+    check (:func:`finish_calls`)."""
+    from bench.gpu_check.groups import precisions, shipped_families
+    from bench.gpu_check.plan import step_seconds, throughput_seconds
+    from vlcontrast.losses import LOSSES
+
+    run = "GPU_CHECK_TIMEOUT=470 bench/device_run.sh"
+    calls = [("step table, ViT-B-32", f"{run} step --step-models ViT-B-32",
+              CALL_SETUP_S + step_seconds(("ViT-B-32",))),
+             ("step table, RN50", f"{run} step --step-models RN50",
+              CALL_SETUP_S + step_seconds(("RN50",))),
+             ("loader rows and end-to-end vs step alone", "bench/device_data.sh", DATA_CALL_S)]
+    for batch in (32, 512):
+        calls.append((f"study plan: step time at {batch} per GPU",
+                      f"{run} throughput --throughput-batch {batch}",
+                      CALL_SETUP_S + throughput_seconds(batch)))
+    compiled = "plain,vlcontrast,vlcontrast+compile,vlcontrast+cudagraphs"
+    calls.append(("compiled arms, ViT-B-32",
+                  f"{run} step --step-models ViT-B-32 --step-arms {compiled}",
+                  CALL_SETUP_S + step_seconds(("ViT-B-32",), arms=4) + 120.0))
+    families = sorted(shipped_families())
+    for group, selection, seconds in finish_calls(sorted(LOSSES), precisions(), families):
+        calls.append((f"{group} {selection}", command(group, selection), seconds))
+    return calls
+
+
+def sessions(calls: list[tuple[str, str, float]], budget_s: float = SESSION_CALL_S
+             ) -> list[list[tuple[str, str, float]]]:
+    """``calls`` in order, cut into sessions whose calls fit ``budget_s`` of device time."""
+    out: list[list[tuple[str, str, float]]] = []
+    spent = budget_s
+    for call in calls:
+        if spent + call[2] > budget_s:
+            out.append([])
+            spent = 0.0
+        out[-1].append(call)
+        spent += call[2]
+    return out
+
+
 def command(group: str, selection: str) -> str:
     option = "--memory-losses" if group == "memory" else "--cases"
     return f"GPU_CHECK_TIMEOUT=540 bench/device_run.sh {group} {option} '{selection}'"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="the device calls still owed")
+    parser.add_argument("--sessions", action="store_true",
+                        help="every owed call, most wanted first, grouped into sessions of "
+                             f"{SESSION_CALL_S / 60:.0f} minutes of device time")
+    args = parser.parse_args(argv)
+    if args.sessions:
+        for number, calls in enumerate(sessions(queue()), 1):
+            total = sum(seconds for _, _, seconds in calls)
+            print(f"# session {number} (~{total / 60:.1f} min of calls)")
+            for what, cmd, seconds in calls:
+                print(f"{cmd}    # ~{seconds / 60:.1f} min: {what}")
+        return 0
     from bench.gpu_check.groups import precisions, shipped_families
     from vlcontrast.losses import LOSSES
 

@@ -209,12 +209,7 @@ def estimate_seconds(group: str, precisions: tuple[str, ...], families: list[str
     if group == "memory":
         return FULL_LOSSES * len(MEMORY_SIZES) * PROBE_S
     if group == "step":  # one process: per model, batch, feed and arm a measured loop
-        total = START_S
-        for model, per_batch in STEP_BATCH_S.items():
-            total += FAMILY_EXTRA_S.get(model, 0.0)
-            for seconds in per_batch.values():
-                total += STEP_ARMS * STEP_FEEDS * (STEP_WARMUP_AND_STEPS * seconds + STEP_ARM_S)
-        return total
+        return step_seconds(tuple(STEP_BATCH_S))
     raise KeyError(group)
 
 
@@ -311,3 +306,24 @@ def parse_groups(text: str) -> tuple[str, ...]:
 
 def human_s(seconds: float) -> str:
     return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{math.ceil(seconds)} s"
+
+
+def step_seconds(models: tuple[str, ...], arms: int = STEP_ARMS) -> float:
+    """The ``step`` group's rough wall time for ``models`` (``--step-models``) with ``arms`` arms."""
+    total = START_S
+    for model in models:
+        total += FAMILY_EXTRA_S.get(model, 0.0)
+        for seconds in STEP_BATCH_S.get(model, {}).values():
+            total += arms * STEP_FEEDS * (STEP_WARMUP_AND_STEPS * seconds + STEP_ARM_S)
+    return total
+
+
+def throughput_seconds(batch_per_gpu: int) -> float:
+    """The ``throughput`` group's rough wall time at ``--throughput-batch`` (its steps scale with
+    the batch from the batch-128 step times)."""
+    ckpt = {m: FULL_PARAMETERS.get(m, 1e6) * BYTES_PER_PARAMETER / WRITE_BYTES_PER_S
+            for m in FULL_MODELS.values()}
+    scale = batch_per_gpu / 128
+    shards = FULL_TRAIN_SAMPLES * 1.5e-3 * max(1.0, scale)
+    return shards + sum(4 * START_S + 2 * ckpt[m] + 4 * FULL_THROUGHPUT_STEPS * STEP_S[m] * scale
+                        for m in FULL_MODELS.values())

@@ -428,10 +428,26 @@ def test_finish_calls_cover_exactly_what_the_h200_runs_left_and_fit_8_minutes(tm
                                                        for case in selection.split(","))
 
 
+def test_the_owed_calls_come_most_wanted_first_and_each_session_fits_its_device_time(capsys):
+    from bench.gpu_check import finish
+
+    calls = finish.queue()
+    assert [what for what, _, _ in calls[:3]] == [
+        "step table, ViT-B-32", "step table, RN50", "loader rows and end-to-end vs step alone"]
+    assert all(seconds <= finish.CALL_LIMIT_S for _, _, seconds in calls)
+    assert sum(1 for _, cmd, _ in calls if "--throughput-batch" in cmd) == 2
+    grouped = finish.sessions(calls)
+    assert [call for session in grouped for call in session] == calls
+    assert all(sum(s for _, _, s in session) <= finish.SESSION_CALL_S for session in grouped)
+    assert finish.main(["--sessions"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# session 1") and out.count("# session") == len(grouped)
+
+
 def test_finish_prints_one_device_command_per_call(capsys):
     from bench.gpu_check import finish
 
-    assert finish.main() == 0
+    assert finish.main([]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines and all(line.startswith("GPU_CHECK_TIMEOUT=540 bench/device_run.sh ")
                          for line in lines)
