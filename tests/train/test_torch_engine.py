@@ -134,14 +134,22 @@ RUNS = {
     "amp_bf16_accum2_clip": {"train__precision": "amp_bf16", "train__accum_steps": 2,
                              "optim__grad_clip": 0.05},
     "decl": {"loss__name": "decl"},
+    # DeCL's momentum towers: an EMA copy of the towers beside the DDP-wrapped model.
+    "decl_momentum": {"loss__name": "decl", "loss__estimator": "momentum"},
+    # A distillation projection: a model parameter the loss uses outside the towers' forward,
+    # its gradient on GradCache's reduced pass.
+    "distill_projection_accum2": {"distill__teacher": "vlc-tiny", "distill__kind": "features",
+                                  "distill__projection": True, "train__accum_steps": 2},
 }
 
 
-def _train_both(rank, world_size, data_dir, out_root):
+def _train_both(rank, world_size, data_dir, out_root, teacher):
     from tests.train.helpers import tiny_config
     from vlcontrast.train import train
 
     for name, extra in RUNS.items():
+        if "distill__teacher" in extra:
+            extra = {**extra, "distill__teacher_pretrained": str(teacher)}
         for kind in ("deepspeed", "torch"):
             train(tiny_config(data_dir, out_root / name / kind, train__steps=4,
                               train__engine=kind, checkpoint__every=4, **extra))
@@ -149,13 +157,21 @@ def _train_both(rank, world_size, data_dir, out_root):
 
 @pytest.mark.slow
 def test_trainings_under_both_engines_end_with_the_same_weights(synthetic_data, tmp_path):
-    run_distributed(_train_both, 2, synthetic_data, tmp_path, timeout=600,
+    from vlcontrast.config import ModelConfig
+    from vlcontrast.models import build_model
+
+    torch.manual_seed(7)
+    teacher = tmp_path / "teacher.pt"
+    torch.save(build_model(ModelConfig(name="vlc-tiny")).model.state_dict(), teacher)
+    run_distributed(_train_both, 2, synthetic_data, tmp_path, teacher, timeout=900,
                     backend=default_backend())
     for name in RUNS:
         reference = checkpoint_weights(tmp_path / name / "deepspeed")
         weights = checkpoint_weights(tmp_path / name / "torch")
         # Measured on gloo: equal bit for bit in fp32, 3e-8 apart under amp_bf16 with GradCache.
         assert max_difference(reference, weights) <= 1e-6, name
+        if "distill" in name:  # the projection trained, the same under both engines
+            assert "distill_projection.weight" in weights
         for kind in ("deepspeed", "torch"):
             results = json.loads((tmp_path / name / kind / "results.json").read_text())
             assert results["engine"] == kind
