@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from tests.distributed import default_backend, run_distributed
-from tests.train.test_gradcache import process_group  # noqa: F401 - the 1-process group fixture
 from tests.train.helpers import checkpoint_weights, max_difference, read_metrics
 
 
@@ -214,34 +213,38 @@ def test_a_checkpoint_of_either_engine_resumes_under_the_other(synthetic_data, t
         assert max_difference(full, checkpoint_weights(tmp_path / run)) <= 1e-6, run
 
 
-def _cuda_steps(kind: str, precision: str):
-    """3 clipped steps of a small model on the GPU; the gradients of the first and the weights."""
+def _cuda_steps(rank, world_size, precision):
+    """Per engine: 3 clipped steps of a small model on this rank's GPU; the first gradients and
+    the final weights (as lists) and where they lived."""
     from vlcontrast.config import DeepSpeedConfig, OptimConfig, TrainConfig
     from vlcontrast.train.engine import build_engine
 
-    model = _model().cuda()
-    engine, _ = build_engine(model, optim=OptimConfig(grad_clip=0.5, warmup_steps=1),
-                             train=TrainConfig(steps=4, engine=kind, precision=precision),
-                             deepspeed=DeepSpeedConfig(), micro_batch_size=3, world_size=1,
-                             total_steps=4)
-    grads = None
-    for step in range(3):
-        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step)).cuda()
-        engine.backward(engine(x).float().pow(2).sum())
-        if step == 0:
-            grads = [p.grad.detach().clone() for p in engine.module.parameters()]
-        engine.step()
-    torch.cuda.synchronize()
-    return grads, [p.detach().clone() for p in engine.module.parameters()]
+    out = {}
+    for kind in ("deepspeed", "torch"):
+        model = _model().cuda()
+        engine, _ = build_engine(model, optim=OptimConfig(grad_clip=0.5, warmup_steps=1),
+                                 train=TrainConfig(steps=4, engine=kind, precision=precision),
+                                 deepspeed=DeepSpeedConfig(), micro_batch_size=3,
+                                 world_size=world_size, total_steps=4)
+        grads = None
+        for step in range(3):
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step)).cuda()
+            engine.backward(engine(x).float().pow(2).sum())
+            if step == 0:
+                grads = [p.grad.detach().float().cpu().tolist() for p in engine.module.parameters()]
+            engine.step()
+        torch.cuda.synchronize()
+        out[kind] = (grads, [p.detach().float().cpu().tolist() for p in engine.module.parameters()],
+                     {p.device.type for p in engine.module.parameters()})
+    return out
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("precision", ["fp32", "amp_bf16"])
-def test_on_a_gpu_the_torch_engine_steps_as_deepspeeds_does(precision, process_group):
-    """The CUDA path: autocast on the device, the fused kernel's found_inf, the clip without a
-    host-built scalar; gradients and weights as DeepSpeed's engine makes them on the same GPU."""
-    reference = _cuda_steps("deepspeed", precision)
-    ours = _cuda_steps("torch", precision)
-    for a, b in zip(ours[0] + ours[1], reference[0] + reference[1]):
-        assert a.device.type == "cuda"
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+def test_on_a_gpu_the_torch_engine_steps_as_deepspeeds_does(precision):
+    """The CUDA path (one GPU, NCCL): autocast on the device, the fused kernel's found_inf, the
+    clip without a host-built scalar; gradients and weights as DeepSpeed's engine makes them."""
+    (out,) = run_distributed(_cuda_steps, 1, precision, timeout=300, backend="nccl")
+    (ds_grads, ds_weights, ds_devices), (grads, weights, devices) = out["deepspeed"], out["torch"]
+    assert ds_devices == devices == {"cuda"}
+    assert _close(grads, ds_grads, 1e-6) and _close(weights, ds_weights, 1e-5)
