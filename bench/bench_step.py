@@ -410,12 +410,19 @@ def table(result: dict) -> str:
              "step's on the same feed.", "",
              "| model | batch | feed | arm | ms/step | samples/s | MFU | ratio |",
              "|---|---:|---|---|---:|---:|---:|---:|"]
+    counted = [key for key in ("leaf_ops_per_step", "kernels_per_step")
+               if any(key in row for row in result["rows"])]
+    if counted:  # --profile: launches per step beside the times
+        names = {"leaf_ops_per_step": "ops/step", "kernels_per_step": "kernels/step"}
+        lines[-2] = lines[-2] + "".join(f" {names[key]} |" for key in counted)
+        lines[-1] = lines[-1] + "---:|" * len(counted)
     for row in result["rows"]:
         mfu_cell = f"{100 * row['mfu']:.1f}%" if "mfu" in row else "–"
         ratio = f"{row['ratio_to_plain']:.2f}x" if "ratio_to_plain" in row else "–"
+        extra = "".join(f" {row[key]:.0f} |" if key in row else " – |" for key in counted)
         lines.append(f"| {row['model']} | {row['batch']} | {row['feed']} | {row['arm']} | "
                      f"{row['ms_per_step']:.1f} | {row['samples_per_s']:.0f} | {mfu_cell} | "
-                     f"{ratio} |")
+                     f"{ratio} |{extra}")
     return "\n".join(lines)
 
 

@@ -46,6 +46,8 @@ def test_every_arm_runs_on_both_feeds_and_is_compared_with_the_plain_step(tmp_pa
         text = path.read_text()
         assert "by self CPU time" in text and "aten::" in text
     assert "Optimizer.step" in (tmp_path / "profile_vlc-micro_b8_none_plain.txt").read_text()
+    assert all(row["leaf_ops_per_step"] > 100 for row in rows)  # a step is hundreds of ops
+    assert "| ops/step |" in markdown and "kernels_per_step" not in rows[0]  # kernels: CUDA only
 
 
 def test_the_table_shows_mfu_and_ratio_where_known():
