@@ -248,3 +248,19 @@ def test_on_a_gpu_the_torch_engine_steps_as_deepspeeds_does(precision):
     (ds_grads, ds_weights, ds_devices), (grads, weights, devices) = out["deepspeed"], out["torch"]
     assert ds_devices == devices == {"cuda"}
     assert _close(grads, ds_grads, 1e-6) and _close(weights, ds_weights, 1e-5)
+
+
+def test_a_zero_partitioned_checkpoint_is_refused_not_resumed_with_a_fresh_optimizer(tmp_path):
+    """A ZeRO 1-3 checkpoint's model-states file holds no optimizer (it is in the ranks'
+    partition files): the torch engine says so instead of resuming with new moments."""
+    from vlcontrast.errors import CheckpointError
+
+    engine, _ = _engine("torch", _model(), 1)
+    folder = tmp_path / "engine"
+    folder.mkdir()
+    torch.save({"module": engine.module.state_dict(), "optimizer": None, "lr_scheduler": None},
+               folder / "mp_rank_00_model_states.pt")
+    with pytest.raises(CheckpointError, match="not in this file .*ZeRO 1-3.*zero_stage that wrote"):
+        engine.load_checkpoint(str(tmp_path), tag="engine")
+    with pytest.raises(CheckpointError, match="missing; train.engine=torch resumes ZeRO-0"):
+        engine.load_checkpoint(str(tmp_path), tag="elsewhere")

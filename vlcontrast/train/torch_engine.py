@@ -220,9 +220,13 @@ class TorchEngine:
         # DeepSpeed's own files hold its config object, so weights_only cannot read them; the
         # pickles were scanned for anything but DeepSpeed's and torch's types before this.
         state: dict[str, Any] = torch.load(path, map_location=self.device, weights_only=False)
+        if state.get("optimizer") is None:
+            # ZeRO 1-3 keep the optimizer in per-rank partition files, not in this one.
+            raise CheckpointError(f"{path}: its optimizer state is not in this file (it was "
+                                  "written under ZeRO 1-3, which partition it); resume with the "
+                                  "deepspeed.zero_stage that wrote it")
         self.module.load_state_dict(state["module"], strict=load_module_strict)
-        if state.get("optimizer") is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(state["optimizer"])
         if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
