@@ -1,9 +1,10 @@
-"""The DeepSpeed engine from its sections: ``TrainConfig``, ``DeepSpeedConfig`` and the optimizer.
+"""The engine from its sections: ``TrainConfig``, ``DeepSpeedConfig`` and the optimizer.
 
 :func:`deepspeed_config` writes the DeepSpeed config of a run (saved next to it as
 ``deepspeed.json``; ``deepspeed.overrides`` is merged into it last); :func:`build_engine` wraps the
 model, the optimizer of :mod:`vlcontrast.train.optimizer` and the precision of
-:mod:`vlcontrast.train.precision` into a DeepSpeed engine. The rest are the engine-side helpers the
+:mod:`vlcontrast.train.precision` into a DeepSpeed engine, or, where ``train.engine``
+(:func:`engine_kind`) picks it, into :class:`~vlcontrast.train.torch_engine.TorchEngine`. The rest are the engine-side helpers the
 loop needs: open_clip's logit-scale clamp on the fp32 master copy, scalar parameters made
 DeepSpeed-safe, the parameter count under ZeRO-3.
 """
