@@ -82,7 +82,10 @@ class TorchEngine:
 
             # Buffers (batch-norm statistics) stay each rank's own, as under DeepSpeed; gradients
             # are views into DDP's buckets (no copy before the optimizer reads them).
-            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            device_ids = None
+            if self.device.type == "cuda":  # this rank's one GPU ("cuda" alone: the current one)
+                device_ids = [self.device.index if self.device.index is not None
+                              else torch.cuda.current_device()]
             with warnings.catch_warnings():
                 # torch 2.14 deprecates broadcast_buffers and itself says to keep it for buffers
                 # that must not be synchronised at start (its successor still syncs them there).
