@@ -7,8 +7,8 @@
 #
 # e.g. through the device tool: run(command="bench/device_run.sh syncs,losses", carry=[".whl"]).
 # The check runs in /tmp/gpu_check (its shards, runs and job logs stay on the machine's disk);
-# gpu_check.md, gpu_check.json, tracebacks.txt, the step group's step_<date>.json and step.md and a
-# tarball of the job logs are copied to $OUT
+# gpu_check.md, gpu_check.json, tracebacks.txt, the step group's step_<date>.json and step.md (and
+# its op tables with --step-profile) and a tarball of the job logs are copied to $OUT
 # (the folder the device tool brings back) when it is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,5 +33,8 @@ if [ -n "${OUT:-}" ]; then
     tar -czf "$OUT"/job_logs.tar.gz -C "$CHECK_OUT" jobs 2>/dev/null
     # The step group's raw numbers (bench/bench_step.py): for bench/results/gpu_check/.
     cp "$CHECK_OUT"/step/step_*.json "$CHECK_OUT"/step/step.md "$OUT"/ 2>/dev/null
+    # --step-profile: the op tables of every arm, in one file.
+    ls "$CHECK_OUT"/step/profile_*.txt >/dev/null 2>&1 && \
+        tar -czf "$OUT"/step_profiles.tar.gz -C "$CHECK_OUT"/step $(cd "$CHECK_OUT"/step && ls profile_*.txt)
 fi
 exit $rc

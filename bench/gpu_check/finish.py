@@ -104,10 +104,12 @@ def queue() -> list[tuple[str, str, float]]:
     from vlcontrast.losses import LOSSES
 
     run = "GPU_CHECK_TIMEOUT=470 bench/device_run.sh"
-    calls = [("step table, ViT-B-32", f"{run} step --step-models ViT-B-32",
-              CALL_SETUP_S + step_seconds(("ViT-B-32",))),
-             ("step table, RN50", f"{run} step --step-models RN50",
-              CALL_SETUP_S + step_seconds(("RN50",))),
+    # Each arm also profiled for 3 steps: op tables and kernels per step, to find what the
+    # step's remaining host time goes to.
+    calls = [("step table, ViT-B-32", f"{run} step --step-models ViT-B-32 --step-profile 3",
+              CALL_SETUP_S + step_seconds(("ViT-B-32",), profile=True)),
+             ("step table, RN50", f"{run} step --step-models RN50 --step-profile 3",
+              CALL_SETUP_S + step_seconds(("RN50",), profile=True)),
              ("loader rows and end-to-end vs step alone", "bench/device_data.sh", DATA_CALL_S)]
     for batch in (32, 512):
         calls.append((f"study plan: step time at {batch} per GPU",

@@ -308,13 +308,19 @@ def human_s(seconds: float) -> str:
     return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{math.ceil(seconds)} s"
 
 
-def step_seconds(models: tuple[str, ...], arms: int = STEP_ARMS) -> float:
-    """The ``step`` group's rough wall time for ``models`` (``--step-models``) with ``arms`` arms."""
+STEP_PROFILE_ARM_S = 4.0
+"""``--step-profile``: one arm's profiled steps, with the profiler's start and its op table."""
+
+
+def step_seconds(models: tuple[str, ...], arms: int = STEP_ARMS, profile: bool = False) -> float:
+    """The ``step`` group's rough wall time for ``models`` (``--step-models``) with ``arms`` arms
+    (``profile``: each arm also profiled, ``--step-profile``)."""
     total = START_S
+    per_arm = STEP_ARM_S + (STEP_PROFILE_ARM_S if profile else 0.0)
     for model in models:
         total += FAMILY_EXTRA_S.get(model, 0.0)
         for seconds in STEP_BATCH_S.get(model, {}).values():
-            total += arms * STEP_FEEDS * (STEP_WARMUP_AND_STEPS * seconds + STEP_ARM_S)
+            total += arms * STEP_FEEDS * (STEP_WARMUP_AND_STEPS * seconds + per_arm)
     return total
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -108,6 +109,12 @@ def test_the_step_group_runs_bench_step_in_one_subprocess_and_reports_each_row(t
     assert [r.case for r in ctx.report.rows] == [f"vlc-micro b8 none {arm}" for arm in ARMS]
     assert all(r.status == "pass" for r in ctx.report.rows)
     assert "Step (vlcontrast against a plain PyTorch step)" in ctx.report.tables
+    assert "--profile" not in cmd
+    settings.step_profile = 3  # --step-profile 3: bench_step profiles every arm
+    shutil.rmtree(tmp_path / "step")
+    groups.check_step(ctx)
+    profiled = jobs.commands[-1][1]
+    assert profiled[profiled.index("--profile") + 1] == "3"
     full = plan.settings_for(False, tmp_path)
     assert full.step_models == ("ViT-B-32", "RN50") and full.step_batches == (128, 512)
     assert plan.estimate_seconds("step", (), []) <= 8 * 60

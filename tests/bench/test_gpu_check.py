@@ -453,3 +453,38 @@ def test_finish_prints_one_device_command_per_call(capsys):
                          for line in lines)
     assert any("--memory-losses 'decl'" in line for line in lines)
     assert any(line.split()[2] == "matrix-vit" and "--cases" in line for line in lines)
+
+
+def test_device_run_brings_back_the_step_groups_numbers_and_op_tables(tmp_path):
+    """bench/device_run.sh on a stand-in machine (a fake python that plays pip and the check):
+    the report, the step group's JSON and table, and its op tables (one tarball) reach $OUT."""
+    import os
+    import shutil
+
+    root = tmp_path / "repo"
+    (root / "bench").mkdir(parents=True)
+    shutil.copy(REPO / "bench" / "device_run.sh", root / "bench" / "device_run.sh")
+    (root / ".whl").mkdir()
+    (root / ".whl" / "x-1-py3-none-any.whl").write_bytes(b"")
+    fake = tmp_path / "python"
+    fake.write_text("""#!/usr/bin/env bash
+if [ "$1" = "-m" ] && [ "$2" = "bench.gpu_check" ]; then
+    out=$4; mkdir -p "$out/step"
+    echo report > "$out/gpu_check.md"; echo '{}' > "$out/gpu_check.json"
+    echo '{}' > "$out/step/step_1.json"; echo table > "$out/step/step.md"
+    echo ops > "$out/step/profile_vit_b128_none_plain.txt"
+fi
+exit 0
+""")
+    fake.chmod(0o755)
+    out, check = tmp_path / "out", tmp_path / "check"
+    out.mkdir()
+    env = {**os.environ, "PY": str(fake), "OUT": str(out), "GPU_CHECK_OUT": str(check)}
+    done = subprocess.run(["bash", str(root / "bench" / "device_run.sh"), "step",
+                           "--step-profile", "3"], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert {p.name for p in out.iterdir()} >= {"gpu_check.md", "gpu_check.json", "step_1.json",
+                                                "step.md", "step_profiles.tar.gz"}
+    with tarfile.open(out / "step_profiles.tar.gz") as archive:
+        assert archive.getnames() == ["profile_vit_b128_none_plain.txt"]
