@@ -28,6 +28,8 @@ from typing import Callable
 
 import torch
 
+from vlcontrast.data.crops import seeded_call
+
 
 def augmentation_key(image, index: int) -> int:
     """The generator seed of augmentation ``index`` of ``image`` (a PIL image)."""
@@ -39,15 +41,9 @@ def run_key(image, seed: int, epoch: int) -> int:
     return zlib.crc32(image.tobytes(), zlib.crc32(f"{seed}/{epoch}".encode()))
 
 
-def seeded(transform: Callable, image, key: int) -> torch.Tensor:
-    """``transform(image)`` with the CPU generator seeded by ``key``, its state restored after."""
-    generator = torch.default_generator
-    state = generator.get_state()
-    generator.manual_seed(key)
-    try:
-        return transform(image)
-    finally:
-        generator.set_state(state)
+seeded = seeded_call
+"""``transform(image)`` with the CPU generator seeded by ``key``, its state restored after: the
+student's own seeded call (:func:`vlcontrast.data.crops.seeded_call`), so both draw alike."""
 
 
 @dataclass(frozen=True)
