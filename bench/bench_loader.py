@@ -3,7 +3,8 @@
 Every loader reads the same shards with the same open_clip train transform and tokenizer, batches
 inside DataLoader workers, and is timed over the same number of batches, alternating the order in
 each repetition. Samples/s counts read + decode + transform + tokenise + batching + transfer to
-the main process. Writes a markdown table to ``bench/results/loader.md``.
+the main process. Writes a markdown table to ``bench/results/loader.md`` and its raw numbers
+beside it (``loader.json``), both rewritten after every measurement.
 
     python bench/bench_loader.py --shards data/bench_loader            # builds shards if missing
     python bench/bench_loader.py --shards DIR --workers 1 2 --repeats 3 --batches 40
@@ -31,6 +32,8 @@ evaluation transform instead of its training transform (``data.augment=false``; 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import os
 import platform
 import statistics
@@ -274,67 +277,114 @@ def main(argv=None) -> None:
             return OnDevice(loader, halves[name], args.device)
         return loader
 
-    rows = []
+    command = "python bench/bench_loader.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    names = list(builders)
+    result = {
+        "info": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                 "machine": platform.machine(), "cpu_cores": os.cpu_count(),
+                 "platform": platform.platform(), "load_before": load_before,
+                 "device": (torch.cuda.get_device_name() if args.device.startswith("cuda")
+                            else args.device),
+                 "python": platform.python_version(), "torch": torch.__version__,
+                 "open_clip": open_clip.__version__, "webdataset": webdataset.__version__,
+                 "command": command.strip(), "shards": pattern,
+                 "source_image_size": args.source_image_size, "image_size": args.image_size,
+                 "batch_size": args.batch_size, "batches": args.batches,
+                 "repeats": args.repeats, "transform": args.transform,
+                 "cache_mb": args.cache_mb},
+        "loaders": names,
+        # workers -> loader -> seconds for --batches batches, one per repetition
+        "seconds": {},
+        "step": None}
+    written = Path(args.out)
+
+    def write() -> None:
+        """The report and its raw numbers, rewritten after every measurement: a run stopped by a
+        time limit keeps every row it finished."""
+        written.parent.mkdir(parents=True, exist_ok=True)
+        written.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+        written.write_text(render(result, args))
+
     for workers in args.workers:
         seconds: dict[str, list[float]] = {name: [] for name in builders}
+        result["seconds"][str(workers)] = seconds
         for repeat in range(args.repeats):
-            names = list(builders) if repeat % 2 == 0 else list(builders)[::-1]
-            for name in names:
+            order = names if repeat % 2 == 0 else names[::-1]
+            for name in order:
                 seconds[name].append(time_batches(timed_loader(name, workers), args.batches))
                 print(f"workers={workers} repeat={repeat} {name}: "
                       f"{args.batches * args.batch_size / seconds[name][-1]:.0f} samples/s",
                       flush=True)
-        rate = {name: args.batches * args.batch_size / statistics.median(s)
-                for name, s in seconds.items()}
-        rows.append((workers, rate))
+                write()
 
-    names = list(builders)
-    base = "open_clip" if "open_clip" in names else None
-    table = ["| workers | " + " | ".join(f"{n} samples/s" for n in names) + " | " +
-             " | ".join(f"{n} / open_clip" for n in names if base and n != base) + " |",
-             "|---:" * (1 + len(names) + (len(names) - 1 if base else 0)) + "|"]
-    table += [f"| {w} | " + " | ".join(f"{rate[n]:.0f}" for n in names) + " | " +
-              " | ".join(f"{rate[n] / rate[base]:.2f}x" for n in names if base and n != base)
-              + " |" for w, rate in rows]
-
-    step_lines: list[str] = []
     if args.step:
         step = Step(args.step, args.device, args.precision)
         alone = step.alone(args.batch_size, args.image_size, args.batches)
-        step_lines = [
-            "", f"Main thread's step time, `{args.step}` {args.precision}, batch "
-            f"{args.batch_size}, on {args.device}: alone {alone * 1e3:.1f} ms "
-            f"({args.batch_size / alone:.0f} samples/s); fed by each loader through a DeviceFeed "
-            "(next batch prepared on a side stream):", "",
-            "| loader | workers | ms / step | end-to-end samples/s | vs step alone |",
-            "|---|---:|---:|---:|---:|"]
+        result["step"] = {"model": args.step, "precision": args.precision,
+                          "alone_s": alone, "fed": []}
+        write()
         for workers in args.workers:
             for name in names:
                 if name not in halves and name != "open_clip":
                     continue
                 loader = builders[name](pattern, preprocess, tokenizer, args.batch_size, workers)
                 per_step = step.fed(loader, halves.get(name), args.batches)
-                step_lines.append(f"| {name} | {workers} | {per_step * 1e3:.1f} | "
-                                  f"{args.batch_size / per_step:.0f} | {alone / per_step:.2f} |")
-                print(step_lines[-1], flush=True)
+                result["step"]["fed"].append({"loader": name, "workers": workers,
+                                              "seconds_per_step": per_step})
+                print(f"fed by {name}, {workers} workers: {per_step * 1e3:.1f} ms/step",
+                      flush=True)
+                write()
+    write()
+    print(render(result, args))
 
-    command = "python bench/bench_loader.py " + " ".join(argv if argv is not None else sys.argv[1:])
+
+def render(result: dict, args) -> str:
+    """The markdown report of ``result`` (main's raw numbers)."""
+    info, names = result["info"], result["loaders"]
+    per_batch = args.batches * args.batch_size
+    base = "open_clip" if "open_clip" in names else None
+    table = ["| workers | " + " | ".join(f"{n} samples/s" for n in names) + " | " +
+             " | ".join(f"{n} / open_clip" for n in names if base and n != base) + " |",
+             "|---:" * (1 + len(names) + (len(names) - 1 if base else 0)) + "|"]
+    for workers, seconds in result["seconds"].items():
+        if not all(seconds.get(n) for n in names):
+            continue  # a row still being measured
+        rate = {n: per_batch / statistics.median(seconds[n]) for n in names}
+        table.append(f"| {workers} | " + " | ".join(f"{rate[n]:.0f}" for n in names) + " | " +
+                     " | ".join(f"{rate[n] / rate[base]:.2f}x" for n in names
+                                if base and n != base) + " |")
+    step_lines: list[str] = []
+    if result["step"] is not None:
+        step = result["step"]
+        alone = step["alone_s"]
+        step_lines = [
+            "", f"Main thread's step time, `{step['model']}` {step['precision']}, batch "
+            f"{args.batch_size}, on {args.device}: alone {alone * 1e3:.1f} ms "
+            f"({args.batch_size / alone:.0f} samples/s); fed by each loader through a DeviceFeed "
+            "(next batch prepared on a side stream):", "",
+            "| loader | workers | ms / step | end-to-end samples/s | vs step alone |",
+            "|---|---:|---:|---:|---:|"]
+        for row in step["fed"]:
+            per_step = row["seconds_per_step"]
+            step_lines.append(f"| {row['loader']} | {row['workers']} | {per_step * 1e3:.1f} | "
+                              f"{args.batch_size / per_step:.0f} | {alone / per_step:.2f} |")
     gpu_note = ("" if "vlcontrast-gpu" not in names else
                 "; `vlcontrast-gpu`: " + ("decoded and augmented on the GPU per batch, synced"
                                           if args.device != "cpu" else
                                           "the workers' half only (no GPU here: JPEG bytes and "
                                           "crop boxes, nothing decoded)"))
-    report = "\n".join([
+    device = "" if not args.device.startswith("cuda") else f"; device {info['device']}"
+    return "\n".join([
         "# Loader throughput: vlcontrast (each decode path) vs open_clip get_wds_dataset",
         "",
-        f"- machine: {platform.machine()}, {os.cpu_count()} CPU cores, {platform.platform()}; "
-        f"load average before / after: {load_before} / {os.getloadavg()[0]:.2f} (the cores "
-        "may be shared with other jobs: compare the columns, not absolute numbers)"
-        + (f"; device {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""),
-        f"- python {platform.python_version()}, torch {torch.__version__}, open_clip "
-        f"{open_clip.__version__}, webdataset {webdataset.__version__}",
-        f"- command: `{command.strip()}`",
-        f"- shards: {pattern} ({args.source_image_size}px synthetic JPEGs) -- open_clip "
+        f"- machine: {info['machine']}, {info['cpu_cores']} CPU cores, {info['platform']}; "
+        f"load average before / after: {info['load_before']} / {os.getloadavg()[0]:.2f} (the "
+        "cores may be shared with other jobs: compare the columns, not absolute numbers)"
+        + device,
+        f"- python {info['python']}, torch {info['torch']}, open_clip {info['open_clip']}, "
+        f"webdataset {info['webdataset']}; {info['date']}",
+        f"- command: `{info['command']}`; raw numbers: `{Path(args.out).with_suffix('.json').name}`",
+        f"- shards: {info['shards']} ({args.source_image_size}px synthetic JPEGs) -- open_clip "
         f"`image_transform({args.image_size}, is_train={args.transform == 'train'})`, "
         f"`get_tokenizer({args.model!r})`, batch {args.batch_size}"
         + (f"; `vlcontrast cache`: data.cache_mb={args.cache_mb}, timed in its second epoch"
@@ -346,9 +396,6 @@ def main(argv=None) -> None:
         *step_lines,
         "",
     ])
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(report)
-    print(report)
 
 
 LOADERS = ("vlcontrast", "vlcontrast-uint8", "vlcontrast-gpu", "open_clip")

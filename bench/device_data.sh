@@ -6,8 +6,8 @@
 #   bench/device_data.sh [STEP_MODEL] [BATCH]          # defaults: ViT-B-32 128
 #
 # Through the device tool: run(command="bench/device_data.sh", carry=[".whl"], timeout_s=480).
-# Installs the carried wheels as bench/device_run.sh does; loader.md, the test log and the bench
-# log are copied to $OUT.
+# Installs the carried wheels as bench/device_run.sh does; loader.md, its raw numbers (loader.json,
+# rewritten after every row), the test log and the bench log are written to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}

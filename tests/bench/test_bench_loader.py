@@ -1,0 +1,71 @@
+"""bench/bench_loader.py on the CPU: every row it measures is written at once, markdown and raw JSON,
+so a run stopped by the device call's time limit keeps what it finished."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from bench import bench_loader
+
+ARGS = ["--samples", "64", "--shard-size", "32", "--source-image-size", "32", "--image-size", "32",
+        "--batch-size", "8", "--batches", "2", "--workers", "1", "--repeats", "1",
+        "--step", "vlc-micro", "--model", "vlc-micro", "--precision", "fp32"]
+
+
+@pytest.mark.slow
+def test_rows_are_written_as_they_are_measured_and_survive_a_stop(tmp_path, monkeypatch):
+    shards, out = tmp_path / "shards", tmp_path / "out" / "loader.md"
+    argv = ARGS + ["--shards", str(shards), "--out", str(out),
+                   "--loaders", "vlcontrast", "vlcontrast-gpu", "open_clip"]
+    fed_calls = []
+    real_fed = bench_loader.Step.fed
+
+    def fed_then_stop(self, loader, batch_transform, steps):
+        if len(fed_calls) == 2:  # the third fed row: the device call's time limit strikes here
+            raise KeyboardInterrupt
+        fed_calls.append(1)
+        return real_fed(self, loader, batch_transform, steps)
+
+    monkeypatch.setattr(bench_loader.Step, "fed", fed_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        bench_loader.main(argv)
+
+    raw = json.loads(out.with_suffix(".json").read_text())
+    assert raw["loaders"] == ["vlcontrast", "vlcontrast-gpu", "open_clip"]
+    assert raw["info"]["batch_size"] == 8 and f"--out {out}" in raw["info"]["command"]
+    seconds = raw["seconds"]["1"]
+    assert set(seconds) == set(raw["loaders"]) and all(len(s) == 1 and s[0] > 0
+                                                       for s in seconds.values())
+    step = raw["step"]
+    assert step["model"] == "vlc-micro" and step["alone_s"] > 0
+    # the two that finished; vlcontrast-gpu's batches decoded by its per-batch half (here on the CPU)
+    assert [row["loader"] for row in step["fed"]] == ["vlcontrast", "vlcontrast-gpu"]
+
+    markdown = out.read_text()
+    rate = {name: 2 * 8 / statistics.median(s) for name, s in seconds.items()}
+    assert f"| 1 | {rate['vlcontrast']:.0f} | {rate['vlcontrast-gpu']:.0f} | " \
+           f"{rate['open_clip']:.0f} |" in markdown
+    per_step = step["fed"][0]["seconds_per_step"]
+    assert f"| vlcontrast | 1 | {per_step * 1e3:.1f} | {8 / per_step:.0f} | " \
+           f"{step['alone_s'] / per_step:.2f} |" in markdown
+    assert "raw numbers: `loader.json`" in markdown
+
+
+def test_a_row_still_being_measured_is_left_out_of_the_table(tmp_path):
+    class Args:
+        batches, batch_size, device, out = 2, 8, "cpu", str(tmp_path / "loader.md")
+        source_image_size, image_size, transform, model, cache_mb, repeats = 32, 32, "train", \
+            "ViT-B-32", 0, 1
+
+    info = {"machine": "x86_64", "cpu_cores": 2, "platform": "p", "load_before": "0.00",
+            "python": "3", "torch": "t", "open_clip": "o", "webdataset": "w", "date": "d",
+            "command": "c", "shards": "s", "device": "cpu"}
+    result = {"info": info, "loaders": ["vlcontrast", "open_clip"], "step": None,
+              "seconds": {"1": {"vlcontrast": [1.0], "open_clip": [2.0]},
+                          "2": {"vlcontrast": [0.5], "open_clip": []}}}
+    markdown = bench_loader.render(result, Args)
+    assert "| 1 | 16 | 8 | 2.00x |" in markdown
+    assert "| 2 |" not in markdown
