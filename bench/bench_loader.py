@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -120,10 +121,22 @@ def ours_second_epoch(pattern: str, preprocess, tokenizer, batch_size: int, work
     return loader
 
 
+@functools.lru_cache(maxsize=None)
+def sample_count(pattern: str) -> int:
+    """Samples in the shards of ``pattern`` (``sizes.json`` where there is one, else counted):
+    open_clip refuses shards without a size unless it is given."""
+    import braceexpand
+
+    from vlcontrast.evaluation.datasets import shard_sizes
+
+    return sum(shard_sizes(list(braceexpand.braceexpand(pattern))))
+
+
 def open_clip_loader(pattern: str, preprocess, tokenizer, batch_size: int, workers: int):
     from open_clip_train.data import get_wds_dataset
 
-    args = SimpleNamespace(train_data=pattern, val_data=None, train_num_samples=None,
+    args = SimpleNamespace(train_data=pattern, val_data=None,
+                           train_num_samples=sample_count(pattern),
                            dataset_resampled=False, train_data_upsampling_factors=None, seed=0,
                            batch_size=batch_size, workers=workers, world_size=1)
     return get_wds_dataset(args, preprocess, is_train=True, epoch=0,

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan:
         return 0
 
-    report = Report()
+    report = Report(out)  # rewritten after every row
     jobs = JobRunner(out, settings.device)
     start = time.perf_counter()
     info = jobs.run("info", {"kind": "info"}, timeout_s=300)
@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         report.groups.append(GroupTime(group, round(estimates[group], 1), round(wall, 1)))
         print(f"[gpu-check] group {group}: {human_s(wall)} (estimate ~{human_s(estimates[group])})",
               flush=True)
-        # Written after every group too: a run stopped by a time limit keeps the groups it ended.
+        # Written after every group too (and every row): a run stopped by a time limit keeps
+        # what it finished.
         report.write(out)
     report.info["total_s"] = round(time.perf_counter() - start, 1)
     report.info["subprocesses"] = len(jobs.launched)

@@ -27,7 +27,10 @@ class GroupTime:
 
 
 class Report:
-    def __init__(self):
+    def __init__(self, out: Path | None = None):
+        self.out = out
+        """Where the report is rewritten after every row (None: only when :meth:`write` is
+        called), so a run stopped by a time limit inside a group keeps the rows it finished."""
         self.rows: list[Row] = []
         self.groups: list[GroupTime] = []
         self.info: dict[str, Any] = {}
@@ -40,6 +43,8 @@ class Report:
         self.rows.append(row)
         print(f"[gpu-check] {status.upper():4s} {section}/{case}: {detail} ({row.seconds:.1f} s)",
               flush=True)
+        if self.out is not None:
+            self.write(self.out)
 
     @property
     def failed(self) -> list[Row]:

@@ -9,6 +9,7 @@ import statistics
 import pytest
 
 from bench import bench_loader
+from bench.gpu_check.shards import write_shards
 
 ARGS = ["--samples", "64", "--shard-size", "32", "--source-image-size", "32", "--image-size", "32",
         "--batch-size", "8", "--batches", "2", "--workers", "1", "--repeats", "1",
@@ -18,6 +19,8 @@ ARGS = ["--samples", "64", "--shard-size", "32", "--source-image-size", "32", "-
 @pytest.mark.slow
 def test_rows_are_written_as_they_are_measured_and_survive_a_stop(tmp_path, monkeypatch):
     shards, out = tmp_path / "shards", tmp_path / "out" / "loader.md"
+    # The shards bench/device_data.sh writes: no sizes.json (open_clip needs the count given).
+    write_shards(shards, 64, 32, shard_size=32)
     argv = ARGS + ["--shards", str(shards), "--out", str(out),
                    "--loaders", "vlcontrast", "vlcontrast-gpu", "open_clip"]
     fed_calls = []

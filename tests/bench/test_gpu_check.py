@@ -393,7 +393,7 @@ def test_pack_keeps_order_and_each_call_within_the_limit():
 
 
 def test_finish_calls_cover_exactly_what_the_h200_runs_left_and_fit_8_minutes(tmp_path):
-    from bench.gpu_check.finish import CALL_LIMIT_S, finish_calls, vit_cases
+    from bench.gpu_check.finish import CALL_LIMIT_S, finish_calls, matrix_cases
     from vlcontrast.losses import LOSSES
 
     families = sorted(groups.shipped_families())
@@ -404,7 +404,7 @@ def test_finish_calls_cover_exactly_what_the_h200_runs_left_and_fit_8_minutes(tm
     rn = [case for group, sel, _ in calls if group == "matrix-rn" for case in sel.split(",")]
     assert rn == ["RN RN50 bf16 zero3", "RN RN50 fp16 zero0 uint8"]
     vit = [case for group, sel, _ in calls if group == "matrix-vit" for case in sel.split(",")]
-    full_vit = vit_cases(groups.precisions(), families)
+    full_vit = matrix_cases(groups.precisions(), families)["matrix-vit"]
     assert len(full_vit) == 8 and len(vit) == 7
     assert set(vit) == set(full_vit) - {"ViT ViT-B-32 fp32 zero2 uint8"}
 
@@ -432,10 +432,13 @@ def test_the_owed_calls_come_most_wanted_first_and_each_session_fits_its_device_
     from bench.gpu_check import finish
 
     calls = finish.queue()
-    assert [what for what, _, _ in calls[:3]] == [
-        "step table, ViT-B-32", "step table, RN50", "loader rows and end-to-end vs step alone"]
+    assert [what for what, _, _ in calls[:4]] == [
+        "step table, ViT-B-32", "step table, RN50",
+        "loader rows and end-to-end vs step alone, batch 128",
+        "loader rows and end-to-end vs step alone, batch 512"]
     assert all(seconds <= finish.CALL_LIMIT_S for _, _, seconds in calls)
-    assert sum(1 for _, cmd, _ in calls if "--throughput-batch" in cmd) == 2
+    # batch 128's throughput is recorded (transcribed), 32 and 512 are owed
+    assert [cmd.split()[-1] for _, cmd, _ in calls if "--throughput-batch" in cmd] == ["32", "512"]
     grouped = finish.sessions(calls)
     assert [call for session in grouped for call in session] == calls
     assert all(sum(s for _, _, s in session) <= finish.SESSION_CALL_S for session in grouped)
@@ -488,3 +491,115 @@ exit 0
                                                 "step.md", "step_profiles.tar.gz"}
     with tarfile.open(out / "step_profiles.tar.gz") as archive:
         assert archive.getnames() == ["profile_vit_b128_none_plain.txt"]
+
+
+@pytest.mark.parametrize("batch, batches", [(None, "40"), ("512", "16"), ("4096", None)])
+def test_device_data_sizes_its_rows_to_the_shards_it_writes(tmp_path, batch, batches):
+    """bench/device_data.sh on a stand-in machine: each loader pass (one untimed batch, two warm-up
+    steps, the timed ones) fits the 12,800 samples it writes, at 128 and at 512 per batch; a batch
+    too large for them is refused in one line before anything runs."""
+    import os
+    import shutil
+
+    root = tmp_path / "repo"
+    (root / "bench").mkdir(parents=True)
+    shutil.copy(REPO / "bench" / "device_data.sh", root / "bench" / "device_data.sh")
+    (root / ".whl").mkdir()
+    (root / ".whl" / "x-1-py3-none-any.whl").write_bytes(b"")
+    calls = tmp_path / "calls.txt"
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/usr/bin/env bash\necho "$@" >> {calls}\nexit 0\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PY": str(fake), "OUT": str(tmp_path / "out")}
+    done = subprocess.run(["bash", str(root / "bench" / "device_data.sh"), "ViT-B-32",
+                           *([batch] if batch else [])], env=env, capture_output=True,
+                          text=True, timeout=60)
+    if batches is None:
+        assert done.returncode == 2 and "use 2048 or less" in done.stderr
+        assert not calls.exists()
+        return
+    assert done.returncode == 0, done.stderr
+    (bench,) = [line.split() for line in calls.read_text().splitlines()
+                if line.startswith("bench/bench_loader.py")]
+    size, timed = int(bench[bench.index("--batch-size") + 1]), int(bench[bench.index("--batches") + 1])
+    assert str(timed) == batches and (1 + 2 + timed) * size <= 12_800
+    assert bench[bench.index("--out") + 1] == str(tmp_path / "out" / "loader.md")
+
+
+def test_what_the_committed_reports_hold_leaves_the_queue(tmp_path):
+    """finish.queue() reads bench/results/gpu_check/: a verdict recorded there (JSON report rows,
+    console-log rows, a GPU step table, GPU loader rows, a throughput setup) is no longer owed; a
+    failed cell and a CPU run of the same tools are."""
+    from bench.gpu_check import finish
+
+    def owed():
+        return [what for what, _, _ in finish.queue(tmp_path)]
+
+    everything = owed()
+    assert everything[:2] == ["step table, ViT-B-32", "step table, RN50"]
+    assert "memory bcl" in " ".join(everything) and "memory infonce" not in " ".join(everything)
+    rn_all = [w for w in everything if w.startswith("matrix-rn")]
+    assert "RN RN50 fp32 zero0" in " ".join(rn_all)  # nothing recorded: every RN cell owed
+
+    def write(name, data):
+        (tmp_path / name).write_text(json.dumps(data))
+
+    gpu = {"device_name": "NVIDIA H200 x1, CUDA 13.0"}
+    memory = [{"section": "memory", "case": f"bcl {label}", "status": status, "detail": ""}
+              for label, status in (("32k", "pass"), ("64k", "pass"), ("128k", "pass"),
+                                    ("256k", "skip"))]
+    memory += [{"section": "memory", "case": "dcl 32k", "status": "pass", "detail": ""}]
+    matrix = [{"section": "matrix-rn", "case": "RN RN50 fp32 zero0", "status": "fail"},
+              {"section": "matrix-rn", "case": "RN RN50 fp32 zero1", "status": "pass"}]
+    write("2026-12-01-h200-check.json", {"info": gpu, "rows": memory + matrix})
+    (tmp_path / "2026-12-02-h200-console.log").write_text(
+        "[gpu-check] PASS matrix-vit/ViT ViT-B-32 fp16 zero1: 3 steps, peak 3 GiB (36.0 s)\n")
+    step = {"info": gpu, "setup": {"precision": "amp_bf16"},
+            "rows": [{"model": "ViT-B-32", "batch": 128, "feed": "none", "arm": a}
+                     for a in ("plain", "vlcontrast")]}
+    write("2026-12-01-h200-step.json", step)
+    write("2026-12-01-cpu-step.json", {**step, "info": {"device_name": "cpu"},
+                                       "rows": [{**r, "model": "RN50"} for r in step["rows"]]})
+    write("2026-12-01-h200-loader.json", {"info": {"device": "NVIDIA H200", "batch_size": 128},
+                                          "loaders": ["vlcontrast"],
+                                          "step": {"fed": [{"loader": "vlcontrast"}]}})
+    write("2026-12-01-h200-throughput.json", {"info": {**gpu, "throughput_setup":
+                                                       {"batch_per_gpu": 32}}, "rows": []})
+    now = owed()
+    joined = " ".join(now)
+    assert "step table, ViT-B-32" not in now and "step table, RN50" in now
+    assert "loader rows and end-to-end vs step alone, batch 128" not in now
+    assert "loader rows and end-to-end vs step alone, batch 512" in now
+    assert "step time at 32 per GPU" not in joined and "step time at 512 per GPU" in joined
+    assert "memory bcl" not in joined and "memory dcl" in joined  # dcl: 1 of 4 sizes
+    assert "RN RN50 fp32 zero0" in joined and "RN RN50 fp32 zero1" not in joined
+    assert "ViT ViT-B-32 fp16 zero1" not in joined and "ViT ViT-B-32 fp16 zero2" in joined
+    # Memory probes timed on the device replace the guess: four fast sizes, several losses a call.
+    (tmp_path / "2026-12-02-h200-memory.log").write_text("".join(
+        f"[gpu-check] PASS memory/dcl {label}: loss memory 1.00 GiB, peak 9.00 GiB (10.0 s)\n"
+        for label in ("32k", "64k", "128k", "256k")))
+    assert finish.probe_seconds(finish.recorded(tmp_path)) == dict.fromkeys(plan.MEMORY_SIZES,
+                                                                            10.0)
+    memory_calls = [sel for what, _, _ in finish.queue(tmp_path) if what.startswith("memory ")
+                    for sel in [what.split(" ", 1)[1]]]
+    assert len(memory_calls) == 1 and "dcl" not in memory_calls[0].split(",")
+    assert len(memory_calls[0].split(",")) == 8  # all but infonce, bcl and dcl in one call
+    # A later report's verdict overrides an earlier one of the same case.
+    write("2026-12-03-h200-check.json", {"info": gpu, "rows": [
+        {"section": "matrix-rn", "case": "RN RN50 fp32 zero0", "status": "pass"}]})
+    assert "RN RN50 fp32 zero0" not in " ".join(owed())
+
+
+def test_the_report_is_rewritten_after_every_row(tmp_path):
+    """A device call stopped by its time limit inside a long group (memory: ten losses) still
+    brings back every row it finished."""
+    from bench.gpu_check.report import Report
+
+    report = Report(tmp_path)
+    report.add("memory", "dcl 32k", "pass", "loss memory 1.00 GiB", 10.0)
+    first = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [r["case"] for r in first["rows"]] == ["dcl 32k"]
+    report.timed("memory", "dcl 64k", lambda: ("pass", "loss memory 2.00 GiB"))
+    assert [r["case"] for r in json.loads((tmp_path / "gpu_check.json").read_text())["rows"]] == [
+        "dcl 32k", "dcl 64k"]
+    assert "| memory | dcl 64k | pass |" in (tmp_path / "gpu_check.md").read_text()

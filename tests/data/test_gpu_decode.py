@@ -24,8 +24,10 @@ from tests.data.helpers import caption_of, write_shard
 from vlcontrast.config import DataConfig
 from vlcontrast.data.crops import (augment_key, crop_box, draw_crop, image_digest, seeded_call,
                                    with_shared_crop)
+from vlcontrast.data import gpu_decode
 from vlcontrast.data.gpu_decode import (EncodedImages, GpuBatchTransform, GpuDecodeTransform,
-                                        GpuPlan, check_gpu_decode, decode_jpegs, probe_jpeg)
+                                        GpuPlan, check_gpu_decode, decode_jpegs, gpu_can_resize,
+                                        probe_jpeg)
 from vlcontrast.data.loader import build_train_loader
 from vlcontrast.errors import ConfigError
 from vlcontrast.train.batches import SeededTransform
@@ -320,6 +322,7 @@ def test_device_decode_matches_the_cpu_stand_in():
     gpu = GpuDecodeTransform(transform)
     images = [encode(textured(80 + 13 * i, 120 - 7 * i, i), quality=90) for i in range(16)]
     images.append(encode(textured(64, 64, 40), progressive=True))
+    images.append(encode(textured(72, 56, 41).convert("L")))  # grey: nvJPEG gives RGB
     encoded, expected = _batch(images, transform)
     batch_transform = gpu.batch_transform()
     on_device = batch_transform(encoded, "cuda", torch.float32)
@@ -372,3 +375,140 @@ def test_each_samples_crop_is_the_same_with_any_number_of_workers_and_after_resu
                                  resume_state=first.state_dict())
     rest = crops(resumed)
     assert len(rest) == 8 and all(alone[i] == p for i, p in rest.items())
+
+
+class _Stream:
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other: "_Stream") -> None:
+        self.log.append(("wait_stream", self.name, other.name))
+
+
+class _Cuda:
+    """The parts of torch.cuda decode_jpegs uses, recording each call."""
+
+    def __init__(self):
+        self.log: list = []
+        self.active = _Stream("side", self.log)  # a DeviceFeed's side stream is current
+
+    def Stream(self, device=None):  # noqa: N802 - torch.cuda's name
+        self.log.append(("new_stream", str(device)))
+        return _Stream("decode", self.log)
+
+    def current_stream(self, device=None):
+        return self.active
+
+    def stream(self, stream):
+        import contextlib
+
+        @contextlib.contextmanager
+        def entered():
+            previous, self.active = self.active, stream
+            try:
+                yield
+            finally:
+                self.active = previous
+        return entered()
+
+
+def test_nvjpeg_decodes_on_a_stream_of_its_own_and_hands_the_images_to_the_callers(monkeypatch):
+    """nvJPEG writes its outputs without waiting for the current stream's queued work, and the
+    caching allocator gives a stream blocks its queued kernels may still read: decoding on the
+    side stream (busy with the previous batch's crops) could overwrite them. The decode must run
+    on a stream that queues nothing else; the caller's stream then waits for it and is recorded
+    as a user of every image, so the allocator does not recycle an image while a crop reads it."""
+    import torchvision.io
+
+    cuda = _Cuda()
+    monkeypatch.setattr(gpu_decode, "_DECODE_STREAMS", {})
+
+    def decode_jpeg(chunks, mode=None, device=None):
+        assert torch.device(device).type == "cuda"
+        cuda.log.append(("decode", cuda.active.name, len(chunks)))
+        return [torch.zeros(3, 4, 4, dtype=torch.uint8) for _ in chunks]
+
+    def record_stream(tensor, stream):
+        cuda.log.append(("record_stream", stream.name))
+
+    monkeypatch.setattr(torchvision.io, "decode_jpeg", decode_jpeg)
+    monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)
+    chunks = [torch.zeros(10, dtype=torch.uint8)] * 3
+    images = decode_jpegs(chunks, "cuda", cuda=cuda)
+    assert len(images) == 3 and cuda.active.name == "side"
+    assert cuda.log == [("new_stream", "cuda"), ("decode", "decode", 3),
+                        ("wait_stream", "side", "decode")] + [("record_stream", "side")] * 3
+    cuda.log.clear()
+    decode_jpegs(chunks[:1], "cuda", cuda=cuda)  # the stream is made once per device
+    assert cuda.log == [("decode", "decode", 1), ("wait_stream", "side", "decode"),
+                        ("record_stream", "side")]
+
+
+def test_the_gpu_resize_limit_is_pytorchs_shared_memory_bound():
+    """CUDA's antialiased interpolate raises "Too much shared memory required" when its filter
+    weights (taps_w * 32 + taps_h * 33 floats) pass 48 KiB; every crop gpu_can_resize accepts is
+    within it, and ordinary ones are accepted."""
+    import math
+
+    def pytorch_bytes(h, w, size, taps):
+        support = taps / 2
+        th = 2 * math.ceil(support * max(h / size[0], 1)) + 1
+        tw = 2 * math.ceil(support * max(w / size[1], 1)) + 1
+        return 4 * (tw * 32 + th * 33)
+
+    for mode, taps in (("bicubic", 4), ("bilinear", 2)):
+        for out in (32, 64, 224):
+            for side in range(out, out * 120, max(1, out // 2)):
+                for h, w in ((side, side), (side, out), (out, side)):
+                    if gpu_can_resize(h, w, (out, out), mode):
+                        assert pytorch_bytes(h, w, (out, out), taps) <= 48 * 1024, (mode, h, w)
+    assert gpu_can_resize(256, 256, (224, 224), "bicubic")  # CC3M-style 256-px images
+    assert gpu_can_resize(2048, 1536, (224, 224), "bicubic")
+    assert not gpu_can_resize(3000, 3000, (64, 64), "bicubic")  # a photo to a small tower
+    assert gpu_can_resize(3000, 3000, (64, 64), "bilinear")  # half the taps
+    assert not gpu_can_resize(3000, 3000, (32, 32), "bilinear")
+
+
+def test_a_crop_too_large_for_the_gpu_resize_goes_to_the_cpu_and_is_counted(tmp_path):
+    big = textured(2400, 1800, 7)  # at 32 px every crop shrinks more than the GPU resize takes
+    rows = [{"__key__": f"{i:09d}", "txt": caption_of(i).encode(),
+             "jpg": encode(big if i == 2 else textured(60, 50, i))} for i in range(4)]
+    write_shard(tmp_path / "00000.tar", rows)
+    pattern = str(tmp_path / "00000.tar")
+    transform = train_transform()
+    gpu = GpuDecodeTransform(transform)
+    (batch,) = list(_loader(pattern, SeededTransform(gpu, SEED), batch_size=4))
+    loader = _loader(pattern, SeededTransform(gpu, SEED), batch_size=4)
+    list(loader)
+    assert loader.fallback_samples == {"downscale_too_large": 1}
+    assert batch.images.decoded_positions.tolist() == [2] and len(batch.images.positions) == 3
+    # The CPU path's image of that sample: the same seeded crop.
+    (cpu_batch,) = list(_loader(pattern, SeededTransform(transform, SEED), batch_size=4))
+    images = gpu.batch_transform()(batch.images, "cpu", torch.float32)
+    std = torch.tensor(gpu.gpu_plan.std).view(3, 1, 1)
+    assert ((images[2] - cpu_batch.images[2]) * std * 255).abs().max() <= 1.0
+
+
+def test_out_of_memory_is_not_taken_for_a_bad_jpeg_and_a_batch_nvjpeg_rejects_whole_is_told(
+        caplog):
+    transform = train_transform()
+    gpu = GpuDecodeTransform(transform)
+    encoded, _ = _batch([encode(textured(50 + i, 60, i)) for i in range(3)], transform)
+
+    def out_of_memory(chunks, device):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        GpuBatchTransform(gpu.gpu_plan, gpu.head, decoder=out_of_memory)(encoded, "cpu",
+                                                                         torch.float32)
+
+    def rejects_all(chunks, device):
+        raise RuntimeError("nvjpeg: not supported")
+
+    batch_transform = GpuBatchTransform(gpu.gpu_plan, gpu.head, decoder=rejects_all)
+    with caplog.at_level("WARNING", logger="vlcontrast.data.gpu_decode"):
+        batch_transform(encoded, "cpu", torch.float32)
+        batch_transform(encoded, "cpu", torch.float32)
+    assert batch_transform.fallbacks == {"gpu_decode_failed": 6}
+    warned = [r for r in caplog.records if "rejected every JPEG" in r.getMessage()]
+    assert len(warned) == 1  # once, not per batch

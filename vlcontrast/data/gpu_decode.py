@@ -37,9 +37,15 @@ from .transforms import BatchNormalizer, split_normalization
 
 logger = logging.getLogger(__name__)
 
-FALLBACK_REASONS = ("not_jpeg", "jpeg_cpu_only", "gpu_decode_failed")
+FALLBACK_REASONS = ("not_jpeg", "jpeg_cpu_only", "downscale_too_large", "gpu_decode_failed")
 """Why an image of ``data.decode=gpu`` was decoded on the CPU: not a JPEG (PNG, WebP); a JPEG the
-GPU path does not take (CMYK, no end-of-image marker, unreadable header); nvJPEG failed on it."""
+GPU path does not take (CMYK, no end-of-image marker, unreadable header); a crop shrunk more than
+the GPU's antialiased resize can take (:func:`gpu_can_resize`); nvJPEG failed on it."""
+
+_AA_SHARED_BYTES = 48 * 1024 * 0.9
+"""The antialiased ``interpolate`` kernel on CUDA keeps its filter weights in shared memory: at
+most 48 KiB a block (the default without opt-in on every CUDA GPU), kept 10% clear."""
+_AA_TAPS = {"bicubic": 4, "bilinear": 2}
 
 _JPEG_START = b"\xff\xd8\xff"
 _JPEG_END = b"\xff\xd9"
@@ -68,6 +74,23 @@ def probe_jpeg(data: bytes, max_image_pixels: int) -> tuple[int, int] | str:
     if kind != "JPEG" or mode not in _GPU_MODES or not data.rstrip(b"\0").endswith(_JPEG_END):
         return "jpeg_cpu_only"
     return width, height
+
+
+def gpu_can_resize(height: int, width: int, size: tuple[int, int], interpolation: str) -> bool:
+    """Whether CUDA's antialiased resize takes a ``height x width`` crop down to ``size``.
+
+    Its kernel (``upsample_gen2d_aa`` in PyTorch) holds, per block of 32 output columns and at
+    least one output row, ``taps(w) * 32 + taps(h) * 33`` float32 weights in shared memory, where
+    ``taps = 2 * ceil(support * scale) + 1`` and the support is 2 (bicubic) or 1 (bilinear); it
+    raises "Too much shared memory required" past 48 KiB. That is a bicubic shrink of about 47x
+    (a 3,000-px photo to 64 px), which training on small towers meets; such crops go to the CPU.
+    """
+    import math
+
+    support = _AA_TAPS.get(interpolation, 4) / 2
+    taps_h = 2 * math.ceil(support * max(height / size[0], 1.0)) + 1
+    taps_w = 2 * math.ceil(support * max(width / size[1], 1.0)) + 1
+    return 4 * (taps_w * 32 + taps_h * 33) <= _AA_SHARED_BYTES
 
 
 @dataclass(frozen=True)
@@ -178,14 +201,37 @@ def collate_images(images: list) -> EncodedImages:
         decoded_positions=torch.tensor([i for i, _ in ready], dtype=torch.long))
 
 
-def decode_jpegs(chunks: list[torch.Tensor], device) -> list[torch.Tensor]:
+_DECODE_STREAMS: dict[str, Any] = {}
+
+
+def decode_jpegs(chunks: list[torch.Tensor], device, *, cuda=torch.cuda) -> list[torch.Tensor]:
     """RGB uint8 ``C x H x W`` images of encoded JPEGs, decoded on ``device`` (nvJPEG on CUDA,
-    one batched call); raises RuntimeError when any fails."""
+    one batched call); raises RuntimeError when any fails.
+
+    On CUDA the decode runs with a stream of its own as the current stream. torchvision allocates
+    the decoder's outputs on the current stream and nvJPEG writes them without waiting for that
+    stream's queued work; the caching allocator hands a stream any block freed on it, even one
+    its queued kernels will still read (the previous batch's crops on the feed's side stream), so
+    decoding on a busy stream can overwrite live data. The decode stream queues nothing else: the
+    blocks it is given are free. The caller's stream then waits for it and is recorded as a user
+    of every image. ``cuda`` is ``torch.cuda`` (a stand-in in the tests)."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
+    device = torch.device(device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torchvision 0.29 flags its decoders for TorchCodec
-        return decode_jpeg(chunks, mode=ImageReadMode.RGB, device=device)
+        if device.type != "cuda":
+            return decode_jpeg(chunks, mode=ImageReadMode.RGB, device=device)
+        consumer = cuda.current_stream(device)
+        stream = _DECODE_STREAMS.get(str(device))
+        if stream is None:
+            stream = _DECODE_STREAMS[str(device)] = cuda.Stream(device=device)
+        with cuda.stream(stream):
+            images = decode_jpeg(chunks, mode=ImageReadMode.RGB, device=device)
+    consumer.wait_stream(stream)
+    for image in images:
+        image.record_stream(consumer)
+    return images
 
 
 class GpuBatchTransform:
@@ -203,6 +249,7 @@ class GpuBatchTransform:
         self.decoder = decoder
         self.normalizer = BatchNormalizer(plan.mean, plan.std)
         self.fallbacks: dict[str, int] = {}
+        self._warned_all_failed = False
 
     def __call__(self, images: EncodedImages, device, dtype: torch.dtype) -> torch.Tensor:
         if not isinstance(images, EncodedImages):
@@ -231,7 +278,10 @@ class GpuBatchTransform:
         # PIL resizes 8-bit images to 8 bits, so the resized values are clamped and rounded.
         out.clamp_(0, 255).round_()
         if flips:
-            index = torch.tensor(flips, dtype=torch.long).to(device, non_blocking=True)
+            index = torch.tensor(flips, dtype=torch.long)
+            if device.type == "cuda":
+                index = index.pin_memory()  # a pageable source would make the copy wait
+            index = index.to(device, non_blocking=True)
             out[index] = out[index].flip(-1)
         if len(images.decoded_positions):
             out[images.decoded_positions.to(device, non_blocking=True)] = (
@@ -252,14 +302,25 @@ class GpuBatchTransform:
             return []
         try:
             return list(self.decoder(chunks, device))
-        except RuntimeError:
-            pass
-        decoded = []
+        except torch.OutOfMemoryError:
+            raise  # not the image's fault: the CPU path would hide it batch after batch
+        except RuntimeError as err:
+            # One bad JPEG fails nvJPEG's whole batch: retry image by image.
+            logger.debug("data.decode=gpu: batched decode failed (%s); decoding one by one", err)
+        decoded, failed = [], 0
         for chunk, (*_, key) in zip(chunks, params):
             try:
                 decoded.append(self.decoder([chunk], device)[0])
+            except torch.OutOfMemoryError:
+                raise
             except RuntimeError:
+                failed += 1
                 decoded.append(self._decode_on_cpu(chunk, key, device))
+        if len(decoded) > 1 and failed == len(decoded) and not self._warned_all_failed:
+            self._warned_all_failed = True
+            logger.warning("data.decode=gpu: nvJPEG rejected every JPEG of a batch, which were "
+                           "decoded with PIL in the training process instead (slow); see "
+                           "data/fallback_gpu_decode_failed. If it goes on, set data.decode=cpu")
         return decoded
 
     def _decode_on_cpu(self, chunk: torch.Tensor, key: int, device) -> torch.Tensor:
@@ -299,4 +360,4 @@ def check_gpu_decode(data_cfg: Any, device) -> None:
 
 __all__ = ["EncodedImages", "EncodedSample", "FALLBACK_REASONS", "GpuBatchTransform",
            "GpuDecodeTransform", "GpuPlan", "SeededResizedCrop", "check_gpu_decode",
-           "collate_images", "decode_jpegs", "probe_jpeg"]
+           "collate_images", "decode_jpegs", "gpu_can_resize", "probe_jpeg"]

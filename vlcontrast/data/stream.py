@@ -214,7 +214,7 @@ def decode_for_gpu(numbered: Iterable[tuple[int, Row]], shard_set: ShardSet, tal
     from the header without decoding; other images are decoded and cropped here, counted in
     ``tally.fallbacks``; bad rows are counted and dropped as in :func:`decode`."""
     from .crops import draw_crop
-    from .gpu_decode import EncodedSample, probe_jpeg
+    from .gpu_decode import EncodedSample, gpu_can_resize, probe_jpeg
     from .samples import find_image, open_image
 
     required = getattr(shard_set, "ids_required", True)
@@ -232,11 +232,14 @@ def decode_for_gpu(numbered: Iterable[tuple[int, Row]], shard_set: ShardSet, tal
                 augment_key = preprocess.key(result.digest)
                 params = draw_crop(augment_key, probe[0], probe[1], plan_.scale, plan_.ratio,
                                    plan_.flip_p, generator)
-                result = (EncodedSample(image_bytes, (*params, augment_key)),  # type: ignore
-                          result.caption, result.sample_id)
-            elif probe == "decompression_bomb":
+                if gpu_can_resize(params[2], params[3], plan_.size, plan_.interpolation):
+                    result = (EncodedSample(image_bytes, (*params, augment_key)),  # type: ignore
+                              result.caption, result.sample_id)
+                else:
+                    probe = "downscale_too_large"  # the CPU path draws this same crop
+            if probe == "decompression_bomb":
                 result = probe
-            else:
+            elif isinstance(probe, str):
                 image = open_image(image_bytes, max_image_pixels)  # type: ignore[arg-type]
                 if isinstance(image, str):
                     result = image
