@@ -21,7 +21,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 $PY -c "import deepspeed, open_clip, open_clip_train.main, webdataset, braceexpand, ftfy, pydantic" || exit 2
 CHECK_OUT=${GPU_CHECK_OUT:-/tmp/gpu_check}
 # GPU_CHECK_TIMEOUT=SECONDS stops the check in time for the copy below to run (the report is
-# rewritten after every group, so the groups that ended come back).
+# rewritten after every row, so the rows that ended come back).
 if [ -n "${GPU_CHECK_TIMEOUT:-}" ]; then
     timeout --signal=TERM --kill-after=10 "$GPU_CHECK_TIMEOUT" $PY -m bench.gpu_check --out "$CHECK_OUT" --only "$WANT" "$@"
 else
