@@ -32,6 +32,8 @@ DecodeDevice = Literal["cpu", "gpu"]
 ZeroStage = Literal[0, 1, 2, 3]
 EngineName = Literal["auto", "deepspeed", "torch"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
+"""The ``torch.compile`` modes that record CUDA graphs (inductor's ``triton.cudagraphs``)."""
 DistillKind = Literal["logits", "features", "interactive"]
 """Values of ``distill.kind`` (see :class:`DistillConfig`)."""
 
@@ -270,8 +272,9 @@ class TrainConfig:
     compile: bool = False
     """torch.compile the towers (docs/training.md, "Compiled towers": start-up cost, recompiles)."""
     compile_mode: CompileMode = "default"
-    """``torch.compile``'s mode with ``train.compile``: ``reduce-overhead`` replays the compiled
-    forward and backward as CUDA graphs (one micro-batch per step: train.accum_steps=1)."""
+    """``torch.compile``'s mode with ``train.compile``: ``reduce-overhead`` (and
+    ``max-autotune``, which also autotunes kernels) replays the compiled forward and backward as
+    CUDA graphs (one micro-batch per step: train.accum_steps=1)."""
     peak_tflops: float = 0.0
     """The device's peak dense bf16 TFLOP/s for the ``mfu`` column of the step log; 0: looked up
     by the GPU's name (vlcontrast/models/flops.py, ``PEAK_TFLOPS``)."""
@@ -297,11 +300,12 @@ class TrainConfig:
         _require(self.peak_tflops >= 0, "train.peak_tflops", self.peak_tflops, "must be >= 0")
         _require(self.compile_mode == "default" or self.compile, "train.compile_mode",
                  self.compile_mode, "takes effect only with train.compile=true; set both")
-        _require(self.compile_mode != "reduce-overhead" or self.accum_steps == 1,
+        _require(self.compile_mode not in CUDAGRAPH_MODES or self.accum_steps == 1,
                  "train.compile_mode", self.compile_mode,
                  f"with train.accum_steps={self.accum_steps}: a CUDA graph's replay overwrites "
                  "the outputs GradCache keeps from earlier micro-batches; use "
-                 "train.compile_mode=default or train.accum_steps=1")
+                 "train.compile_mode=default (or max-autotune-no-cudagraphs) or "
+                 "train.accum_steps=1")
 
 
 @dataclass

@@ -50,6 +50,16 @@ def test_compiled_towers_give_the_eager_loss_and_gradients(process_group):
         torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-3, atol=1e-5)
 
 
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def inductor_modes() -> dict[str, dict]:
+    """torch.compile's mode -> the inductor options it sets (torch's own table)."""
+    from torch._inductor import list_mode_options
+
+    return {mode: list_mode_options(mode) for mode in MODES}
+
+
 def test_compile_mode_reaches_torch_compile_under_both_engines(monkeypatch, process_group):
     """``train.compile_mode`` is handed to ``torch.compile`` (as DeepSpeed's ``compile_kwargs``
     or the torch engine's), and ``reduce-overhead`` marks the engine for CUDA graphs."""
@@ -63,15 +73,16 @@ def test_compile_mode_reaches_torch_compile_under_both_engines(monkeypatch, proc
                         lambda self, backend=None, compile_kwargs=None, **_: seen.append(
                             ("DeepSpeedEngine", compile_kwargs)))
     for kind in ("torch", "deepspeed"):
-        for mode in ("default", "reduce-overhead"):
+        for mode in MODES:
             config = load_config(None, ["data.train=x", "train.steps=2", "train.compile=true",
                                         f"train.compile_mode={mode}", f"train.engine={kind}"])
             engine, _ = build_engine(torch.nn.Linear(4, 2), optim=config.optim,
                                      train=config.train, deepspeed=config.deepspeed,
                                      micro_batch_size=2, total_steps=2, world_size=1)
-            assert engine.cudagraphs is (mode == "reduce-overhead")
-    assert seen == [("Linear", {}), ("Linear", {"mode": "reduce-overhead"}),
-                    ("DeepSpeedEngine", {}), ("DeepSpeedEngine", {"mode": "reduce-overhead"})]
+            # inductor's own table says which modes record CUDA graphs
+            assert engine.cudagraphs is bool(inductor_modes()[mode].get("triton.cudagraphs")), mode
+    expected = [{} if mode == "default" else {"mode": mode} for mode in MODES]
+    assert seen == [("Linear", k) for k in expected] + [("DeepSpeedEngine", k) for k in expected]
 
 
 def test_cuda_graph_steps_are_marked_once_per_step(monkeypatch):
@@ -111,9 +122,12 @@ def test_cuda_graphs_with_gradcache_are_a_one_line_error():
     from vlcontrast.config import load_config
     from vlcontrast.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"train.compile_mode='reduce-overhead': with "
-                                          r"train.accum_steps=2: .*overwrites"):
-        load_config(None, ["data.train=x", "train.steps=2", "train.compile=true",
-                           "train.accum_steps=2", "train.compile_mode=reduce-overhead"])
+    for mode in ("reduce-overhead", "max-autotune"):  # both record CUDA graphs
+        with pytest.raises(ConfigError, match=rf"train.compile_mode='{mode}': with "
+                                              r"train.accum_steps=2: .*overwrites"):
+            load_config(None, ["data.train=x", "train.steps=2", "train.compile=true",
+                               "train.accum_steps=2", f"train.compile_mode={mode}"])
+    load_config(None, ["data.train=x", "train.steps=2", "train.compile=true",
+                       "train.accum_steps=2", "train.compile_mode=max-autotune-no-cudagraphs"])
     with pytest.raises(ConfigError, match="only with train.compile=true"):
         load_config(None, ["data.train=x", "train.steps=2", "train.compile_mode=max-autotune"])

@@ -55,6 +55,14 @@ def test_a_non_finite_gradient_skips_the_fused_update_and_the_schedule_on_the_de
         assert float(checked.state[model[0].weight]["step"]) == applied
     # The groups' host learning rates stay floats (DeepSpeed's get_lr, checkpoints).
     assert all(isinstance(group["lr"], float) for group in checked.param_groups)
+    # A step with no gradient at all checks nothing: no flag left over from the last bad one.
+    model(x).square().sum().backward()
+    model[0].weight.grad[0, 0] = float("nan")
+    checked.step()
+    checked.zero_grad()
+    assert float(checked.found_inf) == 1.0
+    checked.step()
+    assert checked.found_inf is None
 
 
 def test_unstep_schedule_takes_back_the_skipped_advances():

@@ -139,6 +139,11 @@ RUNS = {
     # its gradient on GradCache's reduced pass.
     "distill_projection_accum2": {"distill__teacher": "vlc-tiny", "distill__kind": "features",
                                   "distill__projection": True, "train__accum_steps": 2},
+    # Losses that leave a trainable parameter without a gradient, which DDP must still reduce:
+    # SogCLR keeps its own temperature (logit_scale unused), InfoNCE ignores a logit_bias;
+    # with and without GradCache.
+    "sogclr": {"loss__name": "sogclr"},
+    "infonce_unused_bias_accum2": {"model__init_logit_bias": -10.0, "train__accum_steps": 2},
 }
 
 

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from vlcontrast.config import DeepSpeedConfig, OptimConfig, TrainConfig, torch_engine_blocker
+from vlcontrast.config import (CUDAGRAPH_MODES, DeepSpeedConfig, OptimConfig, TrainConfig,
+                               torch_engine_blocker)
 from vlcontrast.distributed import set_gpu_defaults
 from vlcontrast.errors import ConfigError
 from vlcontrast.train.optimizer import (FLAT_ALIGN, FiniteCheckedAdamW, build_optimizer,
@@ -214,7 +215,7 @@ def build_engine(model: torch.nn.Module, *, optim: OptimConfig, train: TrainConf
                              micro_batch_size=micro_batch_size, world_size=world_size)
         if train.compile:
             engine.compile(compile_kwargs=compile_kwargs(train))
-        engine.cudagraphs = train.compile and train.compile_mode == "reduce-overhead"
+        engine.cudagraphs = train.compile and train.compile_mode in CUDAGRAPH_MODES
         return engine, None
     import deepspeed as deepspeed_lib
 
@@ -239,7 +240,7 @@ def build_engine(model: torch.nn.Module, *, optim: OptimConfig, train: TrainConf
         # DeepSpeed compiles the wrapped module in place: parameter names (and so checkpoints)
         # stay those of the eager model.
         engine.compile(compile_kwargs=compile_kwargs(train))
-    engine.cudagraphs = train.compile and train.compile_mode == "reduce-overhead"
+    engine.cudagraphs = train.compile and train.compile_mode in CUDAGRAPH_MODES
     return engine, ds_config
 
 

@@ -52,6 +52,7 @@ class FiniteCheckedAdamW(torch.optim.AdamW):
         it): non-finite exactly when some gradient is, so it spares a second pass."""
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
         if not grads:
+            self.found_inf = None  # nothing was checked: no stale flag from an earlier step
             return super().step(closure)
         if grad_norm is None:
             grad_norm = torch.stack(torch._foreach_norm(grads))

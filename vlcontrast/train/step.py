@@ -161,8 +161,8 @@ def train_step(engine, loss_fn, micro_batches, step: int, device, dtype, timer,
     """
     k = len(micro_batches)
     if getattr(engine, "cudagraphs", False):
-        # train.compile_mode=reduce-overhead: a new iteration of the CUDA graphs begins, so the
-        # previous step's graph outputs may be overwritten (nothing of them is kept).
+        # train.compile_mode=reduce-overhead or max-autotune: a new iteration of the CUDA graphs
+        # begins, so the previous step's graph outputs may be overwritten (none is kept).
         torch.compiler.cudagraph_mark_step_begin()
     batches = [_to_device(b, device, dtype, normalizer) for b in micro_batches]
     sample_ids = torch.cat([b[2] for b in batches])

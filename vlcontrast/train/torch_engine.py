@@ -71,7 +71,15 @@ class TorchEngine:
         self._forward = module
         self._reached: set[int] = set()
         self._probes: list = []
+        self._temperature: list[torch.nn.Parameter] = []
+        """Trainable ``logit_scale``/``logit_bias`` under DDP: a loss may leave them out (SogCLR,
+        FastCLIP and balanced keep their own temperature; InfoNCE has no use for a bias), and DDP
+        cannot reduce a parameter the backward gave no gradient, so each backward gives them an
+        exact zero one (AdamW moves a parameter with zero gradient, moments and no weight decay
+        by exactly nothing, as DeepSpeed's engine leaves one without a gradient)."""
         if world_size > 1:
+            self._temperature = [p for name, p in module.named_parameters()
+                                 if p.requires_grad and name in ("logit_scale", "logit_bias")]
             # Which parameters the first update's backward reached: DDP gives each one a
             # gradient (a view into its bucket) whether or not the backward did.
             for param in module.parameters():
@@ -116,6 +124,8 @@ class TorchEngine:
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss`` divided by ``accum_steps`` (DeepSpeed's scaling, which the
         GradCache surrogate expects)."""
+        if self._temperature:
+            loss = loss + sum(p.sum() for p in self._temperature) * 0.0
         (loss / self.accum_steps if self.accum_steps > 1 else loss).backward()
 
     def step(self) -> None:
@@ -158,8 +168,8 @@ class TorchEngine:
         if missing:
             raise ConfigError(
                 f"train.engine=torch: parameters {missing[:3]} got no gradient in the first step, "
-                "which DistributedDataParallel cannot reduce; lock them (model.lock_*) or use "
-                "train.engine=deepspeed")
+                "which DistributedDataParallel cannot reduce; lock their tower (model.lock_image "
+                "or model.lock_text), or use train.engine=deepspeed")
 
     def was_step_applied(self) -> bool:
         """Always True on the host: the skip is decided on the device (``optimizer.found_inf``)."""
