@@ -189,7 +189,9 @@ def select_device(requested: str, local_rank: int, rank: int = 0) -> torch.devic
             f"train.device={requested!r}: rank {rank} (local rank {local_rank}) sees no usable CUDA "
             f"device (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r}); "
             "check the job's GPU binding, or use train.device=cpu")
-    per_task = count == 1 or bool(os.environ.get("SLURM_GPUS_PER_TASK"))
+    # One visible device: a task bound to its GPU. SLURM_GPUS_PER_TASK alone says nothing:
+    # torchrun's children inherit it from `srun --gpus-per-task=8`, and all see 8 GPUs.
+    per_task = count == 1
     ranks_here = next((int(os.environ[key]) for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE")
                        if os.environ.get(key, "").isdigit()), local_rank + 1)
     if not per_task and max(ranks_here, local_rank + 1) > count:

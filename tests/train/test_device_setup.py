@@ -109,6 +109,17 @@ def test_one_gpu_per_task_maps_every_local_rank_to_its_only_device(fake_gpus, mo
     assert fake_gpus.calls[0] == ("set_device", 0)
 
 
+def test_torchrun_inside_a_task_that_holds_the_node_gives_each_local_rank_its_gpu(
+        fake_gpus, monkeypatch):
+    # srun --ntasks-per-node=1 --gpus-per-task=4 torchrun --nproc_per_node 4: the children
+    # inherit SLURM_GPUS_PER_TASK and all see the 4 GPUs; each must take its own.
+    monkeypatch.setenv("SLURM_GPUS_PER_TASK", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    _launch(monkeypatch, rank=3, local_rank=3, world=4)
+    env = dist_utils.init_distributed(timeout_s=5, device="cuda")
+    assert env.device == torch.device("cuda", 3) and fake_gpus.calls[0] == ("set_device", 3)
+
+
 def test_a_task_without_a_usable_gpu_is_a_clear_error(fake_gpus, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
