@@ -63,6 +63,7 @@ def test_peak_is_looked_up_by_device_name_and_overridable():
 
     assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12
     assert peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops("NVIDIA H100 NVL") == 835e12  # before the SXM entry it contains
     assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
     assert peak_flops("NVIDIA H200") == 989e12
     assert peak_flops("Some GPU") is None

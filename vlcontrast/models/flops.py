@@ -19,10 +19,11 @@ from typing import Any
 PEAK_TFLOPS = {
     # Dense bf16 tensor-core peak per GPU, by a substring of torch.cuda.get_device_name (first
     # match wins: the more specific names come first).
+    "GH200": 989.0,
     "H200": 989.0,
     "H100 PCIe": 756.0,
+    "H100 NVL": 835.0,
     "H100": 989.0,  # SXM
-    "GH200": 989.0,
     "B200": 2250.0,
     "A100": 312.0,
     "L40S": 362.0,
