@@ -161,3 +161,90 @@ def test_the_gpu_checks_sync_limits_are_these_counts():
     for case, total in HOST_SYNCS_PER_STEP.items():
         _, ours, theirs = CASES[case]
         assert sum(ours.values()) + sum(theirs.values()) == total, case
+
+
+# -- what the Python-level counter cannot see ---------------------------------------------------
+
+SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2",
+            "unique_consecutive", "unique_dim", "repeat_interleave", "is_nonzero", "equal",
+            "lift_fresh", "lift_fresh_copy", "multinomial", "bincount", "histc"}
+"""Aten ops that make the host wait for a CUDA device: a value read (``_local_scalar_dense``,
+what ``item``/``bool``/``float`` of a tensor become, even when C++ issues them), an output whose
+size depends on the data (``nonzero``, boolean-mask indexing, ``unique``...), a tensor built from
+host data (``lift_fresh``: on CUDA a blocking copy from pageable memory)."""
+
+
+def _dispatch_syncs(loss: str, extra: list[str]) -> dict:
+    """Sync ops per steady-state step of the torch engine's train_step (steps 4-6 of 6), seen at
+    the dispatcher, with the vlcontrast line that issued each."""
+    import traceback
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from vlcontrast.config import ModelConfig, load_config
+    from vlcontrast.data.loader import Batch
+    from vlcontrast.losses import build_loss
+    from vlcontrast.models import build_model
+    from vlcontrast.train.engine import build_engine, clamp_logit_scale
+    from vlcontrast.train.precision import Precision
+    from vlcontrast.train.step import StepLedger, train_step
+    from vlcontrast.train.steplog import StepTimer
+
+    class Counter(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.on, self.counts = False, collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func._schema.name.split("::")[-1]
+            masked = name == "index" and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ()))
+            if self.on and (name in SYNC_OPS or masked):
+                where = [f"{Path(f.filename).name}:{f.lineno}" for f in traceback.extract_stack()
+                         if "/vlcontrast/" in f.filename][-2:]
+                self.counts[(name, " <- ".join(where))] += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    batch, accum = 8, 2 if "train.accum_steps=2" in extra else 1
+    config = load_config(None, ["data.train=x", "train.steps=20", f"loss.name={loss}",
+                                "optim.warmup_steps=2", f"data.batch_size={batch}", *extra])
+    bundle = build_model(ModelConfig(name="vlc-micro"), device="cpu")
+    engine, _ = build_engine(bundle.model.train(), optim=config.optim, train=config.train,
+                             deepspeed=config.deepspeed, micro_batch_size=batch, total_steps=20,
+                             world_size=1)
+    assert type(engine).__name__ == "TorchEngine"
+    loss_fn = build_loss(loss, id_space=64)
+    precision = Precision(config.train.precision)
+    images = torch.randn(batch, 3, 32, 32)
+    texts = torch.randint(1, 100, (batch, 16))
+    timer, ledger, counter = StepTimer(torch.device("cpu")), StepLedger(), Counter()
+    with counter:
+        for step in range(1, 7):
+            counter.on = step >= 4
+            timer.start()
+            micro = [Batch(images, texts, torch.arange(batch) + (j + step * accum) % 8 * batch)
+                     for j in range(accum)]
+            ledger.record(step, train_step(engine, loss_fn, micro, step, torch.device("cpu"),
+                                           precision.parameter_dtype, timer))
+            clamp_logit_scale(engine)
+    return {key: n / 3 for key, n in counter.counts.items()}
+
+
+@pytest.mark.parametrize("loss", sorted(
+    __import__("vlcontrast.losses", fromlist=["LOSSES"]).LOSSES))
+@pytest.mark.parametrize("extra", [["train.precision=amp_bf16"],
+                                   ["train.precision=fp32", "optim.grad_clip=1.0",
+                                    "train.accum_steps=2"]], ids=["amp_bf16", "clip_accum2"])
+def test_no_op_in_a_steady_state_step_waits_for_the_device(loss, extra, monkeypatch):
+    """The Python-level counter above sees reads made from Python; this one sees every aten op
+    that would make the host wait on CUDA, from Python or C++ (``.item()`` inside a torch
+    function, boolean-mask indexing, a tensor built from host data), in every loss's step.
+    (``_assert_async`` is not one: on CUDA it asserts on the device.)"""
+    from vlcontrast.losses import bcl
+
+    # BCL ranks with numpy on a CPU (faster there, with host reads); on an accelerator it takes
+    # its sync-free path, which is the one a GPU step runs: take it here too.
+    monkeypatch.setattr(bcl, "_sync_free_ranks", lambda values: True)
+    assert _dispatch_syncs(loss, extra) == {}
