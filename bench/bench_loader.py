@@ -157,7 +157,8 @@ def time_batches(loader, batches: int) -> float:
 
 class Step:
     """One training step of an open_clip model on ``device``: InfoNCE over the batch, backward,
-    AdamW, and one host sync for the loss (the trainer's step ends with a flag sync too)."""
+    AdamW, no host read (vlcontrast's step reads nothing in a steady state either); each timing
+    ends with a device sync."""
 
     def __init__(self, model_name: str, device: str, precision: str):
         import open_clip
@@ -169,7 +170,7 @@ class Step:
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
                          if precision == "amp_bf16" else None)
 
-    def __call__(self, images: torch.Tensor, texts: torch.Tensor) -> float:
+    def __call__(self, images: torch.Tensor, texts: torch.Tensor) -> torch.Tensor:
         if self.autocast is not None:
             with self.autocast:
                 image_features, text_features, scale = self.model(images, texts)[:3]
@@ -180,7 +181,11 @@ class Step:
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss.item()
+        return loss.detach()
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def alone(self, batch_size: int, image_size: int, steps: int) -> float:
         """Seconds per step on fixed device tensors (after two warm-up steps)."""
@@ -190,14 +195,17 @@ class Step:
                               device=self.device)
         for _ in range(2):
             self(images, texts)
+        self.sync()
         start = time.perf_counter()
         for _ in range(steps):
             self(images, texts)
+        self.sync()
         return (time.perf_counter() - start) / steps
 
     def fed(self, loader, batch_transform, steps: int) -> float:
-        """Seconds per step, each batch from ``loader`` through a DeviceFeed: the next batch is
-        prepared on the side stream while this step computes, as in training."""
+        """Seconds per step, each batch from ``loader`` through a DeviceFeed, in the training
+        loop's order: the step is launched with the batch handed over, then the next batch is
+        prepared on the side stream while it computes."""
         from vlcontrast.train.batches import DeviceFeed
 
         from vlcontrast.data.loader import Batch
@@ -207,15 +215,20 @@ class Step:
         iterator = (b if hasattr(b, "_fields") else Batch(b[0], b[1], torch.zeros(len(b[1])))
                     for b in loader)
         ahead = feed.prepare([next(iterator)])
-        for warm_up in range(2):
+
+        def one_step():
+            nonlocal ahead
             ready = feed.hand_over(ahead)
-            ahead = feed.prepare([next(iterator)])
             self(ready[0].images, ready[0].texts)
+            ahead = feed.prepare([next(iterator)])
+
+        for _ in range(2):  # warm-up
+            one_step()
+        self.sync()
         start = time.perf_counter()
         for _ in range(steps):
-            ready = feed.hand_over(ahead)
-            ahead = feed.prepare([next(iterator)])
-            self(ready[0].images, ready[0].texts)
+            one_step()
+        self.sync()
         elapsed = (time.perf_counter() - start) / steps
         del iterator
         return elapsed

@@ -103,29 +103,61 @@ def pattern(tmp_path_factory):
     return str(directory / "{00000..00001}.tar")
 
 
-def test_next_step_hands_over_after_the_side_stream_and_prepares_the_next(pattern, recorded):
+def test_next_step_hands_over_after_the_side_stream_and_prefetch_prepares_the_next(
+        pattern, recorded):
     batches = TrainBatches(_loader(pattern), SeededTransform(None, 3, random=False), 2,
                            feed=_feed(recorded))
     recorded.log.clear()
     first = batches.next_step()
     log = recorded.log
     # Step 1 is prepared on the side stream (after the compute stream's work so far), then the
-    # compute stream waits for it and records its use of every tensor, then step 2 is enqueued
-    # on the side stream: it runs while step 1 computes.
+    # compute stream waits for it and records its use of every tensor.
     prepare = [("wait_stream", "side", "compute"), ("enter", "side"), ("transform", "side"),
                ("transform", "side"), ("exit", "side")]
     assert log[:5] == prepare
     assert log[5] == ("wait_stream", "compute", "side")
-    records = log[6:12]
+    records = log[6:]
     assert [r[0] for r in records] == ["record_stream"] * 6
     assert {r[1] for r in records} == {"compute"}
-    assert log[12:] == prepare
     assert all(b.images.dtype == torch.float32 for b in first)
 
+    # Once step 1 is launched, the loop asks for step 2: enqueued on the side stream, it runs
+    # while step 1 computes. Asking again changes nothing.
     log.clear()
-    batches.next_step()
-    assert log[0] == ("wait_stream", "compute", "side") and log[-5:] == prepare
-    assert sum(1 for entry in log if entry[0] == "transform") == 2  # only the next step's
+    batches.prefetch()
+    batches.prefetch()
+    assert log == prepare
+    log.clear()
+    batches.next_step()  # hands over what prefetch prepared, prepares nothing
+    assert log[0] == ("wait_stream", "compute", "side")
+    assert not [entry for entry in log if entry[0] == "transform"]
+
+
+def test_the_loop_prefetches_after_launching_the_step_and_not_after_the_last(monkeypatch,
+                                                                            tmp_path):
+    """The next batches' host work and nvJPEG's wait come after the step's kernels are queued,
+    not before (where they would delay the launch), and the last step prefetches nothing."""
+    from tests.data.helpers import make_shards
+    from tests.train.helpers import tiny_config
+    from vlcontrast.train import loop, train
+
+    order = []
+    real_step, real_prefetch = loop.train_step, TrainBatches.prefetch
+
+    def step(*args, **kwargs):
+        order.append("train_step")
+        return real_step(*args, **kwargs)
+
+    def prefetch(self):
+        order.append("prefetch")
+        return real_prefetch(self)
+
+    monkeypatch.setattr(loop, "train_step", step)
+    monkeypatch.setattr(TrainBatches, "prefetch", prefetch)
+    make_shards(tmp_path / "data" / "train", [16])
+    config = tiny_config(tmp_path / "data", tmp_path / "run", train__steps=3, checkpoint__every=0)
+    train(config)
+    assert order == ["train_step", "prefetch"] * 2 + ["train_step"]
 
 
 def test_prefetching_reports_the_position_of_the_batches_handed_out(pattern, recorded):
@@ -134,6 +166,8 @@ def test_prefetching_reports_the_position_of_the_batches_handed_out(pattern, rec
                        feed=_feed(recorded))
     for step in range(5):  # crosses the epoch boundary (24 samples, batch 4: 6 steps)
         ours, theirs = fed.next_step(), plain.next_step()
+        if step % 2:
+            fed.prefetch()  # the next batch taken from the loader: still not handed out
         assert torch.equal(ours[0].sample_ids, theirs[0].sample_ids)
         assert torch.equal(ours[0].images, theirs[0].images.to(torch.float32) / 255)
         assert fed.state_dict() == plain.state_dict()

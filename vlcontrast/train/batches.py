@@ -122,9 +122,9 @@ class TrainBatches:
     """Micro-batches for each optimizer step, across epochs; resumable.
 
     With a :class:`DeviceFeed` the step's batches come back on the device, and the next step's are
-    taken from the loader and prepared on the feed's side stream before this one is returned
-    (while this step computes); the position, epoch and counts reported are those of the batches
-    handed out, not of the one prepared ahead, so a checkpoint resumes exactly."""
+    taken from the loader and prepared on the feed's side stream by :meth:`prefetch`, once this
+    step is launched (while it computes); the position, epoch and counts reported are those of
+    the batches handed out, not of the one prepared ahead, so a checkpoint resumes exactly."""
 
     def __init__(self, build: Callable[..., object], augment: SeededTransform, accum_steps: int,
                  feed: DeviceFeed | None = None):
@@ -189,20 +189,24 @@ class TrainBatches:
         return _Step(batches, mark, self.loader.epoch)
 
     def next_step(self) -> list:
-        """The ``accum_steps`` micro-batches of the next optimizer step."""
+        """The ``accum_steps`` micro-batches of the next optimizer step (with a feed: on the
+        device, from :meth:`prefetch` when it was called since the last step, else prepared now)."""
         if self.feed is None:
             self._handed = None
             return self._take().batches
-        if self._ahead is None:
-            step = self._take()
-            self._ahead = step._replace(batches=self.feed.prepare(step.batches))
-        self._handed = self._ahead
-        ready = self.feed.hand_over(self._handed.batches)
-        # The next step's batches: their copies and decoding run on the side stream while the
-        # step about to be launched with ``ready`` computes.
+        self.prefetch()
+        self._handed, self._ahead = self._ahead, None
+        return self.feed.hand_over(self._handed.batches)
+
+    def prefetch(self) -> None:
+        """Take the next step's micro-batches from the loader and enqueue their copies (and GPU
+        decoding) on the feed's side stream. The loop calls it right after launching a step, so
+        that this host work, and the wait for nvJPEG's decode, overlap the step's kernels
+        instead of delaying their launch. Nothing without a feed, or when already done."""
+        if self.feed is None or self._ahead is not None:
+            return
         step = self._take()
         self._ahead = step._replace(batches=self.feed.prepare(step.batches))
-        return ready
 
     def start_epoch(self, epoch: int) -> None:
         """Begin ``epoch`` from its start (a resume whose per-rank positions do not apply)."""

@@ -156,6 +156,10 @@ def train(config: RunConfig) -> dict[str, Any]:
             clamp_logit_scale(engine)
             if momentum is not None:
                 momentum.update(engine.module, outcome.skipped_flag)
+            if state.step < total_steps:
+                # The step's kernels are queued: the next batches' copies and GPU decoding
+                # are enqueued now, so they overlap this step rather than delay its launch.
+                data.prefetch()
             if not (outcome.skip_known or _host_needs_to_know(
                     state.step, total_steps, log, checkpointer, evaluator, config.train, stop,
                     env.world_size)):
