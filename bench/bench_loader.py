@@ -347,7 +347,10 @@ def main(argv=None) -> None:
         step = Step(args.step, args.device, args.precision)
         alone = step.alone(args.batch_size, args.image_size, args.batches)
         result["step"] = {"model": args.step, "precision": args.precision,
-                          "alone_s": alone, "fed": []}
+                          "alone_s": alone, "fed": [],
+                          "flops_per_sample": step_flops(args.step),
+                          "peak_flops": (peak_flops(result["info"]["device"])
+                                         if args.device.startswith("cuda") else None)}
         write()
         for workers in args.workers:
             for name in names:
@@ -362,6 +365,20 @@ def main(argv=None) -> None:
                 write()
     write()
     print(render(result, args))
+
+
+def step_flops(model: str) -> float | None:
+    """Training FLOPs per image-text pair of the open_clip model ``model`` (for MFU)."""
+    from vlcontrast.models import resolve_model_config
+    from vlcontrast.models.flops import train_flops_per_sample
+
+    return train_flops_per_sample(resolve_model_config(model)[1])
+
+
+def peak_flops(device_name: str) -> float | None:
+    from vlcontrast.models.flops import peak_flops as lookup
+
+    return lookup(device_name)
 
 
 def render(result: dict, args) -> str:
@@ -383,17 +400,26 @@ def render(result: dict, args) -> str:
     if result["step"] is not None:
         step = result["step"]
         alone = step["alone_s"]
+        flops, peak = step.get("flops_per_sample"), step.get("peak_flops")
+
+        known = bool(flops and peak)  # MFU: on a GPU whose peak is known
+
+        def mfu(seconds: float) -> str:
+            return f"{100 * args.batch_size / seconds * flops / peak:.1f}%"
         step_lines = [
             "", f"Main thread's step time, `{step['model']}` {step['precision']}, batch "
             f"{args.batch_size}, on {args.device}: alone {alone * 1e3:.1f} ms "
-            f"({args.batch_size / alone:.0f} samples/s); fed by each loader through a DeviceFeed "
-            "(next batch prepared on a side stream):", "",
-            "| loader | workers | ms / step | end-to-end samples/s | vs step alone |",
-            "|---|---:|---:|---:|---:|"]
+            f"({args.batch_size / alone:.0f} samples/s" + (f", MFU {mfu(alone)}" if known else "")
+            + "); fed by each loader through a DeviceFeed (next batch prepared on a side stream "
+            "once the step is launched):", "",
+            "| loader | workers | ms / step | end-to-end samples/s | vs step alone |"
+            + (" MFU |" if known else ""),
+            "|---|---:|---:|---:|---:|" + ("---:|" if known else "")]
         for row in step["fed"]:
             per_step = row["seconds_per_step"]
             step_lines.append(f"| {row['loader']} | {row['workers']} | {per_step * 1e3:.1f} | "
-                              f"{args.batch_size / per_step:.0f} | {alone / per_step:.2f} |")
+                              f"{args.batch_size / per_step:.0f} | {alone / per_step:.2f} |"
+                              + (f" {mfu(per_step)} |" if known else ""))
     gpu_note = ("" if "vlcontrast-gpu" not in names else
                 "; `vlcontrast-gpu`: " + ("decoded and augmented on the GPU per batch, synced"
                                           if args.device != "cpu" else

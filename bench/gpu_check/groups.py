@@ -470,6 +470,17 @@ def throughput_open_clip(ctx: Context, model: str, tag: str, synthetic: bool) ->
     return steady_median([(w.step, w.samples_per_s) for w in windows[1:]], s.throughput_steps)
 
 
+def throughput_mfu(model: str, device_name: str, samples_per_s: float) -> float | None:
+    """MFU of a throughput row (samples/s per GPU) on ``device_name``; None off a known GPU."""
+    from vlcontrast.models import resolve_model_config
+    from vlcontrast.models.flops import mfu, peak_flops, train_flops_per_sample
+
+    if not device_name or "NVIDIA" not in device_name:
+        return None
+    _, model_cfg = resolve_model_config(model)
+    return mfu(samples_per_s, train_flops_per_sample(model_cfg), peak_flops(device_name))
+
+
 def check_throughput(ctx: Context) -> None:
     s = ctx.settings
     results: dict[str, dict[str, float]] = {}
@@ -485,7 +496,12 @@ def check_throughput(ctx: Context) -> None:
                           lambda: throughput_open_clip(ctx, model, label, True))):
             def measure(key=key, run=run):
                 numbers[key] = run()
-                return "pass", f"{numbers[key]:.1f} samples/s per GPU"
+                detail = f"{numbers[key]:.1f} samples/s per GPU"
+                value = throughput_mfu(model, ctx.report.info.get("device_name", ""), numbers[key])
+                if value is not None:
+                    numbers[f"mfu_{key}"] = value
+                    detail += f", MFU {100 * value:.1f}%"
+                return "pass", detail
 
             ctx.report.timed("throughput", f"{label} {key.replace('_', ' ')}", measure)
         for kind, ours, theirs in (("shards", "vlcontrast", "open_clip"),
@@ -509,7 +525,10 @@ def check_throughput(ctx: Context) -> None:
 
 def throughput_table(results: dict, setup: str) -> str:
     def cell(numbers, key):
-        return f"{numbers[key]:.0f}" if key in numbers else "–"
+        if key not in numbers:
+            return "–"
+        mfu = f" ({100 * numbers[f'mfu_{key}']:.1f}%)" if f"mfu_{key}" in numbers else ""
+        return f"{numbers[key]:.0f}{mfu}"
 
     def ratio(numbers, key):
         return f"{numbers[key]:.2f}x" if key in numbers else "–"
@@ -519,7 +538,9 @@ def throughput_table(results: dict, setup: str) -> str:
              "through the training transform per sample) by the same pinned DataLoader with the "
              "same number of workers (open_clip's own for it, the gpu-check worker's copy of it "
              "for vlcontrast), so both carry the same loader load; the step alone, without any "
-             "loader, is the `step` group's table.", "",
+             "loader, is the `step` group's table. In parentheses on a GPU: MFU (the model's "
+             "training FLOPs per pair, vlcontrast/models/flops.py, over the GPU's dense bf16 "
+             "peak).", "",
              f"Matched: {openclip_launch.DIFFERENCES_MATCHED}. "
              f"{openclip_launch.DIFFERENCES_LEFT[0].upper()}{openclip_launch.DIFFERENCES_LEFT[1:]}.",
              "",

@@ -72,3 +72,11 @@ def test_a_row_still_being_measured_is_left_out_of_the_table(tmp_path):
     markdown = bench_loader.render(result, Args)
     assert "| 1 | 16 | 8 | 2.00x |" in markdown
     assert "| 2 |" not in markdown
+    # On a GPU the step rows carry MFU: samples/s x training FLOPs per pair / peak.
+    result["step"] = {"model": "ViT-B-32", "precision": "amp_bf16", "alone_s": 0.0625,
+                      "flops_per_sample": 4.0e10, "peak_flops": 1.0e15,
+                      "fed": [{"loader": "vlcontrast", "workers": 8, "seconds_per_step": 0.125}]}
+    Args.device = "cuda"
+    markdown = bench_loader.render(result, Args)
+    assert "alone 62.5 ms (128 samples/s, MFU 0.5%)" in markdown  # 8 / 0.0625 x 4e10 / 1e15
+    assert "| vlcontrast | 8 | 125.0 | 64 | 0.50 | 0.3% |" in markdown
