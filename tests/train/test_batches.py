@@ -110,13 +110,13 @@ def test_next_step_hands_over_after_the_side_stream_and_prefetch_prepares_the_ne
     recorded.log.clear()
     first = batches.next_step()
     log = recorded.log
-    # Step 1 is prepared on the side stream (after the compute stream's work so far), then the
-    # compute stream waits for it and records its use of every tensor.
-    prepare = [("wait_stream", "side", "compute"), ("enter", "side"), ("transform", "side"),
-               ("transform", "side"), ("exit", "side")]
-    assert log[:5] == prepare
-    assert log[5] == ("wait_stream", "compute", "side")
-    records = log[6:]
+    # Step 1 is prepared on the side stream, without waiting for the compute stream (the step
+    # just launched would hold its copies back), then the compute stream waits for it and
+    # records its use of every tensor.
+    prepare = [("enter", "side"), ("transform", "side"), ("transform", "side"), ("exit", "side")]
+    assert log[:4] == prepare
+    assert log[4] == ("wait_stream", "compute", "side")
+    records = log[5:]
     assert [r[0] for r in records] == ["record_stream"] * 6
     assert {r[1] for r in records} == {"compute"}
     assert all(b.images.dtype == torch.float32 for b in first)

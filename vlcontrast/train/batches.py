@@ -66,12 +66,14 @@ class DeviceFeed:
     :class:`~vlcontrast.data.transforms.BatchNormalizer` (uint8 batches, ``data.normalize_on_device``)
     or a :class:`~vlcontrast.data.gpu_decode.GpuBatchTransform` (``data.decode=gpu``); None moves
     float images as they are. :meth:`prepare` enqueues the copies and kernels of the next step on
-    the side stream, after everything already enqueued on the compute stream
-    (``side.wait_stream(current)``: memory the compute stream freed may be reused); :meth:`hand_over`
-    makes the compute stream wait for them and tells the caching allocator that the compute
-    stream uses the tensors (``record_stream``), so their memory is not given to the side
-    stream's next batch while the step still reads it. ``cuda`` is ``torch.cuda`` (a stand-in in
-    the tests). On a CPU device both are plain moves.
+    the side stream. It does not wait for the compute stream: its work reads nothing the compute
+    stream writes, and PyTorch's caching allocator gives a stream only blocks freed on that same
+    stream, so the side stream's new tensors never land on memory the step still uses (waiting
+    would also hold the copies back until the step just launched ends, undoing the overlap).
+    :meth:`hand_over` makes the compute stream wait for the side stream and tells the caching
+    allocator that the compute stream uses the tensors (``record_stream``), so their memory is
+    not given to the side stream's next batch while the step still reads it. ``cuda`` is
+    ``torch.cuda`` (a stand-in in the tests). On a CPU device both are plain moves.
     """
 
     def __init__(self, device, dtype: torch.dtype, transform=None, *, cuda=torch.cuda):
@@ -95,7 +97,6 @@ class DeviceFeed:
         """The micro-batches on the device, their work enqueued on the side stream."""
         if self.stream is None:
             return [self.move(b) for b in micro_batches]
-        self.stream.wait_stream(self.cuda.current_stream(self.device))
         with self.cuda.stream(self.stream):
             return [self.move(b) for b in micro_batches]
 
