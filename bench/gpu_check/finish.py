@@ -46,6 +46,10 @@ CELL_S = {"RN": 65.0, "ViT": 45.0}
 """Seconds per matrix cell, the slowest measured on the H200 (RN50 36-64 s, ViT-B-32 36 s) plus
 ZeRO-3's extra start."""
 
+CUDA_TESTS_SINCE = "2026-11-28"
+"""The cuda-marked tests changed on this date (the torch engine against DeepSpeed's on a GPU, the
+decode stream, the feed under load): the ``losses`` group's ``pytest -m cuda`` row counts only from
+a report whose file name (it starts with the date) is not older."""
 TRANSCRIBED_MEMORY = ("infonce",)
 """Memory rows a device run reported in the issue tracker without a committed report (issue "The
 data path on a GPU node": infonce's four sizes); every other verdict is read from :data:`RESULTS`."""
@@ -59,22 +63,38 @@ class Verdict(NamedTuple):
     """The row's wall time on the device."""
 
 
+def cuda_tests_passed(results: Path = RESULTS, since: str = CUDA_TESTS_SINCE) -> bool:
+    """Whether a report from ``since`` on has the ``losses`` group's ``pytest -m cuda`` passed."""
+    rows: dict[tuple[str, str], Verdict] = {}
+    for path in sorted(Path(results).glob("*")):
+        if path.name >= since:
+            rows.update(recorded_in(path))
+    return getattr(rows.get(("losses", "pytest -m cuda")), "status", "") == "pass"
+
+
 def recorded(results: Path = RESULTS) -> dict[tuple[str, str], Verdict]:
     """(group, case) -> :class:`Verdict` of every row in the committed GPU-check reports (``*.json``
     with ``rows``) and console logs (``*.log``), files in name order (they start with the date), a
     later row overriding an earlier one of the same case."""
     rows: dict[tuple[str, str], Verdict] = {}
     for path in sorted(results.glob("*")):
-        if path.suffix == ".json":
-            for row in _json(path).get("rows", []):
-                if isinstance(row, dict) and {"section", "case", "status"} <= set(row):
-                    rows[(row["section"], row["case"])] = Verdict(
-                        row["status"], float(row.get("seconds") or 0.0))
-        elif path.suffix == ".log":
-            for line in path.read_text(errors="replace").splitlines():
-                match = CONSOLE_ROW.match(line)
-                if match:
-                    rows[(match[2], match[3])] = Verdict(match[1].lower(), float(match[4]))
+        rows.update(recorded_in(path))
+    return rows
+
+
+def recorded_in(path: Path) -> dict[tuple[str, str], Verdict]:
+    """The rows of one report (``*.json`` with ``rows``) or console log (``*.log``)."""
+    rows: dict[tuple[str, str], Verdict] = {}
+    if path.suffix == ".json":
+        for row in _json(path).get("rows", []):
+            if isinstance(row, dict) and {"section", "case", "status"} <= set(row):
+                rows[(row["section"], row["case"])] = Verdict(
+                    row["status"], float(row.get("seconds") or 0.0))
+    elif path.suffix == ".log":
+        for line in path.read_text(errors="replace").splitlines():
+            match = CONSOLE_ROW.match(line)
+            if match:
+                rows[(match[2], match[3])] = Verdict(match[1].lower(), float(match[4]))
     return rows
 
 
@@ -211,7 +231,7 @@ def queue(results: Path = RESULTS) -> list[tuple[str, str, float]]:
     end-to-end rows, the study plan's missing step times, the compiled arms, and the rest of the
     check (:func:`finish_calls`); a call whose numbers :data:`RESULTS` already holds is left out."""
     from bench.gpu_check.groups import precisions, shipped_families
-    from bench.gpu_check.plan import step_seconds, throughput_seconds
+    from bench.gpu_check.plan import estimate_seconds, step_seconds, throughput_seconds
     from vlcontrast.losses import LOSSES
 
     steps = step_rows(results)
@@ -225,6 +245,11 @@ def queue(results: Path = RESULTS) -> list[tuple[str, str, float]]:
             calls.append((f"step table, {model}",
                           f"{run} step --step-models {model} --step-profile 3",
                           CALL_SETUP_S + step_seconds((model,), profile=True)))
+        if model == "ViT-B-32" and not cuda_tests_passed(results):
+            # The engines compared on the GPU before their step is timed, with the other
+            # cuda-marked tests (the losses group's first row; its loss checks come along).
+            calls.append(("cuda-marked tests, losses group", f"{run} losses",
+                          CALL_SETUP_S + estimate_seconds("losses", (), [])))
     fed = loader_batches(results)
     for batch, command_ in ((128, "bench/device_data.sh"), (512, "bench/device_data.sh ViT-B-32 512")):
         if batch not in fed:

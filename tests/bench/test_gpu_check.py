@@ -432,8 +432,8 @@ def test_the_owed_calls_come_most_wanted_first_and_each_session_fits_its_device_
     from bench.gpu_check import finish
 
     calls = finish.queue()
-    assert [what for what, _, _ in calls[:4]] == [
-        "step table, ViT-B-32", "step table, RN50",
+    assert [what for what, _, _ in calls[:5]] == [
+        "step table, ViT-B-32", "cuda-marked tests, losses group", "step table, RN50",
         "loader rows and end-to-end vs step alone, batch 128",
         "loader rows and end-to-end vs step alone, batch 512"]
     assert all(seconds <= finish.CALL_LIMIT_S for _, _, seconds in calls)
@@ -536,7 +536,8 @@ def test_what_the_committed_reports_hold_leaves_the_queue(tmp_path):
         return [what for what, _, _ in finish.queue(tmp_path)]
 
     everything = owed()
-    assert everything[:2] == ["step table, ViT-B-32", "step table, RN50"]
+    assert everything[:3] == ["step table, ViT-B-32", "cuda-marked tests, losses group",
+                              "step table, RN50"]
     assert "memory bcl" in " ".join(everything) and "memory infonce" not in " ".join(everything)
     rn_all = [w for w in everything if w.startswith("matrix-rn")]
     assert "RN RN50 fp32 zero0" in " ".join(rn_all)  # nothing recorded: every RN cell owed
@@ -565,7 +566,13 @@ def test_what_the_committed_reports_hold_leaves_the_queue(tmp_path):
                                           "step": {"fed": [{"loader": "vlcontrast"}]}})
     write("2026-12-01-h200-throughput.json", {"info": {**gpu, "throughput_setup":
                                                        {"batch_per_gpu": 32}}, "rows": []})
+    # The cuda-marked tests passed before they changed do not count; after, they do.
+    cuda_row = {"section": "losses", "case": "pytest -m cuda", "status": "pass", "detail": ""}
+    write("2026-11-27-h200-losses.json", {"info": gpu, "rows": [cuda_row]})
+    assert "cuda-marked tests, losses group" in owed()
+    write(f"{finish.CUDA_TESTS_SINCE}-h200-losses.json", {"info": gpu, "rows": [cuda_row]})
     now = owed()
+    assert "cuda-marked tests, losses group" not in now
     joined = " ".join(now)
     assert "step table, ViT-B-32" not in now and "step table, RN50" in now
     assert "loader rows and end-to-end vs step alone, batch 128" not in now

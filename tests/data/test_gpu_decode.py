@@ -337,6 +337,43 @@ def test_device_decode_matches_the_cpu_stand_in():
     assert bf16.dtype == torch.bfloat16
 
 
+@pytest.mark.cuda
+def test_device_decode_through_the_feed_under_load_equals_a_quiet_decode():
+    """nvJPEG and the side stream while the compute stream is busy, in the loop's order (hand
+    over, launch the step, prepare the next batch): each batch the step reads late equals the same
+    batch decoded with nothing else running. Decoding onto blocks that queued kernels still read
+    would corrupt some (docs/loader.md, "The decode stream")."""
+    from vlcontrast.data.loader import Batch
+    from vlcontrast.train.batches import DeviceFeed
+
+    transform = train_transform(flip=0.5)
+    gpu = GpuDecodeTransform(transform)
+    host = []
+    for b in range(8):
+        images = [encode(textured(80 + 7 * i + b, 96 - 3 * i, 100 * b + i), quality=90)
+                  for i in range(16)]
+        host.append(Batch(_batch(images, transform)[0], torch.zeros(16, 5, dtype=torch.long),
+                          torch.arange(16)))
+    quiet_transform = gpu.batch_transform()
+    quiet = [quiet_transform(b.images, "cuda", torch.float32).cpu() for b in host]
+    torch.cuda.synchronize()
+
+    feed = DeviceFeed("cuda", torch.float32, gpu.batch_transform())
+    work = torch.randn(2048, 2048, device="cuda")
+    ahead, seen = feed.prepare(host[:1]), []
+    for k in range(len(host)):
+        ready = feed.hand_over(ahead)
+        for _ in range(30):  # the step: a long queue of kernels before it reads the batch
+            work = (work @ work).tanh_()
+        seen.append(ready[0].images * (1.0 + 0.0 * work[0, 0]))
+        del ready
+        if k + 1 < len(host):
+            ahead = feed.prepare(host[k + 1:k + 2])
+    torch.cuda.synchronize()
+    for k, image in enumerate(seen):
+        assert torch.equal(image.cpu(), quiet[k]), f"batch {k} differs from its quiet decode"
+
+
 def test_config_refuses_decode_gpu_without_augmentation_or_with_the_cache():
     from vlcontrast.config import load_config
 
