@@ -458,17 +458,24 @@ def test_finish_prints_one_device_command_per_call(capsys):
     assert any(line.split()[2] == "matrix-vit" and "--cases" in line for line in lines)
 
 
-def test_device_run_brings_back_the_step_groups_numbers_and_op_tables(tmp_path):
-    """bench/device_run.sh on a stand-in machine (a fake python that plays pip and the check):
-    the report, the step group's JSON and table, and its op tables (one tarball) reach $OUT."""
-    import os
+def _stand_in_tree(tmp_path, script: str):
+    """A working tree as the device tool copies it: ``bench/SCRIPT`` and a carried ``.whl/``."""
     import shutil
 
     root = tmp_path / "repo"
     (root / "bench").mkdir(parents=True)
-    shutil.copy(REPO / "bench" / "device_run.sh", root / "bench" / "device_run.sh")
+    shutil.copy(REPO / "bench" / script, root / "bench" / script)
     (root / ".whl").mkdir()
     (root / ".whl" / "x-1-py3-none-any.whl").write_bytes(b"")
+    return root
+
+
+def test_device_run_brings_back_the_step_groups_numbers_and_op_tables(tmp_path):
+    """bench/device_run.sh on a stand-in machine (a fake python that plays pip and the check):
+    the report, the step group's JSON and table, and its op tables (one tarball) reach $OUT."""
+    import os
+
+    root = _stand_in_tree(tmp_path, "device_run.sh")
     fake = tmp_path / "python"
     fake.write_text("""#!/usr/bin/env bash
 if [ "$1" = "-m" ] && [ "$2" = "bench.gpu_check" ]; then
@@ -499,13 +506,8 @@ def test_device_data_sizes_its_rows_to_the_shards_it_writes(tmp_path, batch, bat
     steps, the timed ones) fits the 12,800 samples it writes, at 128 and at 512 per batch; a batch
     too large for them is refused in one line before anything runs."""
     import os
-    import shutil
 
-    root = tmp_path / "repo"
-    (root / "bench").mkdir(parents=True)
-    shutil.copy(REPO / "bench" / "device_data.sh", root / "bench" / "device_data.sh")
-    (root / ".whl").mkdir()
-    (root / ".whl" / "x-1-py3-none-any.whl").write_bytes(b"")
+    root = _stand_in_tree(tmp_path, "device_data.sh")
     calls = tmp_path / "calls.txt"
     fake = tmp_path / "python"
     fake.write_text(f'#!/usr/bin/env bash\necho "$@" >> {calls}\nexit 0\n')
