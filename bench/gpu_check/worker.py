@@ -98,6 +98,9 @@ class FixedBatches:
     def next_step(self) -> list:
         return self.micro_batches
 
+    def prefetch(self) -> None:
+        """Nothing to prepare ahead: the batches are host batches the step moves itself."""
+
     def start_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
