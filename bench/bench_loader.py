@@ -344,6 +344,8 @@ def main(argv=None) -> None:
                 write()
 
     if args.step:
+        from vlcontrast.models.flops import peak_flops
+
         step = Step(args.step, args.device, args.precision)
         alone = step.alone(args.batch_size, args.image_size, args.batches)
         result["step"] = {"model": args.step, "precision": args.precision,
@@ -373,12 +375,6 @@ def step_flops(model: str) -> float | None:
     from vlcontrast.models.flops import train_flops_per_sample
 
     return train_flops_per_sample(resolve_model_config(model)[1])
-
-
-def peak_flops(device_name: str) -> float | None:
-    from vlcontrast.models.flops import peak_flops as lookup
-
-    return lookup(device_name)
 
 
 def render(result: dict, args) -> str:
