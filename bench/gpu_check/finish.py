@@ -186,7 +186,7 @@ def matrix_cases(precisions: tuple[str, ...], families: list[str]) -> dict[str, 
     return cases
 
 
-def memory_done(loss: str, rows: dict[tuple[str, str], str]) -> bool:
+def memory_done(loss: str, rows: dict[tuple[str, str], Verdict]) -> bool:
     """Every size of ``loss`` has a verdict (an OOM is one; the sizes after it are skipped)."""
     from bench.gpu_check.groups import size_label
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed import default_backend, run_distributed
+from vlcontrast.losses import LOSSES
 
 # DeepSpeed 0.19's own reads per step (docs/training.md, "Host synchronisations"), by function.
 INVALID_NORM = ("__bool__", "deepspeed:runtime/utils.py:is_invalid_grad_norm")
@@ -232,8 +233,7 @@ def _dispatch_syncs(loss: str, extra: list[str]) -> dict:
     return {key: n / 3 for key, n in counter.counts.items()}
 
 
-@pytest.mark.parametrize("loss", sorted(
-    __import__("vlcontrast.losses", fromlist=["LOSSES"]).LOSSES))
+@pytest.mark.parametrize("loss", sorted(LOSSES))
 @pytest.mark.parametrize("extra", [["train.precision=amp_bf16"],
                                    ["train.precision=fp32", "optim.grad_clip=1.0",
                                     "train.accum_steps=2"]], ids=["amp_bf16", "clip_accum2"])
