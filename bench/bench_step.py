@@ -229,8 +229,10 @@ def vlcontrast_arm(model, device, precision, batch: int, total: int, settle_ever
 # --------------------------------------------------------------------------------------------
 
 
-def measure(step, feed, fixed, warmup: int, steps: int, device) -> float:
-    """Seconds per step over ``steps`` after ``warmup`` (between two synchronisations)."""
+def measure(step, feed, fixed, warmup: int, steps: int, device) -> tuple[float, float | None]:
+    """Seconds per step over ``steps`` after ``warmup`` (between two synchronisations), and the
+    first warm-up step's seconds (synchronised; a compiled arm's start-up: the compilation of
+    the forward and backward), None without warm-up."""
 
     def one(i):
         if feed is not None:
@@ -239,14 +241,33 @@ def measure(step, feed, fixed, warmup: int, steps: int, device) -> float:
             images, texts, ids = fixed
         step(i, images, texts, ids)
 
+    first = None
     for i in range(warmup):
+        if i == 0:
+            _sync(device)
+            started = time.perf_counter()
         one(i)
+        if i == 0:
+            _sync(device)
+            first = time.perf_counter() - started
     _sync(device)
     start = time.perf_counter()
     for i in range(warmup, warmup + steps):
         one(i)
     _sync(device)
-    return (time.perf_counter() - start) / steps
+    return (time.perf_counter() - start) / steps, first
+
+
+def dynamo_counts() -> dict[str, int]:
+    """torch.compile's running totals (``torch._dynamo.utils.counters``): graphs compiled, graph
+    breaks, and frames it gave up on (the recompile limit, an unsupported construct), which then
+    run eager, so that a compiled arm's row says whether it measured compiled code."""
+    from torch._dynamo.utils import counters
+
+    frames = counters["frames"]
+    return {"compiled_graphs": int(counters["stats"]["unique_graphs"]),
+            "graph_breaks": int(sum(counters["graph_break"].values())),
+            "frames_eager": int(frames["total"] - frames["ok"])}
 
 
 def profile(step, feed, fixed, first: int, steps: int, device, path: Path) -> dict:
@@ -353,9 +374,16 @@ def run(args, written=None) -> dict:
                                           else "default"))
                     feed = (loader_feed(cpu_bundle, batch, workers, total + 2 * workers + 2, pin)
                             if feed_name == "loader" else None)
+                    compiled = arm.endswith(("+compile", "+cudagraphs"))
+                    before = dynamo_counts() if compiled else {}
                     started = time.perf_counter()
-                    seconds = measure(step, feed, fixed, args.warmup, args.steps, device)
+                    seconds, first = measure(step, feed, fixed, args.warmup, args.steps, device)
                     wall = time.perf_counter() - started
+                    if compiled:  # what this arm compiled (the totals run over the process)
+                        after = dynamo_counts()
+                        counts_compile = {key: after[key] - before[key] for key in after}
+                    else:
+                        counts_compile = {}
                     counts = {}
                     if args.profile and args.out:
                         name = f"profile_{model_name}_b{batch}_{feed_name}_{arm}".replace("+", "-")
@@ -364,7 +392,9 @@ def run(args, written=None) -> dict:
                     del feed
                     row = {"model": model_name, "batch": batch, "feed": feed_name, "arm": arm,
                            "ms_per_step": seconds * 1e3, "samples_per_s": batch / seconds,
-                           "wall_s": wall, **counts}
+                           "wall_s": wall, **counts, **counts_compile}
+                    if first is not None:
+                        row["first_step_s"] = first
                     value = mfu(row["samples_per_s"], flops, peak)
                     if value is not None:
                         row["mfu"] = value
@@ -396,6 +426,11 @@ def _line(row: dict) -> str:
     ratio = f", {row['ratio_to_plain']:.2f}x plain" if "ratio_to_plain" in row else ""
     ops = f", {row['leaf_ops_per_step']:.0f} ops/step" if "leaf_ops_per_step" in row else ""
     ops += f", {row['kernels_per_step']:.0f} kernels/step" if "kernels_per_step" in row else ""
+    if "compiled_graphs" in row:
+        ops += (f"; first step {row.get('first_step_s', float('nan')):.1f} s, "
+                f"{row['compiled_graphs']} graphs compiled, {row['graph_breaks']} graph breaks")
+        if row["frames_eager"]:
+            ops += f", WARNING: {row['frames_eager']} frames ran eager (not compiled)"
     return (f"[step] {row['model']} batch {row['batch']} feed {row['feed']:6s} {row['arm']:18s} "
             f"{row['ms_per_step']:8.2f} ms/step {row['samples_per_s']:9.1f} samples/s{extra}{ratio}"
             f"{ops}")
@@ -423,6 +458,19 @@ def table(result: dict) -> str:
         lines.append(f"| {row['model']} | {row['batch']} | {row['feed']} | {row['arm']} | "
                      f"{row['ms_per_step']:.1f} | {row['samples_per_s']:.0f} | {mfu_cell} | "
                      f"{ratio} |{extra}")
+    compiled = [row for row in result["rows"] if "compiled_graphs" in row]
+    if compiled:  # what compiling cost and whether the compiled code is what ran
+        lines += ["", "Compiled arms: the first warm-up step (compiling the forward and backward), "
+                  "torch.compile's graphs and graph breaks, and the frames it left eager (should be "
+                  "0; a frame runs eager past the recompile limit or on an unsupported "
+                  "construct).", "",
+                  "| model | batch | feed | arm | first step (s) | graphs | graph breaks | "
+                  "frames eager |", "|---|---:|---|---|---:|---:|---:|---:|"]
+        for row in compiled:
+            first = f"{row['first_step_s']:.1f}" if "first_step_s" in row else "–"
+            lines.append(f"| {row['model']} | {row['batch']} | {row['feed']} | {row['arm']} | "
+                         f"{first} | {row['compiled_graphs']} | {row['graph_breaks']} | "
+                         f"{row['frames_eager']} |")
     return "\n".join(lines)
 
 

@@ -407,6 +407,10 @@ def check_step(ctx: Context) -> None:
             detail += f", MFU {100 * row['mfu']:.1f}%"
         if "ratio_to_plain" in row:
             detail += f", {row['ratio_to_plain']:.2f}x plain"
+        if "compiled_graphs" in row:  # a compiled arm: its start-up, and eager frames if any
+            detail += (f", first step {row.get('first_step_s', 0.0):.1f} s, "
+                       f"{row['compiled_graphs']} graphs, {row['graph_breaks']} graph breaks, "
+                       f"{row['frames_eager']} frames eager")
         ctx.report.add("step", f"{row['model']} b{row['batch']} {row['feed']} {row['arm']}",
                        "pass", detail, row.get("wall_s", 0.0))
     ctx.report.info["step"] = result

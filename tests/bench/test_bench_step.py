@@ -67,6 +67,49 @@ def test_the_table_shows_mfu_and_ratio_where_known():
     assert "NVIDIA H100" in text
 
 
+@pytest.mark.slow
+def test_compiled_arms_report_their_start_up_and_that_compiled_code_ran(tmp_path):
+    """The compiled arms' rows carry the first step's seconds (the compilation) and torch.compile's
+    counts over the arm, so a row measured on eager code (past the recompile limit) shows it."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+           "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "bench/bench_step.py", "--models", "vlc-micro",
+                           "--batches", "8", "--warmup", "1", "--steps", "1", "--feeds", "none",
+                           "--arms", "plain,vlcontrast+compile,vlcontrast+cudagraphs",
+                           "--device", "cpu", "--out", str(tmp_path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    (written,) = tmp_path.glob("step_*.json")
+    rows = {row["arm"]: row for row in json.loads(written.read_text())["rows"]}
+    assert "compiled_graphs" not in rows["plain"] and rows["plain"]["first_step_s"] > 0
+    for arm in ("vlcontrast+compile", "vlcontrast+cudagraphs"):
+        row = rows[arm]
+        assert row["compiled_graphs"] >= 1 and row["frames_eager"] == 0, row
+        assert row["graph_breaks"] >= 0
+        # The first step compiles: it takes longer than a compiled step.
+        assert row["first_step_s"] > row["ms_per_step"] / 1e3, row
+    markdown = (tmp_path / "step.md").read_text()
+    assert "| vlc-micro | 8 | none | vlcontrast+compile | " in markdown.split("Compiled arms")[1]
+    assert "first step" in proc.stdout and "graphs compiled" in proc.stdout
+
+
+def test_a_compiled_row_that_ran_eager_frames_says_so():
+    from bench.bench_step import _line
+
+    row = {"model": "ViT-B-32", "batch": 128, "feed": "none", "arm": "vlcontrast+compile",
+           "ms_per_step": 50.0, "samples_per_s": 2560.0, "first_step_s": 61.0,
+           "compiled_graphs": 2, "graph_breaks": 1, "frames_eager": 3}
+    line = _line(row)
+    assert "first step 61.0 s, 2 graphs compiled, 1 graph breaks" in line
+    assert "WARNING: 3 frames ran eager" in line
+    assert "WARNING" not in _line({**row, "frames_eager": 0})
+    text = table({"info": {"device_name": "NVIDIA H200", "torch": "t", "deepspeed": "d",
+                           "open_clip": "o", "date": "today"},
+                  "setup": {"precision": "amp_bf16", "warmup": 10, "steps": 30, "workers": 8},
+                  "rows": [row]})
+    assert "| ViT-B-32 | 128 | none | vlcontrast+compile | 61.0 | 2 | 1 | 3 |" in text
+
+
 def test_unknown_arms_and_feeds_are_errors(capsys):
     from bench.bench_step import parse
 
