@@ -103,3 +103,35 @@ def test_choices_are_literals_checked_from_the_type():
     config.train.precision = "fp8"  # set in code, not parsed
     with pytest.raises(ConfigError, match="train.precision='fp8': must be one of fp32"):
         config.check()
+
+
+@pytest.mark.parametrize("overrides, line", [
+    (["loss.name=sogclr", "loss.gamma=1.5"],
+     "loss.gamma=1.5: must be in (0, 1], got 1.5 (loss.name=sogclr); set loss.gamma to a value"),
+    (["loss.name=fastclip", "loss.gamma=0"], "loss.gamma=0.0: must be in (0, 1]"),
+    (["loss.name=sogclr", "loss.gamma=abc"], "loss.gamma='abc': expected a number"),
+    (["loss.name=hcl", "loss.beta=abc"], "loss.beta='abc': expected a number"),
+    (["loss.name=debiased", "loss.tau_plus=2"], "loss.tau_plus=2.0: must be in [0, 1)"),
+    (["loss.name=dclw", "loss.sigma=0"], "loss.sigma=0.0: must be > 0"),
+    (["loss.name=fastclip", "loss.tau_min=0.5", "loss.tau_max=0.1"],
+     "loss.name=fastclip with options {'tau_min': 0.5, 'tau_max': 0.1}: need 0 < tau_min < tau_max"),
+])
+def test_a_loss_options_value_is_checked_with_the_config_naming_its_key(overrides, line):
+    """The losses' own range checks run when the config is checked (before any model is built),
+    as one line naming the ``loss.*`` key and the loss, not the class that raised."""
+    from vlcontrast.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, ["train.steps=1", *overrides]).check()
+    assert str(caught.value).startswith(line), str(caught.value)
+    assert "\n" not in str(caught.value) and "decl:" not in str(caught.value)
+
+
+def test_loss_options_are_converted_to_their_declared_types():
+    from vlcontrast.config import load_config
+
+    config = load_config(None, ["train.steps=1", "loss.name=sogclr", "loss.gamma=1",
+                                "loss.shard_buffer=true"])
+    config.check()
+    assert config.loss.options["gamma"] == 1.0 and type(config.loss.options["gamma"]) is float
+    assert config.loss.options["shard_buffer"] is True

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from vlcontrast.errors import CheckpointError
+from vlcontrast.errors import CheckpointError, ConfigError
 
 WEIGHTS_FILE = "model.pt"
 MODEL_CONFIG_FILE = "model_config.json"
@@ -155,6 +155,36 @@ def find_resume(resume: str, output_dir: Path) -> Path | None:
         raise FileNotFoundError(f"train.resume={resume!r}: {resume} is not a complete checkpoint "
                                 f"(no {COMPLETE_MARKER}) nor a run directory with one")
     return found
+
+
+RESUME_MUST_MATCH = ("model.name", "loss.name")
+"""Config keys whose value a resumed run must share with the checkpoint (its weights' shapes, its
+loss's state)."""
+
+
+def check_resume_config(resume: str, output_dir: Path, current: dict[str, Any]) -> None:
+    """Before any heavy work: the checkpoint ``train.resume`` names was written with this run's
+    :data:`RESUME_MUST_MATCH` values (read from its ``config.yaml``; ``current`` is the run's
+    config as a nested dict). A one-line ConfigError names the key, both values and the fix."""
+    import yaml
+
+    path = find_resume(resume, output_dir)
+    if path is None or not (path / "config.yaml").is_file():
+        return
+    try:
+        saved = yaml.safe_load((path / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return  # the state files are checked when they are loaded
+    for key in RESUME_MUST_MATCH:
+        section, name = key.split(".")
+        was = (saved.get(section) or {}).get(name) if isinstance(saved, dict) else None
+        now = (current.get(section) or {}).get(name)
+        if was is not None and was != now:
+            fix = (f"resume with {key}={was} (its {path / 'config.yaml'})" if key == "model.name"
+                   else f"resume with {key}={was} (its {path / 'config.yaml'}), or start a new "
+                        f"run from its weights with model.pretrained={path}")
+            raise ConfigError(f"train.resume={resume!r}: {path} was written with {key}={was!r}, "
+                              f"this run has {key}={now!r}; {fix}")
 
 
 # --------------------------------------------------------------------------------------------

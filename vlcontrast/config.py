@@ -454,9 +454,34 @@ class RunConfig:
         for key, value in self.loss.options.items():
             _require(key in defaults, f"loss.{key}", value,
                      f"is not an option of loss '{self.loss.name}' (options: {sorted(defaults)})")
-            if typing.get_origin(types.get(key)) is Literal:
-                self.loss.options[key] = _coerce_choice(value, typing.get_args(types[key]),
-                                                        f"loss.{key}")
+            if key in types:  # its declared type: a choice, a number, a flag
+                self.loss.options[key] = _coerce(value, types[key], f"loss.{key}")
+        _check_loss_options(self.loss)
+
+
+def _check_loss_options(loss: LossConfig) -> None:
+    """The loss's own checks of its options' values (ranges, combinations), run by building it
+    once with no sample ids, and their message turned into a one-line ConfigError naming the
+    ``loss.*`` key: "decl: gamma must be in (0, 1], got 1.5" reads "loss.gamma=1.5: must be in
+    (0, 1] (loss.name=sogclr)"."""
+    from vlcontrast.losses import build_loss
+
+    try:
+        build_loss(loss.name, chunk_size=loss.chunk_size, **loss.options)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as err:
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        prefix, _, rest = message.partition(": ")
+        if rest and " " not in prefix:  # "<loss>: ..." from the loss's own check
+            message = rest
+        named = re.match(r"(\w+)(?:=\S+)? (must|needs|is|belongs|has|counts)\b(.*)", message)
+        if named and named[1] in loss.options:
+            key = named[1]
+            raise ConfigError(f"loss.{key}={loss.options[key]!r}: {named[2]}{named[3]} "
+                              f"(loss.name={loss.name}); set loss.{key} to a value that meets this") from None
+        raise ConfigError(f"loss.name={loss.name} with options {loss.options or '{}'}: "
+                          f"{message}; fix the loss.* values") from None
 
 
 def torch_engine_blocker(train: TrainConfig, deepspeed: DeepSpeedConfig) -> str | None:

@@ -60,4 +60,11 @@ def record_stop(output_dir: str | os.PathLike, stop: BaseException,
 
 def clear(output_dir: str | os.PathLike) -> None:
     """Remove a marker left by an earlier stop (called before a job starts training again)."""
-    (Path(output_dir) / PREEMPTED_MARKER).unlink(missing_ok=True)
+    marker = Path(output_dir) / PREEMPTED_MARKER
+    try:
+        marker.unlink(missing_ok=True)
+    except OSError:
+        # No marker can be there (output_dir under a file, on a read-only disk): the run's own
+        # check of its directory (train's preflight) says what is wrong, in one line.
+        if marker.exists():
+            raise

@@ -24,8 +24,55 @@ def test_unwritable_output_dir_is_a_clear_error_at_start(synthetic_data, tmp_pat
 
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    with pytest.raises(ConfigError, match="output_dir=.*a_file/run.*not writable"):
+    with pytest.raises(ConfigError, match="output_dir=.*a_file/run.*cannot write there .*"
+                                          "a file stands where a folder should be"):
         preflight(tiny_config(synthetic_data, blocker / "run"))
+
+
+
+@pytest.mark.parametrize("under", ["a_file", "read_only"])
+def test_train_into_an_unwritable_output_dir_is_one_line_from_the_cli(
+        synthetic_data, tmp_path, capsys, monkeypatch, under):
+    """The command's own first write (clearing an old preemption marker) used to raise before
+    the preflight could say what is wrong."""
+    import errno
+
+    from vlcontrast import cli, requeue
+    from tests.train.helpers import tiny_overrides
+
+    monkeypatch.delenv("VLCONTRAST_DEBUG", raising=False)
+    if under == "a_file":
+        blocker = tmp_path / "a_file"
+        blocker.write_text("not a directory")
+        output_dir, reason = blocker / "run", "a file stands where a folder should be"
+    else:
+        output_dir, reason = tmp_path / "ro", "the file system is read-only"
+        output_dir.mkdir()
+        real_unlink = Path.unlink
+
+        def unlink(self, missing_ok=False):
+            if self.parent == output_dir:
+                raise OSError(errno.EROFS, "Read-only file system", str(self))
+            return real_unlink(self, missing_ok=missing_ok)
+
+        real_mkdir = Path.mkdir
+
+        def mkdir(self, *args, **kwargs):
+            if self == output_dir or output_dir in self.parents:
+                if self == output_dir and kwargs.get("exist_ok"):
+                    return None
+                raise OSError(errno.EROFS, "Read-only file system", str(self))
+            return real_mkdir(self, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "unlink", unlink)
+        monkeypatch.setattr(Path, "mkdir", mkdir)
+    assert requeue.PREEMPTED_MARKER
+    code = cli.main(["train", *tiny_overrides(synthetic_data, output_dir)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "output_dir=" in lines[0] and "cannot write there" in lines[0] and reason in lines[0]
 
 
 # --------------------------------------------------------------------------------------------

@@ -62,3 +62,51 @@ def test_resume_at_step_n_ends_like_an_uninterrupted_run(synthetic_data, tmp_pat
             assert full_state["train"]["epoch"] == split_state["train"]["epoch"] == 1
             assert torch.equal(full_state["loss"]["log_u"], split_state["loss"]["log_u"])
             assert int(full_state["loss"]["visited"]) > 0
+
+
+def _written_checkpoint(run, model="vlc-micro", loss="decl"):
+    """A run directory whose latest checkpoint's config.yaml names ``model`` and ``loss``."""
+    import yaml
+
+    from vlcontrast.checkpoints import COMPLETE_MARKER, LATEST
+
+    folder = run / "checkpoints" / "step_00000002"
+    folder.mkdir(parents=True)
+    (folder / COMPLETE_MARKER).write_bytes(b"")
+    (folder / "config.yaml").write_text(yaml.safe_dump({"model": {"name": model},
+                                                        "loss": {"name": loss, "gamma": 0.9}}))
+    (run / "checkpoints" / LATEST).write_text("step_00000002")
+    return folder
+
+
+@pytest.mark.parametrize("key, now, fix", [
+    ("loss.name", "infonce", "resume with loss.name=decl \\(its .*config.yaml\\), or start a new run "
+                             "from its weights with model.pretrained=.*step_00000002"),
+    ("model.name", "vlc-rn-micro", "resume with model.name=vlc-micro \\(its .*config.yaml\\)$"),
+])
+def test_resuming_with_another_model_or_loss_is_one_line_before_the_model_is_built(
+        synthetic_data, tmp_path, key, now, fix):
+    """It used to surface as the loss's load_state_dict traceback, or as an optimizer layout
+    message that never named model.name, after the model and engine were built."""
+    from vlcontrast.config import ConfigError, load_config
+    from vlcontrast.train.loop import preflight
+
+    run = tmp_path / "run"
+    _written_checkpoint(run)
+    base = ["train.steps=4", f"data.train={synthetic_data}/train", f"output_dir={run}",
+            "train.resume=latest", "model.name=vlc-micro", "loss.name=decl"]
+    preflight(load_config(None, base))  # the same model and loss: resumable
+    with pytest.raises(ConfigError, match=f"^train.resume='latest': .*step_00000002 was written "
+                                          f"with {key}='[^']+', this run has {key}='{now}'; {fix}"):
+        preflight(load_config(None, base + [f"{key}={now}"]))
+
+
+def test_a_state_that_does_not_fit_is_a_checkpoint_error_naming_its_entry(tmp_path):
+    from vlcontrast.errors import CheckpointError
+    from vlcontrast.losses import build_loss
+    from vlcontrast.train.checkpoint import _load_states
+
+    saved = {"loss": build_loss("decl", id_space=4).state_dict()}
+    with pytest.raises(CheckpointError, match=r"its 'loss' state does not fit this run's "
+                                              r"\(InfoNCELoss: .*Unexpected key"):
+        _load_states({"loss": build_loss("infonce")}, saved, tmp_path / "trainer_state.pt")

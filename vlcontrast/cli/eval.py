@@ -58,6 +58,10 @@ def register(sub) -> None:
 
 
 def run_eval(args) -> int:
+    from vlcontrast.outputs import writable_dir, writable_file
+
+    if args.out:  # before anything is embedded
+        (writable_dir if args.what == "compare" else writable_file)(args.out, "--out")
     prepare_environment(getattr(args, "device", "auto"))
     from vlcontrast.evaluation import runner
 

@@ -54,7 +54,10 @@ def export_arguments(args) -> tuple[str, str, str]:
 def run_export(args) -> int:
     from vlcontrast.export import export_model
 
+    from vlcontrast.outputs import writable_dir
+
     format, checkpoint, out = export_arguments(args)
+    writable_dir(out, "export OUT")  # before the checkpoint is read
     print(json.dumps(export_model(checkpoint, out, format), indent=2))
     return 0
 

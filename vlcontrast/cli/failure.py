@@ -1,7 +1,8 @@
 """How a command ends when it fails: a vlcontrast error as one line, a traceback only on request.
 
-A :class:`~vlcontrast.errors.VlcontrastError` (and a ``FileNotFoundError``, which names its file)
-says what is wrong and the fix; the traceback under it is noise to the user. It reaches the command
+A :class:`~vlcontrast.errors.VlcontrastError` (and a ``FileNotFoundError``, which names its file,
+or an ``OSError`` of writing that the user fixes: a read-only or full disk, no permission) says
+what is wrong and the fix; the traceback under it is noise to the user. It reaches the command
 line raised directly, re-raised from a worker process (a DataLoader worker re-raises it with the
 worker's whole traceback in its message; a multiprocessing pool with the same type), or as the
 explicit cause of another error (``raise ... from err``). ``--debug`` or ``VLCONTRAST_DEBUG=1``
@@ -38,11 +39,22 @@ def user_error(error: BaseException) -> BaseException | None:
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
-        if isinstance(current, (VlcontrastError, FileNotFoundError)):
+        if isinstance(current, (VlcontrastError, FileNotFoundError)) or writing_failed(current):
             return current
         seen.add(id(current))
         current = current.__cause__
     return None
+
+
+def writing_failed(error: BaseException) -> bool:
+    """An OSError the user fixes where the command writes (a read-only disk, no permission, a file
+    where a folder should be, a full disk), with the file it names; the commands check their
+    outputs before they start (:mod:`vlcontrast.outputs`), this is for what changes while they
+    run (a disk that fills up)."""
+    from vlcontrast.outputs import FIXES
+
+    return (isinstance(error, OSError) and not isinstance(error, FileNotFoundError)
+            and error.errno in FIXES and error.filename is not None)
 
 
 def exit_code(error: BaseException) -> int:
@@ -52,6 +64,11 @@ def exit_code(error: BaseException) -> int:
 
 def one_line(error: BaseException) -> str:
     """``error``'s message on one line; a worker's traceback carried in the message is dropped."""
+    if writing_failed(error):
+        from vlcontrast.outputs import fix_for
+
+        assert isinstance(error, OSError)
+        return f"{error.strerror}: {str(error.filename)!r}; {fix_for(error)}"
     text = str(error)
     if WORKER_TRACEBACK in text:
         # The worker's traceback ends with "<module>.<Name>: <message>": keep the message.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 
 def register(sub) -> None:
@@ -175,8 +176,14 @@ def register(sub) -> None:
 
 
 def run_prep(args) -> int:
+    from vlcontrast.outputs import writable_dir
+
     if args.what == "teacher":
         return _run_prep_teacher(args)
+    if args.what == "check":
+        return _run_prep_check(args)
+    if args.what != "synthetic":  # the shards' folder, before any image is read or downloaded
+        writable_dir(args.out, "--out" if args.what == "cc3m" else "OUT")
     if args.what == "synthetic":
         from vlcontrast.data.prep.synthetic import TrainMix, is_current, write_synthetic
 
@@ -190,6 +197,7 @@ def run_prep(args) -> int:
                 seed=args.seed, image_size=args.image_size, train_mix=mix):
             print(f"{args.out}: already holds this synthetic world (synthetic.json); not rewritten")
             return 0
+        writable_dir(args.out, "--out")
         stats = write_synthetic(args.out, train=args.train, val=args.val,
                                 zeroshot_per_class=args.zeroshot_per_class, seed=args.seed,
                                 image_size=args.image_size, shard_size=args.shard_size,
@@ -249,8 +257,24 @@ def run_prep(args) -> int:
             print(summary(report), file=sys.stderr)
         print(json.dumps({k: v for k, v in report.items() if k != "shards"}, indent=2))
         return 0
-    from vlcontrast.data.check import check_shards
+    raise AssertionError(f"prep {args.what}: no handler")  # argparse lists every choice
 
+
+def _run_prep_check(args) -> int:
+    from vlcontrast.data.check import check_shards
+    from vlcontrast.errors import ConfigError
+    from vlcontrast.outputs import writable_file
+
+    if args.report:
+        writable_file(args.report, "--report")
+    elif Path(args.dir).is_dir():  # the report's default place: in the data's folder
+        default = Path(args.dir) / "check_report.json"
+        try:
+            writable_file(default, "--report")
+        except ConfigError as err:
+            raise ConfigError(f"prep check: cannot write its report to {str(default)!r} (a "
+                              f"read-only dataset?): {err}; pass --report PATH "
+                              "(e.g. --report check_report.json)") from None
     report = check_shards(args.dir, report_path=args.report, progress=not args.no_progress,
                           workers=args.workers, decode_images=not args.no_decode,
                           max_bad_fraction=args.max_bad_fraction,
@@ -274,6 +298,9 @@ def _run_prep_teacher(args) -> int:
         raise ConfigError(f"--augment={args.augment!r}: not JSON ({err})") from None
     if not isinstance(augment, dict):
         raise ConfigError(f"--augment={args.augment!r}: must be a JSON object, as model.augment")
+    from vlcontrast.outputs import writable_file
+
+    writable_file(args.out, "OUT")
     summary = write_teacher_features(args.shards, args.out, teacher=args.teacher,
                                      pretrained=args.teacher_pretrained,
                                      augmentations=args.augmentations, augment=augment,

@@ -44,6 +44,11 @@ def check_output(out: str | os.PathLike) -> Path:
                           "(or write .npy)")
     if out.is_dir():
         raise ConfigError(f"--out {str(out)!r} is a directory; name a file")
+    from vlcontrast.outputs import writable_file
+
+    writable_file(out, "--out")
+    if out.suffix.lower() == ".npy":
+        writable_file(ids_path(out), "--out's ids file")
     return out
 
 
@@ -160,5 +165,8 @@ def write_embeddings(embeddings: Embeddings, out: str | os.PathLike) -> list[Pat
             os.replace(temporary, final)
     finally:
         for temporary, _ in written:
-            temporary.unlink(missing_ok=True)
+            try:  # the cleanup must not hide the error that stopped the writing
+                temporary.unlink(missing_ok=True)
+            except OSError:
+                pass
     return [final for _, final in written]

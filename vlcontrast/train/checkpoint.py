@@ -366,7 +366,15 @@ def _load_states(objects: dict[str, Stateful], saved: dict[str, Any], path: Path
         raise CheckpointError(f"{path}: has no state for {missing} (it holds {sorted(saved)}); "
                               "was it written by this version of vlcontrast?")
     for key, obj in objects.items():
-        obj.load_state_dict(saved[key])
+        try:
+            obj.load_state_dict(saved[key])
+        except (RuntimeError, KeyError, ValueError, TypeError) as err:
+            first = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+            first = (first or type(err).__name__)[:300]
+            raise CheckpointError(
+                f"{path}: its {key!r} state does not fit this run's ({type(obj).__name__}: "
+                f"{first}); resume with the config that wrote it (config.yaml beside it), or "
+                "start a new run from its weights (model.pretrained=CHECKPOINT_DIR)") from err
 
 
 def prune(root: Path, keep: int) -> None:

@@ -1,4 +1,5 @@
-"""Checks before any heavy work: the run directory is writable, and each component's own check.
+"""Checks before any heavy work: the run directory is writable, a checkpoint to resume was written
+with this run's model and loss, and each component's own check.
 
 ``train()`` calls :func:`preflight` before the model is built. It composes the components' checks
 (the training data's shard spec through the data package's own grammar, the one the loader reads
@@ -11,8 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from vlcontrast import distributed as dist_utils
-from vlcontrast.config import DataConfig, RunConfig
+from vlcontrast.checkpoints import check_resume_config
+from vlcontrast.config import DataConfig, RunConfig, to_dict
 from vlcontrast.errors import ConfigError
+from vlcontrast.outputs import fix_for
 
 
 def check_training_data(data: DataConfig) -> None:
@@ -40,7 +43,8 @@ def check_run_directory(output_dir: str) -> None:
                 probe.write_text("ok")
                 probe.unlink()
         except OSError as err:
-            error = ConfigError(f"output_dir={output_dir!r}: not writable ({err})")
+            error = ConfigError(f"output_dir={output_dir!r}: cannot write there "
+                                f"({err.strerror}: {err.filename!r}); {fix_for(err)}")
     dist_utils.raise_on_any_rank(error, ConfigError)
 
 
@@ -56,3 +60,4 @@ def preflight(config: RunConfig, evaluator=None) -> None:
         evaluator = Evaluator(config.eval, val_shards=config.data.val)
     evaluator.check()
     check_run_directory(config.output_dir)
+    check_resume_config(config.train.resume, Path(config.output_dir), to_dict(config))
