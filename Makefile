@@ -35,7 +35,7 @@ data: setup
 # The demo trains with one process on a CPU machine (a 2-core CPU runs one process of two threads
 # faster than two processes) and one per GPU otherwise; verify gates on retrieval (R@1 >= 100x
 # chance in both directions) and on zero-shot shape classification (top-1 >= 5x chance: the 50%
-# the demo aims for; three seeds gave 64.8-67.8%, README "Demo results").
+# the demo aims for; three seeds gave 64.8-67.8%, results/demo-tuning/demo.md, "Demo results").
 DEMO_NPROC ?= $(shell $(BIN)/python -c 'import torch; print(torch.cuda.device_count() or 1)' 2>/dev/null || echo 1)
 demo: setup data
 	$(BIN)/vlcontrast train --config configs/demo.yaml --nproc $(DEMO_NPROC)

@@ -176,6 +176,25 @@ def test_num_samples_above_the_shards_is_an_error(uneven_shards):
                            seed=0, rank=0, world_size=1)
 
 
+def test_fewer_samples_than_one_global_batch_names_the_batch_size_to_use(uneven_shards):
+    from vlcontrast.errors import ConfigError
+
+    pattern, _ = uneven_shards
+    with pytest.raises(ConfigError, match=r"^data: 128 samples per epoch are fewer than one global "
+                                          r"batch \(100 x 2 ranks = 200\); set data.batch_size "
+                                          r"to at most 64, or train on more data$"):
+        build_train_loader(config(pattern, batch_size=100), PREPROCESS, CountingTokenizer(),
+                           seed=0, rank=0, world_size=2)
+
+
+def test_a_missing_shard_pattern_says_what_to_give():
+    from vlcontrast.data.spec import expand_member
+
+    with pytest.raises(LoaderError, match=r"data.train pattern 'data/nope' matches no shard files"
+                                          r".*; give a folder of .tar shards, a brace pattern"):
+        expand_member("data/nope")
+
+
 # ---------------------------------------------------------------------------------------------
 # resampled mode and mixing
 

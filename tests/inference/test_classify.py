@@ -106,6 +106,13 @@ def test_no_images_found(tmp_path, capsys):
     assert "no images found in" in err and ".gif" in err
     with pytest.raises(ConfigError, match="'nope' does not exist"):
         find_images(["nope"])
+    # A dataset folder of shards (prep's train/ and val/): the error names the shard folders.
+    for split in ("train", "val"):
+        (tmp_path / "mine" / split).mkdir(parents=True)
+        (tmp_path / "mine" / split / "00000.tar").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"no images found in .*mine .*; it holds shards in "
+                                          r".*mine/train, .*mine/val: give one of those folders"):
+        find_images([str(tmp_path / "mine")], what="--images")
 
 
 def test_labels_file_and_find_images_order(tmp_path, user_images):

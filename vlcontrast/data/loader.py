@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 import torch
 from torch.utils.data import DataLoader
 
-from vlcontrast.errors import LoaderError, ShardsNotFoundError, ShardSpecError
+from vlcontrast.errors import DataLayoutError, LoaderError, ShardsNotFoundError, ShardSpecError
 from .plan import epoch_order, slot_range, virtual_segments, worker_batches
 from .samples import (DEFAULT_MAX_IMAGE_PIXELS, IMAGE_EXTENSIONS, SAMPLE_REASONS, SHARD_REASONS,
                       Members, bad_rate_error, decode_sample)
@@ -335,9 +335,11 @@ def build_train_loader(data_cfg: Any, preprocess: Callable, tokenizer: Callable,
     global_batch = data_cfg.batch_size * world_size
     steps = shard_set.num_samples // global_batch
     if steps < 1:
-        raise LoaderError(f"data: {shard_set.num_samples} samples per epoch are fewer than one "
-                          f"global batch ({data_cfg.batch_size} x {world_size} ranks = "
-                          f"{global_batch})")
+        most = max(1, shard_set.num_samples // world_size)
+        raise DataLayoutError(f"data: {shard_set.num_samples} samples per epoch are fewer than one "
+                              f"global batch ({data_cfg.batch_size} x {world_size} ranks = "
+                              f"{global_batch}); set data.batch_size to at most {most}, or "
+                              "train on more data")
     if workers > 0:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     cache_bytes = int(getattr(data_cfg, "cache_mb", 0)) << 20

@@ -143,10 +143,13 @@ def expand_member(member: str, key: str = "data.train", split: str = DEFAULT_SPL
     if not urls or len(missing) == len(urls):
         example = f" (e.g. {missing[0]!r})" if missing else ""
         raise ShardsNotFoundError(f"{key} pattern {member!r} matches no shard files: it expands to "
-                                  f"{len(urls)} paths, none exists{example}")
+                                  f"{len(urls)} paths, none exists{example}; give a folder of .tar "
+                                  "shards, a brace pattern (dir/{00000..00009}.tar) or a comma "
+                                  "list of existing shards (vlcontrast prep makes them)")
     if missing:
         raise ShardsNotFoundError(f"{key} pattern {member!r}: {len(missing)} of {len(urls)} "
-                                  f"shards do not exist, first {missing[0]!r}")
+                                  f"shards do not exist, first {missing[0]!r}; fix the brace "
+                                  "range to the shards there are")
     for url in urls:
         if not is_tar_file(url):
             raise ShardSpecError(f"{key} pattern {member!r} matches {url!r}, which is not a tar "

@@ -36,9 +36,12 @@ def find_images(inputs: Sequence[str | os.PathLike], what: str = "IMAGES") -> li
                               "holding them")
     unique = list(dict.fromkeys(found))
     if not unique:
+        shard_folders = sorted({str(tar.parent) for item in inputs if Path(item).is_dir()
+                                for tar in Path(item).rglob("*.tar")})
+        hint = (f"; it holds shards in {', '.join(shard_folders[:3])}: give one of those folders"
+                if shard_folders else "; name image files or folders holding them")
         raise ConfigError(f"{what}: no images found in {', '.join(map(str, inputs))} (looked for "
-                          f"{' '.join(IMAGE_SUFFIXES)}, any case, in sub-folders too); name image "
-                          "files or folders holding them")
+                          f"{' '.join(IMAGE_SUFFIXES)}, any case, in sub-folders too){hint}")
     return unique
 
 
