@@ -90,6 +90,40 @@ def test_counting_tar_headers_matches_the_reader_including_a_cut_shard(tmp_path)
     assert not cut.complete and cut.rows == len(list(read_shard(str(tmp_path / "cut.tar"))))
 
 
+def test_a_foreign_or_empty_file_among_the_shards_is_skipped_with_one_warning(tmp_path, caplog):
+    """A .tar-named file that is no tar (random bytes) used to stop training with tarfile's
+    traceback, and an empty one was called "a truncated shard"; each is now one warning per
+    shard and process (the shard set is resolved twice: before the model and in the loader)."""
+    import logging
+    import os
+
+    from vlcontrast.data.sources import resolve_shard_set
+
+    make_shards(tmp_path, [7], metadata=False)
+    (tmp_path / "00001.tar").write_bytes(os.urandom(3000))
+    (tmp_path / "00002.tar").write_bytes(b"")
+    foreign = count_shard(str(tmp_path / "00001.tar"))
+    assert (foreign.rows, foreign.complete) == (0, False) and "bad tar header" in foreign.error
+    assert count_shard(str(tmp_path / "00002.tar")).error is None
+    cfg = DataConfig(train=str(tmp_path / "{00000..00002}.tar"), batch_size=2, workers=0)
+    with caplog.at_level(logging.WARNING, logger="vlcontrast.data.sources"):
+        first = resolve_shard_set(cfg)
+        resolve_shard_set(cfg)
+    assert first.num_samples == 7
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages
+    assert "00001.tar is not a readable tar shard (" in messages[0] and "prep check" in messages[0]
+    assert "00002.tar holds no complete sample (an empty or cut file): it is skipped" in messages[1]
+
+
+def test_shards_without_a_single_sample_are_one_line_naming_prep_check(tmp_path):
+    (tmp_path / "00000.tar").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"^data.train=.*: no complete sample in its 1 shards; "
+                                          r"`vlcontrast prep check` says why$"):
+        build_train_loader(DataConfig(train=str(tmp_path / "00000.tar"), batch_size=2, workers=0),
+                           PREPROCESS, WordTokenizer(), seed=0, rank=0, world_size=1)
+
+
 def test_open_clip_sizes_json_with_any_names_and_num_samples_above_the_data(tmp_path):
     hex_shards(tmp_path, shards=2, rows=4)
     (tmp_path / "sizes.json").write_text(json.dumps({"data-000.tar": 4, "data-001.tar": 4}))
@@ -201,3 +235,22 @@ def test_counting_handles_gnu_long_names(tmp_path):
             add_member(tar, f"{long_key}{r}.txt", b"c #1")
     found = count_shard(str(tmp_path / "long.tar"))
     assert found.rows == 3 and found.non_numeric == 3 and found.example_key.startswith("xxx")
+
+
+def test_header_checksums_as_tarfile_accepts_them():
+    """Unsigned (every writer today) and signed (some old ones) checksums pass, anything else is
+    not a tar header: the counting's test for a foreign file."""
+    import io
+
+    from vlcontrast.data.counting import _checksum_ok
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.GNU_FORMAT) as archive:
+        info = tarfile.TarInfo("00000.txt")
+        info.size, info.uname = 1, "\xfc"  # a byte above 127 in the header
+        archive.addfile(info, io.BytesIO(b"x"))
+    header = buffer.getvalue()[:512]
+    unsigned, signed = tarfile.calc_chksums(header)
+    assert unsigned != signed
+    assert _checksum_ok(header, unsigned) and _checksum_ok(header, signed)
+    assert not _checksum_ok(header, unsigned + 1)

@@ -117,3 +117,17 @@ def test_no_random_init_warning_when_weights_follow(trained, caplog):
     with caplog.at_level(logging.WARNING):  # only silenced while our weights follow
         open_clip.create_model("vlc-eval-tiny")
     assert [r for r in caplog.records if r.getMessage().startswith(RANDOM_INIT_WARNING)]
+
+
+def test_a_resumed_run_builds_its_model_without_the_random_init_warning(caplog):
+    """train() passes weights_follow when a checkpoint will be resumed: the warning would say the
+    model starts random when its weights come from the checkpoint a moment later."""
+    from vlcontrast.config import ModelConfig
+    from vlcontrast.models import build_model
+
+    with caplog.at_level(logging.WARNING):
+        build_model(ModelConfig(name="vlc-micro"), weights_follow=True)
+    assert not [r for r in caplog.records if r.getMessage().startswith(RANDOM_INIT_WARNING)]
+    with caplog.at_level(logging.WARNING):  # a fresh run: open_clip's notice stays
+        build_model(ModelConfig(name="vlc-micro"))
+    assert [r for r in caplog.records if r.getMessage().startswith(RANDOM_INIT_WARNING)]

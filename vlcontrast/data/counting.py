@@ -36,6 +36,9 @@ class ShardCount:
     """The first non-numeric key (for error messages)."""
     complete: bool
     """False when the archive stops before its end-of-archive block (a truncated shard)."""
+    error: str | None = None
+    """Why the headers could not be read further (not a tar, a damaged header); the rows before
+    the damage are counted, the archive is not complete."""
 
 
 def _octal(field: bytes) -> int:
@@ -43,6 +46,17 @@ def _octal(field: bytes) -> int:
         return int.from_bytes(field[1:], "big")
     text = field.split(b"\0", 1)[0].strip()
     return int(text, 8) if text else 0
+
+
+def _checksum_ok(header: bytes, stored: int) -> bool:
+    """The header's checksum as tar writers compute it (the chksum field counted as spaces),
+    unsigned or, as some old writers did, signed; tarfile accepts either. The signed sum is only
+    computed when the unsigned one differs (a header with bytes above 127)."""
+    unsigned = sum(header) - sum(header[148:156]) + 8 * 32
+    if stored == unsigned:
+        return True
+    high = sum(1 for byte in header[:148] + header[156:] if byte > 127)
+    return high > 0 and stored == unsigned - 256 * high
 
 
 def _member_names(path: str):
@@ -65,8 +79,12 @@ def _member_names(path: str):
                 return
             try:
                 size = _octal(header[124:136])
+                stored = _octal(header[148:156])
             except ValueError:
                 raise tarfile.ReadError(f"{path}: bad tar header at byte {f.tell() - _BLOCK}")
+            if not _checksum_ok(header, stored):  # not a tar header (tarfile's own test)
+                raise tarfile.ReadError(f"{path}: bad tar header checksum at byte "
+                                        f"{f.tell() - _BLOCK}")
             kind = header[156:157]
             padded = (size + _BLOCK - 1) // _BLOCK * _BLOCK
             if kind in (b"L", b"x"):
@@ -125,7 +143,16 @@ def _count_uncached(path: str) -> ShardCount:
             non_numeric += 1
             example = example or row_key
 
-    for name, regular in _member_names(path):
+    error = None
+    names = _member_names(path)
+    while True:
+        try:
+            name, regular = next(names)
+        except StopIteration:
+            break
+        except (tarfile.ReadError, EOFError, OSError, OverflowError) as err:  # damaged, foreign
+            error, key = str(err), None  # the row being read is cut: not delivered
+            break
         if name is None:
             complete = regular
             break
@@ -144,7 +171,7 @@ def _count_uncached(path: str) -> ShardCount:
         extensions.add(ext)  # type: ignore[arg-type]
     if key is not None and complete:
         close_row(key)  # the reader never delivers the last row of a cut shard either
-    return ShardCount(rows, max_id, non_numeric, example, complete)
+    return ShardCount(rows, max_id, non_numeric, example, complete, error)
 
 
 @lru_cache(maxsize=65536)

@@ -334,6 +334,9 @@ def build_train_loader(data_cfg: Any, preprocess: Callable, tokenizer: Callable,
     # read disjoint row ranges of one shard (see plan.own_segments).
     global_batch = data_cfg.batch_size * world_size
     steps = shard_set.num_samples // global_batch
+    if shard_set.num_samples == 0:
+        raise DataLayoutError(f"data.train={data_cfg.train!r}: no complete sample in its "
+                              f"{len(shard_set.urls)} shards; `vlcontrast prep check` says why")
     if steps < 1:
         most = max(1, shard_set.num_samples // world_size)
         raise DataLayoutError(f"data: {shard_set.num_samples} samples per epoch are fewer than one "

@@ -96,6 +96,28 @@ def _ids_fix(who: str) -> str:
             "train on OUT")
 
 
+_WARNED: set[str] = set()
+"""Shards already warned about in this process (the shard set is resolved more than once)."""
+
+
+def _warn_incomplete(url: str, found) -> None:
+    """One warning per shard and process for a shard whose headers stop early: what is used of
+    it, and where to look (``vlcontrast prep check`` lists every such shard)."""
+    if url in _WARNED:
+        return
+    _WARNED.add(url)
+    if found.error:
+        logger.warning("data: %s is not a readable tar shard (%s): its %d samples before the "
+                       "damage are used; `vlcontrast prep check` lists such shards", url,
+                       found.error, found.rows)
+    elif found.rows == 0:
+        logger.warning("data: %s holds no complete sample (an empty or cut file): it is skipped; "
+                       "`vlcontrast prep check` lists such shards", url)
+    else:
+        logger.warning("data: %s ends before its end-of-archive block (a truncated shard): its "
+                       "%d complete samples are used", url, found.rows)
+
+
 def resolve_shard_set(data_cfg: Any, *, needs_sample_ids: bool = False,
                       who: str = "the loss") -> ShardSet:
     """Expand ``data.train``, find shard sizes and the id space; fail fast naming the problem.
@@ -139,8 +161,7 @@ def resolve_shard_set(data_cfg: Any, *, needs_sample_ids: bool = False,
             if sizes[i] is None:
                 sizes[i] = found.rows
             if not found.complete:
-                logger.warning("data: %s ends before its end-of-archive block (a truncated "
-                               "shard): its %d complete samples are used", urls[i], found.rows)
+                _warn_incomplete(urls[i], found)
     if needs_sample_ids:
         for i, found in counts.items():
             if found.non_numeric:

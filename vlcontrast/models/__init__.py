@@ -148,8 +148,12 @@ def resolve_model_config(name: str, hf_model_dir: str = "") -> tuple[str, dict[s
     return name, model_cfg
 
 
-def build_model(model_cfg, *, siglip: bool = False, device: str | torch.device = "cpu") -> ModelBundle:
-    """Create the CLIP model, its train/val transforms and tokenizer from ``model.*`` options."""
+def build_model(model_cfg, *, siglip: bool = False, device: str | torch.device = "cpu",
+                weights_follow: bool = False) -> ModelBundle:
+    """Create the CLIP model, its train/val transforms and tokenizer from ``model.*`` options.
+
+    ``weights_follow``: the caller loads weights right after (a resumed run), so open_clip's
+    "initialized randomly" warning would mislead and is not shown."""
     import open_clip
 
     name, cfg = resolve_model_config(model_cfg.name, model_cfg.hf_model_dir)
@@ -170,7 +174,9 @@ def build_model(model_cfg, *, siglip: bool = False, device: str | torch.device =
     checkpoint = _vlcontrast_checkpoint(model_cfg.pretrained) if transformers_state is None else None
     weights_after = checkpoint is not None or transformers_state is not None
     open_clip_weights = None if weights_after else (model_cfg.pretrained or None)
-    quiet = weights_loaded_afterwards() if weights_after else nullcontext()
+    quiet = (weights_loaded_afterwards() if weights_after or (weights_follow and not
+                                                              open_clip_weights)
+             else nullcontext())
     with warnings.catch_warnings(), quiet:
         # open_clip lists colour jitter and grayscale as "unused" although it applies them;
         # ModelConfig.check refuses the options it would really drop.

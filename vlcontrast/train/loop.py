@@ -85,8 +85,9 @@ def train(config: RunConfig) -> dict[str, Any]:
     run_dir, config_yaml = Path(config.output_dir), yaml.safe_dump(to_dict(config), sort_keys=False)
     _configure_process(config.seed, precision, env, run_dir, config_yaml)
 
+    resuming = ckpt.find_resume(config.train.resume, run_dir) is not None
     bundle = build_model(config.model, siglip=LOSSES[config.loss.name].uses_logit_bias,
-                         device=device)
+                         device=device, weights_follow=resuming)
     transform, normalizer = train_transform(config.data, bundle, device,
                                             distilling=config.distill.enabled)
     features = _locked_image_features(config, bundle.model)

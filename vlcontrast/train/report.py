@@ -48,7 +48,8 @@ def plot_loss_curve(metrics_path: Path, out_png: Path) -> bool:
             if points:
                 ax.plot(*zip(*points), "o--", color=color, label=key, ms=3)
         ax.set_ylabel("eval metric")
-        ax.legend(loc="center right", fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # evaluations of other metrics draw no line
+            ax.legend(loc="center right", fontsize=7)
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
