@@ -164,6 +164,15 @@ class Progress:
         self._last_n = self.n
         self._updates_since_line = 0
 
+    def mark(self) -> None:
+        """Outside a terminal, write a line now (a milestone: a logged training step), unless the
+        last line already shows this count; a bar shows the state anyway."""
+        if self.disable or self._closed or self._bar is not None:
+            return
+        if self.n == self._last_n and self._updates_since_line == 0:
+            return
+        self._write_line(time.monotonic())
+
     def close(self) -> None:
         """End the report: closes the bar, or writes a last line if there is news since the last."""
         if self._closed:

@@ -50,6 +50,18 @@ def test_clean_shards_pass(shards):
     assert json.loads((shards / "check_report.json").read_text())["num_samples"] == 90
 
 
+def test_progress_in_a_log_is_plain_lines_without_carriage_returns(shards, tmp_path, capsys):
+    """stderr is not a terminal (a SLURM log, a pipe): check and prep write whole lines."""
+    from vlcontrast.data.prep.wds import prepare_wds
+
+    check_shards(shards, progress=True)
+    err = capsys.readouterr().err
+    assert "\r" not in err and "check " in err and "3/3" in err
+    prepare_wds(str(shards), tmp_path / "rekeyed", progress=True, workers=1)
+    err = capsys.readouterr().err
+    assert "\r" not in err and "prep wds" in err and "3/3" in err
+
+
 def test_problems_are_counted_and_unreadable_shard_fails(shards, tmp_path):
     first = _read(shards / "00000.tar")
     first[3]["jpg"] = b"\xff\xd8\xff\xe0 these are not jpeg bytes" * 4

@@ -136,3 +136,44 @@ def test_the_loop_gives_the_logger_the_models_flops_and_the_gpus_peak(tmp_path, 
         assert log.peak_flops == peak
     finally:
         log.close()
+
+
+def test_progress_lines_in_a_log_fall_on_the_logged_steps_with_their_loss(monkeypatch, capsys):
+    """Outside a terminal: a line at every logged step (13, 26, 39 and the last, 40) with its
+    loss, and between them one every 30 s; a time line does not shift the logged ones (they used
+    to come every 13 updates after the last line of any kind: 10, 20 ...)."""
+    from types import SimpleNamespace
+
+    from vlcontrast import progress as progress_module
+    from vlcontrast.train.steplog import StepLogger
+
+    now = [1000.0]
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: now[0])
+    state, data = SimpleNamespace(samples_seen=64), SimpleNamespace(epoch=0, bad_samples={})
+    log = StepLogger(_Metrics(), every=13, total_steps=40, device=torch.device("cpu"),
+                     progress=True)
+    for step in range(1, 41):
+        now[0] += 31.0 if step == 5 else 1.0  # a slow step 5: a time line
+        log.attempt()
+        log.applied(step, 64, state=state, engine=_Engine(),
+                    result={"loss": torch.tensor(2.0 - step / 100)}, data=data, counts={})
+    log.progress.close()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train ")]
+    counts = [int(line.split()[1].split("/")[0]) for line in lines]
+    assert counts == [5, 13, 26, 39, 40], lines
+    assert "loss 1.870" in lines[1] and "loss 1.610" in lines[3] and "loss 1.600" in lines[4]
+
+
+def test_the_progress_line_shows_fastclips_objective_beside_its_surrogate_loss(capsys):
+    from types import SimpleNamespace
+
+    from vlcontrast.train.steplog import StepLogger
+
+    log = StepLogger(_Metrics(), every=1, total_steps=2, device=torch.device("cpu"), progress=True)
+    log.attempt()
+    log.applied(1, 8, state=SimpleNamespace(samples_seen=8), engine=_Engine(),
+                result={"loss": torch.tensor(1.0), "objective": torch.tensor(2.3456)},
+                data=SimpleNamespace(epoch=0, bad_samples={}), counts={})
+    log.close()
+    line = [x for x in capsys.readouterr().err.splitlines() if x.startswith("train 1/2")][0]
+    assert "loss 1.000 | objective 2.346 |" in line

@@ -143,9 +143,9 @@ def check_shards(dir_or_pattern: str | os.PathLike, report_path: str | os.PathLi
 
     bar = None
     if progress:
-        from tqdm import tqdm
+        from vlcontrast.progress import Progress  # a bar on a terminal, plain lines in a log
 
-        bar = tqdm(total=len(paths), unit="shard", desc=f"check {spec}")
+        bar = Progress(total=len(paths), unit="shard", desc=f"check {spec}")
     jobs = [(path, decode_images,
              spaces.get(os.path.dirname(os.path.abspath(path)), 0), max_image_pixels,
              require_ids, keys) for path in paths]

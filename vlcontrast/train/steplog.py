@@ -79,9 +79,10 @@ class StepLogger:
         if progress:
             from vlcontrast.progress import Progress
 
-            # Outside a terminal: one plain line per logged step (and every 30 s at most apart).
+            # Outside a terminal: one plain line at each logged step (``mark``, with its loss),
+            # and one every 30 s between them.
             self.progress = Progress(total=total_steps, desc="train", unit="step",
-                                     initial=start_step, every_n=every)
+                                     initial=start_step, every_n=0, every_s=30.0)
 
     def should_log(self, step: int) -> bool:
         return step % self.every == 0 or step == self.total_steps
@@ -127,11 +128,14 @@ class StepLogger:
         values = self._record(state, engine, result, data, counts)
         self.metrics.log(step, values)
         if self.progress is not None:
-            self.progress.set_postfix(**{"loss": f"{values['loss']:.3f}",
-                                         "samples/s": f"{values['samples_per_s']:.0f}"})
+            shown = {"loss": f"{values['loss']:.3f}"}
+            if "objective" in values:  # FastCLIP/SogCLR: the loss is a surrogate (1.0 at first)
+                shown["objective"] = f"{values['objective']:.3f}"
+            self.progress.set_postfix(**shown, **{"samples/s": f"{values['samples_per_s']:.0f}"})
             if self._progress_pending:
                 self.progress.update(self._progress_pending)
                 self._progress_pending = 0
+            self.progress.mark()
 
     def applied(self, step: int, global_batch: int, *, state, engine, result: dict,
                 data, counts: dict[str, int]) -> None:

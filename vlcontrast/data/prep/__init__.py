@@ -11,7 +11,7 @@ webdataset shards named ``00000.tar ...`` with img2dataset-style keys, plus ``si
                URL rows go through ``cc3m``'s img2dataset path
 ``wds``        ``prep wds``: re-key any webdataset (dense numeric ids, the original key kept in
                ``.json``, the caption member chosen) for losses that need sample ids
-``writer``     the shard writer ``folder``, ``table`` and ``wds`` share: parallel over shards, tqdm
+``writer``     the shard writer ``folder``, ``table`` and ``wds`` share: parallel over shards,
                progress, resumable, skipped inputs counted by reason; ``encode_image``
 ``synthetic``  the procedural image-caption world of the demo, tests and study
 ``cc3m``       a URL list (CC3M's TSV, or any ``caption<TAB>url`` lines) -> shards via img2dataset

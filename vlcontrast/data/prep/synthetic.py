@@ -694,9 +694,9 @@ def write_synthetic(out_dir: str | os.PathLike, *, train: int = 20_000, val: int
     captions: dict[str, set[str]] = {"train": set(), "val": set()}
     bar = None
     if progress:
-        from tqdm import tqdm
+        from vlcontrast.progress import Progress  # a bar on a terminal, plain lines in a log
 
-        bar = tqdm(total=total_images, unit="img", desc=f"synthetic -> {out}")
+        bar = Progress(total=total_images, unit="img", desc=f"synthetic -> {out}")
     if workers == 1:
         results = map(_run_job, jobs)
         pool = None

@@ -4,7 +4,8 @@ A converter cuts its input into *jobs*, one per output shard, and gives a module
 that turns a job into samples. :func:`write_shards` then:
 
 * writes ``OUT/00000.tar`` ... in parallel worker processes (each shard goes to ``.tmp`` and is
-  renamed when complete, so a shard file is always whole), with a tqdm bar over shards;
+  renamed when complete, so a shard file is always whole), with progress over shards (a bar on
+  a terminal, plain lines in a log);
 * keys every written sample img2dataset-style (``make_key(shard, row, stride)``: dense within a
   shard, skipped inputs take no key) and puts the key into the sample's ``.json``;
 * records each finished shard in ``OUT/_prep_state.json`` together with a fingerprint of the
@@ -238,10 +239,10 @@ def write_shards(out: Path, jobs: list[ShardJob], produce: Callable[[ShardJob], 
 
     bar = None
     if progress:
-        from tqdm import tqdm
+        from vlcontrast.progress import Progress  # a bar on a terminal, plain lines in a log
 
-        bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), unit="shard",
-                   desc=f"prep {source} -> {out}", file=sys.stderr)
+        bar = Progress(total=len(jobs), initial=len(jobs) - len(todo), unit="shard",
+                       desc=f"prep {source} -> {out}", stream=sys.stderr)
     workers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1))
     args = [(str(out), job, produce, stride) for job in todo]
     pool = None
