@@ -18,8 +18,8 @@ from pathlib import Path
 from vlcontrast.errors import ConfigError
 
 FIXES = {errno.EROFS: "the file system is read-only: choose a folder on a writable one",
-         errno.EACCES: "no permission to write there: choose a folder you can write to",
-         errno.EPERM: "no permission to write there: choose a folder you can write to",
+         errno.EACCES: "no permission there: fix its permissions or choose another path",
+         errno.EPERM: "no permission there: fix its permissions or choose another path",
          errno.ENOTDIR: "a file stands where a folder should be: remove it or choose another path",
          errno.ENOSPC: "the disk is full: free space or choose another disk",
          errno.EDQUOT: "the disk quota is used up: free space or choose another disk",
