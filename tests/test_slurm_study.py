@@ -219,3 +219,26 @@ def test_cells_that_fail_again_stop_the_driver_without_a_report(fake_slurm, tmp_
     commands = [e[1] for e in events if e[0] == "cli"]
     assert commands[0][-2:] == ["--stage", "prepare"]
     assert ["--stage", "report"] not in [c[-2:] for c in commands]
+
+
+def test_the_shipped_placeholders_stop_the_driver_and_an_array_task_before_any_cell(fake_slurm,
+                                                                                    tmp_path):
+    """configs/study/cc3m-gpu.yaml as shipped (/path/to/... shards): the driver's prepare step
+    refuses in one line (no array, no training), and so does an array task, run from another
+    folder on a list made by hand."""
+    config = REPO / "configs" / "study" / "cc3m-gpu.yaml"
+    proc, events = fake_slurm(config)
+    assert proc.returncode == 2 and events == []
+    error = proc.stderr.strip()
+    assert "\n" not in error and "datasets.cc3m.train='/path/to/cc3m/train/" in error
+    assert "point it at your cc3m shards" in error
+    listed = tmp_path / "list.txt"
+    listed.write_text("cc3m/sweep-lr/infonce-b256-n10000-lr1-s100\n")
+    log = tmp_path / "fake.log"
+    env = dict(os.environ, PYTHON=str(tmp_path / "bin" / "fake-python"), PYTHONPATH=str(REPO),
+               FAKE_LOG=str(log), SLURM_ARRAY_TASK_ID="0", TOKENIZERS_PARALLELISM="false")
+    task = subprocess.run(["bash", str(REPO / "slurm" / "study_cells.sbatch"), str(config),
+                           str(listed)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert task.returncode == 2 and not log.exists()
+    assert "shipped placeholder" in task.stderr and len(task.stderr.strip().splitlines()) == 1

@@ -23,6 +23,7 @@ COMMITTED, EARLIER, OTHER = "c" * 64, "e" * 64, "f" * 64
 
 def _config(tmp_path):
     values = yaml.safe_load(V2.read_text())
+    values["base"] = str(V2.parent / values["base"])  # written relative to configs/study/
     values.update({"output_dir": str(tmp_path / "runs"), "results_dir": str(tmp_path / "res" / "cells"),
                    "report_dir": str(tmp_path / "res")})
     values["sweep"]["selected"] = str(tmp_path / "res" / "selected.json")

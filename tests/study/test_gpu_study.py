@@ -201,8 +201,8 @@ def test_plan_counts_the_cells_by_hand_and_says_no_step_time_is_measured(tmp_pat
     sweep = trainings * combos * factors * sweep_seeds
     final = trainings * settings * seeds
     assert (sweep, final) == (330, 150)
-    assert f"  sweep-lr: {sweep} cells, not priced (not measured)" in out
-    assert "  sweep-hyper: 0 cells" in out
+    assert f"  sweep-lr (--stage sweep): {sweep} cells, not priced (not measured)" in out
+    assert "  sweep-hyper (--stage sweep): 0 cells" in out
     assert f"  final: {final} cells, not priced (not measured)" in out
     assert f"total {sweep + final} cells; GPU-hours unknown: no cell's step time is measured" in out
     # reports without a throughput group: named, and nothing invented
@@ -219,7 +219,7 @@ def test_plan_prices_what_the_committed_reports_measured_and_says_which_are_tran
     out = _plan([], capsys)
     per_cell = 10000 * 1024 / 1809 / 3600  # GPU-hours of one B = 1024 cell
     assert "B=1024: 10000 steps (steps+samples), 128 per GPU: 71 ms per step measured" in out
-    assert f"  sweep-lr: 330 cells, {66 * per_cell:.1f} GPU-hours for 66 of them" in out
+    assert f"  sweep-lr (--stage sweep): 330 cells, {66 * per_cell:.1f} GPU-hours for 66 of them" in out
     assert f"  final: 150 cells, {30 * per_cell:.1f} GPU-hours for 30 of them" in out
     assert f"total 480 cells, {96 * per_cell:.1f} GPU-hours for the 96 measured ones" in out
     assert "transcribed, not a run's own report: bench/results/gpu_check/" \
@@ -239,7 +239,7 @@ def test_plan_prices_measured_batches_from_the_committed_report_format(tmp_path,
     assert per_training == {(256, 10000): 3200.0, (256, 40000): 12800.0, (1024, 10000): 6400.0}
     sweep_h = 66 * sum(per_training.values()) / 3600   # 66 sweep cells per training
     final_h = 30 * sum(per_training.values()) / 3600   # 30 final cells per training
-    assert f"  sweep-lr: 330 cells, {sweep_h:.1f} GPU-hours for 198 of them (132 not measured)" in out
+    assert f"  sweep-lr (--stage sweep): 330 cells, {sweep_h:.1f} GPU-hours for 198 of them (132 not measured)" in out
     assert f"  final: 150 cells, {final_h:.1f} GPU-hours for 90 of them (60 not measured)" in out
     assert f"  total 480 cells, {sweep_h + final_h:.1f} GPU-hours for the 288 measured ones" in out
     assert sweep_h + final_h == pytest.approx(597.33, abs=0.01)

@@ -176,6 +176,7 @@ def _fake_result(config, cell, value: float, zs: float = 0.3):
 
 def _small(tmp_path, **extra):
     values = yaml.safe_load(V2.read_text())
+    values["base"] = str(V2.parent / values["base"])  # written relative to configs/study/
     values.update({"output_dir": str(tmp_path / "runs"), "results_dir": str(tmp_path / "res" / "cells"),
                    "report_dir": str(tmp_path / "res")})
     values["sweep"]["selected"] = str(tmp_path / "res" / "selected.json")
@@ -346,11 +347,11 @@ def test_a_tiny_v2_study_end_to_end(tmp_path, monkeypatch, capsys):
     from vlcontrast.study.v2 import plan_text
 
     before = plan_text(config)
-    assert "sweep-lr: 0 of 2 known cells done" in before
+    assert "sweep-lr (--stage sweep): 0 of 2 known cells done" in before
     assert "final: 0 of 0 known cells done, 4 more not known yet" in before
     run_study(config, "all")
     after = plan_text(config)
-    assert "sweep-lr: 2 of 2 known cells done" in after and "final: 4 of 4 known cells done" in after
+    assert "sweep-lr (--stage sweep): 2 of 2 known cells done" in after and "final: 4 of 4 known cells done" in after
     walls = [json.loads(f.read_text())["wall_s"] for f in config.results_path.rglob("*-s*.json")]
     assert len(walls) == 6 and f"spent {sum(walls) / 3600:.2f} core-hours in 6 cells; left 0.00" in after
     assert "this CPU's pace:" in after and "over its last 6 cells here" in after  # cells record their CPU

@@ -17,7 +17,8 @@ def register(sub) -> None:
                        help="rebuild the CSV, tables and plots from the stored cell results")
     study.add_argument("--stage", default="all",
                        choices=("prepare", "sweep", "final", "report", "all"),
-                       help="run one stage (docs/loss-study-v2.md)")
+                       help="run one stage (docs/loss-study-v2.md); sweep runs the plan's "
+                            "sweep-lr and sweep-hyper parts")
     study.add_argument("--plan", action="store_true",
                        help="print the cells of each stage and their machine time (CPU model or "
                             "measured GPU step times, cost_model)")
@@ -40,16 +41,18 @@ def run_study_command(args) -> int:
     import shlex
 
     from vlcontrast.study import engine, load_study_config
+    from vlcontrast.study.config import check_data
 
     config = load_study_config(args.config, args.overrides)
-    if args.plan:
+    folder = Path(args.config).parent  # relative data paths were looked up there too
+    if args.plan:  # counts only: fine with the shipped placeholder paths
         print(engine.plan_text(config))
         return 0
     if args.list_cells:  # what a SLURM array runs next (slurm/study.sh)
-        part, cells = engine.next_round(config)
-        print("\n".join(cell.name for cell in cells), end="\n" if cells else "")
-        print(f"study: {len(cells)} cell(s) can run now ({part})", file=sys.stderr)
+        list_cells(config, folder)
         return 0
+    if args.cell or args.rerun:  # they train: the data must be there first
+        check_data(config, folder)
     if args.cell:
         try:
             cells = [engine.find_cell(config, name) for name in args.cell]
@@ -84,5 +87,23 @@ def run_study_command(args) -> int:
         raise SystemExit(f"--sync-docs: needs a staged study (datasets:) and a stage that writes "
                          f"the report (--stage report), not {stage!r}")
     engine.run_study(config, stage, "vlcontrast study --config "
-                     + shlex.join([args.config, *args.overrides]), pages)
+                     + shlex.join([args.config, *args.overrides]), pages, folder)
     return 0
+
+
+def list_cells(config, folder: Path) -> None:
+    """``--list-cells``: the names of the cells that can run now on stdout, and one line on
+    stderr: how many and which part of which ``--stage``, or why they cannot run yet (a data path
+    that does not exist, such as the shipped ``/path/to/...`` placeholders)."""
+    from vlcontrast.study import engine
+    from vlcontrast.study.design import part_label
+    from vlcontrast.study.config import data_problem
+
+    part, cells = engine.next_round(config)
+    print("\n".join(cell.name for cell in cells), end="\n" if cells else "")
+    problem = data_problem(config, folder) if cells else None
+    if problem:
+        print(f"study: note: the {len(cells)} cell(s) listed, {part_label(part)}, cannot run "
+              f"yet: {problem}", file=sys.stderr)
+    else:
+        print(f"study: {len(cells)} cell(s) can run now: {part_label(part)}", file=sys.stderr)

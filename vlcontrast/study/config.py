@@ -21,6 +21,8 @@ import yaml
 # The run config's parser: same coercion rules, same error messages (see vlcontrast/config.py).
 from vlcontrast.config import ConfigError, _from_dict, merge_overrides
 
+from .paths import looked, resolve_paths, shards_problem
+
 LR_SCALINGS = ("none", "sqrt", "linear")
 
 
@@ -109,7 +111,8 @@ class StudyConfig:
     """``study.csv``, ``study.md`` and the plots, rebuilt from ``results_dir`` after every cell.
     Empty: ``output_dir``."""
     base: str = "configs/demo.yaml"
-    """Run config every cell starts from."""
+    """Run config every cell starts from. Like every relative path of a study config, looked up
+    beside the study config first, then in the current directory (:mod:`vlcontrast.study.paths`)."""
     overrides: list[str] = field(default_factory=list)
     """``key=value`` run-config overrides applied to every cell (after the data paths)."""
     cell_overrides: dict[str, list[str]] = field(default_factory=dict)
@@ -464,7 +467,8 @@ def check_v2(config: StudyConfig) -> None:
 
 
 def load_study_config(path: str | os.PathLike, overrides: list[str] | None = None) -> StudyConfig:
-    """Read a study YAML, apply ``key=value`` overrides (``grid.seeds=[0]``), validate."""
+    """Read a study YAML, apply ``key=value`` overrides (``grid.seeds=[0]``), point its relative
+    paths beside the YAML or at the current directory, where they exist (:mod:`.paths`), validate."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"study config {str(path)!r} does not exist")
@@ -476,5 +480,45 @@ def load_study_config(path: str | os.PathLike, overrides: list[str] | None = Non
         config = _from_dict(StudyConfig, merge_overrides(values, list(overrides or [])), "")
     except ConfigError as err:
         raise ConfigError(f"study {err}") from None
+    resolve_paths(config, path)
     config.check()
     return config
+
+
+# --------------------------------------------------------------------------------------------
+# the data a cell reads: there before any cell trains (``--stage prepare/sweep/final/all``,
+# ``--cell``, ``--rerun``); ``--plan`` and ``--list-cells`` only count cells, and ``--list-cells``
+# notes the problem on stderr. The shipped ``/path/to/...`` placeholders are refused here.
+
+
+def data_problem(config: StudyConfig, folder: Path | None = None) -> str | None:
+    """The first data path a cell would read that does not exist, as one line naming the key,
+    its value and the fix (without ``study``); None when all exist or ``prepare`` makes them
+    (synthetic data, a folder dataset's splits). ``folder``: the study config's, for the message."""
+    if not config.datasets:
+        root = Path(config.data.dir) if config.data.dir else None
+        if root is not None and not config.data.generate \
+                and not (root / "train" / "manifest.json").is_file():
+            return (f"data.dir={config.data.dir!r}: no train/manifest.json"
+                    f"{looked(config.data.dir, folder)} and no data.generate to make it; point "
+                    "data.dir at a dataset `vlcontrast prep synthetic` wrote, or set data.generate")
+        return None
+    for name, data in datasets(config).items():
+        if data.kind == "shards":
+            problem = shards_problem(name, data, folder)
+            if problem:
+                return problem
+        elif data.kind == "folder" and not (Path(data.dir) / "splits.json").is_file() \
+                and not os.path.isdir(data.source):
+            return (f"datasets.{name}.source={data.source!r}: no such folder"
+                    f"{looked(data.source, folder)}; point it at the image root (one sub-folder "
+                    "per category)")
+    return None
+
+
+def check_data(config: StudyConfig, folder: Path | None = None) -> None:
+    """Refuse in one line (:class:`ConfigError`) before any cell runs when a data path a cell
+    reads does not exist (:func:`data_problem`)."""
+    problem = data_problem(config, folder)
+    if problem:
+        raise ConfigError(f"study {problem}")

@@ -34,6 +34,18 @@ from .config import (StudyConfig, StudySetting, arm_steps, arms, datasets, setti
 STAGES = ("sweep-lr", "sweep-hyper", "final")
 SPLITS = ("val", "test")
 
+STAGE_OF_PART = {"starts and feature caches": "prepare", "sweep-lr": "sweep",
+                 "sweep-hyper": "sweep", "final": "final"}
+"""The ``vlcontrast study --stage`` that runs each part of a staged study: ``--stage sweep`` runs
+both sweeps (in rounds, then writes the choice)."""
+
+
+def part_label(part: str) -> str:
+    """A part of the study as ``--plan`` and ``--list-cells`` print it: a part that is not itself
+    a ``--stage`` is named with the stage that runs it (``sweep-lr (--stage sweep)``)."""
+    stage = STAGE_OF_PART.get(part, part)
+    return part if part == stage else f"{part} (--stage {stage})"
+
 
 # --------------------------------------------------------------------------------------------
 # cells

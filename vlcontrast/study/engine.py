@@ -41,6 +41,7 @@ from .design import (Cell2, cell_command_v2, cell_fingerprint_v2, final_cells, f
                      read_selected, selected_path, start_digest, sweep_hyper_cells,
                      sweep_lr_cells)
 from .grid import Cell, cell_command, cell_fingerprint, cell_learning_rate, grid_cells
+from .config import check_data
 
 STAGES = ("prepare", "sweep", "final", "report", "all")
 
@@ -242,19 +243,13 @@ def prepare(config: StudyConfig) -> None:
     """The data and the starting checkpoint(s), each made only when missing or stale."""
     from .v2 import ensure_starts, ensure_synthetic, prepare_datasets
 
+    check_data(config)  # shards made elsewhere, a folder's images, a v1 data.dir without generate
     if staged(config):
         prepare_datasets(config)
         ensure_starts(config)
         return
-    if config.data.dir:
-        from vlcontrast.errors import ConfigError
-
-        root = Path(config.data.dir)
-        if config.data.generate:
-            ensure_synthetic(root, config.data.generate)
-        elif not (root / "train" / "manifest.json").is_file():
-            raise ConfigError(f"study data.dir={config.data.dir!r}: no train/manifest.json and no "
-                              "data.generate to make it")
+    if config.data.dir and config.data.generate:
+        ensure_synthetic(Path(config.data.dir), config.data.generate)
     ensure_pretrained(config)
 
 
@@ -286,20 +281,25 @@ class StudyResult:
 
 
 def run_study(config: StudyConfig, stage: str = "all", command: str = "",
-              sync_docs: tuple[Path, ...] = ()) -> StudyResult:
+              sync_docs: tuple[Path, ...] = (), folder: Path | None = None) -> StudyResult:
     """Run ``stage`` of the study (``all``: every stage in order). Every stage skips what is done,
     so a study resumes across sessions once its result files (and ``selected``) are committed.
     The report (``final``, ``report``, ``all``) of a staged study also rewrites the generated
-    blocks of the ``sync_docs`` pages (:mod:`.findings`)."""
+    blocks of the ``sync_docs`` pages (:mod:`.findings`). A stage that would run cells first
+    checks that their data exist (:func:`.config.check_data`; ``folder``, the study config's, is
+    named in its message)."""
     if stage not in STAGES:
         raise ValueError(f"--stage {stage!r}: one of {STAGES}")
+    working = stage in ("prepare", "sweep", "final", "all")
+    preparing = working and (staged(config) or bool(next_round(config)[1]))
+    if preparing:
+        check_data(config, folder)  # before anything is written or run
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "study_config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(config), sort_keys=False))
     _exit_on_sigterm()
     result = StudyResult()
-    working = stage in ("prepare", "sweep", "final", "all")
-    if working and (staged(config) or next_round(config)[1]):
+    if preparing:
         prepare(config)
     if stage in ("sweep", "all") and staged(config):
         _run_rounds(config, ("sweep-lr", "sweep-hyper"), result)

@@ -26,22 +26,24 @@ from .cells import _run_training, _write_json, host_cpu, model_digest, summarise
 from .config import StudyConfig
 from .design import (Cell2, batch_steps, cell_command_v2, cell_fingerprint_v2, datasets,
                      features_path, final_cells, is_finished_v2, kept_start_dir, option_grid,
-                     finished_result, read_selected, result_path_v2, selected_path, selection_key, settings,
-                     split_paths, start_command, start_dir, sweep_hyper_cells, sweep_lr_cells,
-                     sweep_score, tried_lr_factors)
+                     finished_result, part_label, read_selected, result_path_v2, selected_path,
+                     selection_key, settings, split_paths, start_command, start_dir,
+                     sweep_hyper_cells, sweep_lr_cells, sweep_score, tried_lr_factors)
 
 # --------------------------------------------------------------------------------------------
 # prepare
 
 
 def prepare_datasets(config: StudyConfig) -> None:
+    """Make the synthetic and folder datasets where missing. Shards are made elsewhere: the
+    callers check first that every data path a cell reads exists (:func:`.config.check_data`)."""
     for name, data in datasets(config).items():
         root = Path(data.dir)
         if data.kind == "synthetic":
             ensure_synthetic(root, data.generate)
             ensure_synthetic(root / "test", {**data.generate, "seed": data.test_seed, "train": 1})
         elif data.kind == "shards":
-            check_shards(name, data)
+            continue  # made elsewhere (`vlcontrast prep cc3m`)
         else:
             from .splits import write_split_folders
 
@@ -75,15 +77,6 @@ def ensure_synthetic(root: Path, generate: dict[str, Any]) -> None:
     if not is_current(root, **recipe):
         print(f"study: writing the synthetic dataset to {root}", file=sys.stderr, flush=True)
         write_synthetic(root, **generate)
-
-
-def check_shards(name: str, data) -> None:
-    """A ``shards`` dataset names shards made elsewhere (``vlcontrast prep cc3m``): every split's
-    shards must exist before any cell starts (the trainer's own resolver, its one-line errors)."""
-    from vlcontrast.data.spec import check_spec
-
-    for key in ("train", "val", "test"):
-        check_spec(f"study datasets.{name}.{key}", getattr(data, key))
 
 
 def write_siglip_start(source: Path, out: Path, logit_scale: float, logit_bias: float) -> None:
@@ -288,6 +281,9 @@ def rerun_cells(config: StudyConfig, names: list[str]) -> int:
     if missing:
         raise ValueError(f"--rerun {missing[0]}: not finished (no result file with this "
                          "config's fingerprint): nothing to compare with; run its stage first")
+    from .config import check_data
+
+    check_data(config)
     prepare_datasets(config)
     ensure_starts(config)
     here = host_cpu()
@@ -467,7 +463,7 @@ def plan_text(config: StudyConfig) -> str:
     for (size, steps), arm_names in batch_steps(config).items():
         lines.append(f"  B={size}: {steps} steps ({'+'.join(arm_names)})")
     for part, (cells, seconds) in cost["parts"].items():
-        lines.append(f"  {part}: {cells} cells, {seconds / 3600:.2f} core-hours")
+        lines.append(f"  {part_label(part)}: {cells} cells, {seconds / 3600:.2f} core-hours")
     lines.append(f"  total {cost['core_hours']:.2f} core-hours = {cost['wall_hours']:.2f} h on "
                  f"{config.parallel} core(s); budget {config.budget_hours or '-'} h")
     if config.sweep.extend_edges:
@@ -503,11 +499,13 @@ def gpu_plan_text(config: StudyConfig) -> str:
         total_cells += numbers["cells"]
         unpriced = numbers["cells"] - numbers["priced"]
         if unpriced and not numbers["priced"]:
-            lines.append(f"  {part}: {numbers['cells']} cells, not priced (not measured)")
+            lines.append(f"  {part_label(part)}: {numbers['cells']} cells, not priced (not "
+                         "measured)")
         else:
-            lines.append(f"  {part}: {numbers['cells']} cells, {numbers['gpu_hours']:.1f} "
-                         "GPU-hours" + (f" for {numbers['priced']} of them ({unpriced} not "
-                                        "measured)" if unpriced else ""))
+            lines.append(f"  {part_label(part)}: {numbers['cells']} cells, "
+                         f"{numbers['gpu_hours']:.1f} GPU-hours"
+                         + (f" for {numbers['priced']} of them ({unpriced} not measured)"
+                            if unpriced else ""))
     counted = sum(count for rows in cell_counts(config).values() for *_, count in rows)
     assert counted == total_cells
     unmeasured = cost["unmeasured"]
@@ -581,8 +579,8 @@ def progress_lines(config: StudyConfig, cost: dict[str, Any]) -> list[str]:
         left += todo_s
         finished_total += len(finished)
         more = f", {waiting} more not known yet" if waiting else ""
-        lines.append(f"  {part}: {len(finished)} of {len(cells)} known cells done{more}; "
-                     f"{todo_s / 3600:.2f} core-hours left by the model")
+        lines.append(f"  {part_label(part)}: {len(finished)} of {len(cells)} known cells "
+                     f"done{more}; {todo_s / 3600:.2f} core-hours left by the model")
     lines.append(f"  spent {spent / 3600:.2f} core-hours in {finished_total} cells; left "
                  f"{left / 3600:.2f} core-hours = {left / 3600 / max(1, config.parallel):.2f} h on "
                  f"{config.parallel} core(s)")
