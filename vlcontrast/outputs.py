@@ -2,9 +2,10 @@
 
 A command that embeds a dataset, checks every shard or exports a model and only then finds its
 output folder read-only (or a file where a folder should be, or the disk full) has wasted the
-work. :func:`writable_dir` and :func:`writable_file` create the folder a command writes into and
-write and remove a probe file there, and raise a one-line :class:`~vlcontrast.errors.ConfigError`
-naming the option, the path, the reason and the fix. They sit just above the ground floor
+work. :func:`writable_dir` and :func:`writable_file` write and remove a probe file in the folder a
+command writes into (or, when it does not exist yet, in its nearest existing parent: nothing is
+created), and raise a one-line :class:`~vlcontrast.errors.ConfigError` naming the option, the
+path, the reason and the fix. They sit just above the ground floor
 (:mod:`vlcontrast.errors`) and import nothing else of vlcontrast.
 """
 
@@ -32,15 +33,21 @@ def fix_for(error: OSError) -> str:
 
 
 def writable_dir(path: str | os.PathLike, option: str) -> Path:
-    """``path`` as a folder this process can write into (created if missing); a one-line
-    ConfigError naming ``option`` otherwise."""
+    """``path`` as a folder this process can write into; a one-line ConfigError naming
+    ``option`` otherwise. Nothing is left behind: a missing folder is not created (its nearest
+    existing parent is probed), so a command that then refuses its input has written nothing."""
     folder = Path(path)
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing == folder and not folder.is_dir():
+        raise ConfigError(f"{option} {str(path)!r}: a file, not a folder; name a folder")
+    if not existing.is_dir():
+        raise ConfigError(f"{option} {str(path)!r}: cannot write there ({str(existing)!r} is a "
+                          f"file); {FIXES[errno.ENOTDIR]}")
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".vlcontrast-probe-"):
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".vlcontrast-probe-"):
             pass
-    except FileExistsError:
-        raise ConfigError(f"{option} {str(path)!r}: a file, not a folder; name a folder") from None
     except OSError as err:
         raise ConfigError(f"{option} {str(path)!r}: cannot write there ({err.strerror}); "
                           f"{fix_for(err)}") from None
@@ -48,9 +55,8 @@ def writable_dir(path: str | os.PathLike, option: str) -> Path:
 
 
 def writable_file(path: str | os.PathLike, option: str) -> Path:
-    """``path`` as a file this process can write (its folder created if missing; an existing file
-    is kept, to be overwritten by the command); a one-line ConfigError naming ``option``
-    otherwise."""
+    """``path`` as a file this process can write (an existing file is kept, to be overwritten by
+    the command; nothing is created); a one-line ConfigError naming ``option`` otherwise."""
     file = Path(path)
     if file.is_dir():
         raise ConfigError(f"{option} {str(path)!r}: a folder; name a file")

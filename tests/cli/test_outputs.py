@@ -55,20 +55,23 @@ def one_line_error(capsys, argv: list[str]) -> tuple[int, str]:
     return code, lines[0]
 
 
-def test_writable_dir_creates_the_folder_and_leaves_no_probe(tmp_path):
+def test_a_checked_folder_is_not_created_and_no_probe_is_left(tmp_path):
+    """A command that refuses its input after the check has written nothing."""
     folder = outputs.writable_dir(tmp_path / "new" / "deeper", "--out")
-    assert folder.is_dir() and list(folder.iterdir()) == []
+    assert folder == tmp_path / "new" / "deeper" and list(tmp_path.iterdir()) == []
+    outputs.writable_dir(tmp_path, "--out")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_writable_dir_and_file_name_the_option_the_path_and_the_fix(tmp_path, blocker, monkeypatch):
     with pytest.raises(ConfigError, match=r"^--out '.*a_file/run': cannot write there "
-                                          r"\(Not a directory\); a file stands where a folder"):
+                                          r"\('.*a_file' is a file\); a file stands where a folder"):
         outputs.writable_dir(blocker / "run", "--out")
     with pytest.raises(ConfigError, match=r"^OUT '.*a_file': a file, not a folder"):
         outputs.writable_dir(blocker, "OUT")
     with pytest.raises(ConfigError, match=r"^--out '.*': a folder; name a file"):
         outputs.writable_file(tmp_path, "--out")
-    with pytest.raises(ConfigError, match=r"^--report '.*a_file/r.json': its folder"):
+    with pytest.raises(ConfigError, match=r"^--report '.*a_file/r.json': its folder .*a file, not a folder"):
         outputs.writable_file(blocker / "r.json", "--report")
     read_only(monkeypatch, tmp_path / "ro")
     (tmp_path / "ro").mkdir()
