@@ -240,10 +240,10 @@ def earlier_failures(config: StudyConfig, cells: list[Cell]) -> dict[str, dict[s
 
 
 def prepare(config: StudyConfig) -> None:
-    """The data and the starting checkpoint(s), each made only when missing or stale (the data
-    made elsewhere checked first by :func:`run_study`)."""
+    """The data and the starting checkpoint(s), each made only when missing or stale."""
     from .v2 import ensure_starts, ensure_synthetic, prepare_datasets
 
+    check_data(config)  # shards made elsewhere, a folder's images, a v1 data.dir without generate
     if staged(config):
         prepare_datasets(config)
         ensure_starts(config)
