@@ -107,14 +107,19 @@ def test_choices_are_literals_checked_from_the_type():
 
 @pytest.mark.parametrize("overrides, line", [
     (["loss.name=sogclr", "loss.gamma=1.5"],
-     "loss.gamma=1.5: must be in (0, 1], got 1.5 (loss.name=sogclr); set loss.gamma to a value"),
+     "loss.gamma=1.5: must be in (0, 1] (loss.name=sogclr); set loss.gamma to a value"),
     (["loss.name=fastclip", "loss.gamma=0"], "loss.gamma=0.0: must be in (0, 1]"),
     (["loss.name=sogclr", "loss.gamma=abc"], "loss.gamma='abc': expected a number"),
     (["loss.name=hcl", "loss.beta=abc"], "loss.beta='abc': expected a number"),
     (["loss.name=debiased", "loss.tau_plus=2"], "loss.tau_plus=2.0: must be in [0, 1)"),
     (["loss.name=dclw", "loss.sigma=0"], "loss.sigma=0.0: must be > 0"),
     (["loss.name=fastclip", "loss.tau_min=0.5", "loss.tau_max=0.1"],
-     "loss.name=fastclip with options {'tau_min': 0.5, 'tau_max': 0.1}: need 0 < tau_min < tau_max"),
+     "loss.tau_min=0.5, loss.tau_max=0.1: need 0 < tau_min < tau_max (loss.name=fastclip); "
+     "set loss.tau_min or loss.tau_max to"),
+    (["loss.name=infonce", "loss.chunk_size=-1"], "loss.chunk_size=-1: must be >= 0"),
+    (["loss.name=sogclr", "loss.eps=0.1"], "loss.eps=0.1: belongs to recipe='fast_clip'"),
+    (["loss.name=fastclip", "loss.recipe=fast_clip", "loss.gamma_decay_steps=5"],
+     "loss.gamma_decay_steps=5: recipe='fast_clip' counts the gamma schedule in epochs"),
 ])
 def test_a_loss_options_value_is_checked_with_the_config_naming_its_key(overrides, line):
     """The losses' own range checks run when the config is checked (before any model is built),

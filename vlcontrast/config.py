@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import yaml
 
-from vlcontrast.errors import ConfigError
+from vlcontrast.errors import ConfigError, LossOptionError
 
 
 PrecisionName = Literal["fp32", "amp_bf16", "bf16", "fp16"]
@@ -461,25 +461,24 @@ class RunConfig:
 
 def _check_loss_options(loss: LossConfig) -> None:
     """The loss's own checks of its options' values (ranges, combinations), run by building it
-    once with no sample ids, and their message turned into a one-line ConfigError naming the
-    ``loss.*`` key: "decl: gamma must be in (0, 1], got 1.5" reads "loss.gamma=1.5: must be in
-    (0, 1] (loss.name=sogclr)"."""
+    once with no sample ids. A :class:`LossOptionError` carries the options it is about, so the
+    one-line message names the ``loss.*`` keys as the user wrote them: "loss.gamma=1.5: must be
+    in (0, 1] (loss.name=sogclr); set loss.gamma to a value that meets this"."""
     from vlcontrast.losses import build_loss
 
     try:
         build_loss(loss.name, chunk_size=loss.chunk_size, **loss.options)
+    except LossOptionError as err:
+        given = {"chunk_size": loss.chunk_size, **loss.options}
+        keys = [f"loss.{key}" for key in err.values]
+        shown = ", ".join(f"{name}={given.get(key, value)!r}"
+                          for name, (key, value) in zip(keys, err.values.items()))
+        raise ConfigError(f"{shown}: {err.why} (loss.name={loss.name}); set "
+                          f"{' or '.join(keys)} to a value that meets this") from None
     except ConfigError:
         raise
     except (ValueError, TypeError) as err:
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        prefix, _, rest = message.partition(": ")
-        if rest and " " not in prefix:  # "<loss>: ..." from the loss's own check
-            message = rest
-        named = re.match(r"(\w+)(?:=\S+)? (must|needs|is|belongs|has|counts)\b(.*)", message)
-        if named and named[1] in loss.options:
-            key = named[1]
-            raise ConfigError(f"loss.{key}={loss.options[key]!r}: {named[2]}{named[3]} "
-                              f"(loss.name={loss.name}); set loss.{key} to a value that meets this") from None
         raise ConfigError(f"loss.name={loss.name} with options {loss.options or '{}'}: "
                           f"{message}; fix the loss.* values") from None
 

@@ -53,3 +53,16 @@ class ShardsNotFoundError(ShardSpecError, FileNotFoundError):
 
 class CheckpointError(VlcontrastError, RuntimeError):
     """A checkpoint could not be written, or a checkpoint file is not safe to load."""
+
+
+class LossOptionError(ConfigError):
+    """A loss option whose value is out of range, or does not fit with another option.
+
+    Carries the loss's name, the options (name → value, in the loss's own types) and why, so that
+    ``Config.check`` can name the ``loss.*`` keys without reading the message; the message itself
+    reads ``"<loss>: <option>=<value>: <why>"`` for callers who build a loss in code."""
+
+    def __init__(self, loss: str, why: str, **values: object):
+        self.loss, self.why, self.values = loss, why, values
+        shown = ", ".join(f"{key}={value!r}" for key, value in values.items())
+        super().__init__(f"{loss}: {shown}: {why}")

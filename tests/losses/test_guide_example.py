@@ -84,6 +84,16 @@ def test_example_registers_and_builds(example):
     losses.build_loss("margin_infonce", id_space=10)  # accepted, not passed on
 
 
+def test_example_refusal_is_the_configs_one_line(example):
+    """The guide's ``LossOptionError`` becomes the config's line naming ``loss.margin``."""
+    from vlcontrast.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, ["train.steps=1", "loss.name=margin_infonce", "loss.margin=3"]).check()
+    assert str(caught.value) == ("loss.margin=3.0: must be in [0, 2) (loss.name=margin_infonce); "
+                                 "set loss.margin to a value that meets this")
+
+
 def test_example_matches_its_formula_and_chunks(example):
     image, text = references.random_pairs(10, 8, seed=4)
     expected = loss_and_grads(lambda i, t, s: direct_margin_loss(i, t, s, 0.3), image, text, SCALE)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from vlcontrast.errors import LossOptionError
 from vlcontrast.losses.base import ContrastiveLoss, LogSumExp, PairBatch, RowContext
 from vlcontrast.losses.registry import register_loss
 
@@ -32,7 +33,7 @@ class BalancedLoss(ContrastiveLoss):
                  chunk_size: int = 0):
         super().__init__(chunk_size=chunk_size)
         if alpha <= 0:
-            raise ValueError(f"balanced: alpha must be > 0, got {alpha}")
+            raise LossOptionError(self.name, "must be > 0", alpha=alpha)
         self.alpha = float(alpha)
         self.lam = float(lam)
         self.include_positive = bool(include_positive)

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from vlcontrast.distributed import gather_with_grad, get_rank, get_world_size
+from vlcontrast.errors import LossOptionError
 
 IMAGE_TO_TEXT = "image_to_text"
 TEXT_TO_IMAGE = "text_to_image"
@@ -228,7 +229,8 @@ class ContrastiveLoss(nn.Module):
     def __init__(self, *, chunk_size: int = 0):
         super().__init__()
         if chunk_size < 0:
-            raise ValueError(f"chunk_size must be >= 0, got {chunk_size}")
+            raise LossOptionError(self.name or type(self).__name__, "must be >= 0",
+                                  chunk_size=chunk_size)
         self.chunk_size = int(chunk_size)
 
     # ---- hooks ------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from vlcontrast.errors import LossOptionError
 from vlcontrast.losses.base import (ContrastiveLoss, LogSumExp, RowContext, RowStatistic,
                                     fill_positives_)
 from vlcontrast.losses.registry import register_loss
@@ -114,7 +115,7 @@ class BCLLoss(ContrastiveLoss):
                  chunk_size: int = 0):
         super().__init__(chunk_size=chunk_size)
         if not 0 <= tau_plus < 1:
-            raise ValueError(f"bcl: tau_plus must be in [0, 1), got {tau_plus}")
+            raise LossOptionError(self.name, "must be in [0, 1)", tau_plus=tau_plus)
         self.tau_plus = float(tau_plus)
         self.alpha = float(alpha)
         self.beta = float(beta)

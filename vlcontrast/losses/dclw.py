@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from vlcontrast.errors import LossOptionError
 from vlcontrast.losses.base import ContrastiveLoss, LogSumExp, PairBatch, RowContext, row_dtype
 from vlcontrast.losses.registry import register_loss
 
@@ -40,7 +41,7 @@ class DCLWLoss(ContrastiveLoss):
     def __init__(self, sigma: float = 0.5, *, chunk_size: int = 0):
         super().__init__(chunk_size=chunk_size)
         if sigma <= 0:
-            raise ValueError(f"dclw: sigma must be > 0, got {sigma}")
+            raise LossOptionError(self.name, "must be > 0", sigma=sigma)
         self.sigma = float(sigma)
 
     @torch.no_grad()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from vlcontrast.errors import LossOptionError
 from vlcontrast.losses.base import ContrastiveLoss, LogSumExp, RowContext
 from vlcontrast.losses.registry import register_loss
 
@@ -59,7 +60,7 @@ class DebiasedLoss(ContrastiveLoss):
     def __init__(self, tau_plus: float = 0.1, *, chunk_size: int = 0):
         super().__init__(chunk_size=chunk_size)
         if not 0 <= tau_plus < 1:
-            raise ValueError(f"debiased: tau_plus must be in [0, 1), got {tau_plus}")
+            raise LossOptionError(self.name, "must be in [0, 1)", tau_plus=tau_plus)
         self.tau_plus = float(tau_plus)
 
     def row_context(self, batch, direction, state) -> ScaledRows:

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from vlcontrast.distributed import gather_no_grad
+from vlcontrast.errors import LossOptionError
 from vlcontrast.losses.base import (IMAGE_TO_TEXT, ContrastiveLoss, LogSumExp, PairBatch,
                                     RowContext, negatives_logsumexp, row_dtype)
 from vlcontrast.losses.buffer import SampleBuffer
@@ -116,13 +117,13 @@ class DeCLLoss(ContrastiveLoss):
                                        ("u_mode", u_mode, U_MODES),
                                        ("schedule", schedule, SCHEDULES)):
             if value not in choices:
-                raise ValueError(f"decl: {option}={value!r} is not one of {list(choices)}")
+                raise LossOptionError(self.name, f"must be one of {list(choices)}", **{option: value})
         if not 0 < gamma <= 1:
-            raise ValueError(f"decl: gamma must be in (0, 1], got {gamma}")
+            raise LossOptionError(self.name, "must be in (0, 1]", gamma=gamma)
         if not 0 <= ema_decay < 1:
-            raise ValueError(f"decl: ema_decay must be in [0, 1), got {ema_decay}")
+            raise LossOptionError(self.name, "must be in [0, 1)", ema_decay=ema_decay)
         if id_space < 0:
-            raise ValueError(f"decl: id_space must be >= 0, got {id_space}")
+            raise LossOptionError(self.name, "must be >= 0", id_space=id_space)
         self.estimator = estimator
         self.u_mode = u_mode
         self.gamma = float(gamma)

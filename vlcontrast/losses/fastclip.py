@@ -57,6 +57,7 @@ import torch
 from torch import Tensor
 
 from vlcontrast.distributed import gather_no_grad
+from vlcontrast.errors import LossOptionError
 from vlcontrast.losses.base import IMAGE_TO_TEXT, PairBatch, fill_positives_, row_dtype
 from vlcontrast.losses.buffer import SampleBuffer
 from vlcontrast.losses.decl import DeCLLoss, DeCLRows, DeCLStep
@@ -137,21 +138,22 @@ class FastCLIPLoss(DeCLLoss):
         self.check_recipe(recipe, temperature, gamma_schedule, int(gamma_decay_steps),
                           int(gamma_decay_epochs), float(eps), bool(multiply_tau))
         if gamma_schedule not in GAMMA_SCHEDULES:
-            raise ValueError(f"{self.name}: gamma_schedule={gamma_schedule!r} is not one of "
-                             f"{list(GAMMA_SCHEDULES)}")
+            raise LossOptionError(self.name, f"must be one of {list(GAMMA_SCHEDULES)}",
+                                  gamma_schedule=gamma_schedule)
         if temperature not in TEMPERATURES:
-            raise ValueError(f"{self.name}: temperature={temperature!r} is not one of "
-                             f"{list(TEMPERATURES)}")
+            raise LossOptionError(self.name, f"must be one of {list(TEMPERATURES)}",
+                                  temperature=temperature)
         if gamma_schedule == "cosine" and gamma_decay_steps < 1 and recipe == "paper":
-            raise ValueError(f"{self.name}: gamma_schedule='cosine' needs gamma_decay_steps >= 1 "
-                             f"(got {gamma_decay_steps})")
+            raise LossOptionError(self.name, "gamma_schedule='cosine' needs gamma_decay_steps >= 1",
+                                  gamma_decay_steps=gamma_decay_steps)
         if not 0 < tau_min < tau_max:
-            raise ValueError(f"{self.name}: need 0 < tau_min < tau_max (got {tau_min}, {tau_max})")
+            raise LossOptionError(self.name, "need 0 < tau_min < tau_max", tau_min=tau_min,
+                                  tau_max=tau_max)
         if tau_init and not tau_min <= tau_init <= tau_max:
-            raise ValueError(f"{self.name}: tau_init={tau_init} is outside [tau_min, tau_max] = "
-                             f"[{tau_min}, {tau_max}] (0: start at the model's temperature)")
+            raise LossOptionError(self.name, f"is outside [tau_min, tau_max] = [{tau_min}, {tau_max}] "
+                                  "(0: start at the model's temperature)", tau_init=tau_init)
         if tau_lr < 0:
-            raise ValueError(f"{self.name}: tau_lr must be >= 0, got {tau_lr}")
+            raise LossOptionError(self.name, "must be >= 0", tau_lr=tau_lr)
         super().__init__(estimator="buffer", u_mode="mean", gamma=gamma, schedule="loss1",
                          shard_buffer=shard_buffer, chunk_size=chunk_size, id_space=id_space)
         self.gamma_schedule = gamma_schedule
@@ -178,27 +180,27 @@ class FastCLIPLoss(DeCLLoss):
                      multiply_tau: bool) -> None:
         """The options that belong to one recipe only, each refused with the fix."""
         if recipe not in RECIPES:
-            raise ValueError(f"{self.name}: recipe={recipe!r} is not one of {list(RECIPES)}")
+            raise LossOptionError(self.name, f"must be one of {list(RECIPES)}", recipe=recipe)
         if recipe == "paper":
             for option, value, default in (("gamma_decay_epochs", gamma_decay_epochs, 0),
                                            ("eps", eps, FAST_CLIP_EPS),
                                            ("multiply_tau", multiply_tau, False)):
                 if value != default:
-                    raise ValueError(f"{self.name}: {option}={value!r} belongs to "
-                                     "recipe='fast_clip'; set recipe=fast_clip or drop it")
+                    raise LossOptionError(self.name, "belongs to recipe='fast_clip'; set "
+                                          "recipe=fast_clip or drop it", **{option: value})
             return
         if gamma_schedule == "cosine" and gamma_decay_epochs < 1:
-            raise ValueError(f"{self.name}: recipe='fast_clip' with gamma_schedule='cosine' needs "
-                             f"gamma_decay_epochs >= 1 (got {gamma_decay_epochs})")
+            raise LossOptionError(self.name, "recipe='fast_clip' with gamma_schedule='cosine' needs "
+                                  "gamma_decay_epochs >= 1", gamma_decay_epochs=gamma_decay_epochs)
         if gamma_decay_steps:
-            raise ValueError(f"{self.name}: recipe='fast_clip' counts the gamma schedule in "
-                             f"epochs: set gamma_decay_epochs instead of gamma_decay_steps="
-                             f"{gamma_decay_steps}")
+            raise LossOptionError(self.name, "recipe='fast_clip' counts the gamma schedule in "
+                                  "epochs: set gamma_decay_epochs instead",
+                                  gamma_decay_steps=gamma_decay_steps)
         if eps < 0:
-            raise ValueError(f"{self.name}: eps must be >= 0, got {eps}")
+            raise LossOptionError(self.name, "must be >= 0", eps=eps)
         if multiply_tau and temperature == "individual":
-            raise ValueError(f"{self.name}: multiply_tau has no effect with "
-                             "temperature='individual' (fast_clip ignores it there); drop it")
+            raise LossOptionError(self.name, "has no effect with temperature='individual' "
+                                  "(fast_clip ignores it there); drop it", multiply_tau=multiply_tau)
 
     def set_epoch(self, epoch: int) -> None:
         """The data epoch (0-based) of the coming step: the ``fast_clip`` recipe's gamma and

@@ -23,6 +23,7 @@ import math
 import torch
 from torch import Tensor
 
+from vlcontrast.errors import LossOptionError
 from vlcontrast.losses.base import (ContrastiveLoss, LogSumExp, RowContext, RowStatistic,
                                     fill_positives_)
 from vlcontrast.losses.debiased import ScaledRows, debiased_row_loss
@@ -109,10 +110,10 @@ class HCLLoss(ContrastiveLoss):
     def __init__(self, tau_plus: float = 0.1, beta: float = 1.0, *, chunk_size: int = 0):
         super().__init__(chunk_size=chunk_size)
         if not 0 <= tau_plus < 1:
-            raise ValueError(f"hcl: tau_plus must be in [0, 1), got {tau_plus}")
+            raise LossOptionError(self.name, "must be in [0, 1)", tau_plus=tau_plus)
         self.tau_plus = float(tau_plus)
         if beta < 0:
-            raise ValueError(f"hcl: beta must be >= 0, got {beta}")
+            raise LossOptionError(self.name, "must be >= 0", beta=beta)
         self.beta = float(beta)
 
     def row_context(self, batch, direction, state) -> ScaledRows:
