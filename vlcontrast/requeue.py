@@ -59,12 +59,20 @@ def record_stop(output_dir: str | os.PathLike, stop: BaseException,
 
 
 def clear(output_dir: str | os.PathLike) -> None:
-    """Remove a marker left by an earlier stop (called before a job starts training again)."""
+    """Remove a marker left by an earlier stop (called before a job starts training again).
+
+    A marker that cannot be removed (the run directory went read-only) is the run directory's
+    problem: a one-line ConfigError naming ``output_dir``, as train's preflight words it, and the
+    marker stays where it is."""
+    from vlcontrast.errors import ConfigError
+    from vlcontrast.outputs import fix_for
+
     marker = Path(output_dir) / PREEMPTED_MARKER
     try:
         marker.unlink(missing_ok=True)
-    except OSError:
-        # No marker can be there (output_dir under a file, on a read-only disk): the run's own
-        # check of its directory (train's preflight) says what is wrong, in one line.
+    except OSError as err:
+        # No marker can be there (output_dir under a file): the run's own check of its
+        # directory (train's preflight) says what is wrong, in one line.
         if marker.exists():
-            raise
+            raise ConfigError(f"output_dir={str(output_dir)!r}: cannot write there "
+                              f"({err.strerror}: {err.filename!r}); {fix_for(err)}") from None

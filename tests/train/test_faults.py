@@ -48,6 +48,8 @@ def test_train_into_an_unwritable_output_dir_is_one_line_from_the_cli(
     else:
         output_dir, reason = tmp_path / "ro", "the file system is read-only"
         output_dir.mkdir()
+        # an old preemption marker that the refused run must neither clear nor trip over
+        (output_dir / requeue.PREEMPTED_MARKER).write_text("{}")
         real_unlink = Path.unlink
 
         def unlink(self, missing_ok=False):
@@ -66,13 +68,14 @@ def test_train_into_an_unwritable_output_dir_is_one_line_from_the_cli(
 
         monkeypatch.setattr(Path, "unlink", unlink)
         monkeypatch.setattr(Path, "mkdir", mkdir)
-    assert requeue.PREEMPTED_MARKER
     code = cli.main(["train", *tiny_overrides(synthetic_data, output_dir)])
     err = capsys.readouterr().err
     assert code == 2, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
     assert "output_dir=" in lines[0] and "cannot write there" in lines[0] and reason in lines[0]
+    if under == "read_only":
+        assert (output_dir / requeue.PREEMPTED_MARKER).read_text() == "{}"
 
 
 # --------------------------------------------------------------------------------------------
