@@ -245,3 +245,17 @@ def test_the_gpu_docs_commands_use_stages_the_command_accepts():
     stages = re.findall(r"vlcontrast study [^\n`]*--stage ([\w-]+)", text)
     assert {"sweep", "final", "report"} <= set(stages)
     assert all(_accepted(stage) for stage in stages), stages
+
+
+@pytest.mark.parametrize("stage, line", [
+    ("sweep-lr", "argument --stage: 'sweep-lr' is a part of --stage sweep, which runs sweep-lr "
+                 "then sweep-hyper; use --stage sweep"),
+    ("sweeps", "argument --stage: 'sweeps' is not a stage; use one of prepare, sweep, final, "
+               "report, all"),
+])
+def test_a_part_given_as_stage_is_refused_with_the_stage_that_runs_it(stage, line, capsys):
+    """``--plan`` prints ``sweep-lr (--stage sweep)``; typing the part is answered with that."""
+    with pytest.raises(SystemExit) as stopped:
+        build_parser().parse_args(["study", "--config", "x.yaml", "--stage", stage])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(line)

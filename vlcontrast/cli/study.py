@@ -4,6 +4,7 @@ array task's work) or the cells that can run now."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -15,10 +16,10 @@ def register(sub) -> None:
     study.add_argument("--config", required=True)
     study.add_argument("--report-only", action="store_true",
                        help="rebuild the CSV, tables and plots from the stored cell results")
-    study.add_argument("--stage", default="all",
-                       choices=("prepare", "sweep", "final", "report", "all"),
-                       help="run one stage (docs/loss-study-v2.md); sweep runs the plan's "
-                            "sweep-lr and sweep-hyper parts")
+    study.add_argument("--stage", default="all", type=stage_name,
+                       help="prepare | sweep | final | report | all: run one stage "
+                            "(docs/loss-study-v2.md); sweep runs the plan's sweep-lr and "
+                            "sweep-hyper parts")
     study.add_argument("--plan", action="store_true",
                        help="print the cells of each stage and their machine time (CPU model or "
                             "measured GPU step times, cost_model)")
@@ -34,6 +35,26 @@ def register(sub) -> None:
                             "(findings, recommendation) of these markdown pages from the cells")
     study.add_argument("overrides", nargs="*")
     study.set_defaults(func=run_study_command)
+
+
+STUDY_STAGES = ("prepare", "sweep", "final", "report", "all")
+
+
+def stage_name(value: str) -> str:
+    """``--stage``: one of :data:`STUDY_STAGES`; a part that ``--plan`` prints (``sweep-lr``) is
+    refused with the stage that runs it."""
+    from vlcontrast.study.design import STAGE_OF_PART
+
+    if value in STUDY_STAGES:
+        return value
+    if value in STAGE_OF_PART:
+        runs = STAGE_OF_PART[value]
+        parts = [part for part, stage in STAGE_OF_PART.items() if stage == runs]
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is a part of --stage {runs}, which runs {' then '.join(parts)}; "
+            f"use --stage {runs}")
+    raise argparse.ArgumentTypeError(f"{value!r} is not a stage; use one of "
+                                     f"{', '.join(STUDY_STAGES)}")
 
 
 def run_study_command(args) -> int:
