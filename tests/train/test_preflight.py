@@ -16,3 +16,28 @@ def test_bad_patterns_name_their_key(synthetic_data, tmp_path):
     with pytest.raises(ConfigError, match=r"data\.train source .*weight 0 must be > 0"):
         preflight(load_config(None, base[:1] + [f"data.train={synthetic_data}/train@0",
                                                  f"output_dir={tmp_path / 'run'}"]))
+
+
+def test_a_batch_larger_than_the_data_is_refused_before_the_model_is_built(
+        synthetic_data, tmp_path, monkeypatch):
+    """The loader says the same, but only after the towers were built (minutes at ViT-L)."""
+    from tests.train.helpers import tiny_config
+    from vlcontrast.data.sources import resolve_shard_set
+    from vlcontrast.errors import DataLayoutError
+    from vlcontrast.train import loop
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was built before the data were checked")
+
+    monkeypatch.setattr(loop, "build_model", no_model)
+    config = tiny_config(synthetic_data, tmp_path / "run")
+    samples = resolve_shard_set(config.data).num_samples
+    config.data.batch_size = samples + 1
+    with pytest.raises(DataLayoutError, match=rf"^data: {samples} samples per epoch are fewer "
+                                              rf"than one global batch \({samples + 1} x 1 ranks"
+                                              rf" = {samples + 1}\); set data.batch_size to at "
+                                              rf"most {samples}, or train on more data$"):
+        loop.train(config)
+    config.data.batch_size = samples  # one batch fits: the model is built next
+    with pytest.raises(AssertionError, match="the model was built"):
+        loop.train(config)

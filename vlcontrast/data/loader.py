@@ -31,11 +31,11 @@ from typing import Any, Callable, Iterator, NamedTuple
 import torch
 from torch.utils.data import DataLoader
 
-from vlcontrast.errors import DataLayoutError, LoaderError, ShardsNotFoundError, ShardSpecError
+from vlcontrast.errors import LoaderError, ShardsNotFoundError, ShardSpecError
 from .plan import epoch_order, slot_range, virtual_segments, worker_batches
 from .samples import (DEFAULT_MAX_IMAGE_PIXELS, IMAGE_EXTENSIONS, SAMPLE_REASONS, SHARD_REASONS,
                       Members, bad_rate_error, decode_sample)
-from .sources import ShardSet, resolve_shard_set
+from .sources import ShardSet, check_batch_fits, resolve_shard_set
 from .spec import Source, expand_source, parse_spec
 from .row_snapshot import load_or_build
 from .stream import MIN_EXAMINED_FOR_RATE, CachedTokenizer, SlotStream
@@ -332,17 +332,8 @@ def build_train_loader(data_cfg: Any, preprocess: Callable, tokenizer: Callable,
                           "data.mode=resampled (epoch mode reads each shard once)")
     # No lower bound on shards per slot: the epoch plan cuts ranges in rows, so several slots
     # read disjoint row ranges of one shard (see plan.own_segments).
-    global_batch = data_cfg.batch_size * world_size
-    steps = shard_set.num_samples // global_batch
-    if shard_set.num_samples == 0:
-        raise DataLayoutError(f"data.train={data_cfg.train!r}: no complete sample in its "
-                              f"{len(shard_set.urls)} shards; `vlcontrast prep check` says why")
-    if steps < 1:
-        most = max(1, shard_set.num_samples // world_size)
-        raise DataLayoutError(f"data: {shard_set.num_samples} samples per epoch are fewer than one "
-                              f"global batch ({data_cfg.batch_size} x {world_size} ranks = "
-                              f"{global_batch}); set data.batch_size to at most {most}, or "
-                              "train on more data")
+    check_batch_fits(data_cfg, shard_set, world_size)
+    steps = shard_set.num_samples // (data_cfg.batch_size * world_size)
     if workers > 0:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     cache_bytes = int(getattr(data_cfg, "cache_mb", 0)) << 20

@@ -230,6 +230,21 @@ def resolve_shard_set(data_cfg: Any, *, needs_sample_ids: bool = False,
                     num_samples, id_space, ids_required=id_space > 0)
 
 
+def check_batch_fits(data_cfg: Any, shard_set: ShardSet, world_size: int) -> None:
+    """An epoch of ``shard_set`` holds at least one global batch (``data.batch_size`` x
+    ``world_size``); a one-line :class:`DataLayoutError` names the largest batch that fits."""
+    global_batch = data_cfg.batch_size * world_size
+    if shard_set.num_samples == 0:
+        raise DataLayoutError(f"data.train={data_cfg.train!r}: no complete sample in its "
+                              f"{len(shard_set.urls)} shards; `vlcontrast prep check` says why")
+    if shard_set.num_samples < global_batch:
+        most = max(1, shard_set.num_samples // world_size)
+        raise DataLayoutError(f"data: {shard_set.num_samples} samples per epoch are fewer than one "
+                              f"global batch ({data_cfg.batch_size} x {world_size} ranks = "
+                              f"{global_batch}); set data.batch_size to at most {most}, or "
+                              "train on more data")
+
+
 def check_ids_available(data_cfg: Any, needs_sample_ids: bool, who: str = "the loss"
                         ) -> ShardSet:
     """Preflight of the training data, before the model is built: expand ``data.train``, find

@@ -37,7 +37,7 @@ from vlcontrast import checkpoints as ckpt
 from vlcontrast.config import DataConfig, RunConfig, to_dict
 from vlcontrast.data.samples import Members
 from vlcontrast.data.loader import build_train_loader
-from vlcontrast.data.sources import check_ids_available
+from vlcontrast.data.sources import check_batch_fits, check_ids_available
 from vlcontrast.data.gpu_decode import GpuDecodeTransform, check_gpu_decode
 from vlcontrast.data.transforms import split_normalization, splits_normalization
 from vlcontrast.distill import Distiller
@@ -81,7 +81,8 @@ def train(config: RunConfig) -> dict[str, Any]:
         check_gpu_decode(config.data, device)  # before the model: a one-line error
     needs_ids = (build_loss(config.loss.name, id_space=1, **config.loss.options).needs_sample_ids
                  or bool(config.distill.teacher_features))  # stored teacher rows: by sample id
-    check_ids_available(config.data, needs_ids, who=f"loss={config.loss.name}")  # before the model
+    shard_set = check_ids_available(config.data, needs_ids, who=f"loss={config.loss.name}")
+    check_batch_fits(config.data, shard_set, env.world_size)  # before the model, too
     run_dir, config_yaml = Path(config.output_dir), yaml.safe_dump(to_dict(config), sort_keys=False)
     _configure_process(config.seed, precision, env, run_dir, config_yaml)
 
