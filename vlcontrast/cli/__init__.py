@@ -20,7 +20,10 @@ DEBUG_HELP = f"on an error, show its traceback too (or set {failure.DEBUG_VARIAB
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vlcontrast", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="vlcontrast",
+        description="Train and evaluate CLIP-style models with contrastive losses beyond InfoNCE.",
+        epilog="`vlcontrast COMMAND --help` describes a command; docs/usage.md has examples.")
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     for group in GROUPS:
