@@ -42,12 +42,23 @@ def test_loss_options_are_flat_and_round_trip(tmp_path):
     ("loss.tau_plus=0.1", "loss.tau_plus"),          # infonce has no tau_plus
     ("optim.lr=-1", "optim.lr=-1"),
     ("optim.betas=[0.9]", "optim.betas"),
-    ("bogus=1", "bogus: unknown key"),
+    ("bogus=1", "bogus: unknown key; known: checkpoint, data,"),
+    ("optim.lrr=0.1", "optim.lrr: unknown key (did you mean 'lr'?); known: betas, eps,"),
 ])
 def test_errors_name_the_key(override, needle):
     with pytest.raises(ConfigError) as err:
         load_config(None, ["train.steps=5", override])
     assert needle in str(err.value)
+
+
+def test_a_loss_option_typo_is_named_with_the_option_it_is_close_to():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.steps=5", "loss.name=decl", "loss.gammma=0.5"]).check()
+    assert str(err.value).startswith("loss.gammma=0.5: is not an option of loss 'decl' (did you "
+                                     "mean 'gamma'?); its options: ema_decay, estimator, gamma,")
+    with pytest.raises(ConfigError) as err:  # nothing close: no guess
+        load_config(None, ["train.steps=5", "loss.name=decl", "loss.zzz=1"]).check()
+    assert "did you mean" not in str(err.value)
 
 
 def test_steps_or_epochs_required():

@@ -453,7 +453,8 @@ class RunConfig:
         types = loss_option_types(self.loss.name)
         for key, value in self.loss.options.items():
             _require(key in defaults, f"loss.{key}", value,
-                     f"is not an option of loss '{self.loss.name}' (options: {sorted(defaults)})")
+                     f"is not an option of loss '{self.loss.name}'{_did_you_mean(key, defaults)}"
+                     f"; its options: {', '.join(sorted(defaults)) or 'none'}")
             if key in types:  # its declared type: a choice, a number, a flag
                 self.loss.options[key] = _coerce(value, types[key], f"loss.{key}")
         _check_loss_options(self.loss)
@@ -575,6 +576,14 @@ def check_choices(section: Any, prefix: str) -> None:
                            f"{prefix}.{f.name}")
 
 
+def _did_you_mean(key: str, names) -> str:
+    """`` (did you mean 'lr'?)`` for a key one typo away from a known one, else ``""``."""
+    import difflib
+
+    close = difflib.get_close_matches(str(key), sorted(names), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def _from_dict(cls: type, values: dict[str, Any], prefix: str) -> Any:
     if not isinstance(values, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {values!r}")
@@ -587,7 +596,8 @@ def _from_dict(cls: type, values: dict[str, Any], prefix: str) -> Any:
             if cls is LossConfig:
                 extra[key] = value
                 continue
-            raise ConfigError(f"{prefix}{key}: unknown key (known: {sorted(names)})")
+            raise ConfigError(f"{prefix}{key}: unknown key{_did_you_mean(key, names)}; known: "
+                              f"{', '.join(sorted(names))} (`vlcontrast config` lists them all)")
         annotation = hints[key]
         if dataclasses.is_dataclass(annotation):
             kwargs[key] = _from_dict(annotation, value or {}, f"{prefix}{key}.")

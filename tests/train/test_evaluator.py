@@ -26,7 +26,7 @@ def test_should_evaluate_every_n_steps_but_not_the_last():
 
 
 def test_check_names_the_key(tmp_path):
-    with pytest.raises(ConfigError, match="eval.zeroshot='/nope': directory does not exist"):
+    with pytest.raises(ConfigError, match="eval.zeroshot='/nope': no such folder; give an "):
         Evaluator(EvalConfig(zeroshot="/nope")).check()
     with pytest.raises(ConfigError, match=r"data\.val pattern"):
         Evaluator(EvalConfig(), val_shards=str(tmp_path / "{0..1}.tar")).check()

@@ -67,11 +67,14 @@ class Evaluator:
         if self.retrieval_shards:
             check_spec(self.retrieval_key, self.retrieval_shards)
         if self.config.zeroshot and not Path(self.config.zeroshot).is_dir():
-            raise ConfigError(f"eval.zeroshot={self.config.zeroshot!r}: directory does not exist")
+            raise ConfigError(f"eval.zeroshot={self.config.zeroshot!r}: no such folder; give an "
+                              "ImageNet-style or CLIP_benchmark folder (docs/evaluation.md), or "
+                              "leave eval.zeroshot empty")
         for key in ("classnames", "templates"):
             value = getattr(self.config, key)
             if value and not Path(value).is_file():
-                raise ConfigError(f"eval.{key}={value!r}: file does not exist")
+                raise ConfigError(f"eval.{key}={value!r}: no such file; give a text file with "
+                                  "one entry per line, or leave it empty for the folder's own")
         if self.config.zeroshot:
             try:
                 resolve_zeroshot_data(self.config.zeroshot,
