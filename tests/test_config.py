@@ -69,8 +69,12 @@ def test_steps_or_epochs_required():
 def test_missing_and_broken_files(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")
-    with pytest.raises(ConfigError, match="not valid YAML"):
+    with pytest.raises(ConfigError) as caught:
         load_config(write(tmp_path, "data: [unclosed\n"))
+    # where and what, on one line (yaml's own text spans four, with a caret)
+    assert str(caught.value).startswith(f"config file {str(tmp_path / 'run.yaml')!r} is not "
+                                        "valid YAML (line 2, column 1: expected ',' or ']'")
+    assert str(caught.value).endswith("; fix it there") and "\n" not in str(caught.value)
 
 
 def test_every_option_is_documented():

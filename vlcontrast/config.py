@@ -652,6 +652,13 @@ def merge_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
     return values
 
 
+def yaml_problem(err: Exception) -> str:
+    """Where and what a YAML parse error is, on one line: ``line 2, column 1: expected ...``."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err).strip().splitlines()[0]
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark else problem
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
                 check: bool = True) -> RunConfig:
     """Read a YAML config, apply ``section.key=value`` overrides, validate, return the config."""
@@ -659,11 +666,13 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
+            raise ConfigError(f"config file {str(path)!r} does not exist; name a YAML file "
+                              "(configs/ has examples) or give only key=value overrides")
         try:
             values = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as err:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from err
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML "
+                              f"({yaml_problem(err)}); fix it there") from None
     values = merge_overrides(values, list(overrides or []))
     config = _from_dict(RunConfig, values, "")
     if check:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import yaml
 
 # The run config's parser: same coercion rules, same error messages (see vlcontrast/config.py).
-from vlcontrast.config import ConfigError, _from_dict, merge_overrides
+from vlcontrast.config import ConfigError, _from_dict, merge_overrides, yaml_problem
 
 from .paths import looked, resolve_paths, shards_problem
 
@@ -471,11 +471,13 @@ def load_study_config(path: str | os.PathLike, overrides: list[str] | None = Non
     paths beside the YAML or at the current directory, where they exist (:mod:`.paths`), validate."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"study config {str(path)!r} does not exist")
+        raise ConfigError(f"study config {str(path)!r} does not exist; name a study YAML "
+                          "(configs/study/ has the shipped ones)")
     try:
         values = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
-        raise ConfigError(f"study config {str(path)!r} is not valid YAML: {err}") from err
+        raise ConfigError(f"study config {str(path)!r} is not valid YAML "
+                          f"({yaml_problem(err)}); fix it there") from None
     try:
         config = _from_dict(StudyConfig, merge_overrides(values, list(overrides or [])), "")
     except ConfigError as err:

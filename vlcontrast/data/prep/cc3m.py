@@ -60,7 +60,9 @@ def check_tsv(tsv: str | os.PathLike, lines: int = _CHECK_LINES) -> dict[str, An
     """
     path = Path(tsv)
     if not path.is_file():
-        raise FileNotFoundError(f"CC3M TSV {str(path)!r} does not exist")
+        raise FileNotFoundError(f"CC3M TSV {str(path)!r} does not exist; give the caption/URL "
+                                "TSV of the Conceptual Captions download "
+                                "(Train_GCC-training.tsv, Validation_GCC-1.1.0-Validation.tsv)")
     header = False
     url_columns: set[int] = set()
     seen = 0
