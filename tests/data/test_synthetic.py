@@ -239,7 +239,7 @@ def test_rewrite_removes_stale_shards_and_rejects_bad_arguments(tmp_path):
                     progress=False)
     assert sorted(p.name for p in (tmp_path / "train").glob("*.tar")) == ["00000.tar", "00001.tar"]
     assert read_manifest(tmp_path / "train")["num_samples"] == 15
-    with pytest.raises(ValueError, match="shard_size"):
+    with pytest.raises(ValueError, match="--shard-size=20000"):
         write_synthetic(tmp_path, train=10, shard_size=20_000, progress=False)
 
 
@@ -301,9 +301,9 @@ def test_a_train_mix_draws_its_shares():
     assert abs(sum(not any(w in p for w in color_words) for p in phrases) / 4000 - 0.5) < 0.03
 
 
-@pytest.mark.parametrize("kwargs, match", [({"single_object": 1.2}, "single_object=1.2"),
-                                           ({"colorless": 0.8}, "colorless=0.8"),
-                                           ({"colorless": -0.1}, "colorless=-0.1")])
+@pytest.mark.parametrize("kwargs, match", [({"single_object": 1.2}, "--single-object=1.2"),
+                                           ({"colorless": 0.8}, "--colorless=0.8"),
+                                           ({"colorless": -0.1}, "--colorless=-0.1")])
 def test_a_bad_train_mix_is_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         TrainMix(**kwargs)
@@ -331,8 +331,9 @@ def test_is_current_knows_the_world_on_disk(tmp_path, capsys):
     args[args.index("0.8")] = "0.9"
     assert main(args) == 0
     assert json.loads((tmp_path / "synthetic.json").read_text())["train_mix"]["single_object"] == 0.9
-    with pytest.raises(SystemExit, match="single_object=1.5"):
-        main(args[:args.index("0.9")] + ["1.5"] + args[args.index("0.9") + 1:])
+    capsys.readouterr()
+    assert main(args[:args.index("0.9")] + ["1.5"] + args[args.index("0.9") + 1:]) == 2
+    assert "--single-object=1.5: must be in [0, 1]" in capsys.readouterr().err
 
 
 def test_bare_captions_are_the_object_phrase_alone():
@@ -346,3 +347,17 @@ def test_bare_captions_are_the_object_phrase_alone():
         _, caption, scene = make_sample(0, "train", index, 32, mix=TrainMix(single_object=1.0, bare=1.0))
         assert len(scene["objects"]) == 1
         assert caption.startswith(("a ", "an ")) and not any(w in caption for w in extra), caption
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--train", "-5"], "prep synthetic: --train=-5: must be >= 1 (training samples)"),
+    (["--image-size", "8"], "prep synthetic: --image-size=8: must be >= 16"),
+    (["--bare", "2"], "prep synthetic: --bare=2.0: must be in [0, 1]"),
+])
+def test_bad_arguments_are_one_line_from_the_cli(args, line, tmp_path, capsys):
+    from vlcontrast.cli import main
+
+    assert main(["prep", "synthetic", "--out", str(tmp_path / "out"), "--no-progress",
+                 *args]) == 2
+    assert capsys.readouterr().err.strip() == f"vlcontrast: error: {line}"
+    assert not (tmp_path / "out").exists()  # refused before anything was written

@@ -188,10 +188,7 @@ def run_prep(args) -> int:
         from vlcontrast.data.prep.synthetic import TrainMix, is_current, write_synthetic
 
         given = {"single_object": args.single_object, "colorless": args.colorless, "bare": args.bare}
-        try:
-            mix = TrainMix(**{key: value for key, value in given.items() if value is not None})
-        except ValueError as err:
-            raise SystemExit(f"vlcontrast prep synthetic: {err}") from None
+        mix = TrainMix(**{key: value for key, value in given.items() if value is not None})
         if args.skip_if_current and is_current(
                 args.out, train=args.train, val=args.val, zeroshot_per_class=args.zeroshot_per_class,
                 seed=args.seed, image_size=args.image_size, train_mix=mix):

@@ -39,6 +39,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
+from vlcontrast.errors import DataPrepError
+
 from ..naming import make_key, shard_name
 from ..shards import build_manifest, write_manifest, write_sizes
 
@@ -113,12 +115,14 @@ class TrainMix:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.single_object <= 1.0:
-            raise ValueError(f"single_object={self.single_object}: must be in [0, 1]")
+            raise DataPrepError(f"prep synthetic: --single-object={self.single_object}: must be in "
+                                 "[0, 1]")
         if not 0.0 <= self.colorless <= 0.72:
-            raise ValueError(f"colorless={self.colorless}: must be in [0, 0.72] (the share of "
-                             "phrases in the plain 'size colour shape' form it replaces)")
+            raise DataPrepError(f"prep synthetic: --colorless={self.colorless}: must be in "
+                                "[0, 0.72] (the share of phrases in the plain 'size colour "
+                                "shape' form it replaces)")
         if not 0.0 <= self.bare <= 1.0:
-            raise ValueError(f"bare={self.bare}: must be in [0, 1]")
+            raise DataPrepError(f"prep synthetic: --bare={self.bare}: must be in [0, 1]")
 
     @property
     def is_default(self) -> bool:
@@ -654,13 +658,15 @@ def write_synthetic(out_dir: str | os.PathLike, *, train: int = 20_000, val: int
     """
     train_mix = train_mix or TrainMix()
     if train < 1:
-        raise ValueError(f"train={train}: must be >= 1")
+        raise DataPrepError(f"prep synthetic: --train={train}: must be >= 1 (training samples)")
     if val < 0 or zeroshot_per_class < 0:
-        raise ValueError(f"val={val}, zeroshot_per_class={zeroshot_per_class}: must be >= 0")
+        raise DataPrepError(f"prep synthetic: --val={val}, --zeroshot-per-class="
+                            f"{zeroshot_per_class}: must be >= 0")
     if not 1 <= shard_size <= 10_000:
-        raise ValueError(f"shard_size={shard_size}: must be in [1, 10000] (9-digit keys)")
+        raise DataPrepError(f"prep synthetic: --shard-size={shard_size}: must be in [1, 10000] "
+                            "(9-digit keys)")
     if image_size < 16:
-        raise ValueError(f"image_size={image_size}: must be >= 16")
+        raise DataPrepError(f"prep synthetic: --image-size={image_size}: must be >= 16")
     out = Path(out_dir)
     start = time.perf_counter()
 
