@@ -153,6 +153,13 @@ def test_csv_local_paths_merges_captions_and_counts_skips(tmp_path):
     with pytest.raises(DataPrepError, match=r"data\.csv:1 has no column 'path'.*'filepath'"):
         prepare_table(tmp_path / "data.csv", tmp_path / "o2", image_key="path",
                       caption_key="title", progress=False)
+    (tmp_path / "semi.csv").write_text("filepath;title\nimgs/a.jpg;x\n")
+    with pytest.raises(DataPrepError, match=r"semi\.csv:1 has no column 'filepath'.* \(the header "
+                                            r"seems to be separated by ';': give --sep ';'\)"):
+        prepare_table(tmp_path / "semi.csv", tmp_path / "o4", progress=False)
+    (tmp_path / "tabs.csv").write_text("filepath\ttitle\nimgs/a.jpg\tx\n")
+    with pytest.raises(DataPrepError, match=r"separated by '\\t': give --sep '\\t'"):
+        prepare_table(tmp_path / "tabs.csv", tmp_path / "o5", progress=False)
     (tmp_path / "mixed.tsv").write_text("filepath\ttitle\nimgs/a.jpg\tx\nhttp://h/b.jpg\ty\n")
     with pytest.raises(DataPrepError, match=r"mixed\.tsv:3.*mixes URLs"):
         prepare_table(tmp_path / "mixed.tsv", tmp_path / "o3", progress=False)

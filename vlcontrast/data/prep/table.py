@@ -65,8 +65,7 @@ def read_table(path: Path, image_key: str, caption_key: str, sep: str
             header = [h.strip() for h in header]
             missing = [k for k in (image_key, caption_key) if k not in header]
             if missing:
-                hint = (" (the separator may be wrong: try --sep ',' or --sep '\\t')"
-                        if len(header) == 1 else "")
+                hint = _separator_hint(header, sep)
                 raise DataPrepError(
                     f"{command}: {path}:1 has no column {missing[0]!r}; its columns are "
                     f"{header[:12]}{hint}: name them with --image-key and --caption-key")
@@ -208,3 +207,15 @@ def _prepare_urls(path: Path, out: str | os.PathLike, rows: list[tuple[int, str,
                           encode_quality=encode_quality, incremental=not overwrite, **options)
     report["table_skipped"] = skipped
     return report
+
+
+def _separator_hint(header: list[str], sep: str) -> str:
+    """For a header read as one column: the separator it seems to use, as the ``--sep`` to give."""
+    if len(header) != 1:
+        return ""
+    counts = {c: header[0].count(c) for c in (",", "\t", ";", "|") if c != sep}
+    found = max(counts, key=counts.get) if any(counts.values()) else None
+    if found is None:
+        return " (the separator may be wrong: try --sep ',' or --sep '\\t')"
+    shown = "'\\t'" if found == "\t" else repr(found)
+    return f" (the header seems to be separated by {shown}: give --sep {shown})"
