@@ -597,7 +597,7 @@ def _from_dict(cls: type, values: dict[str, Any], prefix: str) -> Any:
                 extra[key] = value
                 continue
             raise ConfigError(f"{prefix}{key}: unknown key{_did_you_mean(key, names)}; known: "
-                              f"{', '.join(sorted(names))} (`vlcontrast config` lists them all)")
+                              f"{', '.join(sorted(names))}")
         annotation = hints[key]
         if dataclasses.is_dataclass(annotation):
             kwargs[key] = _from_dict(annotation, value or {}, f"{prefix}{key}.")

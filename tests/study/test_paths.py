@@ -259,3 +259,20 @@ def test_a_part_given_as_stage_is_refused_with_the_stage_that_runs_it(stage, lin
         build_parser().parse_args(["study", "--config", "x.yaml", "--stage", stage])
     assert stopped.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(line)
+
+
+def test_a_training_config_given_as_the_study_config_says_so():
+    with pytest.raises(ConfigError) as caught:
+        load_study_config(STUDY / "cell-gpu.yaml")
+    assert str(caught.value) == (
+        f"study config {str(STUDY / 'cell-gpu.yaml')!r} is a training config (it has deepspeed, "
+        "loss, model, optim, train); give `vlcontrast train --config` this file, or a study "
+        "config that names it as base: (configs/study/v2.yaml)")
+
+
+def test_a_setting_outside_the_grid_is_checked_too():
+    """An override that adds a setting (``settings.0.loss=nope``) used to pass unseen."""
+    with pytest.raises(ConfigError, match=r"^study settings\.0\.loss='nope': must be one of "):
+        load_study_config(GPU, ["settings.0.loss=nope"])
+    with pytest.raises(ConfigError, match=r"^study settings\.spare='gammma': is not an option "):
+        load_study_config(GPU, ["settings.spare.loss=decl", "settings.spare.options.gammma=0.5"])

@@ -434,8 +434,7 @@ def check_v2(config: StudyConfig) -> None:
     all_settings = settings(config)
     require(set(config.grid.losses) <= set(all_settings), "grid.losses", config.grid.losses,
             f"a v2 study lists setting names of settings: {sorted(all_settings)}")
-    for name in config.grid.losses:
-        setting = all_settings[name]
+    for name, setting in all_settings.items():  # every one, used or not: a typo is not skipped
         require(setting.loss in LOSSES, f"settings.{name}.loss", setting.loss,
                 f"must be one of {sorted(LOSSES)}")
         known = loss_option_defaults(setting.loss)
@@ -478,6 +477,12 @@ def load_study_config(path: str | os.PathLike, overrides: list[str] | None = Non
     except yaml.YAMLError as err:
         raise ConfigError(f"study config {str(path)!r} is not valid YAML "
                           f"({yaml_problem(err)}); fix it there") from None
+    run_sections = sorted({"model", "train", "loss", "optim", "deepspeed"} & set(values)
+                          if isinstance(values, dict) else [])
+    if run_sections and not {"grid", "datasets", "settings"} & set(values):
+        raise ConfigError(f"study config {str(path)!r} is a training config (it has "
+                          f"{', '.join(run_sections)}); give `vlcontrast train --config` this file, "
+                          "or a study config that names it as base: (configs/study/v2.yaml)")
     try:
         config = _from_dict(StudyConfig, merge_overrides(values, list(overrides or [])), "")
     except ConfigError as err:
