@@ -167,6 +167,31 @@ def test_verifier_takes_a_threshold_per_metric_and_fails_a_missing_one(tmp_path)
         verify_results(run, 3.0, ("zeroshot/top1:many",))
 
 
+@pytest.mark.parametrize("args, line", [
+    (["{run}", "--metrics", "zeroshot/top:2"],
+     "verify --metrics 'zeroshot/top:2': 'zeroshot/top' is not a metric verify can compare with "
+     "chance; this run has retrieval/image_to_text_R@1, retrieval/text_to_image_R@1, zeroshot/top1"),
+    (["{run}", "--min-over-chance", "-1"], "verify --min-over-chance=-1: must be > 0"),
+    (["{tmp}/runs/teachr"], "verify RUN '{tmp}/runs/teachr': no such folder; give a finished run's"),
+    (["{tmp}"], "verify RUN '{tmp}': holds no results.json; a run writes it when it finishes"),
+])
+def test_verify_refuses_bad_input_in_one_line(tmp_path, capsys, args, line):
+    from vlcontrast.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "results.json").write_text(json.dumps({"metrics": {
+        "retrieval/text_to_image_R@1": 0.2, "retrieval/image_to_text_R@1": 0.2,
+        "retrieval/num_images": 100, "retrieval/num_texts": 100,
+        "zeroshot/top1": 0.45, "zeroshot/num_classes": 10}}))
+    given = [a.format(run=run, tmp=tmp_path) for a in args]
+    assert main(["verify", *given]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("vlcontrast: error: " + line.format(tmp=tmp_path)) and "\n" not in err
+    # the results file itself is a run too
+    assert main(["verify", str(run / "results.json")]) == 0
+
+
 @pytest.mark.slow
 def test_normalizing_on_the_device_trains_exactly_like_the_per_image_transform(dataset, tmp_path):
     # data.normalize_on_device moves ToTensor + Normalize from the loader to the batch; the

@@ -86,13 +86,45 @@ def verify_results(metrics: dict[str, Any], min_ratio: float = 3.0,
 DEFAULT_KEYS = ("retrieval/text_to_image_R@1", "retrieval/image_to_text_R@1", "zeroshot/top1")
 
 
+def results_file(run: str | Path) -> Path:
+    """``RUN/results.json`` (or ``RUN`` itself when it is that file); a one-line ConfigError for a
+    path that is neither."""
+    path = Path(run)
+    if path.is_file() and path.suffix == ".json":
+        return path
+    if not path.exists():
+        raise ConfigError(f"verify RUN {str(run)!r}: no such folder; give a finished run's folder "
+                          "(its output_dir, holding results.json)")
+    if not (path / "results.json").is_file():
+        raise ConfigError(f"verify RUN {str(run)!r}: holds no results.json; a run writes it when it "
+                          "finishes: give a finished run's folder")
+    return path / "results.json"
+
+
+def check_keys(keys: tuple[str, ...], metrics: dict[str, Any], min_ratio: float) -> None:
+    """Every key names a metric verify can compare with chance (``..._R@K``, ``zeroshot/topK``);
+    a typo is a one-line ConfigError listing the ones this run has, not a FAIL row."""
+    if not min_ratio > 0:
+        raise ConfigError(f"verify --min-over-chance={min_ratio:g}: must be > 0 (3 = three times "
+                          "chance)")
+    known = [key for key in sorted(metrics) if _comparable(key)]
+    for text in keys:
+        key = parse_key(text, min_ratio)[0]
+        if not _comparable(key):
+            raise ConfigError(f"verify --metrics {text!r}: {key!r} is not a metric verify can "
+                              f"compare with chance; this run has {', '.join(known) or 'none'}")
+
+
+def _comparable(key: str) -> bool:
+    return bool(re.search(r"(image_to_text|text_to_image)_R@\d+$|zeroshot/top\d+$", key))
+
+
 def verify_run(run_dir: str | Path, min_ratio: float = 3.0,
                keys: tuple[str, ...] = DEFAULT_KEYS) -> tuple[bool, str]:
-    """Check ``keys`` against ``min_ratio`` x chance; other chance-comparable metrics are shown."""
-    path = Path(run_dir) / "results.json"
-    if not path.is_file():
-        return False, f"{path}: no results.json (did the run finish?)"
-    metrics = json.loads(path.read_text())["metrics"]
+    """Check ``keys`` against ``min_ratio`` x chance; other chance-comparable metrics are shown.
+    ``run_dir``: a run's folder or its ``results.json``."""
+    metrics = json.loads(results_file(run_dir).read_text())["metrics"]
+    check_keys(keys, metrics, min_ratio)
     ok, rows = verify_results(metrics, min_ratio, keys)
     checked = {parse_key(key, min_ratio)[0] for key in keys}
     shown = [key for key in DEFAULT_KEYS if key not in checked and key in metrics]
