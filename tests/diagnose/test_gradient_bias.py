@@ -214,6 +214,9 @@ def test_cli_writes_the_report(tiny, tmp_path, capsys):
             "--parameter-groups", "2", "--parameter-batches", "2", "--chunk-size", "10",
             "--option", "decl.gamma=0.5", "--out", str(out)]
     assert main(args) == 0
+    printed = capsys.readouterr().out  # the table on the console too, then where it was written
+    assert "| infonce | 4 |" in printed and printed.strip().splitlines()[-1].startswith(
+        "gradient-bias: 8 rows in ")
     report = json.loads((out / "gradient_bias.json").read_text())
     assert report["num_samples"] == 16 and report["decl_gamma"] == 0.5
     # IEEE fp32 and deterministic cuDNN, set before anything is computed and recorded
@@ -234,6 +237,10 @@ def test_cli_writes_the_report(tiny, tmp_path, capsys):
 
     assert main(args[:-2] + ["--batch-sizes", "4,17", "--out", str(out)]) == 2
     assert "17 is outside [2, --num-samples=16]" in capsys.readouterr().err
+    assert main(args[:-2] + ["--batch-sizes", "4,abc", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "vlcontrast: error: --batch-sizes '4,abc': 'abc' is not a whole number; give sizes such "
+        "as 16,32,64")
 
 
 def test_lock_image_pushes_back_through_the_text_tower_only(tiny, tmp_path):

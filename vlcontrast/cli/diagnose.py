@@ -57,7 +57,7 @@ def run_diagnose(args) -> int:
             import yaml
 
             options.setdefault(loss, {})[option] = yaml.safe_load(value)
-        sizes = tuple(int(size) for size in names(args.batch_sizes))
+        sizes = batch_sizes(args.batch_sizes)
         settings = GradientBiasSettings(
             checkpoint=args.checkpoint, data=args.data, out=args.out, losses=names(args.losses),
             batch_sizes=sizes, num_samples=args.num_samples,
@@ -70,6 +70,26 @@ def run_diagnose(args) -> int:
     except ValueError as err:
         print(f"vlcontrast: error: {err}", file=sys.stderr)
         return 2
-    print(f"gradient-bias: {len(report['rows'])} rows in {report['seconds']} s -> {args.out}")
+    from vlcontrast.diagnose.report import markdown_table
+
+    print(markdown_table(report["rows"]))
+    print(f"gradient-bias: {len(report['rows'])} rows in {report['seconds']} s -> {args.out} "
+          "(gradient_bias.md, .csv, .json, .png)")
     return 0
+
+
+def batch_sizes(text: str) -> tuple[int, ...]:
+    """``--batch-sizes 16,32,64``; a one-line error naming the option for anything else."""
+    sizes = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        try:
+            sizes.append(int(item))
+        except ValueError:
+            raise ValueError(f"--batch-sizes {text!r}: {item!r} is not a whole number; give "
+                             "sizes such as 16,32,64") from None
+    if not sizes:
+        raise ValueError(f"--batch-sizes {text!r}: no size given; give sizes such as 16,32,64")
+    return tuple(sizes)
 
