@@ -31,6 +31,7 @@ alpha channel instead (``convert("RGB")``), which changes what a transparent ima
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from vlcontrast.checkpoints import EXPORT_CONFIG_FILE, EXPORT_WEIGHTS_FILE
@@ -56,21 +57,21 @@ def _save_safetensors(state: dict, path: Path, metadata: dict) -> None:
                                                               metadata.items()}})
 
 
-def _load(checkpoint):
+def _load(checkpoint, what: str = "--checkpoint"):
     from vlcontrast.checkpoints import resolve_weights
     from vlcontrast.models import load_model_from_checkpoint
 
-    folder = resolve_weights(checkpoint)
+    folder = resolve_weights(checkpoint, what)
     return folder, load_model_from_checkpoint(folder, device="cpu")
 
 
-def export_open_clip(checkpoint, out_dir) -> dict:
+def export_open_clip(checkpoint, out_dir, what: str = "--checkpoint") -> dict:
     """Write CKPT (run dir -> latest, or a checkpoint dir) as an open_clip model in ``out_dir``.
 
     Returns ``{"checkpoint", "model_name", "model_config", "open_clip_config", "weights",
     "readme"}`` (paths as strings).
     """
-    folder, bundle = _load(checkpoint)
+    folder, bundle = _load(checkpoint, what)
     meta = bundle.model_config
     model_cfg = dict(meta["model_cfg"])
     # open_clip builds the SigLIP bias parameter only when the config asks for it; the scale is a
@@ -99,13 +100,13 @@ def export_open_clip(checkpoint, out_dir) -> dict:
             "weights": str(weights), "readme": str(readme)}
 
 
-def export_transformers(checkpoint, out_dir) -> dict:
+def export_transformers(checkpoint, out_dir, what: str = "--checkpoint") -> dict:
     """Write CKPT as a transformers ``CLIPModel`` directory in ``out_dir``; a one-line
     :class:`ConfigError` naming the part that has no ``CLIPModel`` counterpart, before anything
     is written. Returns ``{"checkpoint", "model_name", "config", "weights", "readme"}``."""
     from vlcontrast.models import transformers_clip as mapping
 
-    folder, bundle = _load(checkpoint)
+    folder, bundle = _load(checkpoint, what)
     model_cfg = bundle.model_config["model_cfg"]
     state = bundle.model.state_dict()
     preprocess_cfg = dict(getattr(bundle.model.visual, "preprocess_cfg", {}) or {})
@@ -132,12 +133,70 @@ def export_transformers(checkpoint, out_dir) -> dict:
             "readme": str(readme)}
 
 
-def export_model(checkpoint, out_dir, format: str = "open_clip") -> dict:
-    """``vlcontrast export``: :func:`export_open_clip` or :func:`export_transformers`."""
+def export_model(checkpoint, out_dir, format: str = "open_clip", overwrite: bool = False,
+                 what: str = "--checkpoint") -> dict:
+    """``vlcontrast export``: :func:`export_open_clip` or :func:`export_transformers` into
+    ``out_dir``, which must be new or empty; ``overwrite`` replaces an earlier vlcontrast export
+    there. The export is written beside ``out_dir`` and moved in when complete, so a failed
+    export leaves nothing half-written and an earlier export intact. ``what`` names the
+    checkpoint's option in errors."""
     if format not in FORMATS:
         raise ConfigError(f"--format {format!r}: use one of {', '.join(FORMATS)}")
     exporter = export_open_clip if format == "open_clip" else export_transformers
-    return exporter(checkpoint, out_dir)
+    out = Path(out_dir)
+    check_export_target(out, overwrite)
+    staging = out.parent / f".{out.name}.exporting"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        result = exporter(checkpoint, staging, what)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _move_into_place(staging, out)
+    return {key: str(out / Path(value).relative_to(staging))
+            if isinstance(value, str) and Path(value).is_relative_to(staging) else value
+            for key, value in result.items()}
+
+
+def check_export_target(out: Path, overwrite: bool) -> None:
+    """``out`` is new, empty, or (with ``overwrite``) an earlier vlcontrast export; a one-line
+    ConfigError otherwise, before the checkpoint is read."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"export OUT {str(out)!r}: a file; name a folder")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if not held:
+        return
+    shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+    if not overwrite:
+        raise ConfigError(f"export OUT {str(out)!r}: not empty ({shown}); name a new folder, or "
+                          "add --overwrite to replace an earlier vlcontrast export there")
+    if not is_vlcontrast_export(out):
+        raise ConfigError(f"export OUT {str(out)!r}: holds files that are not a vlcontrast export "
+                          f"({shown}), which --overwrite would delete; name a new folder")
+
+
+def is_vlcontrast_export(folder: Path) -> bool:
+    """A folder an earlier ``vlcontrast export`` wrote (either format): its config records it."""
+    from vlcontrast.checkpoints import TRANSFORMERS_CONFIG_FILE
+
+    for name in (EXPORT_CONFIG_FILE, TRANSFORMERS_CONFIG_FILE):
+        try:
+            config = json.loads((folder / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(config, dict) and isinstance(config.get("vlcontrast"), dict):
+            return True
+    return False
+
+
+def _move_into_place(staging: Path, out: Path) -> None:
+    """``staging`` becomes ``out``; an earlier ``out`` is removed only once the new one is in."""
+    old = out.parent / f".{out.name}.replaced"
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        out.rename(old)
+    staging.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 ALPHA_NOTE = """## Transparency

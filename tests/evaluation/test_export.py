@@ -271,3 +271,38 @@ def test_alpha_drop_reproduces_clip_benchmark_cli_on_transparent_pngs(exported, 
         on_white, _ = decode_image(transparent_png(index), alpha="white")
         as_dropped, _ = decode_image(transparent_png(index), alpha="drop")
         assert on_white.tobytes() != as_dropped.tobytes()
+
+
+def test_export_into_a_folder_that_holds_files(tiny_checkpoint, tmp_path, capsys):
+    """A non-empty OUT is refused (formats used to mix there); ``--overwrite`` replaces an earlier
+    vlcontrast export whole, and never a folder of other files."""
+    from vlcontrast.cli import main
+
+    out = tmp_path / "exp"
+    assert main(["export", "--format", "open_clip", str(tiny_checkpoint), str(out)]) == 0
+    first = sorted(p.name for p in out.iterdir())
+    capsys.readouterr()
+    assert main(["export", "--format", "transformers", str(tiny_checkpoint), str(out)]) == 2
+    assert capsys.readouterr().err.strip().startswith(
+        f"vlcontrast: error: export OUT {str(out)!r}: not empty (README.md, open_clip_config.json"
+        ", open_clip_model.safetensors, ")
+    assert sorted(p.name for p in out.iterdir()) == first  # untouched
+    # an export that fails half-way leaves the earlier one as it was, and no staging folder
+    assert main(["export", "--overwrite", "--format", "transformers", str(tmp_path / "nope"),
+                 str(out)]) != 0
+    assert "export RUN " in capsys.readouterr().err  # the positional, as typed
+    assert sorted(p.name for p in out.iterdir()) == first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp"]
+    assert main(["export", "--overwrite", "--format", "open_clip", str(tiny_checkpoint),
+                 str(out)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["weights"] == str(out / "open_clip_model.safetensors")
+    assert sorted(p.name for p in out.iterdir()) == first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp"]
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me")
+    assert main(["export", "--overwrite", str(tiny_checkpoint), str(other)]) == 2
+    assert "not a vlcontrast export (notes.txt), which --overwrite would delete" in \
+        capsys.readouterr().err
+    assert (other / "notes.txt").read_text() == "keep me"

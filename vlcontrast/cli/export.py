@@ -22,6 +22,9 @@ def register(sub) -> None:
                         "CLIPModel directory for transformers' CLIPModel, CLIPProcessor, pipeline")
     export.add_argument("--checkpoint", default=None, help="instead of RUN")
     export.add_argument("--out", default=None, help="instead of OUT")
+    export.add_argument("--overwrite", action="store_true",
+                        help="replace an earlier vlcontrast export in OUT (OUT must otherwise be "
+                             "new or empty)")
     export.set_defaults(func=run_export)
 
     verify = sub.add_parser("verify", help="check a finished run's metrics against chance")
@@ -62,7 +65,9 @@ def run_export(args) -> int:
 
     format, checkpoint, out = export_arguments(args)
     writable_dir(out, "export OUT")  # before the checkpoint is read
-    print(json.dumps(export_model(checkpoint, out, format), indent=2))
+    what = "--checkpoint" if args.checkpoint else "export RUN"
+    print(json.dumps(export_model(checkpoint, out, format, overwrite=args.overwrite, what=what),
+                     indent=2))
     return 0
 
 
