@@ -95,6 +95,13 @@ def test_folder_from_names_cleans_openclipart_titles_and_class_folders(tmp_path)
     assert clean_name("flourish_two_horizontal_01", authors) == "flourish two horizontal"
     assert clean_name("bordered_c_10", authors) == "bordered c 10"  # a card, not a copy mark
     assert clean_name("bordered_s_10", authors) == "bordered s 10"
+    # a class word that ends every file name of its folder is the object, not a one-word author
+    shapes = [f"{c}_circle_0{i}" for i, c in enumerate(("red", "green", "blue", "yellow"))]
+    assert learn_authors(shapes).single == {"circle"}  # from the names alone: an author
+    kept = learn_authors(shapes, folders=["shapes/circles"] * 4)
+    assert not kept.single and clean_name("blue_circle_02", kept) == "blue circle"
+    assert learn_authors(["bee1_mimooh_01", "cat_mimooh_01", "dog_mimooh_01"],
+                         folders=["animals"] * 3).single == {"mimooh"}
 
     classes = tmp_path / "classes"
     for c, n in (("tabby_cat", 2), ("Dog", 1)):

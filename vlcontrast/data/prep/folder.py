@@ -76,11 +76,14 @@ def _words_before_mark(stem: str) -> list[str] | None:
     return stem[:mark.start()].split("_") if mark else None
 
 
-def learn_authors(stems: list[str], min_count: int = AUTHOR_MIN_COUNT) -> Authors:
+def learn_authors(stems: list[str], min_count: int = AUTHOR_MIN_COUNT,
+                  folders: list[str] | None = None) -> Authors:
     """openclipart's authors, from the file names of a whole folder: a word is an author's first
     name when at least ``min_count`` marked stems (``..._NN`` or ``..._``) have it second to last;
     a one-word author when at least ``min_count`` marked stems of different titles end with it
-    and it is never a title word elsewhere (or it is a first name cut short)."""
+    and it is never a title word elsewhere (or it is a first name cut short), nor part of the
+    name of a folder such a file is in (``circles/red_circle_01``: the class, not an author).
+    ``folders``: each stem's folder path relative to the root, when known."""
     first: dict[str, int] = {}
     marked = [[w.lower() for w in words] for words in map(_words_before_mark, stems) if words]
     for words in marked:
@@ -96,6 +99,10 @@ def learn_authors(stems: list[str], min_count: int = AUTHOR_MIN_COUNT) -> Author
     singles = {w for w, titles in last.items() if len(titles) >= min_count and w not in firsts
                and not w.isdigit() and len(w) >= 4 and (w not in inside or any(
                    f.startswith(w) for f in firsts))}
+    for stem, folder in zip(stems, folders or []):
+        words = _words_before_mark(stem)
+        if words and words[-1].lower() in singles and words[-1].lower() in folder.lower():
+            singles.discard(words[-1].lower())
     return Authors(frozenset(firsts), frozenset(singles))
 
 
@@ -316,7 +323,8 @@ def prepare_folder(root: str | os.PathLike, out: str | os.PathLike, *,
         settings["labels"] = labels
         settings["classes"] = classes
     else:
-        authors = learn_authors([Path(r).stem for r in relatives])
+        authors = learn_authors([Path(r).stem for r in relatives],
+                                folders=[Path(r).parent.as_posix() for r in relatives])
         for i, relative in enumerate(relatives):
             caption = render_name_caption(relative, caption_template, strip_author=strip_author,
                                           authors=authors)
