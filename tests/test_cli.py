@@ -112,3 +112,83 @@ def test_script_runs_as_a_script_from_another_directory(tmp_path):
                             timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: vlcontrast prep check")
+
+
+def one_error_line(capsys, *args: str) -> str:
+    """The one line ``vlcontrast ARGS`` prints for a user error (exit code 2, nothing on stdout)."""
+    capsys.readouterr()
+    assert cli.main(list(args)) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+    assert captured.err.startswith("vlcontrast: error: ")
+    return captured.err.strip().removeprefix("vlcontrast: error: ")
+
+
+@pytest.mark.parametrize("task", [["retrieval", "--data", "d"], ["zeroshot", "--data", "d"],
+                                  ["compare", "c", "--retrieval", "d", "--out", "o"]])
+@pytest.mark.parametrize("option, value, line", [
+    ("--batch-size", "0", "--batch-size 0: must be >= 1 (e.g. --batch-size 64)"),
+    ("--batch-size", "-1", "--batch-size -1: must be >= 1 (e.g. --batch-size 64)"),
+    ("--workers", "-1", "--workers -1: must be >= 0 (0 reads the data in the main process)"),
+])
+def test_eval_counts_are_one_line_errors_before_any_loading(tmp_path, monkeypatch, capsys, task,
+                                                             option, value, line):
+    monkeypatch.chdir(tmp_path)  # "c" and "d" do not exist: the counts are checked first
+    args = task[:1] + (["--checkpoint", "c"] if task[0] != "compare" else []) + task[1:]
+    assert one_error_line(capsys, "eval", *args, option, value) == line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_eval_max_samples_below_zero_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    for args in (["retrieval", "--checkpoint", "c", "--data", "d"],
+                 ["compare", "c", "--retrieval", "d", "--out", "o"]):
+        assert one_error_line(capsys, "eval", *args, "--max-samples", "-3") == (
+            "--max-samples -3: must be >= 0 (0 evaluates every sample)")
+
+
+def test_eval_names_a_missing_classnames_or_templates_file(tmp_path, capsys):
+    (tmp_path / "data" / "a").mkdir(parents=True)
+    (tmp_path / "data" / "b").mkdir()
+    missing = str(tmp_path / "nothere.txt")
+    assert one_error_line(capsys, "eval", "zeroshot", "--checkpoint", str(tmp_path / "c"),
+                          "--data", str(tmp_path / "data"), "--classnames", missing) == (
+        f"--classnames {missing!r}: no such file; give a file with one class name per line")
+    assert one_error_line(capsys, "eval", "zeroshot", "--checkpoint", str(tmp_path / "c"),
+                          "--data", str(tmp_path / "data"), "--templates", missing) == (
+        f"--templates {missing!r}: no such file; give a file with one prompt per line with {{c}}")
+    assert one_error_line(capsys, "eval", "zeroshot", "--checkpoint", str(tmp_path / "c"),
+                          "--data", str(tmp_path / "data"), "--classnames",
+                          str(tmp_path / "data")).startswith(
+        f"--classnames {str(tmp_path / 'data')!r}: a folder, not a file; name a file")
+
+
+def test_eval_checkpoint_naming_a_weights_file_names_its_folder(tmp_path, capsys):
+    folder = tmp_path / "run" / "checkpoints" / "step_00000002"
+    folder.mkdir(parents=True)
+    (folder / "model.pt").write_bytes(b"")
+    line = one_error_line(capsys, "eval", "retrieval", "--checkpoint", str(folder / "model.pt"),
+                          "--data", str(tmp_path), "--device", "cpu")
+    assert line.startswith(f"--checkpoint {str(folder / 'model.pt')!r}: a file, not a folder; "
+                           f"give the folder holding it: --checkpoint {str(folder)!r}")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this host has a GPU")
+def test_eval_device_without_a_gpu_names_the_option(tmp_path, capsys):
+    assert one_error_line(capsys, "eval", "retrieval", "--checkpoint", str(tmp_path), "--data",
+                          str(tmp_path), "--device", "cuda") == (
+        "--device cuda: this process sees 0 usable CUDA device(s); use --device cpu (or auto)")
+
+
+def test_device_contradicting_ds_accelerator_names_the_option(monkeypatch):
+    from vlcontrast.cli.environment import prepare_environment
+    from vlcontrast.errors import DeviceError
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    with pytest.raises(DeviceError) as error:
+        prepare_environment("cuda", option="--device")
+    assert str(error.value) == (
+        "--device cuda: computes on cuda but DS_ACCELERATOR='cpu' is set: DeepSpeed and the model "
+        "would use different devices (unset DS_ACCELERATOR or give --device cpu)")
+    with pytest.raises(DeviceError, match=r"^train.device='cuda'"):  # the trainer's own words
+        prepare_environment("cuda")

@@ -129,6 +129,15 @@ def resolve_model_files(path: str | Path, what: str = "--checkpoint") -> Path:
     if is_export(path) or is_transformers_clip(path):
         return Path(path)
     found = resolve_checkpoint(path, require=WEIGHTS_FILE)
+    if found is None and Path(path).is_file():
+        raise FileNotFoundError(f"{what} {str(path)!r}: a file, not a folder; give the folder "
+                                f"holding it: {what} {str(Path(path).parent)!r} (a run "
+                                "directory, a checkpoint directory, a `vlcontrast export` "
+                                "directory or a transformers CLIPModel directory)")
+    if found is None and not Path(path).exists():
+        raise FileNotFoundError(f"{what} {str(path)!r}: no such folder; give a run directory, a "
+                                "checkpoint directory, a `vlcontrast export` directory or a "
+                                "transformers CLIPModel directory")
     if found is None:
         raise FileNotFoundError(f"{what} {str(path)!r}: no {WEIGHTS_FILE}, no checkpoints/latest "
                                 f"and no {EXPORT_WEIGHTS_FILE} there (expected a run directory, a "

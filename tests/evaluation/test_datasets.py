@@ -82,6 +82,27 @@ def test_max_samples_keeps_dataset_prefix_and_counts_batches(tmp_path, tiny):
     assert sorted(keys) == [0, 1, 2, 3, 4, (1 << ROW_BITS), (1 << ROW_BITS) + 1]
 
 
+@pytest.mark.parametrize("world,workers", [(1, 0), (1, 2), (2, 1)])
+def test_batches_are_counted_from_sizes_json_without_max_samples(tmp_path, tiny, world, workers):
+    """The progress total (and its ETA) of `eval retrieval` and `embed --images SHARDS`."""
+    from vlcontrast.evaluation.datasets import build_image_shards_loader
+
+    _, preprocess, _ = tiny
+    write_retrieval_shards(tmp_path / "listed", 13, per_shard=5)
+    for rank in range(world):
+        loader = build_retrieval_loader(str(tmp_path / "listed"), preprocess, batch_size=2,
+                                        rank=rank, world_size=world, workers=workers)
+        assert loader.num_batches is not None
+        assert len(list(loader.loader)) == loader.num_batches
+    images = build_image_shards_loader(str(tmp_path / "listed"), preprocess, batch_size=2,
+                                       workers=workers)
+    assert images.num_batches is not None and len(list(images.loader)) == images.num_batches
+    # Without sizes.json nothing is read to count: the total stays unknown.
+    write_retrieval_shards(tmp_path / "unlisted", 6, per_shard=5, sizes_json=False)
+    assert build_retrieval_loader(str(tmp_path / "unlisted"), preprocess,
+                                  batch_size=2).num_batches is None
+
+
 def test_broken_images_are_skipped_and_counted(tmp_path, tiny):
     _, preprocess, _ = tiny
     write_retrieval_shards(tmp_path, 6, per_shard=6, broken={2})

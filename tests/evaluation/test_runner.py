@@ -202,3 +202,22 @@ def test_retrieval_alpha_rule_counts_and_reads_transparent_images(tmp_path, tiny
     assert white["num_transparent"] == dropped["num_transparent"] == 4
     assert {k: v for k, v in white.items() if k != "num_transparent"} == trainer
     assert dropped["val_loss"] != white["val_loss"]
+
+
+def test_compare_checks_every_checkpoint_before_evaluating_any(tmp_path, tiny_checkpoint,
+                                                               monkeypatch, capsys):
+    from vlcontrast import cli
+    from vlcontrast.evaluation import runner
+
+    write_retrieval_shards(tmp_path / "shards", 6, per_shard=3)
+    evaluated = []
+    monkeypatch.setattr(runner, "run_retrieval_cli", lambda *a, **k: evaluated.append(a))
+    missing = str(tmp_path / "run_b")
+    assert cli.main(["eval", "compare", str(tiny_checkpoint), missing, "--retrieval",
+                     str(tmp_path / "shards"), "--workers", "0", "--device", "cpu", "--out",
+                     str(tmp_path / "cmp")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"vlcontrast: error: eval compare: checkpoint {missing!r}: no such folder; give "
+                   "a run directory, a checkpoint directory, a `vlcontrast export` directory or "
+                   "a transformers CLIPModel directory\n")
+    assert evaluated == [] and not (tmp_path / "cmp").exists()

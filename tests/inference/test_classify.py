@@ -71,6 +71,9 @@ def test_default_templates_and_table_output(trained, user_images, capsys):
     assert code == 0, err
     lines = out.strip().splitlines()
     assert lines[0].split() == ["image", "top", "1", "top", "2"]
+    # Each header stands over its column: "top 2" starts where every row's second label starts.
+    second = [line.index(")  ") + 3 for line in lines[1:]]
+    assert len(set(second)) == 1 and lines[0].index("top 2") == second[0]
     assert len(lines) == 3 and user_images[1][3].name in lines[2]  # long paths are shortened
     assert all(line.count("(0.") + line.count("(1.0") == 2 for line in lines[1:])
     assert err == ""  # nothing skipped, no progress, no open_clip warning
@@ -85,16 +88,28 @@ def test_default_templates_and_table_output(trained, user_images, capsys):
      "placeholder"),
     (["--labels", "cat,dog", "--top-k", "0"], "--top-k 0: must be at least 1"),
     (["--labels-file", "missing.txt"], "--labels-file 'missing.txt': no such file"),
+    (["--labels-file", "TMP"], "--labels-file 'TMP': a folder, not a file; name a file with one "
+     "label per line, e.g. --labels-file 'TMP/templates.txt'"),
+    (["--labels", "cat,dog", "--batch-size", "0"], "--batch-size 0: must be >= 1"),
+    (["--labels", "cat,dog", "--workers", "-1"], "--workers -1: must be >= 0"),
+    (["--labels", "cat,dog", "--figure", "TMP"], "--figure 'TMP': a folder; name a file"),
+    (["--labels", "cat,dog", "--figure", "TMP/x.jpgg"], "--figure 'TMP/x.jpgg': unknown format "
+     "'.jpgg'; end it in .png (or one of "),
+    (["--labels", "cat,dog", "--figure", "TMP/x"], "--figure 'TMP/x': no format suffix; end it "
+     "in .png (or one of "),
 ])
 def test_bad_input_is_a_one_line_error_before_the_model(tmp_path, user_images, capsys, args,
                                                         message):
     (tmp_path / "templates.txt").write_text("a photo\n")
-    args = [str(tmp_path / "templates.txt") if a == "TEMPLATES" else a for a in args]
+    args = [str(tmp_path / "templates.txt") if a == "TEMPLATES" else a.replace("TMP", str(tmp_path))
+            for a in args]
+    message = message.replace("TMP", str(tmp_path))
     # A checkpoint that does not exist: the error must come from the inputs, before any loading.
     code, out, err = run_cli(capsys, "classify", "--checkpoint", str(tmp_path / "no_run"), *args,
                              str(user_images[0]))
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("vlcontrast: error: ") and message in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["templates.txt"]  # nothing written
 
 
 def test_no_images_found(tmp_path, capsys):
@@ -148,3 +163,61 @@ def test_figure_draws_the_images_with_their_top_labels(trained, user_images, tmp
         width, height = image.size
     assert width > 500 and height > 200  # a 4-column grid with one row of two images
     assert not list(figure.parent.glob("*.tmp.png"))
+
+
+def test_figure_rows_leave_room_for_three_labels(trained, user_images, tmp_path):
+    """Each image's three label lines sit below the file name of the image above them."""
+    import matplotlib.pyplot as plt
+
+    from vlcontrast.inference.classify import classify, draw_classification
+    from vlcontrast.inference import find_images
+
+    (model, preprocess, tokenizer), _ = trained
+    paths = find_images([str(user_images[0])]) * 2  # 12 images: three rows of four
+    result = classify(model, preprocess, tokenizer, paths, LABELS, top_k=3, progress=False)
+    figure = draw_classification(result, columns=4, top=3)
+    try:
+        renderer = figure.canvas.get_renderer()
+        axes = figure.axes
+        for below, above in zip(axes[4:], axes):
+            if not below.images or not above.images:
+                continue
+            title = below.title if below.title.get_text() else below._left_title
+            assert title.get_text().count("\n") == 2
+            name = [t for t in above.texts if t.get_text()][0]
+            assert (title.get_window_extent(renderer).y1
+                    < name.get_window_extent(renderer).y0), "labels overlap the name above"
+        for axis in axes:  # nothing drawn outside the figure
+            for text in [axis._left_title, *axis.texts]:
+                box = text.get_window_extent(renderer)
+                assert box.y0 >= 0 and box.y1 <= figure.bbox.y1
+    finally:
+        plt.close(figure)
+
+
+def test_figure_failure_leaves_no_temporary_file(trained, user_images, tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    from vlcontrast.inference.classify import classify, plot_classification
+
+    (model, preprocess, tokenizer), _ = trained
+    result = classify(model, preprocess, tokenizer, user_images[1][:2], LABELS, progress=False)
+
+    def broken(self, fname, **kwargs):
+        open(fname, "wb").write(b"half")
+        raise OSError(28, "No space left on device", str(fname))
+
+    monkeypatch.setattr(Figure, "savefig", broken)
+    with pytest.raises(OSError):
+        plot_classification(result, tmp_path / "fig.png")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_figure_format_follows_the_suffix(trained, user_images, tmp_path):
+    from vlcontrast.inference.classify import classify, plot_classification
+
+    (model, preprocess, tokenizer), _ = trained
+    result = classify(model, preprocess, tokenizer, user_images[1][:2], LABELS, progress=False)
+    assert plot_classification(result, tmp_path / "f.pdf").read_bytes().startswith(b"%PDF")
+    assert plot_classification(result, tmp_path / "f.JPG").read_bytes().startswith(b"\xff\xd8")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.JPG", "f.pdf"]

@@ -37,7 +37,8 @@ def test_image_folder_to_npy_and_ids(trained, user_images, tmp_path, capsys):
     expected = reference_image_features(model, preprocess, readable).numpy()
     np.testing.assert_allclose(vectors, expected, atol=1e-6, rtol=0)
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-6)
-    assert "skipped unreadable images (undecodable_image: 1)" in err and "5 embeddings" in out
+    assert (f"vlcontrast embed: skipped 1 of 6 images (undecodable_image: 1): {folder / BROKEN}\n"
+            == err) and "5 embeddings" in out
     assert BROKEN not in "".join(read_ids(tmp_path / "e.npy"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e.npy", "e.npy.ids.txt"]
 
@@ -104,6 +105,16 @@ def test_bad_output_and_sources_are_one_line_errors_before_the_model(tmp_path, c
         (["--texts", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "x.npy")], "no texts"),
         (["--images", str(tmp_path / "shards-{0..3}.tar"), "--out", str(tmp_path / "x.npy")],
          "shards-"),
+        (["--images", str(tmp_path / "nothere"), "--out", str(tmp_path / "x.npy")],
+         f"--images: {str(tmp_path / 'nothere')!r} does not exist; name image files, folders "
+         "holding them or webdataset shards"),
+        (["--texts", str(tmp_path), "--out", str(tmp_path / "x.npy")],
+         f"--texts {str(tmp_path)!r}: a folder, not a file; name a file with one text per line, "
+         f"e.g. --texts {str(tmp_path / 'empty.txt')!r}"),
+        (["--texts", "t.txt", "--out", str(tmp_path / "x.npy"), "--batch-size", "0"],
+         "--batch-size 0: must be >= 1 (e.g. --batch-size 64)"),
+        (["--images", str(tmp_path), "--out", str(tmp_path / "x.npy"), "--workers", "-1"],
+         "--workers -1: must be >= 0 (0 reads the data in the main process)"),
     ]
     for args, message in cases:
         code, _, err = run_cli(capsys, "embed", "--checkpoint", no_run, *args)
@@ -138,3 +149,13 @@ def test_embeddings_are_unit_float32_whatever_the_model_dtype(trained, user_imag
                           paths=user_images[1][:2], batch_size=1, progress=False)
     assert result.vectors.dtype == np.float32 and result.ids == [str(p) for p in user_images[1][:2]]
     np.testing.assert_allclose(np.linalg.norm(result.vectors, axis=1), 1, atol=1e-6)
+
+
+def test_shard_progress_has_a_total_from_sizes_json(trained, tmp_path, capsys):
+    write_retrieval_shards(tmp_path / "shards", 5, per_shard=3)
+    code, out, err = run_cli(capsys, "embed", "--checkpoint", str(trained[1]), "--workers", "0",
+                             "--batch-size", "2", "--images", str(tmp_path / "shards"), "--out",
+                             str(tmp_path / "s.npy"))
+    assert code == 0, err
+    # 3 + 2 samples in batches of 2: 2 + 1 batches, as sizes.json tells before any is read.
+    assert "embed images 3/3 (100%)" in err and "ETA" in err

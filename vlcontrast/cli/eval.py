@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from vlcontrast.cli.environment import prepare_environment
+from vlcontrast.cli.environment import check_counts, prepare_environment
 from vlcontrast.errors import ConfigError
 
 
@@ -60,9 +60,11 @@ def register(sub) -> None:
 def run_eval(args) -> int:
     from vlcontrast.outputs import writable_dir, writable_file
 
+    check_counts(args)  # before anything is loaded
     if args.out:  # before anything is embedded
         (writable_dir if args.what == "compare" else writable_file)(args.out, "--out")
-    prepare_environment(getattr(args, "device", "auto"))
+    check_device(args.device)
+    prepare_environment(args.device, option="--device")
     from vlcontrast.evaluation import runner
 
     if args.what == "retrieval":
@@ -84,3 +86,13 @@ def run_eval(args) -> int:
                                    device=args.device)
     return 0
 
+
+def check_device(device: str) -> None:
+    """``--device`` names a device this process sees (under a launcher each rank's device is
+    chosen by ``init_distributed``, which names its own errors)."""
+    from vlcontrast.distributed import launch_env
+
+    if device != "auto" and launch_env().world_size == 1:
+        from vlcontrast.inference.model import resolve_device
+
+        resolve_device(device, option="--device")

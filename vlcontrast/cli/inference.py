@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from vlcontrast.cli.environment import prepare_environment
+from vlcontrast.cli.environment import check_counts, prepare_environment
 from vlcontrast.errors import ConfigError
 
 
@@ -25,7 +25,8 @@ def register(sub) -> None:
                               "(default: CLIP's seven-prompt ensemble)")
     classify_cmd.add_argument("--top-k", type=int, default=5, help="labels shown per image")
     classify_cmd.add_argument("--figure", default="",
-                              help="also draw the first 12 images with their top-3 labels (PNG)")
+                              help="also draw the first 12 images with their top-3 labels "
+                              "(FILE.png; any format matplotlib writes: .pdf .svg .jpg ...)")
     classify_cmd.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     embed_cmd = sub.add_parser(
@@ -56,17 +57,21 @@ def run_classify(args) -> int:
     from vlcontrast.evaluation.datasets import read_templates
     from vlcontrast.inference import (DEFAULT_TEMPLATES, classify, find_images,
                                       format_classification, parse_labels, resolve_device)
+    from vlcontrast.inference.classify import check_figure
     from vlcontrast.data.samples import alpha_summary
     from vlcontrast.inference.images import skipped_summary
 
     # Every input is checked before the model is built.
+    check_counts(args)
     labels = parse_labels(args.labels, args.labels_file)
-    templates = read_templates(args.templates) if args.templates else list(DEFAULT_TEMPLATES)
+    templates = (read_templates(args.templates, "--templates") if args.templates
+                 else list(DEFAULT_TEMPLATES))
     if args.top_k < 1:
         raise ConfigError(f"--top-k {args.top_k}: must be at least 1")
+    figure = check_figure(args.figure) if args.figure else None
     paths = find_images(args.images)
-    device = resolve_device(args.device)
-    prepare_environment(str(device))
+    device = resolve_device(args.device, option="--device")
+    prepare_environment(str(device), option="--device")
     from vlcontrast.inference.model import load_bundle
 
     bundle = load_bundle(args.checkpoint, device, what="--checkpoint")
@@ -79,10 +84,10 @@ def run_classify(args) -> int:
         print(f"vlcontrast classify: "
               f"{alpha_summary(result.transparent, len(result.kept), args.alpha)}",
               file=sys.stderr)
-    if args.figure:
+    if figure is not None:
         from vlcontrast.inference.classify import plot_classification
 
-        print(f"vlcontrast classify: figure {plot_classification(result, args.figure)}",
+        print(f"vlcontrast classify: figure {plot_classification(result, figure)}",
               file=sys.stderr)
     if result.skipped:
         print(f"vlcontrast classify: {skipped_summary(paths, result)}", file=sys.stderr)
@@ -93,6 +98,7 @@ def run_embed(args) -> int:
     from vlcontrast.inference import (check_output, embed_images, embed_texts, find_images,
                                       read_texts, resolve_device, write_embeddings)
 
+    check_counts(args)
     out = check_output(args.out)
     texts = paths = shards = None
     if args.texts:
@@ -102,9 +108,10 @@ def run_embed(args) -> int:
 
         shards = resolve_shards(args.images)  # one-line error naming missing shards
     else:
-        paths = find_images(args.images, what="--images")
-    device = resolve_device(args.device)
-    prepare_environment(str(device))
+        paths = find_images(args.images, what="--images", kinds="image files, folders holding "
+                            "them or webdataset shards")
+    device = resolve_device(args.device, option="--device")
+    prepare_environment(str(device), option="--device")
     from vlcontrast.inference.model import load_bundle
 
     bundle = load_bundle(args.checkpoint, device, what="--checkpoint")
@@ -122,17 +129,34 @@ def run_embed(args) -> int:
                   file=sys.stderr)
     written = write_embeddings(embeddings, out)
     if embeddings.reasons:
-        why = ", ".join(f"{reason}: {n}" for reason, n in sorted(embeddings.reasons.items()))
-        print(f"vlcontrast embed: skipped unreadable images ({why})", file=sys.stderr)
+        print(f"vlcontrast embed: {skipped_line(embeddings)}", file=sys.stderr)
     print(f"vlcontrast embed: {embeddings.vectors.shape[0]} embeddings of dimension "
           f"{embeddings.vectors.shape[1]} -> {', '.join(map(str, written))}")
     return 0
 
 
+def skipped_line(embeddings, limit: int = 3) -> str:
+    """``skipped 1 of 6 images (undecodable_image: 1): a.png`` (the first ``limit`` named; shards'
+    samples have no file to name)."""
+    why = ", ".join(f"{reason}: {n}" for reason, n in sorted(embeddings.reasons.items()))
+    if not embeddings.skipped:
+        return f"skipped unreadable images ({why})"
+    total = len(embeddings.ids) + len(embeddings.skipped)
+    names = ", ".join(embeddings.skipped[:limit])
+    more = (f" and {len(embeddings.skipped) - limit} more" if len(embeddings.skipped) > limit
+            else "")
+    return f"skipped {len(embeddings.skipped)} of {total} images ({why}): {names}{more}"
+
+
+SPEC_MARKS = ("{", "*", "?", "[", "::", ",", "@")
+"""What makes a missing path a shard spec of the one grammar (braces, globs, lists, mixes)."""
+
+
 def names_shards(items) -> bool:
     """Whether ``embed --images`` names webdataset shards (read by the one shard grammar) rather
     than image files and folders: a ``.tar`` file, a folder holding ``.tar`` files (or
-    CLIP_benchmark's ``test/nshards.txt``), or a spec that is no path (braces, globs, ``pipe:``)."""
+    CLIP_benchmark's ``test/nshards.txt``), or a spec that is no path (braces, globs, ``pipe:``).
+    A plain path that does not exist names neither: :func:`find_images` says so."""
     for item in items:
         path = Path(item)
         if path.is_file():
@@ -141,7 +165,6 @@ def names_shards(items) -> bool:
         elif path.is_dir():
             if any(path.glob("*.tar")) or (path / "test" / "nshards.txt").is_file():
                 return True
-        else:
+        elif str(item).startswith("pipe:") or any(mark in str(item) for mark in SPEC_MARKS):
             return True
     return False
-

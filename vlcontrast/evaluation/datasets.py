@@ -82,14 +82,33 @@ def iter_tar_groups(path: str) -> Iterator[tuple[str, dict[str, bytes]]]:
         yield key, members
 
 
+def _listed_sizes(shards: Sequence[str]) -> dict[str, int]:
+    """Samples per shard (absolute path) as the ``sizes.json`` files beside the shards list them."""
+    known: dict[str, int] = {}
+    for folder in {os.path.dirname(os.path.abspath(s)) for s in shards
+                   if not s.startswith("pipe:")}:
+        try:
+            listed = read_sizes(folder)
+        except (OSError, ValueError):  # an unreadable sizes.json: counted instead
+            continue
+        for name, n in listed.items():
+            known[os.path.join(folder, name)] = n
+    return known
+
+
 def shard_sizes(shards: Sequence[str]) -> list[int]:
     """Samples per shard: from ``sizes.json`` beside the shards when it lists them, else counted."""
-    known: dict[str, int] = {}
-    for folder in {os.path.dirname(os.path.abspath(s)) for s in shards}:
-        for name, n in read_sizes(folder).items():
-            known[os.path.join(folder, name)] = n
+    known = _listed_sizes(shards)
     return [known[os.path.abspath(shard)] if os.path.abspath(shard) in known else
             sum(1 for _ in read_shard(shard, exact=False)) for shard in shards]
+
+
+def known_shard_sizes(shards: Sequence[str]) -> list[int] | None:
+    """Samples per shard when ``sizes.json`` lists every shard (nothing is read), else None."""
+    known = _listed_sizes(shards)
+    if not shards or any(os.path.abspath(shard) not in known for shard in shards):
+        return None
+    return [known[os.path.abspath(shard)] for shard in shards]
 
 
 def sample_captions(files: dict[str, bytes]) -> list[str]:
@@ -325,16 +344,16 @@ def build_retrieval_loader(shards: str | Sequence[str], preprocess, *, batch_siz
                            members: Members = DEFAULT_MEMBERS,
                            alpha: str = TRAINING_ALPHA) -> EvalLoader:
     paths = resolve_shards(shards)
-    limits = sizes = None
+    limits = None
     if max_samples and max_samples > 0:
         sizes = shard_sizes(paths)
         limits = row_limits_for(sizes, max_samples)
+    else:  # the progress total and its ETA, when sizes.json lists every shard
+        sizes = known_shard_sizes(paths)
 
     dataset = TarEvalDataset(paths, RetrievalDecoder(preprocess, max_image_pixels, members, alpha),
                              rank=rank, world_size=world_size, row_limits=limits)
-    num_batches = None
-    if sizes is not None:
-        num_batches = sum(-(-n // batch_size) for n in dataset.planned_samples(sizes, workers))
+    num_batches = planned_batches(dataset, sizes, batch_size, workers)
     name = shards if isinstance(shards, str) else ",".join(shards)
     return EvalLoader(_loader(dataset, batch_size, workers, collate_retrieval), num_batches, name)
 
@@ -346,7 +365,18 @@ def build_image_shards_loader(shards: str | Sequence[str], preprocess, *, batch_
     paths = resolve_shards(shards)
     dataset = TarEvalDataset(paths, ImageDecoder(preprocess, alpha=alpha))
     name = shards if isinstance(shards, str) else ",".join(shards)
-    return EvalLoader(_loader(dataset, batch_size, workers, collate_retrieval), None, name)
+    return EvalLoader(_loader(dataset, batch_size, workers, collate_retrieval),
+                      planned_batches(dataset, known_shard_sizes(paths), batch_size, workers),
+                      name)
+
+
+def planned_batches(dataset: TarEvalDataset, sizes: Sequence[int] | None, batch_size: int,
+                    workers: int) -> int | None:
+    """The batches this rank's loader yields given per-shard ``sizes`` (each loader worker
+    batches its own samples), or None when the sizes are unknown."""
+    if sizes is None:
+        return None
+    return sum(-(-n // batch_size) for n in dataset.planned_samples(sizes, workers))
 
 
 def build_image_files_loader(paths: Sequence[str | os.PathLike], preprocess, *, batch_size: int,
@@ -372,9 +402,28 @@ def read_list_file(path: str | os.PathLike) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
-def read_templates(path: str | os.PathLike) -> list[str]:
-    """The prompt templates of a file (one per line, or a JSON list), each with ``{c}``."""
-    return check_templates(read_list_file(path), str(path))
+def check_list_file(path: str | os.PathLike, option: str, holding: str) -> Path:
+    """``path`` as an existing file, else a one-line ConfigError naming ``option``: no such file,
+    or a folder (naming a text file in it, when it holds one); ``holding``: what the file holds
+    (``one label per line``)."""
+    file = Path(path)
+    if file.is_dir():
+        inside = sorted(p for p in file.iterdir() if p.suffix == ".txt" and p.is_file())
+        example = f", e.g. {option} {str(inside[0])!r}" if inside else ""
+        raise ConfigError(f"{option} {str(path)!r}: a folder, not a file; name a file with "
+                          f"{holding}{example}")
+    if not file.is_file():
+        raise ConfigError(f"{option} {str(path)!r}: no such file; give a file with {holding}")
+    return file
+
+
+def read_templates(path: str | os.PathLike, option: str | None = None) -> list[str]:
+    """The prompt templates of a file (one per line, or a JSON list), each with ``{c}``;
+    ``option``: the option that named the file, for its errors (a missing file, a folder)."""
+    if option is None:
+        return check_templates(read_list_file(path), str(path))
+    check_list_file(path, option, "one prompt per line with {c}")
+    return check_templates(read_list_file(path), f"{option} {str(path)!r}")
 
 
 def check_templates(templates: Sequence[str], source: str) -> list[str]:
@@ -430,8 +479,14 @@ def resolve_zeroshot_data(data_dir: str, classnames: str | Sequence[str] | None 
     root = Path(data_dir)
     if not root.is_dir():
         raise FileNotFoundError(f"zero-shot data {data_dir!r} is not a directory")
-    names = read_list_file(classnames) if isinstance(classnames, (str, os.PathLike)) else classnames
-    prompts = read_templates(templates) if isinstance(templates, (str, os.PathLike)) else templates
+    names = prompts = None
+    if isinstance(classnames, (str, os.PathLike)):
+        names = read_list_file(check_list_file(classnames, "--classnames",
+                                               "one class name per line"))
+    elif classnames is not None:
+        names = classnames
+    prompts = (read_templates(templates, "--templates")
+               if isinstance(templates, (str, os.PathLike)) else templates)
 
     # CLIP_benchmark's layout (ROOT/SPLIT/*.tar, nshards.txt), or shards directly in ROOT with
     # the class names beside them (what ``prep folder --caption-from class`` writes).
@@ -507,8 +562,9 @@ def build_zeroshot_loader(data: ZeroShotData, preprocess, *, batch_size: int, wo
     if data.kind == "wds":
         dataset = TarEvalDataset(data.shards, ClassificationDecoder(preprocess, alpha=alpha),
                                  rank=rank, world_size=world_size)
-        return EvalLoader(_loader(dataset, batch_size, workers, collate_classification), None,
-                          data.root)
+        return EvalLoader(_loader(dataset, batch_size, workers, collate_classification),
+                          planned_batches(dataset, known_shard_sizes(data.shards), batch_size,
+                                          workers), data.root)
     dataset = FolderEvalDataset(data.samples, preprocess, rank, world_size, alpha)
     return EvalLoader(_loader(dataset, batch_size, workers, collate_classification),
                       -(-len(dataset) // batch_size), data.root)

@@ -371,6 +371,17 @@ def compare_checkpoints(checkpoints: Sequence[str], out, *, retrieval: str = "",
     """
     if not retrieval and not zeroshot:
         raise ValueError("compare_checkpoints: give retrieval and/or zeroshot data")
+    # Every checkpoint and the data are checked before the first is evaluated.
+    from vlcontrast.checkpoints import resolve_model_files
+
+    for checkpoint in checkpoints:
+        resolve_model_files(checkpoint, what="eval compare: checkpoint")
+    if retrieval:
+        from vlcontrast.data.spec import check_spec
+
+        check_spec("--retrieval", retrieval)
+    if zeroshot:
+        resolve_zeroshot_data(zeroshot, classnames, templates)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     columns = [f"{task}/{column}" for task, data in (("retrieval", retrieval),

@@ -28,14 +28,12 @@ def parse_labels(labels: str | None = None, labels_file: str | os.PathLike | Non
                  ) -> list[str]:
     """The class labels from ``--labels "cat,dog"`` or ``--labels-file`` (one per line, or a JSON
     list); one-line errors for none, both, or a duplicate."""
-    from vlcontrast.evaluation.datasets import read_list_file
+    from vlcontrast.evaluation.datasets import check_list_file, read_list_file
 
     if labels and labels_file:
         raise ConfigError("--labels and --labels-file: give one of them, not both")
     if labels_file:
-        if not Path(labels_file).is_file():
-            raise ConfigError(f"--labels-file {str(labels_file)!r}: no such file; give a file "
-                              "with one label per line")
+        check_list_file(labels_file, "--labels-file", "one label per line")
         names, source = read_list_file(labels_file), f"--labels-file {str(labels_file)!r}"
     else:
         names = [part.strip() for part in (labels or "").split(",") if part.strip()]
@@ -121,25 +119,77 @@ def classify(model, preprocess, tokenizer, paths: Sequence[Path], labels: Sequen
 
 
 def format_classification(result: Classification, as_json: bool = False) -> str:
-    """A table (one image per row: its top labels with probabilities) or the JSON document."""
+    """A table (one image per row: its top labels with probabilities) or the JSON document; every
+    column as wide as its widest cell, its header above it."""
     if as_json:
         return json.dumps(result.to_dict(), indent=2)
     names = [str(result.paths[index]) for index in result.kept]
     width = min(max(len("image"), *(len(n) for n in names)), 60)
     k = result.top_labels.shape[1]
-    header = f"{'image':<{width}}  " + "  ".join(f"top {i + 1}" for i in range(k))
-    lines = [header]
+    rows = []
     for name, classes, probs in zip(names, result.top_labels, result.top_probs):
         shown = name if len(name) <= width else "..." + name[-(width - 3):]
-        cells = [f"{result.labels[int(c)]} ({float(p):.3f})" for c, p in zip(classes, probs)]
-        lines.append(f"{shown:<{width}}  " + "  ".join(cells))
-    return "\n".join(lines)
+        rows.append([shown] + [f"{result.labels[int(c)]} ({float(p):.3f})"
+                               for c, p in zip(classes, probs)])
+    header = ["image"] + [f"top {i + 1}" for i in range(k)]
+    widths = [width] + [max(len(row[column]) for row in [header] + rows)
+                        for column in range(1, k + 1)]
+    return "\n".join("  ".join(f"{cell:<{w}}" for cell, w in zip(row, widths)).rstrip()
+                     for row in [header] + rows)
+
+
+def figure_formats() -> dict[str, str]:
+    """The file suffixes matplotlib writes (``png``, ``pdf``, ``svg``, ``jpg`` ...) -> format."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return FigureCanvasBase.get_supported_filetypes()
+
+
+def check_figure(path: str | os.PathLike, option: str = "--figure") -> Path:
+    """``--figure`` checked before any work: a writable file (not a folder) whose suffix names a
+    format matplotlib writes; a one-line ConfigError naming ``option`` otherwise."""
+    from vlcontrast.outputs import writable_file
+
+    out = writable_file(path, option)
+    formats = figure_formats()
+    suffix = out.suffix.lower().lstrip(".")
+    if suffix not in formats:
+        known = " ".join(f".{name}" for name in sorted(formats))
+        found = f"unknown format {out.suffix!r}" if out.suffix else "no format suffix"
+        raise ConfigError(f"{option} {str(path)!r}: {found}; end it in .png (or one of {known})")
+    return out
+
+
+TITLE_LINE_INCHES = 9 * 1.25 / 72
+"""The height of one line of an image's labels (9 pt type, matplotlib's line spacing)."""
+NAME_INCHES = 7 * 1.4 / 72 + 0.08
+"""The height of the file name under an image (7 pt type) and the gap below it."""
 
 
 def plot_classification(result: Classification, out: str | os.PathLike, *, limit: int = 12,
                         columns: int = 4, top: int = 3) -> Path:
     """A grid of the first ``limit`` classified images, each titled with its ``top`` labels and
-    their probabilities (PNG, written atomically)."""
+    their probabilities, its file name under it; each row is as tall as its image plus these
+    lines, so no label overlaps the name above it. The format follows the suffix of ``out``
+    (:func:`check_figure`); written atomically: no temporary file is left on failure."""
+    import matplotlib.pyplot as plt
+
+    out = check_figure(out)
+    figure = draw_classification(result, limit=limit, columns=columns, top=top)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp{out.suffix}")
+    try:
+        figure.savefig(tmp, dpi=90, format=out.suffix.lower().lstrip("."))
+        tmp.replace(out)
+    finally:
+        plt.close(figure)
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def draw_classification(result: Classification, *, limit: int = 12, columns: int = 4,
+                        top: int = 3):
+    """The figure :func:`plot_classification` writes (the caller closes it)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -150,8 +200,14 @@ def plot_classification(result: Classification, out: str | os.PathLike, *, limit
     if not shown:
         raise ConfigError("--figure: no image was classified, nothing to draw")
     rows = -(-len(shown) // columns)
-    figure, axes = plt.subplots(rows, columns, figsize=(3.2 * columns, 3.6 * rows),
-                                squeeze=False)
+    image_inches = 3.0
+    title_inches = min(top, result.top_labels.shape[1]) * TITLE_LINE_INCHES + 0.1
+    height = (image_inches + title_inches + NAME_INCHES) * rows
+    figure, axes = plt.subplots(rows, columns, squeeze=False, figsize=(3.2 * columns, height))
+    # Each row: its labels, the image, its file name; the gaps between the images hold them.
+    figure.subplots_adjust(left=0.02, right=0.98, wspace=0.08, top=1 - title_inches / height,
+                           bottom=NAME_INCHES / height,
+                           hspace=(title_inches + NAME_INCHES) / image_inches)
     for axis in axes.flat:
         axis.axis("off")
     for axis, (index, classes, probs) in zip(axes.flat, shown):
@@ -162,13 +218,6 @@ def plot_classification(result: Classification, out: str | os.PathLike, *, limit
         lines = [f"{result.labels[int(c)]} {float(p):.0%}" for c, p in
                  list(zip(classes, probs))[:top]]
         axis.set_title("\n".join(lines), fontsize=9, loc="left")
-        axis.text(0.0, -0.04, Path(result.paths[index]).name[:40], transform=axis.transAxes,
+        axis.text(0.0, -0.02, Path(result.paths[index]).name[:40], transform=axis.transAxes,
                   fontsize=7, va="top", color="0.4")
-    figure.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp.png")
-    figure.savefig(tmp, dpi=90)
-    plt.close(figure)
-    tmp.replace(out)
-    return out
+    return figure

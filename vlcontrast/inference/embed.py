@@ -54,8 +54,9 @@ def check_output(out: str | os.PathLike) -> Path:
 
 def read_texts(path: str | os.PathLike) -> list[str]:
     """The non-empty lines of a text file, stripped."""
-    if not Path(path).is_file():
-        raise ConfigError(f"--texts {str(path)!r}: no such file; give a file with one text per line")
+    from vlcontrast.evaluation.datasets import check_list_file
+
+    check_list_file(path, "--texts", "one text per line")
     texts = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines()
              if line.strip()]
     if not texts:
@@ -116,6 +117,7 @@ def _embed_shard_images(model, preprocess, shards, *, device, batch_size, worker
     dtype = model_dtype(model)
     parts, ids, reasons, transparent = [], [], {}, 0
     for images, keys, _, skipped in encode_in_lockstep(loader.loader, device, progress=progress,
+                                                       total=loader.num_batches,
                                                        description="embed images",
                                                        synchronize=False):
         for reason, n in skipped.reasons.items():

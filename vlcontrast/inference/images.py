@@ -17,10 +17,12 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
 """Suffixes (any case) of the files taken from a folder; a file named on its own is always tried."""
 
 
-def find_images(inputs: Sequence[str | os.PathLike], what: str = "IMAGES") -> list[Path]:
-    """Image files named in ``inputs`` (files as given; folders recursively, sorted), each once."""
+def find_images(inputs: Sequence[str | os.PathLike], what: str = "IMAGES",
+                kinds: str = "image files or folders holding them") -> list[Path]:
+    """Image files named in ``inputs`` (files as given; folders recursively, sorted), each once;
+    ``kinds``: what the command accepts, for its errors."""
     if not inputs:
-        raise ConfigError(f"{what}: no images given; name image files or folders holding them")
+        raise ConfigError(f"{what}: no images given; name {kinds}")
     found: list[Path] = []
     for item in inputs:
         path = Path(item)
@@ -32,14 +34,13 @@ def find_images(inputs: Sequence[str | os.PathLike], what: str = "IMAGES") -> li
         elif path.is_file():
             found.append(path)
         else:
-            raise ConfigError(f"{what}: {str(path)!r} does not exist; name image files or folders "
-                              "holding them")
+            raise ConfigError(f"{what}: {str(path)!r} does not exist; name {kinds}")
     unique = list(dict.fromkeys(found))
     if not unique:
         shard_folders = sorted({str(tar.parent) for item in inputs if Path(item).is_dir()
                                 for tar in Path(item).rglob("*.tar")})
         hint = (f"; it holds shards in {', '.join(shard_folders[:3])}: give one of those folders"
-                if shard_folders else "; name image files or folders holding them")
+                if shard_folders else f"; name {kinds}")
         raise ConfigError(f"{what}: no images found in {', '.join(map(str, inputs))} (looked for "
                           f"{' '.join(IMAGE_SUFFIXES)}, any case, in sub-folders too){hint}")
     return unique

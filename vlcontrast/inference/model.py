@@ -9,21 +9,24 @@ import torch
 from vlcontrast.errors import DeviceError
 
 
-def resolve_device(device: str | torch.device | None = None) -> torch.device:
+def resolve_device(device: str | torch.device | None = None,
+                   option: str | None = None) -> torch.device:
     """``None``/``"auto"``: CUDA when a GPU is usable, else the CPU; ``"cpu"``, ``"cuda"``,
-    ``"cuda:N"`` as given, with a one-line error when that GPU is not there."""
+    ``"cuda:N"`` as given, with a one-line error when that GPU is not there. ``option``: how the
+    command line names the device (``--device``); None names it ``device=`` as the API does."""
     if device is None or str(device) in ("", "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    named = f"{option} {device}" if option else f"device={str(device)!r}"
+    use = f"{option} cpu (or auto)" if option else "device='cpu' (or auto)"
     try:
         chosen = torch.device(device)
     except RuntimeError:
-        raise DeviceError(f"device={str(device)!r}: not a device; use auto, cpu, cuda or "
-                          "cuda:N") from None
+        raise DeviceError(f"{named}: not a device; use auto, cpu, cuda or cuda:N") from None
     if chosen.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if (chosen.index or 0) >= count:
-            raise DeviceError(f"device={str(device)!r}: this process sees {count} usable CUDA "
-                              "device(s); use device='cpu' (or auto)")
+            raise DeviceError(f"{named}: this process sees {count} usable CUDA device(s); "
+                              f"use {use}")
     return chosen
 
 
