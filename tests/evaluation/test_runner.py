@@ -43,6 +43,12 @@ def test_evaluate_retrieval_equals_metrics_on_direct_embeddings(tmp_path, tiny, 
     assert result["num_texts"] == sum(len(c) for c in captions)
     json.dumps(result)
     assert model.training is False
+    # a set smaller than the batch: the loss is over the whole set, and says so
+    whole = evaluate_retrieval(model, preprocess, tokenizer, str(tmp_path), batch_size=64,
+                               workers=workers, device="cpu", progress=False)
+    assert whole["val_loss_batch_size"] == 23
+    assert whole["val_loss"] == pytest.approx(clip_validation_loss(images, texts[first], scale, 23),
+                                              rel=1e-5)
 
 
 def _rewrite_members(source, target, rewrite):

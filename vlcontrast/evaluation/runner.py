@@ -141,7 +141,8 @@ def evaluate_retrieval(model, preprocess, tokenizer, shards: str | Sequence[str]
         if scale is not None:
             first = texts[embeddings.first_caption.to(compute_device)]
             result["val_loss"] = clip_validation_loss(images, first, scale, batch_size)
-            result["val_loss_batch_size"] = int(batch_size)
+            # the batch the loss was computed over: the whole set when it is smaller
+            result["val_loss_batch_size"] = min(int(batch_size), int(images.shape[0]))
         result["num_skipped"] = embeddings.skipped
         if alpha is not None:
             result["num_transparent"] = embeddings.transparent
