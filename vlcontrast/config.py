@@ -367,6 +367,13 @@ class DistillConfig:
                  "must be >= 0")
         _require(not self.teacher_pretrained or self.teacher, "distill.teacher_pretrained",
                  self.teacher_pretrained, "needs distill.teacher (the model those weights are for)")
+        if not self.enabled:  # every other option tunes a distillation that is not there
+            for f in dataclasses.fields(self):
+                value = getattr(self, f.name)
+                _require(f.name in ("teacher", "teacher_features") or value == f.default,
+                         f"distill.{f.name}", value,
+                         "applies only with a teacher: set distill.teacher (or "
+                         f"distill.teacher_features), or drop distill.{f.name}")
 
 
 @dataclass

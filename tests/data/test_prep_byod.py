@@ -298,9 +298,15 @@ def test_prep_csv_val_fraction_splits_local_images_by_the_folder_rule(tmp_path, 
     out = tmp_path / "out"
     assert cli.main(["prep", "csv", str(tmp_path / "data.csv"), str(out), "--val-fraction",
                      "0.3", "--no-progress", "--workers", "1"]) == 0
-    printed = json.loads(capsys.readouterr().out)
     expected_val = sum(held_out(f"imgs/p{i}.jpg", 0.3) for i in range(30))
     assert 0 < expected_val < 30
+    # one line per split, naming its report; --json prints the reports instead
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2 and lines[1].startswith(f"val: prep: {expected_val} samples in 1 shards")
+    assert lines[1].endswith(f"(report: {out / 'val' / 'prep_report.json'})")
+    assert cli.main(["prep", "csv", str(tmp_path / "data.csv"), str(out), "--val-fraction",
+                     "0.3", "--no-progress", "--workers", "1", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
     assert printed["val"]["num_samples"] == expected_val
     assert printed["train"]["num_samples"] == 30 - expected_val
     for split in ("train", "val"):

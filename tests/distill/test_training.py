@@ -222,6 +222,53 @@ def test_teacher_without_weights_is_one_line(data, tmp_path):
     assert "distill.teacher_pretrained" in message
 
 
+@pytest.mark.parametrize("value", ["/some/runs/teachr", "runs/teachr", "teacher.pt"])
+def test_a_teacher_path_that_does_not_exist_is_not_a_model_name(data, tmp_path, value):
+    message = _one_line_error(data, tmp_path / "r", distill__teacher=value)
+    assert message.startswith(f"distill.teacher={value!r}: the path does not exist")
+    assert "a model name needs" not in message
+
+
+def test_teacher_weights_of_another_model_are_one_line(data, teacher_file, tmp_path):
+    """A vlc-tiny weights file for a vlc-micro teacher: open_clip's assertion, as one line."""
+    from vlcontrast.config import ModelConfig
+    from vlcontrast.export import export_open_clip
+    from vlcontrast.models import build_model
+
+    checkpoint = tmp_path / "tiny" / "checkpoints" / "step_00000001"
+    checkpoint.mkdir(parents=True)
+    bundle = build_model(ModelConfig(name="vlc-tiny"))
+    torch.save(torch.load(teacher_file, weights_only=True), checkpoint / "model.pt")
+    (checkpoint / "model_config.json").write_text(json.dumps(bundle.model_config))
+    (checkpoint.parent / "latest").write_text("step_00000001\n")
+    export_open_clip(tmp_path / "tiny", tmp_path / "oc")
+    weights = tmp_path / "oc" / "open_clip_model.safetensors"
+    message = _one_line_error(data, tmp_path / "r", distill__teacher="vlc-micro",
+                              distill__teacher_pretrained=str(weights))
+    assert message.startswith(f"distill.teacher_pretrained={str(weights)!r}: ")
+    assert "does not fit this model (distill.teacher='vlc-micro')" in message
+    assert "here distill.teacher=vlc-tiny" in message
+
+
+def test_teacher_features_folder_is_named_a_folder(data, tmp_path):
+    (tmp_path / "feats").mkdir()
+    message = _one_line_error(data, tmp_path / "r", distill__teacher_features=str(tmp_path))
+    assert message.startswith(f"distill.teacher_features={str(tmp_path)!r}: a folder")
+    assert "vlcontrast prep teacher" in message and "does not exist" not in message
+
+
+@pytest.mark.parametrize("option,value", [("kind", "features"), ("projection", True),
+                                          ("weight", 5.0), ("augmentations", 2)])
+def test_distill_options_without_a_teacher_are_one_line(option, value):
+    from vlcontrast.config import load_config
+
+    with pytest.raises(ConfigError) as caught:
+        load_config(overrides=["train.steps=1", f"distill.{option}={value}"])
+    message = str(caught.value)
+    assert message.startswith(f"distill.{option}={value!r}: applies only with a teacher")
+    assert "set distill.teacher" in message and f"drop distill.{option}" in message
+
+
 @pytest.mark.parametrize("kind", ["features", "interactive"])
 def test_width_mismatch_without_projection_is_one_line(data, teacher_file, tmp_path, kind):
     message = _one_line_error(data, tmp_path / "r",
@@ -301,11 +348,88 @@ def test_prep_teacher_command(data, teacher_file, tmp_path, capsys):
     stored = TeacherFeatures(out)
     assert stored.augmentations == 2 and stored.image.shape == (96, 2, 64)
     assert stored.image.dtype == torch.float16
-    assert json.loads(capsys.readouterr().out)["samples"] == 96
+    out_line = capsys.readouterr().out.strip()  # one summary line; the key stays in the file
+    assert out_line.startswith("prep teacher: 96 samples, 192 views (2 augmentations)")
+    assert str(out) in out_line and "\n" not in out_line and "shard_list" not in out_line
+    assert stored.key["data"]["shard_list"]
     assert main(["prep", "teacher", str(data / "train"), str(tmp_path / "x.pt"), "--teacher",
                  "no-such-model", "--teacher-pretrained", "x"]) == 2
     error = capsys.readouterr().err.strip()
-    assert error.count("\n") == 0 and "distill.teacher='no-such-model'" in error
+    assert error.count("\n") == 0 and "--teacher='no-such-model'" in error
+
+
+def _prep_teacher_error(capsys, *argv) -> str:
+    from vlcontrast.cli import main
+
+    assert main(["prep", "teacher", *map(str, argv)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and error.startswith("vlcontrast: error: ")
+    return error
+
+
+def test_prep_teacher_progress_has_a_total(data, teacher_file, tmp_path, capsys):
+    from vlcontrast.cli import main
+
+    assert main(["prep", "teacher", str(data / "train"), str(tmp_path / "t.pt"), "--teacher",
+                 "vlc-tiny", "--teacher-pretrained", str(teacher_file), "--augmentations",
+                 "0"]) == 0
+    err = capsys.readouterr().err
+    assert "prep teacher -> " in err and "96/96" in err
+
+
+def test_prep_teacher_device_defaults_to_auto():
+    from vlcontrast.cli import build_parser
+
+    args = build_parser().parse_args(["prep", "teacher", "s", "o.pt", "--teacher", "t"])
+    assert args.device == "auto"
+
+
+def test_prep_teacher_unknown_augment_key_is_model_augments_error(data, tmp_path, capsys):
+    error = _prep_teacher_error(capsys, data / "train", tmp_path / "t.pt", "--teacher",
+                                "vlc-tiny", "--augment", '{"scal": [0.5, 1.0]}')
+    assert error.startswith("vlcontrast: error: --augment='{\"scal\": [0.5, 1.0]}': key scal=")
+    assert "unknown augmentation option" in error and "'scale'" in error
+
+
+def test_prep_teacher_names_shards(data, teacher_file, tmp_path, capsys):
+    error = _prep_teacher_error(capsys, tmp_path / "nowhere", tmp_path / "t.pt", "--teacher",
+                                "vlc-tiny", "--teacher-pretrained", teacher_file)
+    assert "SHARDS pattern" in error and "data.train" not in error
+
+
+def test_prep_teacher_shards_without_numeric_ids(data, teacher_file, tmp_path, capsys):
+    """Keys that are not numbers: the SHARDS argument, why (rows looked up by sample id) and the
+    fix, not the training loader's words about data.train and a loss."""
+    import tarfile
+
+    shards = tmp_path / "named"
+    shards.mkdir()
+    with tarfile.open(data / "train" / "00000.tar") as source, \
+            tarfile.open(shards / "00000.tar", "w") as target:
+        for member in source.getmembers():
+            payload = source.extractfile(member).read()
+            member.name = "img_" + member.name
+            target.addfile(member, __import__("io").BytesIO(payload))
+    error = _prep_teacher_error(capsys, shards, tmp_path / "t.pt", "--teacher", "vlc-tiny",
+                                "--teacher-pretrained", teacher_file)
+    assert f"SHARDS={str(shards)!r}" in error and "whose key is not a number" in error
+    assert "looked up by sample id" in error and "vlcontrast prep wds" in error
+    assert "data.train" not in error and "per-sample state" not in error
+
+
+def test_prep_teacher_weights_of_another_model(data, teacher_file, tmp_path, capsys):
+    error = _prep_teacher_error(capsys, data / "train", tmp_path / "t.pt", "--teacher",
+                                "vlc-micro", "--teacher-pretrained", teacher_file)
+    assert f"--teacher-pretrained={str(teacher_file)!r}" in error
+    assert "does not fit this model (--teacher='vlc-micro')" in error
+
+
+def test_prep_teacher_mistyped_path(data, tmp_path, capsys):
+    (tmp_path / "teacher").mkdir()
+    error = _prep_teacher_error(capsys, data / "train", tmp_path / "t.pt", "--teacher",
+                                tmp_path / "teachr")
+    assert f"--teacher={str(tmp_path / 'teachr')!r}: the path does not exist" in error
+    assert f"did you mean {str(tmp_path / 'teacher')!r}" in error
 
 
 def _two_rank_runs(rank, world_size, data, teacher_file, out):

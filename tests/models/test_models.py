@@ -320,3 +320,69 @@ def test_augmentation_options_reach_open_clips_train_transform():
         load_config(None, ["train.steps=1", "model.augment={grey: 0.5}"])
     with pytest.raises(ConfigError, match="re_prob.*use_timm"):
         load_config(None, ["train.steps=1", "model.augment={re_prob: 0.5}"])
+
+
+# --------------------------------------------------------------------------------------------
+# model.pretrained from an open_clip export; weights of another model; the random-init notice
+
+
+@pytest.fixture(scope="module")
+def tiny_export(tmp_path_factory):
+    """A vlc-tiny run directory and its ``vlcontrast export --format open_clip`` directory."""
+    from vlcontrast.export import export_open_clip
+
+    root = tmp_path_factory.mktemp("tiny-export")
+    torch.manual_seed(3)
+    bundle = build_model(ModelConfig(name="vlc-tiny"))
+    step = _write_checkpoint(root / "run", bundle.model)
+    (step / "model_config.json").write_text(json.dumps(bundle.model_config))
+    export_open_clip(root / "run", root / "oc")
+    return bundle.model, root / "run", root / "oc"
+
+
+def test_pretrained_from_an_open_clip_export_directory(tiny_export):
+    source, _, export = tiny_export
+    loaded = build_model(ModelConfig(name="vlc-tiny", pretrained=str(export))).model
+    for (name, a), b in zip(source.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("form", ["file", "export", "run"])
+def test_weights_of_another_model_are_one_line_naming_the_right_model(tiny_export, form):
+    """open_clip's own loader asserts ("text pos_embed width changed!") on a file of another
+    model; every form says, in one line, that the weights do not fit and which model.name does."""
+    from vlcontrast.errors import ConfigError
+
+    _, run, export = tiny_export
+    pretrained = {"file": export / "open_clip_model.safetensors", "export": export,
+                  "run": run}[form]
+    with pytest.raises(ConfigError) as caught:
+        build_model(ModelConfig(name="vlc-micro", pretrained=str(pretrained)))
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith(f"model.pretrained={str(pretrained)!r}: ")
+    assert "does not fit this model (model.name='vlc-micro')" in message
+    assert "model.name must be the checkpoint's model, here model.name=vlc-tiny" in message
+
+
+def test_a_directory_without_weights_names_the_forms_it_takes(tmp_path):
+    from vlcontrast.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="not a vlcontrast run, checkpoint or open_clip export "
+                       "directory"):
+        build_model(ModelConfig(name="vlc-micro", pretrained=str(tmp_path)))
+
+
+def test_from_scratch_model_has_no_random_init_notice(caplog):
+    """model.pretrained empty: random weights are the request, open_clip's root-logger notice
+    only repeats it; other warnings still show."""
+    import logging
+
+    from vlcontrast.models import RANDOM_INIT_WARNING
+
+    with caplog.at_level(logging.WARNING):
+        build_model(ModelConfig(name="vlc-micro"))
+        logging.getLogger().warning("another warning")
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if m.startswith(RANDOM_INIT_WARNING)]
+    assert "another warning" in messages

@@ -78,6 +78,9 @@ def register(sub) -> None:
                        help="replace shards of an earlier, different conversion in OUT "
                             "(re-running the same command resumes)")
         p.add_argument("--no-progress", action="store_true")
+        p.add_argument("--json", action="store_true",
+                       help="print the report (OUT/prep_report.json) on stdout instead of its "
+                            "one-line summary")
 
     folder = prep_sub.add_parser(
         "folder", help="a folder of images (captions from .txt/.json sidecars, class folders or "
@@ -170,7 +173,9 @@ def register(sub) -> None:
     teacher.add_argument("--caption-key", default="", help="as data.caption_key")
     teacher.add_argument("--dtype", default="float16", choices=("float16", "float32"),
                          help="stored precision of the embeddings")
-    teacher.add_argument("--device", default="cpu", help="where the teacher runs (cpu, cuda)")
+    teacher.add_argument("--device", default="auto",
+                         help="where the teacher runs: auto (CUDA when available, else the CPU), "
+                         "cpu, cuda or cuda:N")
     teacher.add_argument("--no-progress", action="store_true")
     prep.set_defaults(func=run_prep)
 
@@ -215,7 +220,7 @@ def run_prep(args) -> int:
         print(json.dumps(stats, indent=2))
         return 0
     if args.what in ("folder", "csv", "wds"):
-        from vlcontrast.data.prep.writer import summary
+        from vlcontrast.data.prep.writer import REPORT_FILE, summary
 
         common = dict(workers=args.workers, overwrite=args.overwrite, progress=not args.no_progress)
         if args.what == "folder":
@@ -244,15 +249,16 @@ def run_prep(args) -> int:
 
             report = prepare_wds(args.shards, args.out, caption_key=args.caption_key,
                                  image_key=args.image_key, decode=not args.no_decode, **common)
-        if set(report) == {"train", "val"}:  # --val-fraction: two shard sets
-            for split, part in report.items():
-                print(f"{split}: {summary(part)}", file=sys.stderr)
-            print(json.dumps({split: {k: v for k, v in part.items() if k != "shards"}
-                              for split, part in report.items()}, indent=2))
-            return 0
-        if "skipped" in report:
-            print(summary(report), file=sys.stderr)
-        print(json.dumps({k: v for k, v in report.items() if k != "shards"}, indent=2))
+        # One line per shard set (the report is OUT/prep_report.json); --json prints it.
+        parts = report if set(report) == {"train", "val"} else {"": report}  # --val-fraction
+        if args.json:
+            shown = {split: {k: v for k, v in part.items() if k != "shards"}
+                     for split, part in parts.items()}
+            print(json.dumps(shown.get("", shown), indent=2))
+        else:
+            for split, part in parts.items():
+                print(f"{split + ': ' if split else ''}{summary(part)} (report: "
+                      f"{Path(part['out_dir']) / REPORT_FILE})")
         return 0
     raise AssertionError(f"prep {args.what}: no handler")  # argparse lists every choice
 
@@ -286,8 +292,10 @@ def _run_prep_check(args) -> int:
 
 
 def _run_prep_teacher(args) -> int:
+    from vlcontrast.config import ModelConfig
     from vlcontrast.distill.offline import write_teacher_features
     from vlcontrast.errors import ConfigError
+    from vlcontrast.inference.model import resolve_device
 
     try:
         augment = json.loads(args.augment)
@@ -295,14 +303,23 @@ def _run_prep_teacher(args) -> int:
         raise ConfigError(f"--augment={args.augment!r}: not JSON ({err})") from None
     if not isinstance(augment, dict):
         raise ConfigError(f"--augment={args.augment!r}: must be a JSON object, as model.augment")
+    try:  # model.augment's own check: the same keys, the same words
+        ModelConfig(augment=augment).check()
+    except ConfigError as err:
+        raise ConfigError(f"--augment={args.augment!r}: "
+                          f"{str(err).replace('model.augment.', 'key ')}") from None
     from vlcontrast.outputs import writable_file
 
     writable_file(args.out, "OUT")
+    device = resolve_device(args.device, option="--device")  # auto: CUDA when available, as eval
     summary = write_teacher_features(args.shards, args.out, teacher=args.teacher,
                                      pretrained=args.teacher_pretrained,
                                      augmentations=args.augmentations, augment=augment,
                                      image_key=args.image_key, caption_key=args.caption_key,
-                                     dtype=args.dtype, device=args.device,
+                                     dtype=args.dtype, device=device,
                                      progress=not args.no_progress)
-    print(json.dumps(summary, indent=2))
+    # The file keeps the whole key; the terminal gets one line.
+    print(f"prep teacher: {summary['samples']} samples, {summary['views']} views "
+          f"({summary['augmentations']} augmentations), {summary['dim']}-d embeddings -> "
+          f"{summary['path']} in {summary['seconds']:.1f} s")
     return 0

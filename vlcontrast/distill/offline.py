@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,44 @@ def features_key(*, teacher: dict[str, Any], preprocess: dict[str, Any], augment
             "members": [data.image_key, data.caption_key], "data": shards_digest(data)}
 
 
+def check_shard_ids(shards: str, option: str = "SHARDS") -> int:
+    """The number of samples in ``shards``, after checking, before any teacher runs, that they
+    parse (errors name ``option``, as the user typed the argument) and that every sample has a
+    numeric key: the stored teacher rows are looked up by sample id. Directories whose
+    ``manifest.json`` declares an id space (``prep wds``, ``prep synthetic``) are trusted."""
+    from vlcontrast.data.counting import count_shards
+    from vlcontrast.data.sources import directory_id_space, directory_sizes
+    from vlcontrast.data.spec import PIPE_PREFIX, check_spec
+
+    urls = check_spec(option, shards)
+    fix = (f"re-key them with `vlcontrast prep wds {shards} OUT` (dense numeric ids, the original "
+           "key kept in .json) and run prep teacher, and training, on OUT")
+    piped = [url for url in urls if url.startswith(PIPE_PREFIX)]
+    if piped:
+        raise ConfigError(f"{option}={shards!r}: names pipe: shards (e.g. {piped[0]!r}), whose "
+                          "sample ids cannot be checked; the teacher's rows are stored and looked "
+                          f"up by sample id: copy the shards locally and {fix}")
+    known: dict[str, dict[str, int]] = {}
+    scan, total = [], 0
+    for url in urls:
+        directory = os.path.dirname(os.path.abspath(url))
+        if directory not in known:
+            known[directory] = directory_sizes(directory)
+        size = known[directory].get(os.path.basename(url))
+        if size is None or directory_id_space(directory) is None:
+            scan.append(url)
+        else:
+            total += size
+    for url, found in zip(scan, count_shards(scan)):
+        if found.non_numeric:
+            raise ConfigError(f"{option}={shards!r}: {url!r} has {found.non_numeric} of "
+                              f"{found.rows} samples whose key is not a number (e.g. "
+                              f"{found.example_key!r}); the teacher's rows are stored and looked "
+                              f"up by sample id: {fix}")
+        total += found.rows
+    return total
+
+
 class _TeacherAugmentations:
     """The prep's image transform: the teacher's K seeded augmentations of one image, stacked."""
 
@@ -80,12 +119,17 @@ class _TeacherAugmentations:
 def write_teacher_features(shards: str, out: str | Path, *, teacher: str, pretrained: str = "",
                            augmentations: int = 1, augment: dict[str, Any] | None = None,
                            image_key: str = "", caption_key: str = "", dtype: str = "float16",
-                           device: str = "cpu", progress: bool = False) -> dict[str, Any]:
+                           device: str | torch.device = "cpu",
+                           progress: bool = False) -> dict[str, Any]:
     """Embed every sample of ``shards`` with the teacher: ``augmentations`` seeded augmentations of
-    each image (0: the evaluation transform only) and its caption; write the file ``out``."""
+    each image (0: the evaluation transform only) and its caption; write the file ``out``.
+
+    Errors name the arguments of ``vlcontrast prep teacher`` (``SHARDS``, ``--teacher`` ...), which
+    this is; ``progress``: a :class:`~vlcontrast.progress.Progress` over the samples."""
     from vlcontrast.config import DataConfig
     from vlcontrast.data.loader import build_train_loader
-    from vlcontrast.distill.teacher import Teacher, image_transforms, teacher_identity
+    from vlcontrast.distill.teacher import PREP_OPTIONS, Teacher, image_transforms, teacher_identity
+    from vlcontrast.progress import Progress
 
     if augmentations < 0:
         raise ConfigError(f"--augmentations={augmentations}: must be >= 0")
@@ -96,8 +140,10 @@ def write_teacher_features(shards: str, out: str | Path, *, teacher: str, pretra
     data = DataConfig(train=str(shards), batch_size=1, workers=0, shuffle_buffer=0,
                       augment=augmentations > 0, image_key=image_key or defaults.image_key,
                       caption_key=caption_key or defaults.caption_key)
-    identity = teacher_identity(teacher, pretrained)
-    model = Teacher.load(teacher, pretrained, device=device)
+    total = check_shard_ids(str(shards))  # before the teacher: the file is keyed by sample id
+    start = time.monotonic()
+    identity = teacher_identity(teacher, pretrained, PREP_OPTIONS)
+    model = Teacher.load(teacher, pretrained, device=device, options=PREP_OPTIONS)
     key = features_key(teacher=identity, preprocess=model.preprocess,
                        augmentations=augmentations, augment=augment, data=data)
     train, val = image_transforms(model.model, augment)
@@ -107,6 +153,7 @@ def write_teacher_features(shards: str, out: str | Path, *, teacher: str, pretra
     ids, images, texts = [], [], []
     pending: list = []
     views = max(1, augmentations)
+    bar = Progress(total=total, desc=f"prep teacher -> {out}", unit="sample", disable=not progress)
 
     def flush():
         if not pending:
@@ -116,23 +163,22 @@ def write_teacher_features(shards: str, out: str | Path, *, teacher: str, pretra
         images.append(embedded.reshape(-1, views, embedded.shape[-1]).cpu())
         texts.append(model.embed_texts(torch.cat([b.texts for b in pending])).cpu())
         ids.append(torch.cat([b.sample_ids for b in pending]))
+        bar.update(sum(len(b.sample_ids) for b in pending))
         pending.clear()
 
-    done = 0
-    for batch in loader:
-        pending.append(batch._replace(images=batch.images.reshape(-1, *batch.images.shape[2:])))
-        if len(pending) * views >= CHUNK:
-            flush()
-            done += 1
-            if progress and done % 10 == 0:
-                print(f"prep teacher: {sum(len(i) for i in ids)} samples", flush=True)
-    flush()
+    with bar:
+        for batch in loader:
+            pending.append(batch._replace(images=batch.images.reshape(-1,
+                                                                      *batch.images.shape[2:])))
+            if len(pending) * views >= CHUNK:
+                flush()
+        flush()
     all_ids = torch.cat(ids)
     order = torch.argsort(all_ids)
     all_ids = all_ids[order]
     if len(torch.unique(all_ids)) != len(all_ids):
-        raise ConfigError(f"prep teacher {shards!r}: sample ids are not unique; teacher features "
-                          "are keyed by sample id")
+        raise ConfigError(f"SHARDS={str(shards)!r}: sample ids are not unique; teacher features "
+                          "are keyed by sample id: re-key the shards with `vlcontrast prep wds`")
     store = getattr(torch, dtype)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -143,7 +189,8 @@ def write_teacher_features(shards: str, out: str | Path, *, teacher: str, pretra
                 "logit_scale": model.logit_scale().cpu()}, tmp)
     tmp.replace(out)
     return {"path": str(out), "samples": len(all_ids), "augmentations": augmentations,
-            "dim": model.embed_dim, "key": key}
+            "views": len(all_ids) * views, "dim": model.embed_dim,
+            "seconds": round(time.monotonic() - start, 1), "key": key}
 
 
 class TeacherFeatures:
@@ -151,6 +198,11 @@ class TeacherFeatures:
 
     def __init__(self, path: str | Path):
         path = Path(path)
+        if path.is_dir():
+            inside = sorted(p.name for p in path.glob("*.pt"))
+            held = f" (it holds {', '.join(inside[:3])})" if inside else ""
+            raise ConfigError(f"distill.teacher_features={str(path)!r}: a folder{held}; name the "
+                              "file that `vlcontrast prep teacher SHARDS OUT` wrote (its OUT)")
         if not path.is_file():
             raise ConfigError(f"distill.teacher_features={str(path)!r}: file does not exist "
                               "(vlcontrast prep teacher SHARDS OUT makes it)")

@@ -34,17 +34,54 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def teacher_identity(teacher: str, pretrained: str) -> dict[str, Any]:
+TEACHER_OPTIONS = ("distill.teacher", "distill.teacher_pretrained")
+"""How a run names the teacher and its weights; ``vlcontrast prep teacher`` passes its flags."""
+PREP_OPTIONS = ("--teacher", "--teacher-pretrained")
+PATH_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt", ".json")
+"""A value ending in one of these names a file (weights, or a model-config JSON), not a model."""
+
+
+def is_path(value: str) -> bool:
+    """Whether a teacher option's value reads as a path rather than an open_clip name or tag: it
+    has a path separator (``hf-hub:org/name`` excepted) or ends in a weights or JSON suffix."""
+    if not value or value.startswith("hf-hub:") or "://" in value:
+        return False
+    return "/" in value or "\\" in value or value.lower().endswith(PATH_SUFFIXES)
+
+
+def check_teacher_paths(teacher: str, pretrained: str,
+                        options: tuple[str, str] = TEACHER_OPTIONS) -> None:
+    """A one-line error for a teacher (or its weights) named by a path that does not exist, before
+    the value is read as a model name; ``options`` name the two values as the user typed them."""
+    import difflib
+
+    kinds = ("a vlcontrast run, checkpoint or export directory, a transformers CLIPModel directory "
+             "or a model-config JSON", "a weights file or a vlcontrast run directory")
+    for option, value, kind in zip(options, (teacher, pretrained), kinds):
+        if not is_path(value) or Path(value).exists():
+            continue
+        path = Path(value)
+        close = []
+        if path.parent.is_dir():
+            close = difflib.get_close_matches(path.name, [p.name for p in path.parent.iterdir()],
+                                              n=1, cutoff=0.6)
+        hint = f" (did you mean {str(path.parent / close[0])!r}?)" if close else ""
+        raise ConfigError(f"{option}={value!r}: the path does not exist{hint}; name {kind}")
+
+
+def teacher_identity(teacher: str, pretrained: str,
+                     options: tuple[str, str] = TEACHER_OPTIONS) -> dict[str, Any]:
     """What names the teacher in a teacher-features file: the model and the sha256 of its weights
     file (an open_clip tag names itself). Read from the files, without building the model."""
     from vlcontrast.checkpoints import (WEIGHTS_FILE, export_weights, is_export,
                                         is_transformers_clip, resolve_model_files)
 
+    check_teacher_paths(teacher, pretrained, options)
     if Path(teacher).is_dir():
         try:
-            folder = resolve_model_files(teacher, "distill.teacher")
+            folder = resolve_model_files(teacher, options[0])
         except (FileNotFoundError, ValueError) as err:
-            raise ConfigError(f"distill.teacher={teacher!r}: {_first_line(err)}") from None
+            raise ConfigError(f"{options[0]}={teacher!r}: {_first_line(err)}") from None
         if is_transformers_clip(folder):  # model.safetensors, its shards or an older .bin
             files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin"))
         else:
@@ -56,39 +93,44 @@ def teacher_identity(teacher: str, pretrained: str) -> dict[str, Any]:
     if not pretrained:
         return {"model": teacher, "pretrained": ""}
     if Path(pretrained).is_dir():
-        return teacher_identity(pretrained, "") | {"model": teacher}
+        return teacher_identity(pretrained, "", (options[1], options[1])) | {"model": teacher}
     if Path(pretrained).is_file():
         return {"model": teacher, "weights_sha256": file_sha256(Path(pretrained))}
     return {"model": teacher, "pretrained": pretrained}
 
 
-def load_teacher_bundle(teacher: str, pretrained: str, device: str | torch.device = "cpu"):
+def load_teacher_bundle(teacher: str, pretrained: str, device: str | torch.device = "cpu",
+                        options: tuple[str, str] = TEACHER_OPTIONS):
     """The teacher's :class:`~vlcontrast.models.ModelBundle`, or a one-line :class:`ConfigError`
-    for a name that is no model, weights that do not load, or a model name without weights."""
+    for a path that does not exist, a name that is no model, weights that do not load or do not
+    fit, or a model name without weights; ``options`` name the two values in errors."""
     from vlcontrast.config import ModelConfig
-    from vlcontrast.models import build_model, load_model_from_checkpoint
+    from vlcontrast.models import build_model, load_model_from_checkpoint, resolve_model_config
 
+    name, weights = options
+    check_teacher_paths(teacher, "", options)  # the weights' path once the name is known good
     if Path(teacher).is_dir():
         if pretrained:
-            raise ConfigError(f"distill.teacher_pretrained={pretrained!r}: distill.teacher="
-                              f"{teacher!r} is a vlcontrast directory with its own weights; "
-                              "leave teacher_pretrained empty")
+            raise ConfigError(f"{weights}={pretrained!r}: {name}={teacher!r} is a vlcontrast "
+                              f"directory with its own weights; leave {weights} empty")
         try:
-            return load_model_from_checkpoint(teacher, device=device, what="distill.teacher")
+            return load_model_from_checkpoint(teacher, device=device, what=name)
         except (FileNotFoundError, ValueError, KeyError) as err:
-            raise ConfigError(f"distill.teacher={teacher!r}: not a vlcontrast run, checkpoint, "
+            raise ConfigError(f"{name}={teacher!r}: not a vlcontrast run, checkpoint, "
                               f"export or CLIPModel directory ({_first_line(err)})") from None
     if not pretrained:
-        raise ConfigError(f"distill.teacher={teacher!r}: a model name needs its weights in "
-                          "distill.teacher_pretrained (an open_clip tag, a weights file or a "
-                          "vlcontrast run); a random teacher teaches nothing")
+        raise ConfigError(f"{name}={teacher!r}: a model name needs its weights in {weights} (an "
+                          "open_clip tag, a weights file or a vlcontrast run); a random teacher "
+                          "teaches nothing")
     try:
+        resolve_model_config(teacher)
+        check_teacher_paths("", pretrained, options)
         bundle = build_model(ModelConfig(name=teacher, pretrained=pretrained), device=device)
     except (ValueError, RuntimeError, OSError) as err:
-        message = _first_line(err).replace("model.name=", "distill.teacher=").replace(
-            "model.pretrained=", "distill.teacher_pretrained=")
-        raise ConfigError(f"distill.teacher={teacher!r} with teacher_pretrained={pretrained!r}: "
-                          f"{message}") from None
+        message = _first_line(err).replace("model.name", name).replace("model.pretrained", weights)
+        if isinstance(err, ConfigError):  # names the option and the value already
+            raise ConfigError(message) from None
+        raise ConfigError(f"{name}={teacher!r} with {weights}={pretrained!r}: {message}") from None
     return bundle
 
 
@@ -137,8 +179,9 @@ class Teacher:
 
     @classmethod
     def load(cls, teacher: str, pretrained: str, *, device: torch.device | str = "cpu",
-             compute_dtype: torch.dtype = torch.float32, autocast: bool = False) -> "Teacher":
-        bundle = load_teacher_bundle(teacher, pretrained, device)
+             compute_dtype: torch.dtype = torch.float32, autocast: bool = False,
+             options: tuple[str, str] = TEACHER_OPTIONS) -> "Teacher":
+        bundle = load_teacher_bundle(teacher, pretrained, device, options)
         model = bundle.model.eval().requires_grad_(False)
         if not autocast and compute_dtype != torch.float32:
             model = model.to(compute_dtype)

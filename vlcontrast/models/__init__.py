@@ -5,13 +5,15 @@ model name (``RN50``, ``ViT-B-32`` ...), a model config shipped in ``vlcontrast/
 (``vlc-micro``, ``vlc-tiny`` ...), a path to an open_clip model-config JSON, or a name found in
 ``configs/models/`` under the current directory; a Hugging Face text tower loads from a local
 directory (``model.hf_model_dir``). ``model.pretrained`` loads open_clip weights, a vlcontrast
-checkpoint or a transformers ``CLIPModel`` directory (:mod:`.transformers_clip` maps its tensors),
+checkpoint, an open_clip export directory or a transformers ``CLIPModel`` directory (:mod:`.transformers_clip` maps its tensors),
 and ``model.lock_image``/``model.lock_text`` lock towers as open_clip does (LiT).
 :func:`load_model_from_checkpoint` rebuilds the model of a vlcontrast checkpoint, of an export or of
 a ``CLIPModel`` directory for evaluation, export and :func:`vlcontrast.load`;
 :func:`load_pretrained_model` takes every form ``model.pretrained`` takes (a teacher's loader).
 open_clip's "initialized randomly" warning is silenced while a model whose weights come right after
-is built. Nothing here re-implements open_clip: it only resolves configs and registers them.
+is built, and for a model built from scratch on purpose (``model.pretrained`` empty). Weights that do
+not fit the model are one line naming the option and, when their config is beside them, the right
+``model.name``. Nothing here re-implements open_clip: it only resolves configs and registers them.
 """
 
 from __future__ import annotations
@@ -152,8 +154,10 @@ def build_model(model_cfg, *, siglip: bool = False, device: str | torch.device =
                 weights_follow: bool = False) -> ModelBundle:
     """Create the CLIP model, its train/val transforms and tokenizer from ``model.*`` options.
 
-    ``weights_follow``: the caller loads weights right after (a resumed run), so open_clip's
-    "initialized randomly" warning would mislead and is not shown."""
+    ``weights_follow``: the caller loads weights right after (a resumed run). Then, and whenever
+    ``model.pretrained`` is empty (a from-scratch model is random on purpose), open_clip's
+    "initialized randomly" warning would mislead or only repeat the config, and is not shown;
+    every other warning is."""
     import open_clip
 
     name, cfg = resolve_model_config(model_cfg.name, model_cfg.hf_model_dir)
@@ -171,26 +175,34 @@ def build_model(model_cfg, *, siglip: bool = False, device: str | torch.device =
         transformers_state, preprocess = _transformers_start(model_cfg.pretrained, cfg,
                                                              model_cfg.name)
         kwargs.update(_preprocess_kwargs(preprocess))
-    checkpoint = _vlcontrast_checkpoint(model_cfg.pretrained) if transformers_state is None else None
-    weights_after = checkpoint is not None or transformers_state is not None
+    weights = (pretrained_weights(model_cfg.pretrained) if transformers_state is None
+               else None)
+    weights_after = weights is not None or transformers_state is not None
     open_clip_weights = None if weights_after else (model_cfg.pretrained or None)
-    quiet = (weights_loaded_afterwards() if weights_after or (weights_follow and not
-                                                              open_clip_weights)
+    # Without open_clip weights the model is random on purpose (from scratch) or gets its
+    # weights right after (ours, or a resumed run's): open_clip's warning says neither.
+    quiet = (weights_loaded_afterwards() if weights_after or weights_follow or not open_clip_weights
              else nullcontext())
+    what = f"model.pretrained={model_cfg.pretrained!r}"
     with warnings.catch_warnings(), quiet:
         # open_clip lists colour jitter and grayscale as "unused" although it applies them;
         # ModelConfig.check refuses the options it would really drop.
         warnings.filterwarnings("ignore", message="Unused augmentation cfg items")
-        model, preprocess_train, preprocess_val = open_clip.create_model_and_transforms(
-            registered, pretrained=open_clip_weights, device=device, output_dict=True,
-            pretrained_text=bool(model_cfg.hf_model_dir), aug_cfg=dict(model_cfg.augment) or None,
-            **kwargs)
-    if checkpoint is not None:
-        load_weights(model, checkpoint / WEIGHTS_FILE, f"model.pretrained={model_cfg.pretrained!r}",
-                     device)
+        try:
+            model, preprocess_train, preprocess_val = open_clip.create_model_and_transforms(
+                registered, pretrained=open_clip_weights, device=device, output_dict=True,
+                pretrained_text=bool(model_cfg.hf_model_dir),
+                aug_cfg=dict(model_cfg.augment) or None, **kwargs)
+        except (AssertionError, RuntimeError, KeyError) as err:
+            # open_clip's loader of a weights file asserts on, or fails to load, other shapes
+            if not (open_clip_weights and Path(open_clip_weights).is_file()):
+                raise
+            raise does_not_fit(what, Path(open_clip_weights), model_cfg.name, err) from err
+    if weights is not None:
+        load_weights(model, weights, what, device, model_name=model_cfg.name)
     if transformers_state is not None:
-        load_state(model, transformers_state, f"model.pretrained={model_cfg.pretrained!r}",
-                   Path(model_cfg.pretrained), device)
+        load_state(model, transformers_state, what, Path(model_cfg.pretrained), device,
+                   model_name=model_cfg.name)
     lock_towers(model, model_cfg)
     if model_cfg.grad_checkpointing:
         model.set_grad_checkpointing(True)
@@ -265,28 +277,65 @@ def config_difference(expected: dict, actual: dict) -> str:
     return ""
 
 
-def _vlcontrast_checkpoint(pretrained: str) -> Path | None:
-    """The checkpoint directory when ``model.pretrained`` names a vlcontrast run or checkpoint."""
+def pretrained_weights(pretrained: str) -> Path | None:
+    """The weights file when ``model.pretrained`` names a directory: a vlcontrast run or
+    checkpoint directory (its ``model.pt``) or an open_clip export (``vlcontrast export --format
+    open_clip``'s ``open_clip_model.safetensors``), found as every loader of a trained model finds
+    it (:func:`~vlcontrast.checkpoints.resolve_model_files`); None for a tag or a file."""
     if not pretrained or not Path(pretrained).is_dir():
         return None
     try:
-        return resolve_weights(pretrained)
+        folder = resolve_model_files(pretrained, "model.pretrained")
     except FileNotFoundError as err:
-        raise ConfigError(f"model.pretrained={pretrained!r}: a directory, but not a vlcontrast run "
-                         "or checkpoint directory (no model.pt and no checkpoints/latest)") from err
+        raise ConfigError(f"model.pretrained={pretrained!r}: a directory, but not a vlcontrast run, "
+                          "checkpoint or open_clip export directory (no model.pt, no "
+                          "checkpoints/latest and no open_clip_model.safetensors)") from err
+    return export_weights(folder) if is_export(folder) else folder / WEIGHTS_FILE
+
+
+def weights_model(path: Path) -> str:
+    """The ``model.name`` that builds the model of the weights at ``path`` (a file or a directory)
+    when the config they were saved with is beside them (a vlcontrast checkpoint's
+    ``model_config.json``, an open_clip export's ``<model>.json``); '' when unknown."""
+    folder = Path(path) if Path(path).is_dir() else Path(path).parent
+    try:
+        if is_export(folder):
+            name = _export_meta(folder)["model_name"]
+            config_file = folder / f"{name}.json"
+        elif (folder / MODEL_CONFIG_FILE).is_file():
+            name = json.loads((folder / MODEL_CONFIG_FILE).read_text())["model_name"]
+            config_file = None
+        else:
+            return ""
+        resolve_model_config(name)
+        return str(name)
+    except (OSError, ValueError, KeyError, TypeError):  # a name open_clip does not know
+        return str(config_file) if config_file is not None and config_file.is_file() else ""
+
+
+def does_not_fit(what: str, path: Path, model_name: str, err: BaseException | str) -> ConfigError:
+    """The one-line error of weights at ``path`` that do not fit the model of ``model_name``,
+    naming the right ``model.name`` when the weights' own config is known."""
+    detail = err if isinstance(err, str) else (str(err).strip().splitlines() or
+                                               [type(err).__name__])[-1].strip()
+    source = weights_model(path)
+    built = f" (model.name={model_name!r})" if model_name else ""
+    fix = f", here model.name={source}" if source and source != model_name else ""
+    return ConfigError(f"{what}: {path} does not fit this model{built}; model.name must be the "
+                       f"checkpoint's model{fix} ({detail or type(err).__name__})")
 
 
 def load_weights(model: torch.nn.Module, path: Path, what: str,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", model_name: str = "") -> None:
     """Load a vlcontrast ``model.pt`` or an export's weights (safetensors, or tensors-only
     pickles: no code runs) into ``model`` (:func:`load_state`)."""
-    load_state(model, read_weights(path, device), what, path, device)
+    load_state(model, read_weights(path, device), what, path, device, model_name=model_name)
 
 
 def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor], what: str, path: Path,
-               device: str | torch.device = "cpu") -> None:
-    """Load a state dict with open_clip's names into ``model``; ``path`` names its source in
-    errors.
+               device: str | torch.device = "cpu", model_name: str = "") -> None:
+    """Load a state dict with open_clip's names into ``model``; ``path`` names its source and
+    ``model_name`` the model's ``model.name`` (when it has one) in errors.
 
     Frozen batch norms (``lock_image_freeze_bn_stats``) have no ``num_batches_tracked``; a
     checkpoint and a model that differ only there still load.
@@ -295,16 +344,15 @@ def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor], what: str
     try:
         result = model.load_state_dict(state, strict=False)
     except RuntimeError as err:  # shape mismatches raise even when not strict
-        raise ConfigError(f"{what}: {path} does not fit this model; model.name must be the "
-                         f"checkpoint's model ({str(err).splitlines()[-1].strip()})") from err
+        raise does_not_fit(what, path, model_name, err) from err
     missing = [k for k in result.missing_keys if not k.endswith("num_batches_tracked")]
     # A distilled student's projection to the teacher's width (vlcontrast.distill) is a training
     # aid, not part of the model.
     unexpected = [k for k in result.unexpected_keys if not k.endswith("num_batches_tracked")
                   and not k.startswith("distill_projection.")]
     if missing or unexpected:
-        raise ConfigError(f"{what}: {path} does not fit this model (missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}); model.name must be the checkpoint's model")
+        raise does_not_fit(what, path, model_name,
+                           f"missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
 def lock_towers(model: torch.nn.Module, model_cfg) -> None:
@@ -450,8 +498,8 @@ def load_pretrained_model(source: str | Path, pretrained: str = "", *,
     checkpoint, a ``vlcontrast export`` directory or a transformers ``CLIPModel`` directory
     (:func:`load_model_from_checkpoint`). Otherwise ``source`` names the model as ``model.name``
     does (an open_clip name, a config shipped with vlcontrast, a model-config JSON) and
-    ``pretrained`` is an open_clip tag or weights file, a vlcontrast run or checkpoint directory,
-    or a ``CLIPModel`` directory whose config must be ``source``'s (empty: random weights).
+    ``pretrained`` is an open_clip tag or weights file, a vlcontrast run, checkpoint or open_clip
+    export directory, or a ``CLIPModel`` directory whose config must be ``source``'s (empty: random weights).
     ``what`` names the option in errors.
     """
     import open_clip
@@ -460,20 +508,27 @@ def load_pretrained_model(source: str | Path, pretrained: str = "", *,
         return load_model_from_checkpoint(source, device, what)
     name, cfg = resolve_model_config(str(source))
     registered = _register_config(name, cfg)
-    state, preprocess, checkpoint = None, {}, None
+    state, preprocess, weights = None, {}, None
+    where = f"{what}={str(pretrained)!r}"
     if pretrained and is_transformers_clip(pretrained):
         state, preprocess = _transformers_start(str(pretrained), cfg, str(source))
-    elif pretrained and Path(pretrained).is_dir():
-        checkpoint = _vlcontrast_checkpoint(str(pretrained))
-    weights_after = state is not None or checkpoint is not None
-    with weights_loaded_afterwards() if weights_after else nullcontext():
-        model, preprocess_train, preprocess_val = open_clip.create_model_and_transforms(
-            registered, pretrained=None if weights_after else (pretrained or None), device=device,
-            output_dict=True, pretrained_text=False, **_preprocess_kwargs(preprocess))
+    else:
+        weights = pretrained_weights(str(pretrained))
+    weights_after = state is not None or weights is not None
+    with weights_loaded_afterwards() if weights_after or not pretrained else nullcontext():
+        try:
+            model, preprocess_train, preprocess_val = open_clip.create_model_and_transforms(
+                registered, pretrained=None if weights_after else (pretrained or None),
+                device=device, output_dict=True, pretrained_text=False,
+                **_preprocess_kwargs(preprocess))
+        except (AssertionError, RuntimeError, KeyError) as err:
+            if weights_after or not Path(pretrained).is_file():
+                raise
+            raise does_not_fit(where, Path(pretrained), str(source), err) from err
     if state is not None:
-        load_state(model, state, f"{what}={str(pretrained)!r}", Path(pretrained), device)
-    elif checkpoint is not None:
-        load_weights(model, checkpoint / WEIGHTS_FILE, f"{what}={str(pretrained)!r}", device)
+        load_state(model, state, where, Path(pretrained), device, model_name=str(source))
+    elif weights is not None:
+        load_weights(model, weights, where, device, model_name=str(source))
     model.eval()
     stored = {"model_name": name, "model_cfg": cfg}
     return ModelBundle(model, preprocess_train, preprocess_val, open_clip.get_tokenizer(registered),
