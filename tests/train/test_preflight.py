@@ -41,3 +41,19 @@ def test_a_batch_larger_than_the_data_is_refused_before_the_model_is_built(
     config.data.batch_size = samples  # one batch fits: the model is built next
     with pytest.raises(AssertionError, match="the model was built"):
         loop.train(config)
+
+
+@pytest.mark.parametrize("key, line", [
+    ("distill.teacher", "the path does not exist (did you mean "),
+    ("distill.teacher_features", "file does not exist (vlcontrast prep teacher SHARDS OUT makes it)"),
+])
+def test_a_mistyped_teacher_path_stops_the_preflight(synthetic_data, tmp_path, key, line):
+    """Before the student model is built (the teacher itself is loaded after it)."""
+    from tests.train.helpers import tiny_config
+
+    (tmp_path / "teacher").mkdir()
+    config = tiny_config(synthetic_data, tmp_path / "run", **{key: str(tmp_path / "teachr")})
+    with pytest.raises(ConfigError) as caught:
+        preflight(config)
+    assert str(caught.value).startswith(f"{key}={str(tmp_path / 'teachr')!r}: ")
+    assert line in str(caught.value)

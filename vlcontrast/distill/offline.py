@@ -193,19 +193,26 @@ def write_teacher_features(shards: str, out: str | Path, *, teacher: str, pretra
             "seconds": round(time.monotonic() - start, 1), "key": key}
 
 
+def check_features_path(path: str | Path) -> Path:
+    """``distill.teacher_features`` names a file (reads nothing of it); a one-line error for a
+    folder or a path that does not exist."""
+    path = Path(path)
+    if path.is_dir():
+        inside = sorted(p.name for p in path.glob("*.pt"))
+        held = f" (it holds {', '.join(inside[:3])})" if inside else ""
+        raise ConfigError(f"distill.teacher_features={str(path)!r}: a folder{held}; name the "
+                          "file that `vlcontrast prep teacher SHARDS OUT` wrote (its OUT)")
+    if not path.is_file():
+        raise ConfigError(f"distill.teacher_features={str(path)!r}: file does not exist "
+                          "(vlcontrast prep teacher SHARDS OUT makes it)")
+    return path
+
+
 class TeacherFeatures:
     """A ``prep teacher`` file, checked against the run before step 1."""
 
     def __init__(self, path: str | Path):
-        path = Path(path)
-        if path.is_dir():
-            inside = sorted(p.name for p in path.glob("*.pt"))
-            held = f" (it holds {', '.join(inside[:3])})" if inside else ""
-            raise ConfigError(f"distill.teacher_features={str(path)!r}: a folder{held}; name the "
-                              "file that `vlcontrast prep teacher SHARDS OUT` wrote (its OUT)")
-        if not path.is_file():
-            raise ConfigError(f"distill.teacher_features={str(path)!r}: file does not exist "
-                              "(vlcontrast prep teacher SHARDS OUT makes it)")
+        path = check_features_path(path)
         try:
             stored = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as err:  # noqa: BLE001 - any unreadable file is the same user error

@@ -30,6 +30,18 @@ def check_training_data(data: DataConfig) -> None:
             check_spec(key, spec)
 
 
+def check_distill_paths(distill) -> None:
+    """The teacher, its weights and its stored features, named by paths that exist (reads none of
+    them): a typo stops the run before the student model is built."""
+    from vlcontrast.distill.offline import check_features_path
+    from vlcontrast.distill.teacher import check_teacher_paths
+
+    if distill.teacher or distill.teacher_pretrained:
+        check_teacher_paths(distill.teacher, distill.teacher_pretrained)
+    if distill.teacher_features:
+        check_features_path(distill.teacher_features)
+
+
 def check_run_directory(output_dir: str) -> None:
     """Rank 0 creates the run directory; every rank learns of a failure (no one waits alone).
     Collective."""
@@ -56,6 +68,7 @@ def preflight(config: RunConfig, evaluator=None) -> None:
     from vlcontrast.train.evaluate import Evaluator
 
     check_training_data(config.data)
+    check_distill_paths(config.distill)
     if evaluator is None:
         evaluator = Evaluator(config.eval, val_shards=config.data.val)
     evaluator.check()
