@@ -3,7 +3,8 @@
 
     python data_prep/check_shards.py /data/cc3m/train --workers 8
 
-Writes DIR/check_report.json (or --report); exits 1 when a shard is unreadable or missing. A shim
+Writes DIR/check_report.json (or --report); exits 1 when the shards would not train (a shard unreadable or missing,
+or more skipped samples than --max-bad-fraction). A shim
 over ``vlcontrast prep check`` (same options, same defaults).
 """
 
