@@ -155,3 +155,17 @@ def test_loss_options_are_converted_to_their_declared_types():
     config.check()
     assert config.loss.options["gamma"] == 1.0 and type(config.loss.options["gamma"]) is float
     assert config.loss.options["shard_buffer"] is True
+
+
+def test_deepspeed_overrides_pass_numbers_yaml_reads_as_text():
+    """``5e8`` is text to YAML 1.1, and DeepSpeed's schema refuses text where it wants a number."""
+    config = load_config(None, ["train.steps=1",
+                                "deepspeed.overrides.zero_optimization.reduce_bucket_size=5e8",
+                                "deepspeed.overrides.optimizer.params.eps=1e-8",
+                                "deepspeed.overrides.comms_logger.prof_ops=[5e2]",
+                                "deepspeed.overrides.tag=v5e8"])
+    overrides = config.deepspeed.overrides
+    assert overrides["zero_optimization"]["reduce_bucket_size"] == 500_000_000
+    assert isinstance(overrides["zero_optimization"]["reduce_bucket_size"], int)
+    assert overrides["optimizer"]["params"]["eps"] == 1e-8
+    assert overrides["comms_logger"]["prof_ops"] == [500] and overrides["tag"] == "v5e8"

@@ -315,6 +315,9 @@ class DeepSpeedConfig:
     overrides: dict[str, Any] = field(default_factory=dict)
     """Fields merged last into the generated DeepSpeed config (for example ``{"wall_clock_breakdown": true}``)."""
 
+    def __post_init__(self) -> None:
+        self.overrides = _numbers_as_numbers(self.overrides)
+
 
 
 @dataclass
@@ -644,6 +647,22 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     except yaml.YAMLError:
         value = raw
     return key.split("."), value
+
+
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
+def _numbers_as_numbers(value: Any) -> Any:
+    """Untyped values (``deepspeed.overrides``) with numbers YAML 1.1 reads as text (``5e8``,
+    ``1e-3``) made numbers, an integral one an int: DeepSpeed's schema refuses ``'5e8'``."""
+    if isinstance(value, dict):
+        return {key: _numbers_as_numbers(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_numbers_as_numbers(item) for item in value]
+    if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+        number = float(value)
+        return int(number) if number.is_integer() and "." not in value else number
+    return value
 
 
 def merge_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
