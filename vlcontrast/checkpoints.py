@@ -153,16 +153,57 @@ def latest_checkpoint(root: Path) -> Path | None:
     return resolve_checkpoint(root)
 
 
+def complete_checkpoints(root: Path) -> tuple[list[Path], list[Path]]:
+    """``(complete, every)`` ``step_*`` checkpoint directories under ``root``, oldest first (a
+    ``.tmp`` folder of an interrupted write is neither)."""
+    every = sorted(p for p in Path(root).glob("step_*")
+                   if p.is_dir() and not p.name.endswith(".tmp"))
+    return [p for p in every if (p / COMPLETE_MARKER).is_file()], every
+
+
+_FELL_BACK: set[str] = set()
+
+
 def find_resume(resume: str, output_dir: Path) -> Path | None:
-    """The checkpoint directory named by ``train.resume`` (``latest`` may find none: fresh start)."""
+    """The checkpoint directory named by ``train.resume``. ``latest``: the one
+    ``checkpoints/latest`` names; when that is missing or incomplete (a damaged disk, a file
+    removed by hand), the newest complete ``step_*`` with a warning; none when the run has no
+    checkpoint (a fresh start). Checkpoint folders of which none is complete are an error, never
+    a fresh start over them (its checkpoints would overwrite, and retention delete, theirs)."""
     if not resume:
         return None
     if resume == "latest":
-        return latest_checkpoint(Path(output_dir) / "checkpoints")
+        root = Path(output_dir) / "checkpoints"
+        found = latest_checkpoint(root)
+        if found is not None:
+            return found
+        complete, every = complete_checkpoints(root)
+        named = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else ""
+        if complete:
+            if str(complete[-1]) not in _FELL_BACK:
+                _FELL_BACK.add(str(complete[-1]))
+                import logging
+
+                logging.getLogger(__name__).warning(
+                    "train.resume=latest: %s; resuming from the newest complete checkpoint, %s",
+                    f"checkpoints/latest names {named!r}, which is incomplete (no "
+                    f"{COMPLETE_MARKER})" if named else "checkpoints/latest is missing",
+                    complete[-1].name)
+            return complete[-1]
+        if every:
+            raise ConfigError(f"train.resume=latest: {root} holds {len(every)} checkpoint "
+                              f"folder(s) ({every[-1].name} ...) and none is complete (no "
+                              f"{COMPLETE_MARKER}); nothing to resume from: move them aside, or "
+                              "give another output_dir")
+        return None
     found = resolve_checkpoint(resume)
     if found is None:
+        path = Path(resume)
+        siblings = complete_checkpoints(path.parent if path.name.startswith("step_") else
+                                        path / "checkpoints")[0]
+        hint = f"; the newest complete one there is {str(siblings[-1])!r}" if siblings else ""
         raise FileNotFoundError(f"train.resume={resume!r}: {resume} is not a complete checkpoint "
-                                f"(no {COMPLETE_MARKER}) nor a run directory with one")
+                                f"(no {COMPLETE_MARKER}) nor a run directory with one{hint}")
     return found
 
 

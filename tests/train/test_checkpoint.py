@@ -44,9 +44,9 @@ def test_one_resolver_for_run_dirs_checkpoint_dirs_and_latest(tmp_path):
     # An incomplete newest checkpoint is not resumed from; weights-only use still finds model.pt.
     (new / "trainer_state.pt").unlink()
     assert resolve_checkpoint(run) is None and resolve_weights(run) == new
-    assert find_resume("latest", run) is None
-    with pytest.raises(FileNotFoundError, match="is not a complete checkpoint"):
-        find_resume(str(run), run)
+    with pytest.raises(FileNotFoundError, match="is not a complete checkpoint .*; the newest "
+                                                "complete one there is .*step_00000002"):
+        find_resume(str(new), run)
     with pytest.raises(FileNotFoundError, match="no model.pt there"):
         resolve_weights(tmp_path / "nothing")
 
@@ -203,3 +203,33 @@ def test_a_write_error_without_an_errno_is_called_a_full_disk_when_the_disk_is_f
     monkeypatch.setattr(checkpoints, "free_bytes", lambda path: 10**12)
     assert checkpointer._fix(written) == ""
     assert "make" in checkpointer._fix(PermissionError(13, "Permission denied"))
+
+
+def test_resume_latest_never_starts_fresh_over_checkpoints(tmp_path, caplog):
+    """A damaged newest checkpoint (or a lost ``latest``) used to make ``resume=latest`` start
+    from step 0: its checkpoints overwrote the damaged one and retention deleted the good one."""
+    import logging
+
+    from vlcontrast.checkpoints import find_resume
+    from vlcontrast.errors import ConfigError
+
+    run = tmp_path / "run"
+    root = run / "checkpoints"
+    old = _fake_checkpoint(root / "step_00000003")
+    new = _fake_checkpoint(root / "step_00000006")
+    (root / "latest").write_text("step_00000006\n")
+    (new / "trainer_state.pt").unlink()
+    with caplog.at_level(logging.WARNING):
+        assert find_resume("latest", run) == old
+        assert find_resume("latest", run) == old  # start-up asks more than once: one warning
+    warned = [r.getMessage() for r in caplog.records if "train.resume=latest" in r.getMessage()]
+    assert warned == ["train.resume=latest: checkpoints/latest names 'step_00000006', which is "
+                      "incomplete (no trainer_state.pt); resuming from the newest complete "
+                      "checkpoint, step_00000003"]
+    (root / "latest").unlink()
+    assert find_resume("latest", run) == old
+    (old / "trainer_state.pt").unlink()
+    with pytest.raises(ConfigError, match=r"holds 2 checkpoint folder\(s\) \(step_00000006 "
+                                          r"\.\.\.\) and none is complete"):
+        find_resume("latest", run)
+    assert find_resume("latest", tmp_path / "fresh") is None  # no checkpoint yet: a fresh start
