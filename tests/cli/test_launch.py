@@ -182,3 +182,49 @@ def test_two_ranks_with_a_full_disk_on_one_end_as_one_line(tiny_data, tmp_path):
                            f"{run / 'checkpoints' / 'step_00000002.tmp'}")
     assert "rank_00001.pt" in line and "No space left on device" in line
     assert "is full: free space there" in line and line.endswith("[reported by rank 1]")
+
+
+def test_a_signal_to_the_launcher_ends_as_the_ranks_stop_did(monkeypatch, capsys, agent_log):
+    """SIGTERM to ``train --nproc N``: torchrun passes it on, the ranks checkpoint and stop, and
+    torchrun then raises SignalException in the launcher (a 30-line traceback, exit 1, before)."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def stopped(arguments):
+        logging.getLogger(AGENT_LOG).warning("Received 15 death signal, shutting down workers")
+        raise SignalException("Process 4242 got signal: 15", sigval=signal.SIGTERM)
+
+    monkeypatch.setattr(torchrun, "run", stopped)
+    assert launch.launch_local(2, ["train.steps=300"]) == 0
+    assert capsys.readouterr().err == ("vlcontrast: train --nproc 2: Process 4242 got signal: 15 "
+                                       "was passed to the ranks, which stopped\n")
+    assert agent_log == []
+
+    def failed_meanwhile(arguments):
+        folder = Path(os.environ[failure.RANK_ERRORS_VARIABLE])
+        (folder / "rank_00001.json").write_text(json.dumps(
+            {"line": "vlcontrast: error: checkpoint at step 20 could not be written", "exit_code": 1}))
+        raise SignalException("Process 4242 got signal: 15", sigval=signal.SIGTERM)
+
+    monkeypatch.setattr(torchrun, "run", failed_meanwhile)
+    assert launch.launch_local(2, []) == 1
+    assert capsys.readouterr().err == "vlcontrast: error: checkpoint at step 20 could not be written\n"
+
+
+@pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
+def test_the_stop_line_is_rank_0_s(monkeypatch, capsys, tmp_path, rank, printed):
+    """Every rank stops at the same step; one line says so (it came once per rank)."""
+    import vlcontrast.train as train_package
+    from vlcontrast import cli
+    from vlcontrast.train import StopRequested
+
+    def stop(config):
+        raise StopRequested("stopped by train.stop_at_step at step 2; checkpoint ...")
+
+    monkeypatch.setattr(train_package, "train", stop)
+    monkeypatch.setenv("RANK", rank)
+    assert cli.main(["train", "data.train=x", "train.steps=4", "model.name=vlc-micro",
+                     f"output_dir={tmp_path / 'run'}"]) == 0
+    err = capsys.readouterr().err
+    assert ("vlcontrast: stopped by train.stop_at_step at step 2" in err) == printed

@@ -66,6 +66,7 @@ INHERITED_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOC
 def launch_local(nproc: int, train_arguments: list[str]) -> int:
     """Run ``vlcontrast train TRAIN_ARGUMENTS`` on ``nproc`` local ranks; the exit code."""
     import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     arguments = torchrun.parse_args(torchrun_arguments(nproc, train_arguments))
@@ -89,6 +90,21 @@ def launch_local(nproc: int, train_arguments: list[str]) -> int:
             line, code = lines[min(lines)]
             print(line, file=sys.stderr, flush=True)
             return code
+        except SignalException as signal:
+            # SIGTERM/SIGINT to the launcher (a scheduler's notice): torchrun forwarded it, and
+            # the ranks stopped at an agreed step with a checkpoint, as a single process does (exit
+            # 0, rank 0's stop line); a rank that failed meanwhile left its line.
+            lines = failure.rank_lines(folder)
+            if failure.debug_requested():
+                held.release()
+                raise
+            if lines:
+                line, code = lines[min(lines)]
+                print(line, file=sys.stderr, flush=True)
+                return code
+            print(f"vlcontrast: train --nproc {nproc}: {signal} was passed to the ranks, which "
+                  "stopped", file=sys.stderr, flush=True)
+            return 0
         except BaseException:
             held.release()
             raise

@@ -48,7 +48,8 @@ def run_train(args) -> int:
     try:
         train(config)
     except StopRequested as stop:
-        print(f"vlcontrast: {stop}", file=sys.stderr)
+        if requeue.launcher_rank() == 0:  # every rank stops at the same step: one line says it
+            print(f"vlcontrast: {stop}", file=sys.stderr)
         # Exit 0 either way; a signal stop leaves RUN/preempted.json, the scheduler's cue to requeue.
         requeue.record_stop(config.output_dir, stop)
         return 0
