@@ -169,3 +169,13 @@ def test_deepspeed_overrides_pass_numbers_yaml_reads_as_text():
     assert isinstance(overrides["zero_optimization"]["reduce_bucket_size"], int)
     assert overrides["optimizer"]["params"]["eps"] == 1e-8
     assert overrides["comms_logger"]["prof_ops"] == [500] and overrides["tag"] == "v5e8"
+
+
+def test_the_momentum_estimator_under_zero_3_is_refused_with_the_config():
+    """It was refused only once DeepSpeed had started (with its warnings before the line)."""
+    with pytest.raises(ConfigError, match=r"^deepspeed\.zero_stage=3: with loss\.estimator="
+                                          r"'momentum' .* must be <= 2"):
+        load_config(None, ["train.steps=1", "loss.name=decl", "loss.estimator=momentum",
+                           "deepspeed.zero_stage=3"])
+    load_config(None, ["train.steps=1", "loss.name=decl", "loss.estimator=momentum",
+                       "deepspeed.zero_stage=2"])

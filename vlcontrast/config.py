@@ -468,6 +468,10 @@ class RunConfig:
             if key in types:  # its declared type: a choice, a number, a flag
                 self.loss.options[key] = _coerce(value, types[key], f"loss.{key}")
         _check_loss_options(self.loss)
+        _require(self.loss.options.get("estimator") != "momentum"
+                 or self.deepspeed.zero_stage <= 2, "deepspeed.zero_stage",
+                 self.deepspeed.zero_stage, "with loss.estimator='momentum' (a full EMA copy of "
+                 "the towers on every rank) must be <= 2; use ZeRO 2 or another estimator")
 
 
 def _check_loss_options(loss: LossConfig) -> None:
