@@ -11,6 +11,7 @@ import contextlib
 import importlib.util
 import io
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -192,3 +193,62 @@ def test_device_contradicting_ds_accelerator_names_the_option(monkeypatch):
         "would use different devices (unset DS_ACCELERATOR or give --device cpu)")
     with pytest.raises(DeviceError, match=r"^train.device='cuda'"):  # the trainer's own words
         prepare_environment("cuda")
+
+
+@pytest.mark.parametrize("argv, options", [
+    (["train", "loss.name=dcl", "--nproc", "2", "train.steps=3"], {"nproc": 2}),
+    (["train", "loss.name=dcl", "--config", "c.yaml", "train.steps=3", "--debug"],
+     {"config": "c.yaml", "debug": True}),
+    (["config", "loss.name=dcl", "--config", "c.yaml", "train.steps=3"], {"config": "c.yaml"}),
+    (["study", "loss.name=dcl", "--config", "c.yaml", "train.steps=3", "--plan"],
+     {"config": "c.yaml", "plan": True}),
+])
+def test_overrides_and_options_mix_in_any_order(argv, options):
+    """argparse alone ends the overrides at the first option after them ("unrecognized
+    arguments: train.steps=3")."""
+    args = cli.build_parser().parse_args(argv)
+    assert args.overrides == ["loss.name=dcl", "train.steps=3"]
+    assert {key: getattr(args, key) for key in options} == options
+
+
+def test_train_passes_overrides_after_an_option_to_the_ranks(monkeypatch):
+    from vlcontrast.cli import launch
+
+    launched = []
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    monkeypatch.setattr(launch, "launch_local",
+                        lambda nproc, argv: launched.append((nproc, argv)) or 0)
+    assert cli.main(["train", "loss.name=dcl", "--nproc", "2", "train.steps=3"]) == 0
+    assert launched == [(2, ["loss.name=dcl", "train.steps=3"])]
+
+
+def test_intermixed_parsing_keeps_the_errors_and_help(capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.build_parser().parse_args(["train", "a.b=1", "--bogus", "c.d=2"])
+    assert stop.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        cli.build_parser().parse_args(["study", "a.b=1", "--plan"])
+    assert stop.value.code == 2
+    assert "the following arguments are required: --config" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        cli.build_parser().parse_args(["train", "a.b=1", "--help"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: vlcontrast train [-h] [--config CONFIG]")
+
+
+def test_config_lists_each_losss_options(capsys):
+    from vlcontrast.losses import LOSSES, loss_option_defaults
+
+    assert cli.main(["config"]) == 0
+    out = capsys.readouterr().out
+    sections = {}  # loss name -> the option keys listed under it
+    for line in out.splitlines():
+        if line.startswith("loss.name="):
+            sections[line.removeprefix("loss.name=").removesuffix(": no options")] = keys = []
+        elif line.startswith("  loss."):
+            keys.append(line.split()[0])
+    assert {name: keys for name, keys in sections.items()} == {
+        name: [f"loss.{option}" for option in loss_option_defaults(name)] for name in LOSSES}
+    assert re.search(r"\n  loss\.tau_min +0\.01 +bounds of the individual temperatures\.\n", out)
+    assert "\nloss.name=dcl: no options\n" in out

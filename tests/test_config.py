@@ -66,6 +66,32 @@ def test_steps_or_epochs_required():
         load_config(None, [])
 
 
+def test_steps_and_epochs_together_are_refused(tmp_path):
+    """Both set used to train train.steps and ignore train.epochs without a word."""
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, "train:\n  epochs: 30\n"), ["train.steps=100"])
+    assert str(err.value) == ("train.steps=100 and train.epochs=30.0: both set the run's length; "
+                              "set one of them and leave the other 0")
+    assert load_config(None, ["train.epochs=2"]).train.steps == 0  # each alone is fine
+    assert load_config(None, ["train.steps=2", "train.epochs=0"]).train.steps == 2
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("eval.every=-1", "eval.every=-1: must be >= 0 (N: evaluate every N optimizer steps and at "
+                      "the end; 0: only at the end)"),
+    ("eval.batch_size=0", "eval.batch_size=0: must be >= 1"),
+    ("eval.max_samples=-5", "eval.max_samples=-5: must be >= 0 (0: every sample)"),
+    ("checkpoint.every=-2", "checkpoint.every=-2: must be >= 0 (N: save every N optimizer steps"),
+    ("checkpoint.keep=0", "checkpoint.keep=0: must be >= 1 (the newest N checkpoints are kept)"),
+    ("train.log_every=-1", "train.log_every=-1: must be >= 1 (a metrics.jsonl line every N"),
+    ("data.shuffle_buffer=-1", "data.shuffle_buffer=-1: must be >= 0 (0: no shuffle buffer)"),
+])
+def test_negative_cadences_are_refused(override, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.steps=5", override])
+    assert str(err.value).startswith(needle) and "\n" not in str(err.value)
+
+
 def test_missing_and_broken_files(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")

@@ -111,3 +111,33 @@ def test_format_duration():
     assert format_duration(250) == "4m10s"
     assert format_duration(3720) == "1h02m"
     assert format_duration(float("inf")) == "?"
+
+
+def test_values_measured_at_an_earlier_count_are_labelled_with_it(clock):
+    """A line between logged steps, or the last of a run that stopped short, showed the last
+    logged values as current; now they carry the count they were measured at, and a report
+    closed short of its total has no ETA."""
+    stream = io.StringIO()
+    bar = Progress(40, "train", every_n=0, every_s=30.0, stream=stream)
+    clock.now += 10
+    bar.update(10)
+    bar.set_postfix(loss=torch.tensor(2.3125), **{"samples/s": 812}, at=10)
+    bar.mark()
+    clock.now += 30
+    bar.update(2)  # a time line at 12
+    bar.update(1)
+    bar.close()  # stopped at 13
+    assert stream.getvalue().splitlines() == [
+        "train 10/40 (25%) | loss 2.312 | 812 samples/s | 1 step/s | ETA 30s",
+        "train 12/40 (30%) | step 10: loss 2.312, 812 samples/s | 0.3 step/s | ETA 1m33s",
+        "train 13/40 (32%) | step 10: loss 2.312, 812 samples/s | 0.325 step/s"]
+
+
+def test_a_bar_stopped_between_logged_steps_labels_its_values():
+    stream = TerminalStream()
+    bar = Progress(40, "train", stream=stream)
+    bar.update(10)
+    bar.set_postfix(loss="2.312", at=10)
+    bar.update(3)
+    bar.close()
+    assert stream.getvalue().rstrip().endswith("step 10: loss 2.312]")

@@ -161,15 +161,14 @@ def complete_checkpoints(root: Path) -> tuple[list[Path], list[Path]]:
     return [p for p in every if (p / COMPLETE_MARKER).is_file()], every
 
 
-_FELL_BACK: set[str] = set()
-
-
-def find_resume(resume: str, output_dir: Path) -> Path | None:
+def find_resume(resume: str, output_dir: Path, *, warn: bool = True) -> Path | None:
     """The checkpoint directory named by ``train.resume``. ``latest``: the one
     ``checkpoints/latest`` names; when that is missing or incomplete (a damaged disk, a file
-    removed by hand), the newest complete ``step_*`` with a warning; none when the run has no
-    checkpoint (a fresh start). Checkpoint folders of which none is complete are an error, never
-    a fresh start over them (its checkpoints would overwrite, and retention delete, theirs)."""
+    removed by hand), the newest complete ``step_*``, with a warning unless ``warn`` is false;
+    none when the run has no checkpoint (a fresh start). Checkpoint folders of which none is
+    complete are an error, never a fresh start over them (its checkpoints would overwrite, and
+    retention delete, theirs). A run resolves it once (``train()``'s preflight) and passes the
+    path on."""
     if not resume:
         return None
     if resume == "latest":
@@ -180,8 +179,7 @@ def find_resume(resume: str, output_dir: Path) -> Path | None:
         complete, every = complete_checkpoints(root)
         named = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else ""
         if complete:
-            if str(complete[-1]) not in _FELL_BACK:
-                _FELL_BACK.add(str(complete[-1]))
+            if warn:
                 import logging
 
                 logging.getLogger(__name__).warning(
@@ -207,34 +205,91 @@ def find_resume(resume: str, output_dir: Path) -> Path | None:
     return found
 
 
+def earlier_checkpoint(path: Path) -> Path | None:
+    """The newest complete checkpoint written before ``path`` beside it (what to resume from
+    when ``path`` turns out damaged)."""
+    complete = complete_checkpoints(Path(path).parent)[0]
+    earlier = [p for p in complete if p.name < Path(path).name]
+    return earlier[-1] if earlier else None
+
+
+def damaged_fix(path: Path) -> str:
+    """What to do about a complete checkpoint with a file missing: resume from the one before it
+    (named when there is one), or start a new run from its weights."""
+    earlier = earlier_checkpoint(path)
+    before = f"resume from the one before it (train.resume={earlier})" if earlier else \
+        "restore the file"
+    return f"{before}, or start a new run from its weights (model.pretrained={path})"
+
+
 RESUME_MUST_MATCH = ("model.name", "loss.name")
 """Config keys whose value a resumed run must share with the checkpoint (its weights' shapes, its
 loss's state)."""
 
+_ZERO_FORMATS = {0: "ZeRO 0", 1: "ZeRO 1-2", 2: "ZeRO 1-2", 3: "ZeRO 3"}
+_PARAMETERS = {"bf16": "bf16", "fp16": "fp16"}  # fp32 and amp_bf16 keep fp32 parameters
 
-def check_resume_config(resume: str, output_dir: Path, current: dict[str, Any]) -> None:
-    """Before any heavy work: the checkpoint ``train.resume`` names was written with this run's
-    :data:`RESUME_MUST_MATCH` values (read from its ``config.yaml``; ``current`` is the run's
-    config as a nested dict). A one-line ConfigError names the key, both values and the fix."""
+
+def engine_format(zero_stage: Any, precision: Any) -> str:
+    """The layout of the optimizer state DeepSpeed writes for a ZeRO stage and a precision:
+    stages 1 and 2 share one, as do fp32 and amp_bf16 (fp32 parameters); any two runs of one
+    format can resume each other's checkpoints, no two of different formats can."""
+    return (f"{_ZERO_FORMATS.get(zero_stage, f'ZeRO {zero_stage}')}, "
+            f"{_PARAMETERS.get(precision, 'fp32')} parameters")
+
+
+def check_resume_config(path: Path | None, resume: str, current: dict[str, Any],
+                        world_size: int = 1) -> None:
+    """Before any heavy work: the checkpoint ``path`` (what ``train.resume=resume`` names, from
+    :func:`find_resume`) was written with this run's :data:`RESUME_MUST_MATCH` values, in an
+    optimizer-state format this run reads (:func:`engine_format`), as its ``config.yaml`` says
+    (``current`` is the run's config as a nested dict), and, under ZeRO 1-3 (whose optimizer
+    state DeepSpeed partitions by rank and cannot partition anew), by ``world_size`` ranks (one
+    ``rank_*.pt`` each). A one-line ConfigError names the keys, both values and the fix."""
     import yaml
 
-    path = find_resume(resume, output_dir)
     if path is None or not (path / "config.yaml").is_file():
         return
     try:
         saved = yaml.safe_load((path / "config.yaml").read_text()) or {}
     except (OSError, yaml.YAMLError):
         return  # the state files are checked when they are loaded
-    for key in RESUME_MUST_MATCH:
+    if not isinstance(saved, dict):
+        return
+
+    def value(config: dict[str, Any], key: str) -> Any:
         section, name = key.split(".")
-        was = (saved.get(section) or {}).get(name) if isinstance(saved, dict) else None
-        now = (current.get(section) or {}).get(name)
+        return (config.get(section) or {}).get(name)
+
+    weights_fix = f"start a new run from its weights with model.pretrained={path}"
+    for key in RESUME_MUST_MATCH:
+        was, now = value(saved, key), value(current, key)
         if was is not None and was != now:
             fix = (f"resume with {key}={was} (its {path / 'config.yaml'})" if key == "model.name"
-                   else f"resume with {key}={was} (its {path / 'config.yaml'}), or start a new "
-                        f"run from its weights with model.pretrained={path}")
+                   else f"resume with {key}={was} (its {path / 'config.yaml'}), or {weights_fix}")
             raise ConfigError(f"train.resume={resume!r}: {path} was written with {key}={was!r}, "
                               f"this run has {key}={now!r}; {fix}")
+    keys = ("deepspeed.zero_stage", "train.precision")
+    was, now = [value(saved, k) for k in keys], [value(current, k) for k in keys]
+    if None not in was and engine_format(*was) != engine_format(*now):
+        differ = [i for i in range(len(keys)) if was[i] != now[i]]
+
+        def setting(values: list[Any], sep: str = ", ") -> str:
+            return sep.join(f"{keys[i]}={values[i]}" for i in differ)
+
+        raise ConfigError(
+            f"train.resume={resume!r}: {path} was written with {setting(was)} "
+            f"({engine_format(*was)}), this run has {setting(now)} ({engine_format(*now)}), and "
+            f"DeepSpeed lays out their optimizer states differently; resume with "
+            f"{setting(was, ' ')} (stages 1 and 2 read each other's checkpoints, as do fp32 and "
+            f"amp_bf16), or {weights_fix}")
+    written_by = len(list(path.glob("rank_*.pt")))
+    if was[0] in (1, 2, 3) and written_by and written_by != world_size:
+        raise ConfigError(
+            f"train.resume={resume!r}: {path} was written by {written_by} ranks at "
+            f"deepspeed.zero_stage={was[0]}, this run has {world_size}; DeepSpeed partitions ZeRO "
+            f"1-3 optimizer state by rank and cannot partition it anew: resume with "
+            f"{written_by} ranks, or {weights_fix}")
 
 
 # --------------------------------------------------------------------------------------------

@@ -122,6 +122,8 @@ class DataConfig:
                  "images are whole members (jpg, png, ...), not JSON fields")
         _require(self.batch_size >= 1, "data.batch_size", self.batch_size, "must be >= 1")
         _require(self.workers >= 0, "data.workers", self.workers, "must be >= 0")
+        _require(self.shuffle_buffer >= 0, "data.shuffle_buffer", self.shuffle_buffer,
+                 "must be >= 0 (0: no shuffle buffer)")
         _require(0.0 <= self.max_bad_fraction <= 1.0, "data.max_bad_fraction",
                  self.max_bad_fraction, "must be in [0, 1]")
         _require(self.num_samples >= 0, "data.num_samples", self.num_samples, "must be >= 0")
@@ -250,9 +252,9 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     steps: int = 0
-    """Optimizer steps; 0 derives them from ``epochs``."""
+    """Optimizer steps; 0 derives them from ``epochs``. Set ``steps`` or ``epochs``, not both."""
     epochs: float = 0.0
-    """Epochs over ``data.num_samples`` (used when ``steps`` is 0)."""
+    """Epochs over ``data.num_samples`` (0: ``steps`` sets the length)."""
     precision: PrecisionName = "fp32"
     """``fp32``; ``amp_bf16`` (fp32 weights, gradients and reductions, bf16 autocast compute:
     open_clip's choice); ``bf16`` (everything in bf16 with an fp32 master copy in the optimizer);
@@ -291,8 +293,12 @@ class TrainConfig:
         _require(self.epochs >= 0, "train.epochs", self.epochs, "must be >= 0")
         _require(self.steps > 0 or self.epochs > 0, "train.steps", self.steps,
                  "set train.steps or train.epochs to a positive value")
+        if self.steps and self.epochs:
+            raise ConfigError(f"train.steps={self.steps!r} and train.epochs={self.epochs!r}: both "
+                              "set the run's length; set one of them and leave the other 0")
         _require(self.accum_steps >= 1, "train.accum_steps", self.accum_steps, "must be >= 1")
-        _require(self.log_every >= 1, "train.log_every", self.log_every, "must be >= 1")
+        _require(self.log_every >= 1, "train.log_every", self.log_every,
+                 "must be >= 1 (a metrics.jsonl line every N optimizer steps and at the last)")
         _require(self.max_bad_steps >= 1, "train.max_bad_steps", self.max_bad_steps, "must be >= 1")
         _require(self.dist_timeout_s >= 1, "train.dist_timeout_s", self.dist_timeout_s,
                  "must be >= 1")
@@ -328,8 +334,11 @@ class CheckpointConfig:
     """How many recent checkpoints to keep."""
 
     def check(self) -> None:
-        _require(self.every >= 0, "checkpoint.every", self.every, "must be >= 0")
-        _require(self.keep >= 1, "checkpoint.keep", self.keep, "must be >= 1")
+        _require(self.every >= 0, "checkpoint.every", self.every,
+                 "must be >= 0 (N: save every N optimizer steps and at the end; 0: only at the "
+                 "end)")
+        _require(self.keep >= 1, "checkpoint.keep", self.keep,
+                 "must be >= 1 (the newest N checkpoints are kept)")
 
 
 @dataclass
@@ -396,6 +405,14 @@ class EvalConfig:
     max_samples: int = 0
     """Cap on evaluation samples (0: all)."""
 
+    def check(self) -> None:
+        _require(self.every >= 0, "eval.every", self.every,
+                 "must be >= 0 (N: evaluate every N optimizer steps and at the end; 0: only at "
+                 "the end)")
+        _require(self.batch_size >= 1, "eval.batch_size", self.batch_size, "must be >= 1")
+        _require(self.max_samples >= 0, "eval.max_samples", self.max_samples,
+                 "must be >= 0 (0: every sample)")
+
 
 @dataclass
 class LoggingConfig:
@@ -427,7 +444,8 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def check(self) -> None:
-        for name in ("data", "model", "optim", "train", "deepspeed", "checkpoint", "distill"):
+        for name in ("data", "model", "optim", "train", "deepspeed", "checkpoint", "distill",
+                     "eval"):
             section = getattr(self, name)
             check_choices(section, name)
             if hasattr(section, "check"):

@@ -32,6 +32,14 @@ def fix_for(error: OSError) -> str:
     return FIXES.get(error.errno or -1, "choose a writable location")
 
 
+def cannot_write(what: str, error: OSError, *, name_file: bool = True) -> ConfigError:
+    """The one-line error for a place that cannot be written: ``what`` names the option and its
+    value (``output_dir='runs/x'``), then the reason (and the file, unless ``name_file`` is
+    false: a probe's random name says nothing) and :func:`fix_for`'s fix."""
+    where = f": {error.filename!r}" if name_file and error.filename else ""
+    return ConfigError(f"{what}: cannot write there ({error.strerror}{where}); {fix_for(error)}")
+
+
 def writable_dir(path: str | os.PathLike, option: str) -> Path:
     """``path`` as a folder this process can write into; a one-line ConfigError naming
     ``option`` otherwise. Nothing is left behind: a missing folder is not created (its nearest
@@ -49,8 +57,7 @@ def writable_dir(path: str | os.PathLike, option: str) -> Path:
         with tempfile.NamedTemporaryFile(dir=existing, prefix=".vlcontrast-probe-"):
             pass
     except OSError as err:
-        raise ConfigError(f"{option} {str(path)!r}: cannot write there ({err.strerror}); "
-                          f"{fix_for(err)}") from None
+        raise cannot_write(f"{option} {str(path)!r}", err, name_file=False) from None
     return folder
 
 

@@ -8,7 +8,11 @@ closed::
     train 120/400 (30%) | loss 2.31 | 812 samples/s | ETA 4m10s
 
 Postfix values may be tensors: they are converted to numbers only when a line is written, so a
-caller can hand over a loss every step without forcing a device sync every step.
+caller can hand over a loss every step without forcing a device sync every step. Values measured at
+one count (a logged step's loss) are labelled with it on a line written at another (between logged
+steps, or the last line of a run that stopped)::
+
+    train 127/400 (32%) | step 120: loss 2.31, 812 samples/s | 3.1 step/s | ETA 1m28s
 """
 
 from __future__ import annotations
@@ -84,6 +88,7 @@ class Progress:
         self.stream = stream if stream is not None else sys.stderr
         self.disable = disable
         self.postfix: dict[str, Any] = {}
+        self.postfix_at: int | None = None  # the count the postfix was measured at, if one
         self._start = time.monotonic()
         self._last_time = self._start
         self._last_n = initial
@@ -116,12 +121,13 @@ class Progress:
         if due_by_count or due_by_time or (self.every_n == 0 and self.every_s == 0):
             self._write_line(now)
 
-    def set_postfix(self, **values: Any) -> None:
+    def set_postfix(self, *, at: int | None = None, **values: Any) -> None:
         """Values shown after the count (``loss=2.31``); a key ending in ``/s`` is a rate
-        written value first (``samples/s`` -> ``812 samples/s``)."""
+        written value first (``samples/s`` -> ``812 samples/s``). ``at``: the count they were
+        measured at; a line at another count says so (``step 120: loss 2.31``)."""
         if self.disable or self._closed:
             return
-        self.postfix = dict(values)
+        self.postfix, self.postfix_at = dict(values), at
         if self._bar is not None:
             self._bar.set_postfix({key: _format_value(value) for key, value in values.items()},
                                   refresh=False)
@@ -144,19 +150,28 @@ class Progress:
             parts.append(f"{self.desc} {self.n}/{self.total} ({percent:.0f}%)")
         else:
             parts.append(f"{self.desc} {self.n}")
-        for key, value in self.postfix.items():
-            text = _format_value(value)
-            parts.append(f"{text} {key}" if key.endswith("/s") else f"{key} {text}")
+        parts.extend(self._postfix_parts())
         elapsed = now - self._start
         done = self.n - self.initial
         rate = done / elapsed if elapsed > 0 else 0.0
         if done > 0:
             parts.append(f"{rate:.3g} {self.unit}/s")
-        if self.total:
+        if self.total and not (self._closed and self.n < self.total):  # none once stopped short
             remaining = max(0, self.total - self.n)
             eta = remaining / rate if rate > 0 else (0.0 if remaining == 0 else math.inf)
             parts.append(f"ETA {format_duration(eta)}")
         return " | ".join(parts)
+
+    def _postfix_parts(self) -> list[str]:
+        """``["loss 2.31", "812 samples/s"]``, or ``["step 120: loss 2.31, 812 samples/s"]``
+        where they were measured at another count than the current one."""
+        parts = []
+        for key, value in self.postfix.items():
+            text = _format_value(value)
+            parts.append(f"{text} {key}" if key.endswith("/s") else f"{key} {text}")
+        if parts and self.postfix_at is not None and self.postfix_at != self.n:
+            return [f"{self.unit} {self.postfix_at}: " + ", ".join(parts)]
+        return parts
 
     def _write_line(self, now: float) -> None:
         print(self.line(now), file=self.stream, flush=True)
@@ -181,6 +196,8 @@ class Progress:
         if self.disable:
             return
         if self._bar is not None:
+            if self.postfix_at is not None and self.postfix_at != self.n:  # its last state says so
+                self._bar.set_postfix_str(", ".join(self._postfix_parts()), refresh=False)
             self._bar.close()
         elif self.n != self._last_n:
             self._write_line(time.monotonic())

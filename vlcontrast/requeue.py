@@ -64,8 +64,7 @@ def clear(output_dir: str | os.PathLike) -> None:
     A marker that cannot be removed (the run directory went read-only) is the run directory's
     problem: a one-line ConfigError naming ``output_dir``, as train's preflight words it, and the
     marker stays where it is."""
-    from vlcontrast.errors import ConfigError
-    from vlcontrast.outputs import fix_for
+    from vlcontrast.outputs import cannot_write
 
     marker = Path(output_dir) / PREEMPTED_MARKER
     try:
@@ -74,5 +73,4 @@ def clear(output_dir: str | os.PathLike) -> None:
         # No marker can be there (output_dir under a file): the run's own check of its
         # directory (train's preflight) says what is wrong, in one line.
         if marker.exists():
-            raise ConfigError(f"output_dir={str(output_dir)!r}: cannot write there "
-                              f"({err.strerror}: {err.filename!r}); {fix_for(err)}") from None
+            raise cannot_write(f"output_dir={str(output_dir)!r}", err) from None

@@ -128,3 +128,35 @@ def test_register_loss_adds_a_buildable_loss(monkeypatch):
         register_loss(Other)
     with pytest.raises(TypeError, match="not a ContrastiveLoss"):
         register_loss(int)
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_every_option_has_a_one_line_meaning_in_its_docstring(name):
+    from vlcontrast.losses import loss_option_docs
+
+    docs = loss_option_docs(name)
+    assert list(docs) == list(loss_option_defaults(name))  # what `vlcontrast config` lists
+    assert all(doc and "\n" not in doc for doc in docs.values()), docs
+
+
+def test_option_docs_read_the_args_section():
+    from vlcontrast.losses import loss_option_docs
+    from vlcontrast.losses.base import ContrastiveLoss
+
+    docs = loss_option_docs("fastclip")
+    assert docs["tau_min"] == docs["tau_max"] == "bounds of the individual temperatures."
+    assert docs["gamma_schedule"] == ("``constant`` or ``cosine`` (from 1 down to ``gamma`` over "
+                                      "``gamma_decay_steps`` optimizer steps).")
+    assert "optimizer_betas" not in docs  # the trainer's, not an option
+
+    class Undocumented(ContrastiveLoss):
+        name = "undocumented"
+
+        def __init__(self, width: int = 3, *, chunk_size: int = 0):
+            super().__init__(chunk_size=chunk_size)
+
+    LOSSES["undocumented"] = Undocumented
+    try:
+        assert loss_option_docs("undocumented") == {"width": ""}
+    finally:
+        del LOSSES["undocumented"]

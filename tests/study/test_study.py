@@ -98,6 +98,23 @@ def test_bad_study_configs_are_errors_naming_the_key(tmp_path, change, message):
         load_study_config(_write(tmp_path / "bad.yaml", values))
 
 
+def test_a_base_that_sets_epochs_is_refused_since_every_cell_sets_steps(tmp_path):
+    """Cells set train.steps from their budget; a base (or study override) with train.epochs
+    would make every cell's run config set both, which the run refuses: said once, at load."""
+    base = _write(tmp_path / "base.yaml", {"train": {"epochs": 3}})
+    with pytest.raises(ConfigError) as err:
+        load_study_config(_write(tmp_path / "s.yaml", _tiny_study(tmp_path, base=str(base))))
+    assert str(err.value) == (f"study base={str(base)!r}: sets train.epochs=3, but every cell sets "
+                              "train.steps from its budget; drop train.epochs from the base config "
+                              "and the study's overrides")
+    values = _tiny_study(tmp_path)
+    with pytest.raises(ConfigError, match="sets train.epochs=2"):
+        load_study_config(_write(tmp_path / "s.yaml", dict(
+            values, overrides=values["overrides"] + ["train.epochs=2"])))
+    load_study_config(_write(tmp_path / "s.yaml", dict(
+        values, overrides=values["overrides"] + ["train.epochs=0"])))
+
+
 def test_overrides_on_the_command_line_apply_to_the_study(tmp_path):
     path = _write(tmp_path / "s.yaml", _tiny_study(tmp_path))
     config = load_study_config(path, ["grid.seeds=[3, 4]", "samples_per_cell=128"])

@@ -97,7 +97,8 @@ def test_checkpoint_files_load_without_running_code(cli_run):
     folder = run / "checkpoints" / "step_00000003"
     state = torch.load(folder / "trainer_state.pt", weights_only=True)
     assert state["train"] == {"step": 3, "samples_seen": 24, "epoch": 0}
-    assert set(state) == {"train", "guard", "loss", "param_layout"}
+    assert set(state) == {"train", "guard", "loss", "param_layout", "world_size"}
+    assert state["world_size"] == 1
     # ZeRO 0 in fp32: the groups keep the model's order, logit_scale first among the no-decay.
     assert [group[0] for group in state["param_layout"]] == ["logit_scale", "positional_embedding"]
     rank = torch.load(folder / "rank_00000.pt", weights_only=True)
@@ -221,7 +222,7 @@ def test_resume_latest_never_starts_fresh_over_checkpoints(tmp_path, caplog):
     (new / "trainer_state.pt").unlink()
     with caplog.at_level(logging.WARNING):
         assert find_resume("latest", run) == old
-        assert find_resume("latest", run) == old  # start-up asks more than once: one warning
+        assert find_resume("latest", run, warn=False) == old  # ranks but 0 resolve it quietly
     warned = [r.getMessage() for r in caplog.records if "train.resume=latest" in r.getMessage()]
     assert warned == ["train.resume=latest: checkpoints/latest names 'step_00000006', which is "
                       "incomplete (no trainer_state.pt); resuming from the newest complete "
@@ -233,3 +234,95 @@ def test_resume_latest_never_starts_fresh_over_checkpoints(tmp_path, caplog):
                                           r"\.\.\.\) and none is complete"):
         find_resume("latest", run)
     assert find_resume("latest", tmp_path / "fresh") is None  # no checkpoint yet: a fresh start
+
+
+# -- a damaged checkpoint names the lost file and the one before it -------------------------------
+
+
+class _EngineMissing:
+    """An engine whose files were lost: load_checkpoint raises as DeepSpeed's torch.load does."""
+
+    def load_checkpoint(self, path, tag, load_module_strict):
+        import errno
+
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory",
+                                f"{path}/{tag}/zero_pp_rank_1_mp_rank_00_optim_states.pt")
+
+
+class _Loaded:
+    def __init__(self):
+        self.state = None
+
+    def state_dict(self):
+        return {"n": 1}
+
+    def load_state_dict(self, state):
+        self.state = state
+
+
+def _resumable(tmp_path, world_size, rank_files, engine=None):
+    """A checkpoint (and the one before it) written by ``world_size`` ranks that kept only
+    ``rank_files``; a checkpointer whose engine loads nothing (or ``engine``)."""
+    from vlcontrast.train.checkpoint import WORLD_KEY, Checkpointer
+
+    class Engine:
+        def load_checkpoint(self, path, tag, load_module_strict):
+            return path, {}
+
+    root = tmp_path / "run" / "checkpoints"
+    _fake_checkpoint(root / "step_00000002")
+    folder = root / "step_00000004"
+    folder.mkdir(parents=True)
+    torch.save({"train": {"step": 4}, **({WORLD_KEY: world_size} if world_size else {})},
+               folder / "trainer_state.pt")
+    for rank in rank_files:
+        torch.save({"data": {"n": rank}}, folder / f"rank_{rank:05d}.pt")
+    data = _Loaded()
+    checkpointer = Checkpointer(tmp_path / "run", engine=engine or Engine(), every=0, keep=2,
+                                run_states={}, rank_states={"data": data}, model_config={},
+                                config_yaml="")
+    return checkpointer, folder, data
+
+
+def test_a_lost_rank_file_is_an_error_not_a_silently_inexact_resume(tmp_path):
+    """A checkpoint written by as many ranks as the run has, with this rank's file gone, used to
+    resume with that rank's data position and random state left at their start (and, on more
+    ranks, the others' kept: ranks that read different samples)."""
+    from vlcontrast.errors import CheckpointError
+
+    checkpointer, folder, data = _resumable(tmp_path, 1, rank_files=[])
+    with pytest.raises(CheckpointError, match=r"rank_00000.pt: missing; the checkpoint was written "
+                                              r"by as many ranks as this run has \(1\), .*resume "
+                                              r"from the one before it \(train.resume=.*"
+                                              r"step_00000002\), or start a new run"):
+        checkpointer.resume(folder)
+    # Written before the world size was recorded, with no rank file at all: the same verdict.
+    checkpointer, folder, data = _resumable(tmp_path / "old", 0, rank_files=[])
+    with pytest.raises(CheckpointError, match="rank_00000.pt: missing"):
+        checkpointer.resume(folder)
+    checkpointer, folder, data = _resumable(tmp_path / "whole", 1, rank_files=[0])
+    assert checkpointer.resume(folder) is True and data.state == {"n": 0}
+
+
+def test_another_world_size_resumes_without_the_rank_files_and_says_so(tmp_path, caplog):
+    import logging
+
+    checkpointer, folder, data = _resumable(tmp_path, 2, rank_files=[0, 1])
+    with caplog.at_level(logging.WARNING):
+        assert checkpointer.resume(folder) is False
+    assert data.state is None and checkpointer.last_good == folder
+    assert any("written by 2 rank(s), with 1" in r.getMessage() and "restarts the saved epoch"
+               in r.getMessage() for r in caplog.records)
+
+
+def test_a_lost_engine_file_names_it_and_the_checkpoint_before(tmp_path):
+    """It used to be DeepSpeed's bare FileNotFoundError (and, with train.engine=torch, a message
+    blaming the ZeRO stage)."""
+    from vlcontrast.errors import CheckpointError
+
+    checkpointer, folder, _ = _resumable(tmp_path, 1, rank_files=[0], engine=_EngineMissing())
+    with pytest.raises(CheckpointError, match=r"engine/zero_pp_rank_1_mp_rank_00_optim_states.pt: "
+                                              r"missing, so this checkpoint's optimizer state "
+                                              r"cannot be read; resume from the one before it"):
+        checkpointer.resume(folder)
+

@@ -238,3 +238,71 @@ def _engine_for(model):
 def test_a_new_process_group_gets_a_fresh_deepspeed_world_group():
     ((kept, fresh),) = run_distributed(_two_worlds_in_one_process, 1)
     assert kept and fresh
+
+
+TORCH_DEPRECATIONS = [  # what torch 2.14 printed at every ZeRO-3 start, from DeepSpeed's calls
+    "`torch.distributed.all_gather_into_tensor` is deprecated. Please use "
+    "`torch.distributed.all_gather_single` instead.",
+    "`torch.distributed.reduce_scatter_tensor` is deprecated. Please use "
+    "`torch.distributed.reduce_scatter_single` instead."]
+
+
+def test_only_torchs_deprecations_of_deepspeeds_collectives_are_quiet():
+    """The filter hides exactly those two texts, as torch emits them (FutureWarning, module
+    torch.distributed.c10d_logger); another FutureWarning, the same text from elsewhere or of
+    another category still shows."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from vlcontrast.train.engine import quiet_deepspeed_collectives
+
+    def emit(text, category=FutureWarning, module="torch.distributed.c10d_logger"):
+        warnings.warn_explicit(text, category, f"{module.replace('.', '/')}.py", 83, module=module)
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for collective in (dist.all_gather_into_tensor, dist.reduce_scatter_tensor):
+            with pytest.raises(ValueError):  # no process group: torch warns, then refuses
+                collective(torch.zeros(2), torch.zeros(1))
+    assert [str(w.message) for w in seen] == TORCH_DEPRECATIONS  # torch's own texts
+    assert {(w.category, w.filename.endswith("c10d_logger.py")) for w in seen} == {
+        (FutureWarning, True)}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet_deepspeed_collectives()
+        for collective in (dist.all_gather_into_tensor, dist.reduce_scatter_tensor):
+            with pytest.raises(ValueError):
+                collective(torch.zeros(2), torch.zeros(1))
+        for text in TORCH_DEPRECATIONS:
+            emit(text)
+        emit("`torch.distributed.reduce_op` is deprecated, please use "
+             "`torch.distributed.ReduceOp` instead", module="torch.distributed.distributed_c10d")
+        emit(TORCH_DEPRECATIONS[0], module="vlcontrast.losses.base")
+        emit(TORCH_DEPRECATIONS[1], category=DeprecationWarning)
+    assert [(str(w.message)[:40], w.category) for w in seen] == [
+        ("`torch.distributed.reduce_op` is depreca", FutureWarning),
+        (TORCH_DEPRECATIONS[0][:40], FutureWarning),
+        (TORCH_DEPRECATIONS[1][:40], DeprecationWarning)]
+
+
+def _zero3_start_warnings(rank, world_size):
+    import warnings
+
+    from vlcontrast.config import DeepSpeedConfig, OptimConfig, TrainConfig
+    from vlcontrast.train.engine import build_engine
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        engine, _ = build_engine(torch.nn.Linear(4, 2), optim=OptimConfig(),
+                                 train=TrainConfig(steps=2), deepspeed=DeepSpeedConfig(zero_stage=3),
+                                 micro_batch_size=3, world_size=1, total_steps=2)
+        engine.backward(engine(torch.ones(3, 4)).sum())
+        engine.step()
+    return [f"{w.category.__name__}: {w.message}" for w in seen
+            if issubclass(w.category, FutureWarning)]
+
+
+def test_a_zero3_engine_starts_and_steps_without_torchs_deprecation_warnings():
+    (future,) = run_distributed(_zero3_start_warnings, 1, timeout=300)
+    assert future == []

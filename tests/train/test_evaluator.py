@@ -49,6 +49,34 @@ def test_check_resolves_the_zero_shot_set_before_training(tmp_path):
     Evaluator(EvalConfig(zeroshot=str(folder))).check()  # a plain ImageFolder passes
 
 
+def test_class_names_and_templates_are_checked_once_with_the_keys_named(tmp_path):
+    """resolve_zeroshot_data is the one check of eval.classnames and eval.templates (it was
+    repeated, less well, here: a folder given for a file read "no such file"); its errors name
+    the config key and its value, the file's content and both fixes."""
+    folder = tmp_path / "folder"
+    for name in ("cat", "dog"):
+        (folder / name).mkdir(parents=True)
+    missing = str(tmp_path / "names.txt")
+    with pytest.raises(ConfigError) as err:
+        Evaluator(EvalConfig(zeroshot=str(folder), classnames=missing)).check()
+    assert str(err.value) == (f"eval.classnames={missing!r}: no such file; give a file with one "
+                              "class name per line, or leave it empty for the folder's own")
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "mine.txt").write_text("a photo of a {c}.\n")
+    with pytest.raises(ConfigError) as err:
+        Evaluator(EvalConfig(zeroshot=str(folder), templates=str(tmp_path / "prompts"))).check()
+    assert str(err.value) == (
+        f"eval.templates={str(tmp_path / 'prompts')!r}: a folder, not a file; name a file with "
+        f"one prompt per line with {{c}}, e.g. eval.templates="
+        f"{str(tmp_path / 'prompts' / 'mine.txt')!r}, or leave it empty for the folder's own")
+    (tmp_path / "bad.txt").write_text("a photo\n")
+    with pytest.raises(ConfigError, match=r"^eval\.templates='.*bad\.txt': template 'a photo' "
+                       r"has no \{c\} placeholder"):
+        Evaluator(EvalConfig(zeroshot=str(folder), templates=str(tmp_path / "bad.txt"))).check()
+    Evaluator(EvalConfig(zeroshot=str(folder),
+                         templates=str(tmp_path / "prompts" / "mine.txt"))).check()
+
+
 @pytest.mark.parametrize("precision,expected", [("fp32", False), ("amp_bf16", True)])
 def test_evaluation_runs_under_the_training_autocast(monkeypatch, precision, expected):
     """amp_bf16 trains under bf16 autocast; evaluating in fp32 outside it would be 2-3x slower on
@@ -66,3 +94,36 @@ def test_evaluation_runs_under_the_training_autocast(monkeypatch, precision, exp
     bundle = SimpleNamespace(preprocess_val=None, tokenizer=None)
     results = evaluator.evaluate(torch.nn.Linear(2, 2), bundle, torch.device("cpu"))
     assert seen == [expected] and results == {"retrieval/text_to_image_R@1": 1.0}
+
+
+@pytest.mark.parametrize("progress", [True, False])
+def test_logging_progress_reaches_the_evaluations_progress(monkeypatch, progress):
+    """``logging.progress=false`` silenced the training steps only: the embedding passes of the
+    in-training evaluation were always shown (evaluate_* default to progress=True)."""
+    import vlcontrast.evaluation as evaluation
+    from tests.train.helpers import tiny_config
+    from vlcontrast.train import loop
+
+    seen = {}
+
+    def recorder(task):
+        return lambda *args, **kwargs: seen.update({task: kwargs["progress"]}) or {}
+
+    monkeypatch.setattr(evaluation, "evaluate_retrieval", recorder("retrieval"))
+    monkeypatch.setattr(evaluation, "evaluate_zeroshot", recorder("zeroshot"))
+
+    class Built(Exception):
+        pass
+
+    def evaluator(*args, **kwargs):
+        built = Evaluator(EvalConfig(retrieval="r.tar", zeroshot="z"), progress=kwargs["progress"])
+        built.evaluate(torch.nn.Linear(1, 1), SimpleNamespace(preprocess_val=None, tokenizer=None),
+                       "cpu")
+        raise Built
+
+    monkeypatch.setattr(loop, "Evaluator", evaluator)
+    monkeypatch.setattr(loop, "StopSignal", lambda: None)  # this process keeps its handlers
+    monkeypatch.setattr(loop.dist_utils, "init_distributed", lambda **kw: None)
+    with pytest.raises(Built):  # the loop stops as soon as it has made its evaluator
+        loop.train(tiny_config("data", "run", logging__progress=progress))
+    assert seen == {"retrieval": progress, "zeroshot": progress}

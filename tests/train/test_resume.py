@@ -4,6 +4,8 @@ uninterrupted 2N-step run (2 processes, ZeRO 0, 2 and 3). The backend is the tes
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -64,8 +66,9 @@ def test_resume_at_step_n_ends_like_an_uninterrupted_run(synthetic_data, tmp_pat
             assert int(full_state["loss"]["visited"]) > 0
 
 
-def _written_checkpoint(run, model="vlc-micro", loss="decl"):
-    """A run directory whose latest checkpoint's config.yaml names ``model`` and ``loss``."""
+def _written_checkpoint(run, model="vlc-micro", loss="decl", zero_stage=0, precision="fp32"):
+    """A run directory whose latest checkpoint's config.yaml names ``model``, ``loss``, the ZeRO
+    stage and the precision."""
     import yaml
 
     from vlcontrast.checkpoints import COMPLETE_MARKER, LATEST
@@ -73,8 +76,9 @@ def _written_checkpoint(run, model="vlc-micro", loss="decl"):
     folder = run / "checkpoints" / "step_00000002"
     folder.mkdir(parents=True)
     (folder / COMPLETE_MARKER).write_bytes(b"")
-    (folder / "config.yaml").write_text(yaml.safe_dump({"model": {"name": model},
-                                                        "loss": {"name": loss, "gamma": 0.9}}))
+    (folder / "config.yaml").write_text(yaml.safe_dump({
+        "model": {"name": model}, "loss": {"name": loss, "gamma": 0.9},
+        "deepspeed": {"zero_stage": zero_stage}, "train": {"precision": precision}}))
     (run / "checkpoints" / LATEST).write_text("step_00000002")
     return folder
 
@@ -101,6 +105,38 @@ def test_resuming_with_another_model_or_loss_is_one_line_before_the_model_is_bui
         preflight(load_config(None, base + [f"{key}={now}"]))
 
 
+@pytest.mark.parametrize("written, now, refused", [
+    ((0, "fp32"), (2, "fp32"), "deepspeed.zero_stage=0 \\(ZeRO 0, fp32 parameters\\), this run has "
+                               "deepspeed.zero_stage=2 \\(ZeRO 1-2, fp32 parameters\\)"),
+    ((2, "fp32"), (3, "fp32"), "resume with deepspeed.zero_stage=2 \\(stages 1 and 2"),
+    ((2, "bf16"), (2, "fp32"), "train.precision=bf16 \\(ZeRO 1-2, bf16 parameters\\)"),
+    ((2, "fp32"), (3, "bf16"), "resume with deepspeed.zero_stage=2 train.precision=fp32 "),
+    ((2, "fp32"), (1, "fp32"), None),  # stages 1 and 2 write one format (resumed in a real run)
+    ((0, "fp32"), (0, "amp_bf16"), None),  # fp32 parameters both
+])
+def test_resuming_in_another_zero_or_parameter_format_is_one_line_before_the_model_is_built(
+        synthetic_data, tmp_path, written, now, refused):
+    """ZeRO 2 -> 3 used to stop inside DeepSpeed with a bare AssertionError, 0 -> 2 and fp32 ->
+    bf16 as a parameter-order mismatch or a missing bf16_* file."""
+    from vlcontrast.config import ConfigError, load_config
+    from vlcontrast.train.loop import preflight
+
+    run = tmp_path / "run"
+    folder = _written_checkpoint(run, zero_stage=written[0], precision=written[1])
+    config = load_config(None, [
+        "train.steps=4", f"data.train={synthetic_data}/train", f"output_dir={run}",
+        "train.resume=latest", "model.name=vlc-micro", "loss.name=decl",
+        f"deepspeed.zero_stage={now[0]}", f"train.precision={now[1]}"])
+    if refused is None:
+        assert preflight(config) == folder
+        return
+    with pytest.raises(ConfigError, match="^train.resume='latest': .*step_00000002 was written "
+                                          "with .*DeepSpeed lays out their optimizer states "
+                                          "differently; .*model.pretrained=") as refusal:
+        preflight(config)
+    assert re.search(refused, str(refusal.value)), str(refusal.value)
+
+
 def test_a_state_that_does_not_fit_is_a_checkpoint_error_naming_its_entry(tmp_path):
     from vlcontrast.errors import CheckpointError
     from vlcontrast.losses import build_loss
@@ -110,3 +146,26 @@ def test_a_state_that_does_not_fit_is_a_checkpoint_error_naming_its_entry(tmp_pa
     with pytest.raises(CheckpointError, match=r"its 'loss' state does not fit this run's "
                                               r"\(InfoNCELoss: .*Unexpected key"):
         _load_states({"loss": build_loss("infonce")}, saved, tmp_path / "trainer_state.pt")
+
+
+def test_another_world_size_under_zero_1_to_3_is_one_line_before_the_model_is_built(tmp_path):
+    """It used to stop in DeepSpeed's load with ZeRORuntimeException and a traceback (measured on
+    CPU: ZeRO 2 and 3, two ranks resumed with one); ZeRO 0 resumes across world sizes."""
+    from vlcontrast.checkpoints import check_resume_config
+    from vlcontrast.config import ConfigError
+
+    current = {"model": {"name": "vlc-micro"}, "loss": {"name": "decl"},
+               "deepspeed": {"zero_stage": 2}, "train": {"precision": "fp32"}}
+    folder = _written_checkpoint(tmp_path / "run", zero_stage=2)
+    for rank in range(2):
+        (folder / f"rank_{rank:05d}.pt").write_bytes(b"")
+    check_resume_config(folder, "latest", current, world_size=2)
+    with pytest.raises(ConfigError, match=r"step_00000002 was written by 2 ranks at deepspeed."
+                                          r"zero_stage=2, this run has 1; .*resume with 2 ranks, "
+                                          r"or start a new run from its weights"):
+        check_resume_config(folder, "latest", current, world_size=1)
+    zero0 = _written_checkpoint(tmp_path / "zero0", zero_stage=0)
+    for rank in range(2):
+        (zero0 / f"rank_{rank:05d}.pt").write_bytes(b"")
+    check_resume_config(zero0, "latest", {**current, "deepspeed": {"zero_stage": 0}},
+                        world_size=1)

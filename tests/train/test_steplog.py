@@ -177,3 +177,29 @@ def test_the_progress_line_shows_fastclips_objective_beside_its_surrogate_loss(c
     log.close()
     line = [x for x in capsys.readouterr().err.splitlines() if x.startswith("train 1/2")][0]
     assert "loss 1.000 | objective 2.346 |" in line
+
+
+def test_the_last_line_of_a_run_stopped_between_logged_steps_dates_its_loss(monkeypatch, capsys):
+    """A run stopped at step 7 (a signal, train.stop_at_step) after its record at step 5 printed
+    ``train 7/40 (18%) | loss 1.950 | 64 samples/s | ... | ETA 33s``: step 5's loss and rate as
+    if they were step 7's, and the time to a total it will not reach."""
+    from types import SimpleNamespace
+
+    from vlcontrast import progress as progress_module
+    from vlcontrast.train.steplog import StepLogger
+
+    now = [1000.0]
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    state, data = SimpleNamespace(samples_seen=64), SimpleNamespace(epoch=0, bad_samples={})
+    log = StepLogger(_Metrics(), every=5, total_steps=40, device=torch.device("cpu"),
+                     progress=True)
+    for step in range(1, 8):
+        now[0] += 1.0
+        log.attempt()
+        log.applied(step, 64, state=state, engine=_Engine(),
+                    result={"loss": torch.tensor(2.0 - step / 100)}, data=data, counts={})
+    log.close()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train ")]
+    assert lines == ["train 5/40 (12%) | loss 1.950 | 64 samples/s | 1 step/s | ETA 35s",
+                     "train 7/40 (18%) | step 5: loss 1.950, 64 samples/s | 1 step/s"]

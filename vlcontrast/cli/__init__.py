@@ -19,8 +19,26 @@ GROUPS = (train, prep, eval, inference, export, study, diagnose)
 DEBUG_HELP = f"on an error, show its traceback too (or set {failure.DEBUG_VARIABLE}=1)"
 
 
+class Parser(argparse.ArgumentParser):
+    """A command that takes ``section.key=value`` overrides (a positional ``overrides``) takes them
+    and its options in any order: ``train a=1 --nproc 2 b=2`` (plain argparse stops the overrides
+    at the first option and refuses ``b=2``)."""
+
+    _intermixing = False
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self._intermixing or not any(action.dest == "overrides"
+                                        for action in self._get_positional_actions()):
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True  # parse_known_intermixed_args calls this method twice
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="vlcontrast",
         description="Train and evaluate CLIP-style models with contrastive losses beyond InfoNCE.",
         epilog="`vlcontrast COMMAND --help` describes a command; docs/usage.md has examples.")

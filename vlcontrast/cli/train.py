@@ -66,4 +66,19 @@ def run_config(args) -> int:
         return 0
     for key, default, doc in describe():
         print(f"{key:28s} {default:14s} {doc}")
+    print_loss_options()
     return 0
+
+
+def print_loss_options() -> None:
+    """``loss.<option>``: each registered loss's own options, declared by its ``__init__`` and
+    documented in its docstring's ``Args:`` (vlcontrast/losses/registry.py)."""
+    from vlcontrast.losses import list_losses, loss_option_defaults, loss_option_docs
+
+    print("\nThe options of each loss, set beside loss.name (loss.<option>=value; "
+          "docs/losses-guide.md):")
+    for name in list_losses():
+        defaults, docs = loss_option_defaults(name), loss_option_docs(name)
+        print(f"\nloss.name={name}" + ("" if defaults else ": no options"))
+        for option, default in defaults.items():
+            print(f"  {'loss.' + option:26s} {default!r:14s} {docs[option]}")

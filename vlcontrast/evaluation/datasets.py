@@ -402,28 +402,36 @@ def read_list_file(path: str | os.PathLike) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
-def check_list_file(path: str | os.PathLike, option: str, holding: str) -> Path:
+def _named(option: str, value) -> str:
+    """How an error names a value: ``--classnames 'x.txt'`` for a command-line option,
+    ``eval.classnames='x.txt'`` for a config key."""
+    return f"{option} {str(value)!r}" if option.startswith("-") else f"{option}={str(value)!r}"
+
+
+def check_list_file(path: str | os.PathLike, option: str, holding: str, or_else: str = "") -> Path:
     """``path`` as an existing file, else a one-line ConfigError naming ``option``: no such file,
     or a folder (naming a text file in it, when it holds one); ``holding``: what the file holds
-    (``one label per line``)."""
+    (``one label per line``); ``or_else``: the other fix, if any (``, or leave it empty``)."""
     file = Path(path)
     if file.is_dir():
         inside = sorted(p for p in file.iterdir() if p.suffix == ".txt" and p.is_file())
-        example = f", e.g. {option} {str(inside[0])!r}" if inside else ""
-        raise ConfigError(f"{option} {str(path)!r}: a folder, not a file; name a file with "
-                          f"{holding}{example}")
+        example = f", e.g. {_named(option, inside[0])}" if inside else ""
+        raise ConfigError(f"{_named(option, path)}: a folder, not a file; name a file with "
+                          f"{holding}{example}{or_else}")
     if not file.is_file():
-        raise ConfigError(f"{option} {str(path)!r}: no such file; give a file with {holding}")
+        raise ConfigError(f"{_named(option, path)}: no such file; give a file with {holding}"
+                          f"{or_else}")
     return file
 
 
-def read_templates(path: str | os.PathLike, option: str | None = None) -> list[str]:
+def read_templates(path: str | os.PathLike, option: str | None = None,
+                   or_else: str = "") -> list[str]:
     """The prompt templates of a file (one per line, or a JSON list), each with ``{c}``;
     ``option``: the option that named the file, for its errors (a missing file, a folder)."""
     if option is None:
         return check_templates(read_list_file(path), str(path))
-    check_list_file(path, option, "one prompt per line with {c}")
-    return check_templates(read_list_file(path), f"{option} {str(path)!r}")
+    check_list_file(path, option, "one prompt per line with {c}", or_else)
+    return check_templates(read_list_file(path), _named(option, path))
 
 
 def check_templates(templates: Sequence[str], source: str) -> list[str]:
@@ -467,12 +475,14 @@ def _folder_samples(root: Path, class_dirs: list[str]) -> list[tuple[str, int]]:
 
 
 def resolve_zeroshot_data(data_dir: str, classnames: str | Sequence[str] | None = None,
-                          templates: str | Sequence | None = None, split: str = "test"
-                          ) -> ZeroShotData:
-    """Work out the layout of ``data_dir`` and its class names and templates.
+                          templates: str | Sequence | None = None, split: str = "test",
+                          keys: tuple[str, str] = ("--classnames", "--templates")) -> ZeroShotData:
+    """Work out the layout of ``data_dir`` and its class names and templates: the one place that
+    checks them (``vlcontrast eval``, ``Evaluator.check`` before training).
 
     ``classnames`` / ``templates`` are files (one per line, or a JSON list; templates use ``{c}``) or
-    lists; given, they override what the layout implies.
+    lists; given, they override what the layout implies. ``keys``: the options that named them,
+    for the errors (command-line flags, or config keys such as ``eval.classnames``).
     """
     from open_clip import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES
 
@@ -480,12 +490,14 @@ def resolve_zeroshot_data(data_dir: str, classnames: str | Sequence[str] | None 
     if not root.is_dir():
         raise FileNotFoundError(f"zero-shot data {data_dir!r} is not a directory")
     names = prompts = None
+    # A config key may also be left empty: the folder's own files (or ImageNet's) are then used.
+    or_else = "" if keys[0].startswith("-") else ", or leave it empty for the folder's own"
     if isinstance(classnames, (str, os.PathLike)):
-        names = read_list_file(check_list_file(classnames, "--classnames",
-                                               "one class name per line"))
+        names = read_list_file(check_list_file(classnames, keys[0], "one class name per line",
+                                               or_else))
     elif classnames is not None:
         names = classnames
-    prompts = (read_templates(templates, "--templates")
+    prompts = (read_templates(templates, keys[1], or_else)
                if isinstance(templates, (str, os.PathLike)) else templates)
 
     # CLIP_benchmark's layout (ROOT/SPLIT/*.tar, nshards.txt), or shards directly in ROOT with
@@ -496,15 +508,15 @@ def resolve_zeroshot_data(data_dir: str, classnames: str | Sequence[str] | None 
         if names is not None and (root / "classnames.txt").is_file():
             check_class_count(names, len(read_list_file(root / "classnames.txt")),
                               classnames if isinstance(classnames, (str, os.PathLike))
-                              else "--classnames", f"{root}/classnames.txt")
+                              else keys[0], f"{root}/classnames.txt")
         if names is None:
             if not (root / "classnames.txt").is_file():
-                raise FileNotFoundError(f"{root}/classnames.txt missing (pass --classnames)")
+                raise FileNotFoundError(f"{root}/classnames.txt missing (pass {keys[0]})")
             names = read_list_file(root / "classnames.txt")
         if prompts is None:
             if not (root / "zeroshot_classification_templates.txt").is_file():
                 raise FileNotFoundError(f"{root}/zeroshot_classification_templates.txt missing "
-                                        "(pass --templates)")
+                                        f"(pass {keys[1]})")
             prompts = read_templates(root / "zeroshot_classification_templates.txt")
         shards = (sorted(str(p) for p in root.glob("*.tar")) if flat
                   else resolve_shards(str(root), split))
@@ -524,7 +536,7 @@ def resolve_zeroshot_data(data_dir: str, classnames: str | Sequence[str] | None 
     if prompts is None:
         prompts = list(OPENAI_IMAGENET_TEMPLATES)
     source = (classnames if isinstance(classnames, (str, os.PathLike)) else
-              root / "classnames.txt" if classnames is None else "--classnames")
+              root / "classnames.txt" if classnames is None else keys[0])
     check_class_count(names, len(class_dirs), source, f"class folders in {root}")
     return ZeroShotData("imagenet" if is_imagenet else "imagefolder", str(root), list(names),
                         list(prompts), samples=_folder_samples(root, class_dirs))

@@ -16,7 +16,7 @@ import pkgutil
 
 from vlcontrast.losses.base import ContrastiveLoss, RowContext, RowStatistic
 from vlcontrast.losses.registry import (LOSSES, build_loss, list_losses, loss_option_defaults,
-                                        loss_option_types, register_loss)
+                                        loss_option_docs, loss_option_types, register_loss)
 
 # Every module of this package defines (and registers) one loss: import them all, so that a new
 # loss is one new file.
@@ -25,4 +25,4 @@ for _module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = ["LOSSES", "ContrastiveLoss", "RowContext", "RowStatistic", "build_loss", "list_losses",
-           "loss_option_defaults", "loss_option_types", "register_loss"]
+           "loss_option_defaults", "loss_option_docs", "loss_option_types", "register_loss"]

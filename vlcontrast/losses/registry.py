@@ -9,6 +9,7 @@ registers the same way, in a module imported before the config is checked.
 from __future__ import annotations
 
 import inspect
+import re
 import typing
 
 from torch import nn
@@ -65,6 +66,26 @@ def loss_option_types(name: str) -> dict[str, object]:
     """The declared type of each option of loss ``name`` (``Literal[...]`` for choices)."""
     hints = typing.get_type_hints(loss_class(name).__init__)
     return {key: hints[key] for key in loss_option_defaults(name) if key in hints}
+
+
+def loss_option_docs(name: str) -> dict[str, str]:
+    """The meaning of each option of loss ``name`` on one line, from the ``Args:`` section of its
+    class docstring (``option: meaning``, or ``a, b: meaning`` for several); ``""`` where none."""
+    docs: dict[str, str] = {}
+    names: list[str] = []
+    in_args = False
+    for line in (inspect.getdoc(loss_class(name)) or "").splitlines():
+        entry = re.match(r"    (\w+(?:, \w+)*): (.*)", line)
+        if line.strip() == "Args:":
+            in_args = True
+        elif in_args and entry:
+            names = entry.group(1).split(", ")
+            docs.update(dict.fromkeys(names, entry.group(2).strip()))
+        elif in_args and line.startswith("     ") and names:  # the entry goes on
+            docs.update({key: f"{docs[key]} {line.strip()}" for key in names})
+        else:
+            in_args = False
+    return {key: docs.get(key, "") for key in loss_option_defaults(name)}
 
 
 def build_loss(name: str, *, chunk_size: int = 0, id_space: int = 0,

@@ -271,6 +271,20 @@ class StudyConfig:
                      + [t for ts in self.cell_overrides.values() for t in ts]):
             require(isinstance(text, str) and "=" in text, "overrides", text,
                     "expected key=value strings")
+        epochs = _run_value(self.base, self.overrides, "train", "epochs")
+        require(not epochs, "base", self.base,
+                f"sets train.epochs={epochs!r}, but every cell sets train.steps from its budget; "
+                "drop train.epochs from the base config and the study's overrides")
+
+
+def _run_value(base: str, overrides: list[str], section: str, key: str) -> Any:
+    """``section.key`` as the base run config and the study's overrides set it (None: unset, or
+    a file the run's own checks will refuse)."""
+    try:
+        values = merge_overrides(yaml.safe_load(Path(base).read_text()) or {}, list(overrides))
+        return values[section][key]
+    except (yaml.YAMLError, ConfigError, KeyError, TypeError):
+        return None
 
 
 # --------------------------------------------------------------------------------------------

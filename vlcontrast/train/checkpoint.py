@@ -49,7 +49,7 @@ import torch
 
 from vlcontrast import distributed as dist_utils
 from vlcontrast import checkpoints
-from vlcontrast.checkpoints import LATEST, atomic_write_text, check_engine_files, find_resume, load_file
+from vlcontrast.checkpoints import LATEST, atomic_write_text, check_engine_files, damaged_fix, load_file
 from vlcontrast.errors import CheckpointError
 
 
@@ -198,24 +198,42 @@ class Checkpointer:
 
     # -- resume --------------------------------------------------------------------------------
 
-    def resume(self, resume: str) -> bool | None:
-        """Restore from ``train.resume``. None: nothing to resume. True: every state restored.
-        False: run states restored, per-rank states not (the world size changed)."""
-        path = find_resume(resume, self.root.parent)
+    def resume(self, path: Path | None) -> bool | None:
+        """Restore from the checkpoint ``path`` (``train.resume`` as the preflight resolved it,
+        :func:`~vlcontrast.checkpoints.find_resume`; collective). None: nothing to resume. True:
+        every state restored. False: run states restored, per-rank states not (the world size
+        changed). A file missing from the checkpoint is a CheckpointError on every rank."""
         if path is None:
             return None
         # Ours first: a file carrying code is refused before DeepSpeed reads its own files.
         run_state = load_file(path / "trainer_state.pt")
+        world = dist_utils.get_world_size()
         rank_file = path / f"rank_{dist_utils.get_rank():05d}.pt"
-        same_world = (rank_file.is_file()
-                      and len(list(path.glob("rank_*.pt"))) == dist_utils.get_world_size())
-        rank_state = load_file(rank_file) if same_world else None
+        saved_world = int(run_state.get(WORLD_KEY) or len(list(path.glob("rank_*.pt"))) or world)
+        error = None
+        if saved_world == world and not rank_file.is_file():
+            error = CheckpointError(
+                f"{rank_file}: missing; the checkpoint was written by as many ranks as this "
+                f"run has ({world}), and that file holds this rank's data position and random state; "
+                f"{damaged_fix(path)}")
+        dist_utils.raise_on_any_rank(error, CheckpointError)
+        rank_state = load_file(rank_file) if saved_world == world else None
         self._check_layout(run_state, path)
         check_engine_files(path / "engine")
-        self.engine.load_checkpoint(str(path), tag="engine", load_module_strict=True)
+        try:
+            self.engine.load_checkpoint(str(path), tag="engine", load_module_strict=True)
+        except FileNotFoundError as err:  # DeepSpeed's own files: one lost or never copied
+            raise CheckpointError(f"{err.filename}: missing, so this checkpoint's optimizer "
+                                  f"state cannot be read; {damaged_fix(path)}") from None
         _load_states(self.run_states, run_state, path / "trainer_state.pt")
         if rank_state is not None:
             _load_states(self.rank_states, rank_state, rank_file)
+        elif dist_utils.get_rank() == 0:
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "resuming %s, written by %d rank(s), with %d: weights, optimizer and loss state "
+                "resume; the data loader restarts the saved epoch", path, saved_world, world)
         self.last_good = path
         self._saved_step = int(run_state.get("train", {}).get("step", -1))
         return rank_state is not None
@@ -301,6 +319,7 @@ class Checkpointer:
         run_state = {key: obj.state_dict() for key, obj in self.run_states.items()}
         if self.param_layout is not None:
             run_state[LAYOUT_KEY] = self.param_layout
+        run_state[WORLD_KEY] = dist_utils.get_world_size()
         rank_state = {key: obj.state_dict() for key, obj in self.rank_states.items()}
         try:
             checkpoints.save_file(rank_state, tmp / f"rank_{rank:05d}.pt")
@@ -346,6 +365,8 @@ class Checkpointer:
 
 
 LAYOUT_KEY = "param_layout"
+WORLD_KEY = "world_size"
+"""How many ranks wrote the checkpoint (older ones: counted from their ``rank_*.pt`` files)."""
 
 
 def _first_difference(saved: list[list[str]], current: list[list[str]]) -> str:

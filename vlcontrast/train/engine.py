@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -162,6 +163,22 @@ def skip_cpu_inference_comm_op() -> None:
         deepspeed.ops.__compatible_ops__ = {}
 
 
+DEPRECATED_COLLECTIVES = (r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
+                          r"is deprecated\. Please use `torch\.distributed\."
+                          r"(all_gather_single|reduce_scatter_single)` instead\.")
+"""The FutureWarnings torch (2.14) gives for the collectives DeepSpeed's ZeRO calls: ZeRO 3 at
+every start (partitioning the model) and at its gathers and reduce-scatters after."""
+
+
+def quiet_deepspeed_collectives() -> None:
+    """Hide torch's deprecation warnings of the collectives DeepSpeed calls
+    (:data:`DEPRECATED_COLLECTIVES`): DeepSpeed's calls, not ours, and harmless (the old names
+    still run). Only those messages, only as FutureWarnings from ``torch.distributed``; every
+    other warning is shown as before."""
+    warnings.filterwarnings("ignore", message=DEPRECATED_COLLECTIVES, category=FutureWarning,
+                            module=r"torch\.distributed\.")
+
+
 def model_device(model: torch.nn.Module) -> torch.device:
     """The device the model's parameters live on (the loop moves the model there first)."""
     return next(model.parameters()).device
@@ -219,6 +236,7 @@ def build_engine(model: torch.nn.Module, *, optim: OptimConfig, train: TrainConf
         return engine, None
     import deepspeed as deepspeed_lib
 
+    quiet_deepspeed_collectives()
     # ZeRO 0 without DeepSpeed's mixed-precision optimizers: the client optimizer sees the
     # gradients unchecked (amp_bf16 keeps fp32 parameters and uses no DeepSpeed optimizer wrapper).
     plain = deepspeed.zero_stage == 0 and not Precision(train.precision).master_copy

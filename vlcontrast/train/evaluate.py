@@ -41,12 +41,16 @@ class Evaluator:
     Owns its section: the retrieval shards are resolved once here (the one place that reads
     ``eval.retrieval``'s fallback to ``data.val`` and its ``none``), :meth:`check` validates the
     paths before heavy work, and :meth:`should_evaluate` decides when. Under ``amp_bf16`` the
-    embeddings are computed under the same bf16 autocast as the training forward.
+    embeddings are computed under the same bf16 autocast as the training forward. ``progress``
+    (``logging.progress``): whether the embedding passes show their progress (rank 0), as the
+    training steps do.
     """
 
     def __init__(self, config: EvalConfig, *, val_shards: str = "", workers: int = 0,
-                 precision: Precision = Precision(), members=None, image_cache_dir: str = ""):
+                 precision: Precision = Precision(), members=None, image_cache_dir: str = "",
+                 progress: bool = True):
         self.config = config
+        self.progress = progress
         # A frozen image tower shared by many runs (model.lock_image_features): the zero-shot
         # image features are kept in this folder between runs (evaluation/image_cache.py).
         self.image_cache_dir = image_cache_dir
@@ -66,22 +70,20 @@ class Evaluator:
 
         if self.retrieval_shards:
             check_spec(self.retrieval_key, self.retrieval_shards)
-        if self.config.zeroshot and not Path(self.config.zeroshot).is_dir():
+        if not self.config.zeroshot:
+            return
+        if not Path(self.config.zeroshot).is_dir():
             raise ConfigError(f"eval.zeroshot={self.config.zeroshot!r}: no such folder; give an "
                               "ImageNet-style or CLIP_benchmark folder (docs/evaluation.md), or "
                               "leave eval.zeroshot empty")
-        for key in ("classnames", "templates"):
-            value = getattr(self.config, key)
-            if value and not Path(value).is_file():
-                raise ConfigError(f"eval.{key}={value!r}: no such file; give a text file with "
-                                  "one entry per line, or leave it empty for the folder's own")
-        if self.config.zeroshot:
-            try:
-                resolve_zeroshot_data(self.config.zeroshot,
-                                      classnames=self.config.classnames or None,
-                                      templates=self.config.templates or None)
-            except (FileNotFoundError, ValueError) as error:
-                raise ConfigError(f"eval.zeroshot={self.config.zeroshot!r}: {error}") from None
+        keys = ("eval.classnames", "eval.templates")
+        try:  # the one check of the set, its class names and templates (``vlcontrast eval``'s)
+            resolve_zeroshot_data(self.config.zeroshot, classnames=self.config.classnames or None,
+                                  templates=self.config.templates or None, keys=keys)
+        except (FileNotFoundError, ValueError) as error:
+            if str(error).startswith(keys):  # names its own key and value already
+                raise
+            raise ConfigError(f"eval.zeroshot={self.config.zeroshot!r}: {error}") from None
 
     def _image_cache(self) -> Path | None:
         """The zero-shot image-feature file of this set, or None (no cache folder)."""
@@ -119,7 +121,7 @@ class Evaluator:
                                                  batch_size=config.batch_size,
                                                  workers=self.workers, device=device,
                                                  max_samples=config.max_samples,
-                                                 members=self.members,
+                                                 members=self.members, progress=self.progress,
                                                  image_cache=self._retrieval_cache())
                     results.update({f"retrieval/{k}": v for k, v in metrics.items()
                                     if isinstance(v, (int, float))})
@@ -130,6 +132,7 @@ class Evaluator:
                                                 templates=config.templates or None,
                                                 batch_size=config.batch_size,
                                                 workers=self.workers, device=device,
+                                                progress=self.progress,
                                                 image_cache=self._image_cache())
                     results.update({f"zeroshot/{k}": v for k, v in metrics.items()
                                     if isinstance(v, (int, float))})

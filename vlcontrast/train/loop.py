@@ -72,10 +72,10 @@ def train(config: RunConfig) -> dict[str, Any]:
                                       device=config.train.device)
     precision = Precision(config.train.precision)
     evaluator = Evaluator(config.eval, val_shards=config.data.val, workers=config.data.workers,
-                          precision=precision,
+                          precision=precision, progress=config.logging.progress,
                           members=Members.parse(config.data.image_key, config.data.caption_key),
                           image_cache_dir=_image_cache_dir(config))
-    preflight(config, evaluator)
+    resume_from = preflight(config, evaluator)
     device, dtype = env.device, precision.parameter_dtype
     if config.data.decode == "gpu":
         check_gpu_decode(config.data, device)  # before the model: a one-line error
@@ -86,9 +86,8 @@ def train(config: RunConfig) -> dict[str, Any]:
     run_dir, config_yaml = Path(config.output_dir), yaml.safe_dump(to_dict(config), sort_keys=False)
     _configure_process(config.seed, precision, env, run_dir, config_yaml)
 
-    resuming = ckpt.find_resume(config.train.resume, run_dir) is not None
     bundle = build_model(config.model, siglip=LOSSES[config.loss.name].uses_logit_bias,
-                         device=device, weights_follow=resuming)
+                         device=device, weights_follow=resume_from is not None)
     transform, normalizer = train_transform(config.data, bundle, device,
                                             distilling=config.distill.enabled)
     features = _locked_image_features(config, bundle.model)
@@ -126,7 +125,7 @@ def train(config: RunConfig) -> dict[str, Any]:
         rank_states={"rng": RNGState(), "data": data}, model_config=bundle.model_config,
         config_yaml=config_yaml, expected_bytes=checkpoint_bytes, param_layout=layout,
         legacy_layout=legacy_layout)
-    resumed = checkpointer.resume(config.train.resume)
+    resumed = checkpointer.resume(resume_from)
     if resumed is False:  # another world size: start the saved epoch afresh
         data.start_epoch(state.epoch)
     log = _step_logger(config, env, total_steps, precision, resumed_at=state.step,

@@ -12,10 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from vlcontrast import distributed as dist_utils
-from vlcontrast.checkpoints import check_resume_config
+from vlcontrast.checkpoints import check_resume_config, find_resume
 from vlcontrast.config import DataConfig, RunConfig, to_dict
 from vlcontrast.errors import ConfigError
-from vlcontrast.outputs import fix_for
+from vlcontrast.outputs import cannot_write
 
 
 def check_training_data(data: DataConfig) -> None:
@@ -55,13 +55,14 @@ def check_run_directory(output_dir: str) -> None:
                 probe.write_text("ok")
                 probe.unlink()
         except OSError as err:
-            error = ConfigError(f"output_dir={output_dir!r}: cannot write there "
-                                f"({err.strerror}: {err.filename!r}); {fix_for(err)}")
+            error = cannot_write(f"output_dir={output_dir!r}", err)
     dist_utils.raise_on_any_rank(error, ConfigError)
 
 
-def preflight(config: RunConfig, evaluator=None) -> None:
-    """Fail fast on missing data, bad evaluation paths and unwritable output (collective).
+def preflight(config: RunConfig, evaluator=None) -> Path | None:
+    """Fail fast on missing data, bad evaluation paths, unwritable output and a checkpoint this
+    run cannot resume (collective). Returns the checkpoint to resume from (``train.resume``
+    resolved once, :func:`~vlcontrast.checkpoints.find_resume`), or None for a fresh start.
 
     ``train()``'s composition of the components' checks; ``evaluator`` is the run's
     :class:`~vlcontrast.train.evaluate.Evaluator` (one is made from ``config`` when omitted)."""
@@ -73,4 +74,7 @@ def preflight(config: RunConfig, evaluator=None) -> None:
         evaluator = Evaluator(config.eval, val_shards=config.data.val)
     evaluator.check()
     check_run_directory(config.output_dir)
-    check_resume_config(config.train.resume, Path(config.output_dir), to_dict(config))
+    resume = find_resume(config.train.resume, Path(config.output_dir),
+                         warn=dist_utils.get_rank() == 0)
+    check_resume_config(resume, config.train.resume, to_dict(config), dist_utils.get_world_size())
+    return resume

@@ -131,7 +131,8 @@ class StepLogger:
             shown = {"loss": f"{values['loss']:.3f}"}
             if "objective" in values:  # FastCLIP/SogCLR: the loss is a surrogate (1.0 at first)
                 shown["objective"] = f"{values['objective']:.3f}"
-            self.progress.set_postfix(**shown, **{"samples/s": f"{values['samples_per_s']:.0f}"})
+            self.progress.set_postfix(**shown, **{"samples/s": f"{values['samples_per_s']:.0f}"},
+                                      at=step)
             if self._progress_pending:
                 self.progress.update(self._progress_pending)
                 self._progress_pending = 0

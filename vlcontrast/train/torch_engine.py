@@ -22,6 +22,7 @@ whenever it applies); docs/training.md, "The step at ZeRO 0".
 from __future__ import annotations
 
 import contextlib
+import errno
 import warnings
 from pathlib import Path
 from typing import Any
@@ -226,10 +227,8 @@ class TorchEngine:
         """Read a ZeRO-0 file written by this engine or by DeepSpeed's (the caller has checked
         its pickles, :func:`vlcontrast.checkpoints.check_engine_files`)."""
         path = Path(load_dir) / tag / MODEL_STATES
-        if not path.is_file():
-            raise CheckpointError(f"{path}: missing; train.engine=torch resumes ZeRO-0 checkpoints "
-                                  "only (those written at deepspeed.zero_stage=0 with fp32 or "
-                                  "amp_bf16); resume this one with the settings that wrote it")
+        if not path.is_file():  # the checkpoint's format was checked with its config.yaml
+            raise FileNotFoundError(errno.ENOENT, "missing", str(path))
         # DeepSpeed's own files hold its config object, so weights_only cannot read them; the
         # pickles were scanned for anything but DeepSpeed's and torch's types before this.
         state: dict[str, Any] = torch.load(path, map_location=self.device, weights_only=False)
