@@ -180,6 +180,28 @@ def test_train_initialises_the_device_before_preflight(monkeypatch, tmp_path):
     assert order == [("init_distributed", "cpu"), ("preflight",)]
 
 
+def test_a_precision_the_device_lacks_is_refused_before_the_run_directory_exists(monkeypatch,
+                                                                               tmp_path):
+    """fp16 on a CPU without fp16 kernels used to be refused after the preflight had made
+    ``output_dir/checkpoints``: a refused run left an empty run directory behind."""
+    import vlcontrast.train.loop as loop
+    from vlcontrast.config import ConfigError, load_config
+    from vlcontrast.train.precision import Precision
+
+    def unsupported(self, device):
+        raise ConfigError(f"train.precision={self.name!r}: not on this {device.type} device")
+
+    monkeypatch.setattr(Precision, "check_supported", unsupported)
+    monkeypatch.setattr(loop.dist_utils, "init_distributed", lambda **kwargs: dist_utils.LaunchEnv(
+        0, 1, 0, "127.0.0.1", "1", "single", torch.device("cpu")))
+    run = tmp_path / "run"
+    config = load_config(None, ["data.train=x", "train.steps=1", "train.precision=fp16",
+                                f"output_dir={run}"])
+    with pytest.raises(ConfigError, match="train.precision='fp16'"):
+        loop.train(config)
+    assert not run.exists()
+
+
 def test_one_gpu_per_task_exports_the_device_index_deepspeed_reads(fake_gpus, monkeypatch):
     """DeepSpeed re-reads LOCAL_RANK and calls set_device(LOCAL_RANK): with one GPU per task it
     must read the chosen index 0, not the task's local rank 6 (an invalid device ordinal)."""

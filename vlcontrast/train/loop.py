@@ -71,6 +71,7 @@ def train(config: RunConfig) -> dict[str, Any]:
     env = dist_utils.init_distributed(timeout_s=config.train.dist_timeout_s,
                                       device=config.train.device)
     precision = Precision(config.train.precision)
+    precision.check_supported(env.device)  # before the preflight creates the run directory
     evaluator = Evaluator(config.eval, val_shards=config.data.val, workers=config.data.workers,
                           precision=precision, progress=config.logging.progress,
                           members=Members.parse(config.data.image_key, config.data.caption_key),
@@ -337,12 +338,11 @@ def _momentum_towers(engine, loss_fn, zero_stage: int,
 
 def _configure_process(seed: int, precision: Precision, env, run_dir: Path,
                        config_yaml: str) -> None:
-    """Threads, precision support and seeds of this process; rank 0 writes config.yaml."""
+    """Threads and seeds of this process; rank 0 writes config.yaml."""
     if env.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Launchers other than torchrun leave every process one thread per core: N processes on
         # N cores then spin against each other for minutes inside every collective.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist_utils.local_world_size()))
-    precision.check_supported(env.device)
     seed = seed + env.rank
     random.seed(seed)
     np.random.seed(seed % 2**32)
