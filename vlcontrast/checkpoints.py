@@ -345,6 +345,25 @@ def check_engine_files(folder: Path) -> None:
                 "loading it could run code. Was this directory written by vlcontrast?")
 
 
+def missing_engine_file(folder: Path, rank: int) -> Path | None:
+    """The file of ``folder`` (a checkpoint's ``engine/``) that rank ``rank`` will read and that
+    is not there, or None. DeepSpeed writes one model-states file (``mp_rank_00_model_states.pt``;
+    ZeRO 3: one per rank) and, under ZeRO 1-3, one optimizer partition per rank (``bf16_`` in
+    front under bf16). A rank whose file is missing would fail alone inside DeepSpeed's load while
+    the others wait in its collectives: the caller agrees on this first."""
+    folder = Path(folder)
+    own = f"zero_pp_rank_{rank}_mp_rank_00"
+    if any(folder.glob("*zero_pp_rank_*_optim_states.pt")) and not any(
+            folder.glob(f"*{own}_optim_states.pt")):
+        prefix = "bf16_" if any(folder.glob("bf16_zero_pp_rank_*")) else ""
+        return folder / f"{prefix}{own}_optim_states.pt"
+    if any(folder.glob("zero_pp_rank_*_model_states.pt")):
+        expected = folder / f"{own}_model_states.pt"
+    else:
+        expected = folder / "mp_rank_00_model_states.pt"
+    return None if expected.is_file() else expected
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)

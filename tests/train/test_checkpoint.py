@@ -277,6 +277,8 @@ def _resumable(tmp_path, world_size, rank_files, engine=None):
                folder / "trainer_state.pt")
     for rank in rank_files:
         torch.save({"data": {"n": rank}}, folder / f"rank_{rank:05d}.pt")
+    (folder / "engine").mkdir()
+    torch.save({}, folder / "engine" / "mp_rank_00_model_states.pt")
     data = _Loaded()
     checkpointer = Checkpointer(tmp_path / "run", engine=engine or Engine(), every=0, keep=2,
                                 run_states={}, rank_states={"data": data}, model_config={},
@@ -326,3 +328,51 @@ def test_a_lost_engine_file_names_it_and_the_checkpoint_before(tmp_path):
                                               r"cannot be read; resume from the one before it"):
         checkpointer.resume(folder)
 
+
+
+@pytest.mark.parametrize("files, rank, missing", [
+    (["mp_rank_00_model_states.pt"], 1, None),  # ZeRO 0: one file, read by every rank
+    ([], 0, "mp_rank_00_model_states.pt"),
+    (["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"], 1,
+     "zero_pp_rank_1_mp_rank_00_optim_states.pt"),  # ZeRO 1-2: a partition per rank
+    (["mp_rank_00_model_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"], 0,
+     "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+    (["zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+      "zero_pp_rank_1_mp_rank_00_optim_states.pt"], 1,
+     "zero_pp_rank_1_mp_rank_00_model_states.pt"),  # ZeRO 3: model states per rank too
+    (["zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"],
+     0, None),
+])
+def test_the_engine_file_a_rank_will_read_is_found_missing_before_deepspeed_reads(
+        tmp_path, files, rank, missing):
+    from vlcontrast.checkpoints import missing_engine_file
+
+    for name in files:
+        (tmp_path / name).write_bytes(b"")
+    found = missing_engine_file(tmp_path, rank)
+    assert (found.name if found else None) == missing
+
+
+def _resume_with_rank_1s_partition_lost(rank, world_size, tmp_path):
+    from vlcontrast.errors import CheckpointError
+
+    # Each rank its own copy (no two processes make one folder); both lost rank 1's partition.
+    checkpointer, folder, _ = _resumable(tmp_path / f"rank{rank}", 2, rank_files=[0, 1])
+    (folder / "engine" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+    try:
+        checkpointer.resume(folder)
+    except CheckpointError as error:
+        return str(error)
+    return "resumed"
+
+
+def test_a_partition_lost_on_one_rank_stops_every_rank_before_deepspeed_s_load(tmp_path):
+    """Rank 1 alone would fail inside DeepSpeed's load while rank 0 waited in its collectives
+    until the process-group timeout."""
+    from tests.distributed import run_distributed
+
+    messages = run_distributed(_resume_with_rank_1s_partition_lost, 2, tmp_path, timeout=120)
+    assert messages[1].startswith(str(tmp_path / "rank1" / "run" / "checkpoints" / "step_00000004"
+                                      / "engine" / "zero_pp_rank_1_mp_rank_00_optim_states.pt: "
+                                      "missing, so this checkpoint's optimizer state"))
+    assert messages[0] == messages[1] + " [reported by rank 1]"

@@ -49,7 +49,8 @@ import torch
 
 from vlcontrast import distributed as dist_utils
 from vlcontrast import checkpoints
-from vlcontrast.checkpoints import LATEST, atomic_write_text, check_engine_files, damaged_fix, load_file
+from vlcontrast.checkpoints import (LATEST, atomic_write_text, check_engine_files, damaged_fix,
+                                    load_file, missing_engine_file)
 from vlcontrast.errors import CheckpointError
 
 
@@ -211,11 +212,16 @@ class Checkpointer:
         rank_file = path / f"rank_{dist_utils.get_rank():05d}.pt"
         saved_world = int(run_state.get(WORLD_KEY) or len(list(path.glob("rank_*.pt"))) or world)
         error = None
+        lost = missing_engine_file(path / "engine", dist_utils.get_rank())
         if saved_world == world and not rank_file.is_file():
             error = CheckpointError(
                 f"{rank_file}: missing; the checkpoint was written by as many ranks as this "
-                f"run has ({world}), and that file holds this rank's data position and random state; "
-                f"{damaged_fix(path)}")
+                f"run has ({world}), and that file holds this rank's data position and random "
+                f"state; {damaged_fix(path)}")
+        elif lost is not None:
+            error = CheckpointError(f"{lost}: missing, so this checkpoint's optimizer state "
+                                    f"cannot be read; {damaged_fix(path)}")
+        # Agreed before DeepSpeed's load: a rank failing alone there leaves the others waiting.
         dist_utils.raise_on_any_rank(error, CheckpointError)
         rank_state = load_file(rank_file) if saved_world == world else None
         self._check_layout(run_state, path)
