@@ -72,10 +72,38 @@ def resolve_weights(path: str | Path, what: str = "--checkpoint") -> Path:
     ``checkpoints/`` directory, or itself; raises ``FileNotFoundError`` naming ``what``."""
     found = resolve_checkpoint(path, require=WEIGHTS_FILE)
     if found is None:
+        forms = "a run directory or a checkpoint directory (RUN/checkpoints/step_*)"
+        if Path(path).is_file():
+            raise FileNotFoundError(f"{what} {str(path)!r}: a file, not a folder; give the "
+                                    f"folder holding it: {what} {str(Path(path).parent)!r} "
+                                    f"({forms})")
+        if not Path(path).exists():
+            raise FileNotFoundError(f"{what} {str(path)!r}: no such folder; give {forms}")
+        if is_export(path) or is_transformers_clip(path):
+            source = _exported_from(path)
+            raise FileNotFoundError(f"{what} {str(path)!r}: a `vlcontrast export` or transformers "
+                                    f"CLIPModel directory, not a run; give {forms}"
+                                    + (f", e.g. the one it was exported from: {what} "
+                                       f"{source!r}" if source else ""))
         raise FileNotFoundError(f"{what} {str(path)!r}: no {WEIGHTS_FILE} there and no "
                                 "checkpoints/latest (expected a run directory or a checkpoint "
                                 "directory)")
     return found
+
+
+def _exported_from(path: str | Path) -> str:
+    """The checkpoint a ``vlcontrast export`` directory was written from (its config's
+    provenance), or ``""``."""
+    import json
+
+    for name in (EXPORT_CONFIG_FILE, "config.json"):
+        try:
+            source = json.loads((Path(path) / name).read_text())["vlcontrast"]["checkpoint"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if isinstance(source, str) and source:
+            return source
+    return ""
 
 
 TRANSFORMERS_CONFIG_FILE = "config.json"
@@ -197,9 +225,19 @@ def find_resume(resume: str, output_dir: Path, *, warn: bool = True) -> Path | N
     found = resolve_checkpoint(resume)
     if found is None:
         path = Path(resume)
+        forms = ("give train.resume=latest (this output_dir's newest checkpoint), a run directory "
+                 "or a checkpoint directory (RUN/checkpoints/step_*)")
+        if path.is_file():
+            raise FileNotFoundError(f"train.resume={resume!r}: a file, not a folder; give the "
+                                    f"folder holding it, train.resume={str(path.parent)!r}, or "
+                                    f"{forms.removeprefix('give ')}")
+        if not path.exists():
+            case = "; did you mean train.resume=latest?" if resume.lower() == "latest" else ""
+            raise FileNotFoundError(f"train.resume={resume!r}: no such folder; {forms}{case}")
         siblings = complete_checkpoints(path.parent if path.name.startswith("step_") else
                                         path / "checkpoints")[0]
-        hint = f"; the newest complete one there is {str(siblings[-1])!r}" if siblings else ""
+        hint = (f"; the newest complete one there is {str(siblings[-1])!r}" if siblings
+                else f"; {forms}")
         raise FileNotFoundError(f"train.resume={resume!r}: {resume} is not a complete checkpoint "
                                 f"(no {COMPLETE_MARKER}) nor a run directory with one{hint}")
     return found

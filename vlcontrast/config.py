@@ -197,6 +197,14 @@ class ModelConfig:
                          f"unknown augmentation option (open_clip's AugmentationCfg has {known})")
                 _require(key in plain or bool(self.augment.get("use_timm")), f"model.augment.{key}",
                          value, "applies only with use_timm: true")
+                _check_augment_value(key, value, bool(self.augment.get("use_timm")))
+            if not self.augment.get("use_timm"):  # open_clip: jitter only with its probability
+                for key, other in (("color_jitter", "color_jitter_prob"),
+                                   ("color_jitter_prob", "color_jitter")):
+                    _require(not self.augment.get(key) or self.augment.get(other) is not None,
+                             f"model.augment.{key}", self.augment.get(key),
+                             f"applies only with model.augment.{other} (open_clip jitters with "
+                             "color_jitter's four strengths at color_jitter_prob)")
         _require(self.lock_image_unlocked_groups >= 0, "model.lock_image_unlocked_groups",
                  self.lock_image_unlocked_groups, "must be >= 0")
         _require(self.lock_text_unlocked_layers >= 0, "model.lock_text_unlocked_layers",
@@ -533,6 +541,37 @@ def torch_engine_blocker(train: TrainConfig, deepspeed: DeepSpeedConfig) -> str 
 def _require(ok: bool, key: str, value: Any, why: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r}: {why}")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_augment_value(key: str, value: Any, use_timm: bool) -> None:
+    """A ``model.augment`` value open_clip's and torchvision's transforms accept, so a wrong one
+    is a line naming it, not a traceback (or every image failing its transform) in the loader."""
+    name = f"model.augment.{key}"
+    if key in ("scale", "ratio"):
+        _require(isinstance(value, (list, tuple)) and len(value) == 2
+                 and all(_is_number(v) and v > 0 for v in value) and value[0] <= value[1],
+                 name, value, "must be two numbers [min, max] with 0 < min <= max, e.g. "
+                 + ("[0.8, 1.0] (the share of the image's area a crop keeps)" if key == "scale"
+                    else "[0.75, 1.33] (the crop's aspect ratio)"))
+    elif key in ("color_jitter_prob", "gray_scale_prob", "re_prob"):
+        _require(_is_number(value) and 0 <= value <= 1, name, value,
+                 "must be a probability in [0, 1]")
+    elif key == "re_count":
+        _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                 name, value, "must be an integer >= 1")
+    elif key == "color_jitter":
+        sizes = (3, 4) if use_timm else (4,)
+        ok = (isinstance(value, (list, tuple)) and len(value) in sizes
+              and all(_is_number(v) and v >= 0 for v in value))
+        _require(ok or (use_timm and _is_number(value) and value >= 0), name, value,
+                 "must be four strengths >= 0 [brightness, contrast, saturation, hue], e.g. "
+                 "[0.4, 0.4, 0.4, 0.1]" + (", three, or one number" if use_timm else ""))
+        _require(not ok or len(value) < 4 or value[3] <= 0.5, name, value,
+                 "its hue strength (the fourth) must be <= 0.5")
 
 
 # --------------------------------------------------------------------------------------------

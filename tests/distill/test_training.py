@@ -461,3 +461,28 @@ def test_two_processes_zero2_gradcache_chunked_resume(data, teacher_file, tmp_pa
                         weights_only=True)
     difference = full["distill_projection.weight"] - midway["distill_projection.weight"]
     assert float(difference.abs().max()) > 1e-5
+
+
+def test_features_of_other_augmentations_name_model_augment_and_the_flag(data):
+    """Was "made for another run (augment differ from this run's)", naming neither
+    model.augment nor prep teacher's --augment."""
+    from vlcontrast.config import load_config
+    from vlcontrast.distill.offline import TeacherFeatures, shards_digest
+    from vlcontrast.errors import ConfigError
+
+    config = load_config(None, ["train.steps=1", f"data.train={data}/train",
+                                "model.augment={scale: [0.8, 1.0]}"])
+    features = TeacherFeatures.__new__(TeacherFeatures)
+    features.path = "t.pt"
+    features.key = {"data": shards_digest(config.data), "members": [config.data.image_key,
+                    config.data.caption_key], "augment": {"scale": [0.5, 1.0]},
+                    "augmentations": 1}
+    with pytest.raises(ConfigError, match=r"^distill\.teacher_features='t\.pt': made for another "
+                                          r"run \(it differs from this run in: augmentation \(the "
+                                          r"file's \{'scale': \[0\.5, 1\.0\]\}, this run's "
+                                          r"model\.augment=\{'scale': \[0\.8, 1\.0\]\}\)\); "
+                                          r"remake it with vlcontrast prep teacher --augment "
+                                          r"'\{\"scale\": \[0\.8, 1\.0\]\}' for these shards"):
+        features.check(data=config.data, augment=config.model.augment, teacher=None)
+    features.key["augment"] = {"scale": [0.8, 1.0]}
+    features.check(data=config.data, augment=config.model.augment, teacher=None)

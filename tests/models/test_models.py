@@ -322,6 +322,32 @@ def test_augmentation_options_reach_open_clips_train_transform():
         load_config(None, ["train.steps=1", "model.augment={re_prob: 0.5}"])
 
 
+@pytest.mark.parametrize("value, why", [
+    ("{scale: 0.5}", r"must be two numbers \[min, max\] with 0 < min <= max"),  # TypeError
+    ("{scale: [0.5]}", r"must be two numbers"),            # IndexError in torchvision
+    ("{scale: [1.0, 0.5]}", r"must be two numbers"),       # every image failed: "shards damaged"
+    ("{scale: [0.5, 1.0, 2]}", r"must be two numbers"),    # silently cropped by [0.5, 1.0]
+    ("{gray_scale_prob: 2}", r"must be a probability in \[0, 1\]"),  # AssertionError
+    ("{gray_scale_prob: abc}", r"must be a probability"),  # TypeError
+    ("{color_jitter: [0.4, 0.4, 0.4, 0.1]}", r"applies only with model\.augment\."
+                                             r"color_jitter_prob"),  # silently no jitter
+    ("{color_jitter_prob: 0.5}", r"applies only with model\.augment\.color_jitter "),
+    ("{color_jitter: 0.4, color_jitter_prob: 0.5}", r"must be four strengths"),  # TypeError
+    ("{color_jitter: [0.1, 0.2, 0.3, 0.9], color_jitter_prob: 0.5}", r"its hue .* <= 0\.5"),
+])
+def test_a_bad_augmentation_value_is_one_line_naming_it(value, why):
+    """Each of these was a traceback in the loader, every image failing its transform, or an
+    option open_clip silently drops."""
+    from vlcontrast.config import ConfigError, load_config
+
+    key = value[1:value.index(":")]
+    with pytest.raises(ConfigError, match=rf"^model\.augment\.{key}=.*: {why}"):
+        load_config(None, ["train.steps=1", f"model.augment={value}"])
+    load_config(None, ["train.steps=1", "model.augment={scale: [0.8, 1], color_jitter_prob: 0.8, "
+                                        "color_jitter: [0.4, 0.4, 0.4, 0.1]}"])
+    load_config(None, ["train.steps=1", "model.augment={use_timm: true, color_jitter: 0.4}"])
+
+
 # --------------------------------------------------------------------------------------------
 # model.pretrained from an open_clip export; weights of another model; the random-init notice
 

@@ -276,3 +276,31 @@ def test_a_setting_outside_the_grid_is_checked_too():
         load_study_config(GPU, ["settings.0.loss=nope"])
     with pytest.raises(ConfigError, match=r"^study settings\.spare='gammma': is not an option "):
         load_study_config(GPU, ["settings.spare.loss=decl", "settings.spare.options.gammma=0.5"])
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--stage", "sweep"], "--stage sweep: {config} is a grid study (no datasets:), which has no "
+                           "sweep; run its cells with --stage final or --stage all (the default)"),
+    (["--rerun", "infonce-b16-s0"], "--rerun applies to staged studies (a config with "
+                                    "datasets:); {config} is a grid study"),
+    (["--cell", "nope"], "--cell nope: no such cell in this study now (names look like "
+                         "infonce-b16-s0; `--list-cells` prints the ones that can run)"),
+    (["--sync-docs", "README.md"], "--sync-docs: needs a staged study (datasets:) and a stage "
+                                   "that writes the report (--stage report), not 'all'"),
+])
+def test_a_grid_study_refuses_staged_options_in_the_house_line(args, line, tmp_path, monkeypatch,
+                                                               capsys):
+    """These ended as a bare message with exit 1 (SystemExit), without "vlcontrast: error:";
+    --stage sweep on a grid study ran nothing and said "0 of 4 cells finished"."""
+    monkeypatch.chdir(ROOT)
+
+    def no_training(*_args, **_kwargs):
+        raise AssertionError("a cell ran")
+
+    monkeypatch.setattr(engine, "_run_training", no_training)
+    config = "configs/study/smoke.yaml"
+    assert main(["study", "--config", config, f"output_dir={tmp_path / 'out'}",
+                 f"data.dir={tmp_path / 'data'}", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "vlcontrast: error: " + line.format(config=config)
+    assert not (tmp_path / "out").exists()

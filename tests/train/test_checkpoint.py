@@ -47,8 +47,63 @@ def test_one_resolver_for_run_dirs_checkpoint_dirs_and_latest(tmp_path):
     with pytest.raises(FileNotFoundError, match="is not a complete checkpoint .*; the newest "
                                                 "complete one there is .*step_00000002"):
         find_resume(str(new), run)
+    (tmp_path / "nothing").mkdir()
     with pytest.raises(FileNotFoundError, match="no model.pt there"):
         resolve_weights(tmp_path / "nothing")
+
+
+def test_a_wrong_resume_path_says_what_it_is_and_what_to_give(tmp_path):
+    """A missing path, a file or an empty folder each said "is not a complete checkpoint ... nor a
+    run directory with one", with no fix."""
+    from vlcontrast.checkpoints import find_resume
+
+    run = tmp_path / "run"
+    step = _fake_checkpoint(run / "checkpoints" / "step_00000002")
+    (run / "checkpoints" / "latest").write_text("step_00000002\n")
+    forms = (r"train\.resume=latest \(this output_dir's newest checkpoint\), a run directory or "
+             r"a checkpoint directory \(RUN/checkpoints/step_\*\)")
+    with pytest.raises(FileNotFoundError, match=rf"^train\.resume='{tmp_path}/nope': no such "
+                                                rf"folder; give {forms}$"):
+        find_resume(str(tmp_path / "nope"), run)
+    with pytest.raises(FileNotFoundError, match=r"^train\.resume='LATEST': no such folder; .*; "
+                                                r"did you mean train\.resume=latest\?$"):
+        find_resume("LATEST", run)
+    for file in (step / "model.pt", run / "checkpoints" / "latest"):
+        with pytest.raises(FileNotFoundError, match=rf"^train\.resume='{file}': a file, not a "
+                                                    rf"folder; give the folder holding it, "
+                                                    rf"train\.resume='{file.parent}', or {forms}$"):
+            find_resume(str(file), run)
+        assert find_resume(str(file.parent), run) == step  # the folder it names does resume
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"^train\.resume='.*empty': .*empty is not a "
+                                                rf"complete checkpoint .* with one; give {forms}$"):
+        find_resume(str(tmp_path / "empty"), run)
+
+
+def test_export_of_a_wrong_run_path_says_what_it_is(tmp_path):
+    """`vlcontrast export` of a missing folder, a file or an export said "no model.pt there and
+    no checkpoints/latest" for all three; an export now names the checkpoint it came from."""
+    import json
+
+    from vlcontrast.checkpoints import resolve_weights
+
+    step = _fake_checkpoint(tmp_path / "run" / "checkpoints" / "step_00000002")
+    with pytest.raises(FileNotFoundError, match=r"^export RUN '.*nope': no such folder; give a "
+                                                r"run directory or a checkpoint directory"):
+        resolve_weights(tmp_path / "nope", "export RUN")
+    with pytest.raises(FileNotFoundError, match=rf"^export RUN '{step}/model\.pt': a file, not a "
+                                                rf"folder; give the folder holding it: export "
+                                                rf"RUN '{step}' "):
+        resolve_weights(step / "model.pt", "export RUN")
+    export = tmp_path / "hf"
+    export.mkdir()
+    (export / "config.json").write_text(json.dumps({"model_type": "clip", "vlcontrast": {
+        "checkpoint": str(step)}}))
+    with pytest.raises(FileNotFoundError, match=rf"^export RUN '{export}': a `vlcontrast export` "
+                                                rf"or transformers CLIPModel directory, not a "
+                                                rf"run; .*, e\.g\. the one it was exported from: "
+                                                rf"export RUN '{step}'$"):
+        resolve_weights(export, "export RUN")
 
 
 def test_random_state_is_stored_as_tensors_and_lists(tmp_path):

@@ -123,7 +123,8 @@ def test_logging_progress_reaches_the_evaluations_progress(monkeypatch, progress
 
     monkeypatch.setattr(loop, "Evaluator", evaluator)
     monkeypatch.setattr(loop, "StopSignal", lambda: None)  # this process keeps its handlers
-    monkeypatch.setattr(loop.dist_utils, "init_distributed", lambda **kw: None)
+    monkeypatch.setattr(loop.dist_utils, "init_distributed", lambda **kw: SimpleNamespace(
+        device=torch.device("cpu")))
     with pytest.raises(Built):  # the loop stops as soon as it has made its evaluator
         loop.train(tiny_config("data", "run", logging__progress=progress))
     assert seen == {"retrieval": progress, "zeroshot": progress}

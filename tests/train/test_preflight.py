@@ -57,3 +57,27 @@ def test_a_mistyped_teacher_path_stops_the_preflight(synthetic_data, tmp_path, k
         preflight(config)
     assert str(caught.value).startswith(f"{key}={str(tmp_path / 'teachr')!r}: ")
     assert line in str(caught.value)
+
+
+def test_a_stop_at_step_not_after_the_resumed_step_is_refused(synthetic_data, tmp_path):
+    """Resumed at step 4 with train.stop_at_step=3 (kept from the first command) the run trained
+    one more step and said "stopped by train.stop_at_step at step 5"."""
+    from tests.train.helpers import tiny_config
+
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step_00000004"
+    step.mkdir(parents=True)
+    (step / "trainer_state.pt").write_bytes(b"")
+    (run / "checkpoints" / "latest").write_text("step_00000004\n")
+    for stop_at in (3, 4):
+        config = tiny_config(synthetic_data, run, train__resume="latest",
+                             train__stop_at_step=stop_at)
+        with pytest.raises(ConfigError, match=rf"^train\.stop_at_step={stop_at}: the run resumes "
+                                              rf"from .*step_00000004, at step 4 already; give a "
+                                              rf"later step \(train\.stop_at_step=5 or more\), or "
+                                              rf"train\.stop_at_step=0 to train to the end$"):
+            preflight(config)
+    for stop_at in (0, 5):
+        config = tiny_config(synthetic_data, run, train__resume="latest",
+                             train__stop_at_step=stop_at)
+        assert preflight(config) == step

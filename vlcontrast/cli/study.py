@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from vlcontrast.cli.environment import prepare_environment
+from vlcontrast.errors import ConfigError
 
 
 def register(sub) -> None:
@@ -78,7 +79,7 @@ def run_study_command(args) -> int:
         try:
             cells = [engine.find_cell(config, name) for name in args.cell]
         except ValueError as err:
-            raise SystemExit(str(err)) from None
+            raise ConfigError(str(err)) from None
         failed = 0
         for cell in cells:
             if engine.is_finished(config, cell):
@@ -93,19 +94,24 @@ def run_study_command(args) -> int:
         from vlcontrast.study.v2 import rerun_cells
 
         if not config.datasets:
-            raise SystemExit("--rerun applies to staged studies (a config with datasets:)")
+            raise ConfigError("--rerun applies to staged studies (a config with datasets:); "
+                              f"{args.config} is a grid study")
         try:
             return rerun_cells(config, args.rerun)
         except ValueError as err:
-            raise SystemExit(str(err)) from None
+            raise ConfigError(str(err)) from None
     stage = "report" if args.report_only else args.stage
+    if stage == "sweep" and not config.datasets:  # a grid tunes nothing: it ran no cell
+        raise ConfigError(f"--stage sweep: {args.config} is a grid study (no datasets:), which "
+                          "has no sweep; run its cells with --stage final or --stage all (the "
+                          "default)")
     pages = tuple(Path(page) for page in args.sync_docs)
     for page in pages:
         if not page.is_file():
-            raise SystemExit(f"--sync-docs {page}: no such file; name markdown pages that "
+            raise ConfigError(f"--sync-docs {page}: no such file; name markdown pages that "
                              "hold generated study blocks (docs/loss-study-v2.md)")
     if pages and (stage not in ("final", "report", "all") or not config.datasets):
-        raise SystemExit(f"--sync-docs: needs a staged study (datasets:) and a stage that writes "
+        raise ConfigError(f"--sync-docs: needs a staged study (datasets:) and a stage that writes "
                          f"the report (--stage report), not {stage!r}")
     engine.run_study(config, stage, "vlcontrast study --config "
                      + shlex.join([args.config, *args.overrides]), pages, folder)

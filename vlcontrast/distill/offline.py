@@ -247,13 +247,20 @@ class TeacherFeatures:
             expected["teacher"] = teacher
         differs = sorted(k for k, v in expected.items() if self.key.get(k) != v)
         if differs:
-            raise ConfigError(f"{where}: made for another run ({', '.join(differs)} differ from "
-                              "this run's); remake it with vlcontrast prep teacher for these "
-                              "shards and this teacher")
+            what = {"data": "data (data.train's shards)",
+                    "members": "members (data.image_key, data.caption_key)",
+                    "augment": f"augmentation (the file's {self.key.get('augment')!r}, this "
+                               f"run's model.augment={dict(augment)!r})",
+                    "teacher": "teacher (distill.teacher)"}
+            flag = (f" --augment '{json.dumps(dict(augment))}'" if "augment" in differs else "")
+            raise ConfigError(f"{where}: made for another run (it differs from this run in: "
+                              f"{'; '.join(what[k] for k in differs)}); remake it with "
+                              f"vlcontrast prep teacher{flag} for these shards and this teacher")
         if bool(self.augmentations) != bool(data.augment):
             raise ConfigError(f"{where}: holds {self.augmentations} augmentations, but "
-                              f"data.augment={data.augment}; use --augmentations 0 with "
-                              "data.augment=false and K >= 1 with data.augment=true")
+                              f"data.augment={str(data.augment).lower()}; use vlcontrast prep "
+                              "teacher --augmentations 0 with data.augment=false and K >= 1 with "
+                              "data.augment=true")
 
     def lookup(self, sample_ids: torch.Tensor, index: torch.Tensor) -> TeacherBatch:
         """The teacher's embeddings of ``sample_ids`` at augmentation ``index`` (both ``[B]``)."""

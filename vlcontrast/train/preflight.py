@@ -77,4 +77,21 @@ def preflight(config: RunConfig, evaluator=None) -> Path | None:
     resume = find_resume(config.train.resume, Path(config.output_dir),
                          warn=dist_utils.get_rank() == 0)
     check_resume_config(resume, config.train.resume, to_dict(config), dist_utils.get_world_size())
+    check_stop_after_resume(resume, config.train.stop_at_step)
     return resume
+
+
+def check_stop_after_resume(resume: Path | None, stop_at_step: int) -> None:
+    """``train.stop_at_step`` lies after the step of the checkpoint resumed from (its
+    ``step_XXXXXXXX`` name); at or before it the run would train one more step and stop there,
+    under a step the user did not ask for."""
+    if resume is None or stop_at_step <= 0 or not resume.name.startswith("step_"):
+        return
+    try:
+        step = int(resume.name.removeprefix("step_"))
+    except ValueError:
+        return
+    if stop_at_step <= step:
+        raise ConfigError(f"train.stop_at_step={stop_at_step}: the run resumes from {resume}, at "
+                          f"step {step} already; give a later step (train.stop_at_step="
+                          f"{step + 1} or more), or train.stop_at_step=0 to train to the end")
