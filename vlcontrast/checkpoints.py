@@ -327,7 +327,8 @@ def check_resume_config(path: Path | None, resume: str, current: dict[str, Any],
             f"train.resume={resume!r}: {path} was written by {written_by} ranks at "
             f"deepspeed.zero_stage={was[0]}, this run has {world_size}; DeepSpeed partitions ZeRO "
             f"1-3 optimizer state by rank and cannot partition it anew: resume with "
-            f"{written_by} ranks, or {weights_fix}")
+            f"{written_by} ranks (vlcontrast train --nproc {written_by}, or as many GPUs over the "
+            f"nodes), or {weights_fix}")
 
 
 # --------------------------------------------------------------------------------------------

@@ -147,6 +147,27 @@ def test_a_non_terminal_run_logs_plain_progress_lines(cli_run):
     assert all("loss" in line and "ETA" in line for line in lines), lines
 
 
+def test_a_resumed_run_says_where_it_resumed_on_the_console(cli_run, tmp_path):
+    """The resume used to be written to metrics.jsonl only; a resume of a finished run re-ran its
+    final evaluation without a word."""
+    import shutil
+
+    from vlcontrast.train.loop import resume_line
+
+    source, _, data = cli_run
+    run = tmp_path / "run"
+    shutil.copytree(source, run)
+    done = subprocess.run(cli("train", *tiny_overrides(data, run, train__steps=4,
+                                                       train__resume="latest")),
+                          env=process_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (f"vlcontrast: resumed from {run / 'checkpoints' / 'step_00000003'} at step 3 of 4\n"
+            in done.stderr), done.stderr[-3000:]
+    assert resume_line(run, 4, 4).endswith("at step 4, which ends the run (4 steps): nothing left "
+                                           "to train; evaluating and writing its results again "
+                                           "(raise train.steps to train on)")
+
+
 def test_checkpoint_files_load_without_running_code(cli_run):
     run, _, _ = cli_run
     folder = run / "checkpoints" / "step_00000003"

@@ -161,8 +161,9 @@ def test_another_world_size_under_zero_1_to_3_is_one_line_before_the_model_is_bu
         (folder / f"rank_{rank:05d}.pt").write_bytes(b"")
     check_resume_config(folder, "latest", current, world_size=2)
     with pytest.raises(ConfigError, match=r"step_00000002 was written by 2 ranks at deepspeed."
-                                          r"zero_stage=2, this run has 1; .*resume with 2 ranks, "
-                                          r"or start a new run from its weights"):
+                                          r"zero_stage=2, this run has 1; .*resume with 2 ranks "
+                                          r"\(vlcontrast train --nproc 2, or as many GPUs over "
+                                          r"the nodes\), or start a new run from its weights"):
         check_resume_config(folder, "latest", current, world_size=1)
     zero0 = _written_checkpoint(tmp_path / "zero0", zero_stage=0)
     for rank in range(2):

@@ -25,6 +25,7 @@ import json
 import math
 import os
 import random
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +134,9 @@ def train(config: RunConfig) -> dict[str, Any]:
                        model_config=bundle.model_config)
     if resumed is not None:
         log.event(state.step, {"resumed_from": str(checkpointer.last_good)})
+        if env.rank == 0:
+            print(resume_line(checkpointer.last_good, state.step, total_steps), file=sys.stderr,
+                  flush=True)
 
     engine.train()
     ledger = StepLedger()
@@ -205,6 +209,15 @@ def train(config: RunConfig) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------------------------
 # set-up helpers
+
+
+def resume_line(checkpoint: Path, step: int, total_steps: int) -> str:
+    """What a resumed run says on the console before its first step (rank 0)."""
+    if step >= total_steps:
+        return (f"vlcontrast: resumed from {checkpoint} at step {step}, which ends the run "
+                f"({total_steps} steps): nothing left to train; evaluating and writing its results "
+                "again (raise train.steps to train on)")
+    return f"vlcontrast: resumed from {checkpoint} at step {step} of {total_steps}"
 
 
 def train_transform(data: DataConfig, bundle, device=None, distilling: bool = False):
