@@ -252,3 +252,24 @@ def test_config_lists_each_losss_options(capsys):
         name: [f"loss.{option}" for option in loss_option_defaults(name)] for name in LOSSES}
     assert re.search(r"\n  loss\.tau_min +0\.01 +bounds of the individual temperatures\.\n", out)
     assert "\nloss.name=dcl: no options\n" in out
+
+
+def test_warnings_keep_one_format_before_and_after_a_library_logs_through_the_root():
+    """The first warnings of a command used to print bare and, once open_clip had called
+    ``logging.warning()`` (building a model), every later one as ``WARNING:name:message``."""
+    import subprocess
+    import sys
+
+    script = ("import logging\n"
+              "from vlcontrast.cli import main\n"
+              "main(['config'])\n"
+              "logging.getLogger('vlcontrast.checkpoints').warning('before')\n"
+              "logging.warning('open_clip says')\n"
+              "logging.getLogger('vlcontrast.data.loader').warning('after %d', 3)\n"
+              "logging.getLogger('vlcontrast.data.loader').info('not shown')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines()[-3:] == ["vlcontrast: warning: before",
+                                             "warning: open_clip says",
+                                             "vlcontrast: warning: after 3"], done.stderr

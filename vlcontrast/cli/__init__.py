@@ -10,6 +10,7 @@ ends a vlcontrast error as one line (:mod:`vlcontrast.cli.failure`).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 from vlcontrast.cli import diagnose, eval, export, failure, inference, prep, study, train
@@ -63,7 +64,31 @@ def _commands(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
     return found
 
 
+class WarningLines(logging.Formatter):
+    """A logged warning as the command's other lines: ``vlcontrast: warning: ...`` for the
+    package's own, ``deepspeed: warning: ...`` for a library's (its logger's top name), plain
+    ``warning: ...`` for the root logger's (open_clip logs there)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        who = "" if record.name == "root" else f"{record.name.split('.')[0]}: "
+        line = f"{who}{record.levelname.lower()}: {record.getMessage()}"
+        return line + (f"\n{self.formatException(record.exc_info)}" if record.exc_info else "")
+
+
+def configure_logging() -> None:
+    """Warnings (and worse) on stderr in one format from the start. Without a handler, Python
+    prints the first ones bare and, once a library logs through ``logging.warning()`` (open_clip
+    does, building a model), switches every later one to ``WARNING:name:message``. A process
+    whose root logger already has handlers (a test runner, an embedding program) keeps them."""
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(WarningLines())
+        root.addHandler(handler)
+
+
 def main(argv: list[str] | None = None) -> int:
+    configure_logging()
     args = build_parser().parse_args(argv)
     if args.debug:
         os.environ[failure.DEBUG_VARIABLE] = "1"  # launched ranks inherit it
