@@ -195,3 +195,13 @@ def test_a_failed_dataset_conversion_is_one_error_naming_the_split_and_the_fix(t
     assert "\n" not in message
     assert "converting clipart/train failed" in message and "exited 2" in message
     assert "run the study again" in message
+
+
+def test_a_grid_of_one_seed_and_one_loss_is_counted_in_the_singular(monkeypatch, capsys):
+    from vlcontrast.cli import main
+
+    monkeypatch.chdir(ROOT)
+    assert main(["study", "--config", "configs/study/default.yaml", "--plan",
+                 "grid.seeds=[0]", "grid.losses=[infonce]", "comparisons=[]"]) == 0
+    assert capsys.readouterr().out.startswith("study (grid): 1 loss x 4 batch sizes x 1 seed = "
+                                              "4 cells")

@@ -320,6 +320,6 @@ def _run_prep_teacher(args) -> int:
                                      progress=not args.no_progress)
     # The file keeps the whole key; the terminal gets one line.
     print(f"prep teacher: {summary['samples']} samples, {summary['views']} views "
-          f"({summary['augmentations']} augmentations), {summary['dim']}-d embeddings -> "
+          f"({summary['augmentations']} augmentation{'' if summary['augmentations'] == 1 else 's'}), {summary['dim']}-d embeddings -> "
           f"{summary['path']} in {summary['seconds']:.1f} s")
     return 0

@@ -257,7 +257,8 @@ class TeacherFeatures:
                               f"{'; '.join(what[k] for k in differs)}); remake it with "
                               f"vlcontrast prep teacher{flag} for these shards and this teacher")
         if bool(self.augmentations) != bool(data.augment):
-            raise ConfigError(f"{where}: holds {self.augmentations} augmentations, but "
+            raise ConfigError(f"{where}: holds {self.augmentations} augmentation"
+                              f"{'' if self.augmentations == 1 else 's'}, but "
                               f"data.augment={str(data.augment).lower()}; use vlcontrast prep "
                               "teacher --augmentations 0 with data.augment=false and K >= 1 with "
                               "data.augment=true")

@@ -193,6 +193,10 @@ def find_cell(config: StudyConfig, name: str) -> AnyCell:
                      "`--list-cells` prints the ones that can run)")
 
 
+def _count(items, one: str, many: str = "") -> str:
+    return f"{len(items)} {one if len(items) == 1 else many or one + 's'}"
+
+
 def plan_text(config: StudyConfig) -> str:
     """``--plan``: a staged study's cells and machine time (:func:`.v2.plan_text`); a grid
     study's cells (losses x batch sizes x seeds, the steps of each batch, how many are done)."""
@@ -204,8 +208,9 @@ def plan_text(config: StudyConfig) -> str:
     done = sum(is_finished(config, cell) for cell in cells)
     steps = {cell.global_batch: cell.steps for cell in cells}
     return "\n".join([
-        f"study (grid): {len(config.grid.losses)} losses x {len(config.grid.global_batch_sizes)} "
-        f"batch sizes x {len(config.grid.seeds)} seeds = {len(cells)} cells; nothing tuned "
+        f"study (grid): {_count(config.grid.losses, 'loss', 'losses')} x "
+        f"{_count(config.grid.global_batch_sizes, 'batch size')} x "
+        f"{_count(config.grid.seeds, 'seed')} = {_count(cells, 'cell')}; nothing tuned "
         "(one lr rule)",
         *[f"  B={size}: {n} steps" for size, n in steps.items()],
         f"  {done} of {len(cells)} cells done (result files in {config.results_path}/)"])
