@@ -412,3 +412,33 @@ def test_from_scratch_model_has_no_random_init_notice(caplog):
     messages = [r.getMessage() for r in caplog.records]
     assert not [m for m in messages if m.startswith(RANDOM_INIT_WARNING)]
     assert "another warning" in messages
+
+
+def test_model_name_takes_the_folder_of_an_export_a_run_or_a_checkpoint(tmp_path, monkeypatch):
+    """``model.pretrained`` took these folders and a transformers directory was a model.name too,
+    but an open_clip export (or a run) as model.name was refused with a list of open_clip names."""
+    from vlcontrast.config import ConfigError
+    from vlcontrast.models import PACKAGE_CONFIG_DIR, resolve_model_config
+
+    micro = json.loads((PACKAGE_CONFIG_DIR / "vlc-micro.json").read_text())
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "open_clip_config.json").write_text(json.dumps({"model_cfg": micro}))
+    (export / "open_clip_model.safetensors").write_bytes(b"")
+    (export / "my-micro.json").write_text(json.dumps(micro))
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000004"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "model.pt").write_bytes(b"")
+    (checkpoint / "model_config.json").write_text(json.dumps({"model_name": "my-run-micro",
+                                                              "model_cfg": micro}))
+    (tmp_path / "run" / "checkpoints" / "latest").write_text("step_00000004\n")
+    assert resolve_model_config(str(export)) == ("my-micro", micro)
+    for folder in (tmp_path / "run", checkpoint):
+        assert resolve_model_config(str(folder)) == ("my-run-micro", micro)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"^model.name='.*empty': a folder, but not a vlcontrast "
+                                          r"run, checkpoint or export"):
+        resolve_model_config(str(tmp_path / "empty"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "RN50").mkdir()  # a folder named like an open_clip model: the model wins
+    assert resolve_model_config("RN50")[0] == "RN50"

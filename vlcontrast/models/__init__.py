@@ -104,6 +104,23 @@ def find_model_config_file(name: str) -> Path | None:
     return None
 
 
+def _folder_model(folder: str) -> tuple[Path | None, dict[str, Any] | None, str]:
+    """(model-config JSON, or the config itself, and the model's name) of ``model.name=FOLDER``:
+    an open_clip export's ``<model>.json``, a vlcontrast run's or checkpoint's
+    ``model_config.json``; a one-line ConfigError for any other folder."""
+    if is_export(folder):
+        inside = sorted(p for p in Path(folder).glob("*.json") if p.name != EXPORT_CONFIG_FILE)
+        if len(inside) == 1:
+            return inside[0], None, folder
+    try:
+        stored = json.loads((resolve_weights(folder, "model.name") / MODEL_CONFIG_FILE).read_text())
+        return None, dict(stored["model_cfg"]), str(stored["model_name"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ConfigError(f"model.name={folder!r}: a folder, but not a vlcontrast run, checkpoint "
+                          "or export, nor a transformers CLIPModel directory; give an open_clip "
+                          "model name, a model-config JSON, or one of those folders") from None
+
+
 def resolve_model_config(name: str, hf_model_dir: str = "") -> tuple[str, dict[str, Any]]:
     """(registered name, open_clip model config) for a model name, JSON path or config name."""
     import open_clip
@@ -116,6 +133,8 @@ def resolve_model_config(name: str, hf_model_dir: str = "") -> tuple[str, dict[s
         model_cfg = open_clip_config(json.loads((Path(name) / "config.json").read_text()),
                                      f"model.name={name!r}")
         name = transformers_model_name(name)
+    elif candidate is None and Path(name).is_dir() and open_clip.get_model_config(name) is None:
+        candidate, model_cfg, name = _folder_model(name)  # an export's, a run's, a checkpoint's
     if candidate is not None:
         try:
             model_cfg = json.loads(candidate.read_text())
