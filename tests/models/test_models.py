@@ -442,3 +442,21 @@ def test_model_name_takes_the_folder_of_an_export_a_run_or_a_checkpoint(tmp_path
     monkeypatch.chdir(tmp_path)
     (tmp_path / "RN50").mkdir()  # a folder named like an open_clip model: the model wins
     assert resolve_model_config("RN50")[0] == "RN50"
+
+
+def test_pretrained_naming_a_folder_of_models_names_the_ones_inside(tmp_path):
+    from vlcontrast.config import ConfigError
+    from vlcontrast.models import pretrained_weights
+
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "open_clip_config.json").write_text("{}")
+    (tmp_path / "export" / "open_clip_model.safetensors").write_bytes(b"")
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "latest").write_text("step_00000002\n")
+    (tmp_path / "notes").mkdir()
+    with pytest.raises(ConfigError, match=r"nor a transformers CLIPModel directory .*; it holds "
+                                          r"export \(open_clip export\), run \(vlcontrast run\): "
+                                          r"name one, e.g. model.pretrained=.*export$"):
+        pretrained_weights(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"config.json of a CLIP model\)$"):
+        pretrained_weights(str(tmp_path / "notes"))

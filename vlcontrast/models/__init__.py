@@ -306,10 +306,28 @@ def pretrained_weights(pretrained: str) -> Path | None:
     try:
         folder = resolve_model_files(pretrained, "model.pretrained")
     except FileNotFoundError as err:
+        inside = _model_folders(Path(pretrained))
+        hint = (f"; it holds {', '.join(f'{p.name} ({kind})' for p, kind in inside[:4])}: name "
+                f"one, e.g. model.pretrained={str(inside[0][0])}" if inside else "")
         raise ConfigError(f"model.pretrained={pretrained!r}: a directory, but not a vlcontrast run, "
-                          "checkpoint or open_clip export directory (no model.pt, no "
-                          "checkpoints/latest and no open_clip_model.safetensors)") from err
+                          "checkpoint or export, nor a transformers CLIPModel directory (no "
+                          "model.pt, no checkpoints/latest, no open_clip_model.safetensors, no "
+                          f"config.json of a CLIP model){hint}") from err
     return export_weights(folder) if is_export(folder) else folder / WEIGHTS_FILE
+
+
+def _model_folders(parent: Path) -> list[tuple[Path, str]]:
+    """The folders directly in ``parent`` that ``model.pretrained`` takes, with their kind (what
+    to suggest when ``parent`` itself is none of them)."""
+    found = []
+    for folder in sorted(p for p in parent.iterdir() if p.is_dir()):
+        kind = ("open_clip export" if is_export(folder) else
+                "transformers CLIPModel" if is_transformers_clip(folder) else
+                "vlcontrast run" if (folder / "checkpoints" / "latest").is_file() else
+                "checkpoint" if (folder / WEIGHTS_FILE).is_file() else "")
+        if kind:
+            found.append((folder, kind))
+    return found
 
 
 def weights_model(path: Path) -> str:
