@@ -87,10 +87,16 @@ def test_offline_equals_online(data, teacher_file, tmp_path):
                                                 rel=1e-5, abs=1e-6)
     assert _losses(online) == pytest.approx(_losses(offline), rel=1e-5, abs=1e-6)
     assert _max_difference(_weights(online), _weights(offline)) < 1e-5
+    # each run's results say what it learned from
+    said = {run: json.loads((run / "results.json").read_text()) for run in (online, offline)}
+    assert said[online]["distill"] == "logits x 1 from vlc-tiny"
+    assert said[offline]["distill"] == f"logits x 1 from stored features {features}"
+    assert "| distill | logits x 1 from vlc-tiny |" in (online / "report.md").read_text()
     # and the teacher mattered: a run without it trains differently
     alone = tmp_path / "alone"
     _train(tiny_config(data, alone, **common))
     assert _max_difference(_weights(online), _weights(alone)) > 1e-4
+    assert "distill" not in json.loads((alone / "results.json").read_text())
 
 
 def test_offline_views_are_the_teachers(data, teacher_file, tmp_path):

@@ -196,7 +196,8 @@ def train(config: RunConfig) -> dict[str, Any]:
                 "steps": state.step, "precision": precision.name,
                 "zero_stage": config.deepspeed.zero_stage,
                 "engine": engine_kind(config.train, config.deepspeed),
-                "skipped_steps": guard.skipped})
+                "skipped_steps": guard.skipped,
+                **({"distill": distill_summary(config.distill)} if distiller is not None else {})})
     finally:
         log.close()
     dist_utils.barrier()
@@ -209,6 +210,14 @@ def train(config: RunConfig) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------------------------
 # set-up helpers
+
+
+def distill_summary(distill) -> str:
+    """What a distilled run learned from, for its results and report."""
+    source = (f"{distill.teacher} (stored features {distill.teacher_features})"
+              if distill.teacher and distill.teacher_features
+              else distill.teacher or f"stored features {distill.teacher_features}")
+    return f"{distill.kind} x {distill.weight:g} from {source}"
 
 
 def resume_line(checkpoint: Path, step: int, total_steps: int) -> str:

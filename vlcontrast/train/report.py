@@ -73,13 +73,15 @@ def finish_run(run_dir: Path, results: dict[str, Any], *, checkpoint, setup: dic
     """Rank 0 at the end of a run: ``results.json``, ``report.md`` and the table on stdout.
 
     ``setup``: what the run was (loss, model, world size, global batch, steps, precision, ZeRO
-    stage, skipped steps), as ``train()`` describes it."""
+    stage, skipped steps, and what a distilled run learned from), as ``train()`` describes
+    it."""
     import json
 
     (run_dir / "results.json").write_text(json.dumps(
         {"checkpoint": str(checkpoint) if checkpoint else None, "loss": setup["loss"],
          "model": setup["model"], "world_size": setup["world_size"],
-         "engine": setup.get("engine"), "metrics": results},
+         "engine": setup.get("engine"),
+         **({"distill": setup["distill"]} if "distill" in setup else {}), "metrics": results},
         indent=2))
     write_report(run_dir, results, setup)
     print("\n" + results_table(results) + "\n", flush=True)
