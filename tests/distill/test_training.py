@@ -492,3 +492,20 @@ def test_features_of_other_augmentations_name_model_augment_and_the_flag(data):
         features.check(data=config.data, augment=config.model.augment, teacher=None)
     features.key["augment"] = {"scale": [0.8, 1.0]}
     features.check(data=config.data, augment=config.model.augment, teacher=None)
+
+
+def test_the_teachers_transform_with_colour_jitter_warns_nothing():
+    """open_clip calls colour jitter "unused" although it applies it; the student's transform
+    was built without that warning, the teacher's (same options) printed it."""
+    import warnings
+
+    from vlcontrast.config import ModelConfig
+    from vlcontrast.distill.teacher import image_transforms
+    from vlcontrast.models import build_model
+
+    model = build_model(ModelConfig(name="vlc-micro")).model
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train, _ = image_transforms(model, {"color_jitter": [0.4, 0.4, 0.4, 0.1],
+                                            "color_jitter_prob": 0.5})
+    assert "color_jitter" in repr(train)  # applied, as the student's is

@@ -149,9 +149,12 @@ def image_transforms(model: torch.nn.Module, augment: dict[str, Any]) -> tuple[C
     crops draw the same numbers from the same seed."""
     from open_clip.transform import PreprocessCfg, image_transform_v2
 
+    from vlcontrast.models import augment_applied
+
     config = PreprocessCfg(**{k: tuple(v) if isinstance(v, list) else v
                               for k, v in preprocess_config(model).items()})
-    train = image_transform_v2(config, is_train=True, aug_cfg=dict(augment) or None)
+    with augment_applied():
+        train = image_transform_v2(config, is_train=True, aug_cfg=dict(augment) or None)
     val = image_transform_v2(config, is_train=False)
     return train, val
 

@@ -203,10 +203,7 @@ def build_model(model_cfg, *, siglip: bool = False, device: str | torch.device =
     quiet = (weights_loaded_afterwards() if weights_after or weights_follow or not open_clip_weights
              else nullcontext())
     what = f"model.pretrained={model_cfg.pretrained!r}"
-    with warnings.catch_warnings(), quiet:
-        # open_clip lists colour jitter and grayscale as "unused" although it applies them;
-        # ModelConfig.check refuses the options it would really drop.
-        warnings.filterwarnings("ignore", message="Unused augmentation cfg items")
+    with augment_applied(), quiet:
         try:
             model, preprocess_train, preprocess_val = open_clip.create_model_and_transforms(
                 registered, pretrained=open_clip_weights, device=device, output_dict=True,
@@ -450,6 +447,16 @@ def use_channels_last(model: torch.nn.Module) -> bool:
 RANDOM_INIT_WARNING = "No pretrained weights loaded for model"
 """The start of open_clip's ``create_model`` warning when it was given no ``pretrained`` weights
 ("... Model initialized randomly."); misleading when vlcontrast loads weights right after."""
+
+
+@contextmanager
+def augment_applied():
+    """Silence open_clip's "Unused augmentation cfg items" warning while it builds a training
+    transform: it lists colour jitter and grayscale as unused although it applies them
+    (:meth:`~vlcontrast.config.ModelConfig.check` refuses the options it would really drop)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Unused augmentation cfg items")
+        yield
 
 
 class _DropRandomInitWarning(logging.Filter):
