@@ -394,8 +394,8 @@ def test_weights_of_another_model_are_one_line_naming_the_right_model(tiny_expor
 def test_a_directory_without_weights_names_the_forms_it_takes(tmp_path):
     from vlcontrast.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="not a vlcontrast run, checkpoint or open_clip export "
-                       "directory"):
+    with pytest.raises(ConfigError, match="not a vlcontrast run, checkpoint or export, nor a "
+                                          "transformers CLIPModel directory"):
         build_model(ModelConfig(name="vlc-micro", pretrained=str(tmp_path)))
 
 
