@@ -71,7 +71,8 @@ def test_steps_and_epochs_together_are_refused(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(write(tmp_path, "train:\n  epochs: 30\n"), ["train.steps=100"])
     assert str(err.value) == ("train.steps=100 and train.epochs=30.0: both set the run's length; "
-                              "set one of them and leave the other 0")
+                              "set one of them and leave the other 0 (e.g. add train.epochs=0 "
+                              "to run train.steps)")
     assert load_config(None, ["train.epochs=2"]).train.steps == 0  # each alone is fine
     assert load_config(None, ["train.steps=2", "train.epochs=0"]).train.steps == 2
 

@@ -303,7 +303,8 @@ class TrainConfig:
                  "set train.steps or train.epochs to a positive value")
         if self.steps and self.epochs:
             raise ConfigError(f"train.steps={self.steps!r} and train.epochs={self.epochs!r}: both "
-                              "set the run's length; set one of them and leave the other 0")
+                              "set the run's length; set one of them and leave the other 0 (e.g. add "
+                              "train.epochs=0 to run train.steps)")
         _require(self.accum_steps >= 1, "train.accum_steps", self.accum_steps, "must be >= 1")
         _require(self.log_every >= 1, "train.log_every", self.log_every,
                  "must be >= 1 (a metrics.jsonl line every N optimizer steps and at the last)")

@@ -86,7 +86,7 @@ def train(config: RunConfig) -> dict[str, Any]:
     shard_set = check_ids_available(config.data, needs_ids, who=f"loss={config.loss.name}")
     check_batch_fits(config.data, shard_set, env.world_size)  # before the model, too
     run_dir, config_yaml = Path(config.output_dir), yaml.safe_dump(to_dict(config), sort_keys=False)
-    _configure_process(config.seed, precision, env, run_dir, config_yaml)
+    _configure_process(config.seed, env, run_dir, config_yaml)
 
     bundle = build_model(config.model, siglip=LOSSES[config.loss.name].uses_logit_bias,
                          device=device, weights_follow=resume_from is not None)
@@ -358,8 +358,7 @@ def _momentum_towers(engine, loss_fn, zero_stage: int,
                           compute_dtype=precision.compute_dtype)
 
 
-def _configure_process(seed: int, precision: Precision, env, run_dir: Path,
-                       config_yaml: str) -> None:
+def _configure_process(seed: int, env, run_dir: Path, config_yaml: str) -> None:
     """Threads and seeds of this process; rank 0 writes config.yaml."""
     if env.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Launchers other than torchrun leave every process one thread per core: N processes on
