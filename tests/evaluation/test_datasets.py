@@ -159,7 +159,7 @@ def test_image_folder_with_classnames_and_templates_files(tmp_path):
     default = resolve_zeroshot_data(str(tmp_path / "data"))
     assert default.classnames == ["a dir", "b dir"]
     (tmp_path / "three.txt").write_text("x\ny\nz\n")
-    with pytest.raises(ConfigError, match="three.txt: 3 class names, but the data has 2 classes") as err:
+    with pytest.raises(ConfigError, match="three.txt': 3 class names, but the data has 2 classes") as err:
         resolve_zeroshot_data(str(tmp_path / "data"), str(tmp_path / "three.txt"))
     assert "\n" not in str(err.value)
     (tmp_path / "bad.txt").write_text("a photo\n")
@@ -174,8 +174,8 @@ def test_clip_benchmark_classification_layout(tmp_path):
     assert data.kind == "wds" and data.classnames == ["cat", "dog", "car"]
     assert data.templates == ["a {c}", "the {c}"] and len(data.shards) == 2
     (tmp_path / "mine.txt").write_text("kitten\npuppy\n")
-    with pytest.raises(ConfigError, match=r"mine.txt: 2 class names, but the data has 3 classes "
-                       r"\(.*classnames.txt\)"):
+    with pytest.raises(ConfigError, match=r"^--classnames '.*mine.txt': 2 class names, but the data has 3 "
+                       r"classes \(classnames.txt of --data '.*'\)"):
         resolve_zeroshot_data(str(tmp_path), str(tmp_path / "mine.txt"))
 
 

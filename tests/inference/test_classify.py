@@ -147,7 +147,7 @@ def test_eval_zeroshot_class_names_file_of_the_wrong_length(trained, tmp_path, c
                              "--data", str(tmp_path / "data"), "--classnames",
                              str(tmp_path / "three.txt"), "--device", "cpu")
     assert code == 2 and err.count("\n") == 1
-    assert f"{tmp_path / 'three.txt'}: 3 class names, but the data has 2 classes" in err
+    assert f"--classnames '{tmp_path / 'three.txt'}': 3 class names, but the data has 2 classes" in err
 
 
 def test_figure_draws_the_images_with_their_top_labels(trained, user_images, tmp_path, capsys):

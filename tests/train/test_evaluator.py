@@ -44,8 +44,12 @@ def test_check_resolves_the_zero_shot_set_before_training(tmp_path):
     for name in ("cat", "dog"):
         (folder / name).mkdir(parents=True)
     (tmp_path / "names.txt").write_text("cat\ndog\nbird\n")
-    with pytest.raises(ConfigError, match="eval.zeroshot=.*3 class names"):
+    with pytest.raises(ConfigError) as err:
         Evaluator(EvalConfig(zeroshot=str(folder), classnames=str(tmp_path / "names.txt"))).check()
+    assert str(err.value) == (
+        f"eval.classnames={str(tmp_path / 'names.txt')!r}: 3 class names, but the data has 2 "
+        f"classes (class folders of eval.zeroshot={str(folder)!r}); give one name per class, in "
+        "the classes' order")
     Evaluator(EvalConfig(zeroshot=str(folder))).check()  # a plain ImageFolder passes
 
 
@@ -128,3 +132,44 @@ def test_logging_progress_reaches_the_evaluations_progress(monkeypatch, progress
     with pytest.raises(Built):  # the loop stops as soon as it has made its evaluator
         loop.train(tiny_config("data", "run", logging__progress=progress))
     assert seen == {"retrieval": progress, "zeroshot": progress}
+
+
+def test_files_the_folder_holds_are_named_after_eval_zeroshot(tmp_path):
+    """A bad file inside the zero-shot folder is the folder's fault: the error starts with
+    eval.zeroshot and names the file in it (it named no key, or the wrong one, when the Evaluator
+    told the two kinds apart by the message's first words)."""
+    folder = tmp_path / "folder"
+    for name in ("cat", "dog"):
+        (folder / name).mkdir(parents=True)
+    (folder / "templates.txt").write_text("a photo\n")
+    with pytest.raises(ConfigError) as err:
+        Evaluator(EvalConfig(zeroshot=str(folder))).check()
+    assert str(err.value).startswith(f"eval.zeroshot={str(folder)!r}: templates.txt: template "
+                                     "'a photo' has no {c} placeholder")
+    (folder / "templates.txt").write_text("a {c}\n")
+    (folder / "classnames.txt").write_text("cat\n")
+    with pytest.raises(ConfigError) as err:
+        Evaluator(EvalConfig(zeroshot=str(folder))).check()
+    assert str(err.value).startswith(f"eval.zeroshot={str(folder)!r}: classnames.txt: 1 class "
+                                     "names, but the data has 2 classes")
+    # A class-name file given by the key is that key's fault, even inside the folder's layout.
+    (folder / "classnames.txt").write_text("cat\ndog\n")
+    Evaluator(EvalConfig(zeroshot=str(folder))).check()
+    afile = tmp_path / "set.txt"
+    afile.write_text("x")
+    with pytest.raises(ConfigError, match=r"^eval\.zeroshot='.*set\.txt': a file; give an "
+                       r"ImageNet-style"):
+        Evaluator(EvalConfig(zeroshot=str(afile))).check()
+
+
+def test_shards_without_class_names_say_what_is_missing(tmp_path):
+    from vlcontrast.evaluation.datasets import ZeroShotDataError
+
+    (tmp_path / "test").mkdir()
+    (tmp_path / "test" / "nshards.txt").write_text("1\n")
+    with pytest.raises(ZeroShotDataError) as err:
+        Evaluator(EvalConfig(zeroshot=str(tmp_path))).check()
+    assert str(err.value) == (f"eval.zeroshot={str(tmp_path)!r}: shards without classnames.txt; "
+                              "add it beside them (one class name per line) or give "
+                              "eval.classnames")
+    assert isinstance(err.value, FileNotFoundError)  # what evaluation's callers caught before

@@ -453,6 +453,11 @@ def check_class_count(names: Sequence[str], expected: int, source, what: str) ->
                           f"classes ({what}); give one name per class, in the classes' order")
 
 
+class ZeroShotDataError(ConfigError, FileNotFoundError):
+    """A zero-shot folder that is not one (missing, no classes, shards without class names);
+    names the folder's option and the fix. Also a :class:`FileNotFoundError`, as before."""
+
+
 @dataclass
 class ZeroShotData:
     """A classification set, its class names and prompt templates."""
@@ -476,29 +481,39 @@ def _folder_samples(root: Path, class_dirs: list[str]) -> list[tuple[str, int]]:
 
 def resolve_zeroshot_data(data_dir: str, classnames: str | Sequence[str] | None = None,
                           templates: str | Sequence | None = None, split: str = "test",
-                          keys: tuple[str, str] = ("--classnames", "--templates")) -> ZeroShotData:
+                          keys: tuple[str, str, str] = ("--data", "--classnames", "--templates")
+                          ) -> ZeroShotData:
     """Work out the layout of ``data_dir`` and its class names and templates: the one place that
     checks them (``vlcontrast eval``, ``Evaluator.check`` before training).
 
     ``classnames`` / ``templates`` are files (one per line, or a JSON list; templates use ``{c}``) or
-    lists; given, they override what the layout implies. ``keys``: the options that named them,
-    for the errors (command-line flags, or config keys such as ``eval.classnames``).
+    lists; given, they override what the layout implies. ``keys``: the options that named the
+    folder, the class names and the templates (command-line flags, or config keys such as
+    ``eval.zeroshot``); every error is a one-line :class:`ConfigError` that starts with the one it
+    is about (a file the folder holds is named after the folder's key).
     """
     from open_clip import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES
 
+    data_key, names_key, templates_key = keys
     root = Path(data_dir)
-    if not root.is_dir():
-        raise FileNotFoundError(f"zero-shot data {data_dir!r} is not a directory")
-    names = prompts = None
+    folder = _named(data_key, data_dir)
     # A config key may also be left empty: the folder's own files (or ImageNet's) are then used.
-    or_else = "" if keys[0].startswith("-") else ", or leave it empty for the folder's own"
+    or_else = "" if data_key.startswith("-") else ", or leave it empty for the folder's own"
+    if not root.is_dir():
+        leave = "" if data_key.startswith("-") else f", or leave {data_key} empty"
+        raise ZeroShotDataError(f"{folder}: {'a file' if root.exists() else 'no such folder'}; "
+                                "give an ImageNet-style (class sub-folders) or CLIP_benchmark "
+                                f"folder (docs/evaluation.md){leave}")
+    names = prompts = None
     if isinstance(classnames, (str, os.PathLike)):
-        names = read_list_file(check_list_file(classnames, keys[0], "one class name per line",
+        names = read_list_file(check_list_file(classnames, names_key, "one class name per line",
                                                or_else))
     elif classnames is not None:
         names = classnames
-    prompts = (read_templates(templates, keys[1], or_else)
+    prompts = (read_templates(templates, templates_key, or_else)
                if isinstance(templates, (str, os.PathLike)) else templates)
+    names_source = (_named(names_key, classnames) if isinstance(classnames, (str, os.PathLike))
+                    else names_key)
 
     # CLIP_benchmark's layout (ROOT/SPLIT/*.tar, nshards.txt), or shards directly in ROOT with
     # the class names beside them (what ``prep folder --caption-from class`` writes).
@@ -506,38 +521,44 @@ def resolve_zeroshot_data(data_dir: str, classnames: str | Sequence[str] | None 
             and any(root.glob("*.tar")))
     if (root / split / "nshards.txt").is_file() or flat:
         if names is not None and (root / "classnames.txt").is_file():
-            check_class_count(names, len(read_list_file(root / "classnames.txt")),
-                              classnames if isinstance(classnames, (str, os.PathLike))
-                              else keys[0], f"{root}/classnames.txt")
+            check_class_count(names, len(read_list_file(root / "classnames.txt")), names_source,
+                              f"classnames.txt of {folder}")
         if names is None:
             if not (root / "classnames.txt").is_file():
-                raise FileNotFoundError(f"{root}/classnames.txt missing (pass {keys[0]})")
+                raise ZeroShotDataError(f"{folder}: shards without classnames.txt; add it beside "
+                                        f"them (one class name per line) or give {names_key}")
             names = read_list_file(root / "classnames.txt")
         if prompts is None:
-            if not (root / "zeroshot_classification_templates.txt").is_file():
-                raise FileNotFoundError(f"{root}/zeroshot_classification_templates.txt missing "
-                                        f"(pass {keys[1]})")
-            prompts = read_templates(root / "zeroshot_classification_templates.txt")
+            own = root / "zeroshot_classification_templates.txt"
+            if not own.is_file():
+                raise ZeroShotDataError(f"{folder}: shards without {own.name}; add it beside "
+                                        f"them (one prompt per line with {{c}}) or give "
+                                        f"{templates_key}")
+            prompts = check_templates(read_list_file(own), f"{folder}: {own.name}")
         shards = (sorted(str(p) for p in root.glob("*.tar")) if flat
                   else resolve_shards(str(root), split))
         return ZeroShotData("wds", str(root), list(names), list(prompts), shards=shards)
 
     class_dirs = sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
     if not class_dirs:
-        raise FileNotFoundError(f"{root}: no class sub-folders (ImageFolder layout expected)")
+        tars = " (it holds .tar shards but no classnames.txt beside them)" if any(
+            root.glob("*.tar")) else ""
+        raise ZeroShotDataError(f"{folder}: no class sub-folders{tars}; give an ImageNet-style "
+                                "folder (one sub-folder per class) or CLIP_benchmark shards "
+                                "(docs/evaluation.md)")
     is_imagenet = len(class_dirs) == len(IMAGENET_CLASSNAMES) and all(WNID.match(d) for d in class_dirs)
     # An ImageFolder may carry its own classnames.txt / templates.txt (the synthetic set does).
     if names is None and (root / "classnames.txt").is_file():
         names = read_list_file(root / "classnames.txt")
+        names_source = f"{folder}: classnames.txt"
     if prompts is None and (root / "templates.txt").is_file():
-        prompts = read_templates(root / "templates.txt")
+        prompts = check_templates(read_list_file(root / "templates.txt"),
+                                  f"{folder}: templates.txt")
     if names is None:
         names = list(IMAGENET_CLASSNAMES) if is_imagenet else [d.replace("_", " ") for d in class_dirs]
     if prompts is None:
         prompts = list(OPENAI_IMAGENET_TEMPLATES)
-    source = (classnames if isinstance(classnames, (str, os.PathLike)) else
-              root / "classnames.txt" if classnames is None else keys[0])
-    check_class_count(names, len(class_dirs), source, f"class folders in {root}")
+    check_class_count(names, len(class_dirs), names_source, f"class folders of {folder}")
     return ZeroShotData("imagenet" if is_imagenet else "imagefolder", str(root), list(names),
                         list(prompts), samples=_folder_samples(root, class_dirs))
 

@@ -382,7 +382,8 @@ def compare_checkpoints(checkpoints: Sequence[str], out, *, retrieval: str = "",
 
         check_spec("--retrieval", retrieval)
     if zeroshot:
-        resolve_zeroshot_data(zeroshot, classnames, templates)
+        resolve_zeroshot_data(zeroshot, classnames, templates,
+                              keys=("--zeroshot", "--classnames", "--templates"))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     columns = [f"{task}/{column}" for task, data in (("retrieval", retrieval),

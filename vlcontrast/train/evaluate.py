@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 from vlcontrast.config import EvalConfig
-from vlcontrast.errors import ConfigError
 from vlcontrast.train.precision import Precision
 
 NO_RETRIEVAL = "none"
@@ -72,18 +71,11 @@ class Evaluator:
             check_spec(self.retrieval_key, self.retrieval_shards)
         if not self.config.zeroshot:
             return
-        if not Path(self.config.zeroshot).is_dir():
-            raise ConfigError(f"eval.zeroshot={self.config.zeroshot!r}: no such folder; give an "
-                              "ImageNet-style or CLIP_benchmark folder (docs/evaluation.md), or "
-                              "leave eval.zeroshot empty")
-        keys = ("eval.classnames", "eval.templates")
-        try:  # the one check of the set, its class names and templates (``vlcontrast eval``'s)
-            resolve_zeroshot_data(self.config.zeroshot, classnames=self.config.classnames or None,
-                                  templates=self.config.templates or None, keys=keys)
-        except (FileNotFoundError, ValueError) as error:
-            if str(error).startswith(keys):  # names its own key and value already
-                raise
-            raise ConfigError(f"eval.zeroshot={self.config.zeroshot!r}: {error}") from None
+        # The one check of the set, its class names and templates (``vlcontrast eval``'s); its
+        # errors start with the key they are about.
+        resolve_zeroshot_data(self.config.zeroshot, classnames=self.config.classnames or None,
+                              templates=self.config.templates or None,
+                              keys=("eval.zeroshot", "eval.classnames", "eval.templates"))
 
     def _image_cache(self) -> Path | None:
         """The zero-shot image-feature file of this set, or None (no cache folder)."""
