@@ -5,8 +5,9 @@ output folder read-only (or a file where a folder should be, or the disk full) h
 work. :func:`writable_dir` and :func:`writable_file` write and remove a probe file in the folder a
 command writes into (or, when it does not exist yet, in its nearest existing parent: nothing is
 created), and raise a one-line :class:`~vlcontrast.errors.ConfigError` naming the option, the
-path, the reason and the fix. They sit just above the ground floor
-(:mod:`vlcontrast.errors`) and import nothing else of vlcontrast.
+path, the reason and the fix. :func:`check_replaceable` refuses an output file that already exists
+(what it holds, and ``--overwrite``), so that a typo cannot replace hours of work. They sit just
+above the ground floor (:mod:`vlcontrast.errors`) and import nothing else of vlcontrast.
 """
 
 from __future__ import annotations
@@ -72,3 +73,26 @@ def writable_file(path: str | os.PathLike, option: str) -> Path:
         raise ConfigError(f"{option} {str(path)!r}: the file exists and is read-only; "
                           "make it writable or choose another name")
     return file
+
+
+def made(path: str | os.PathLike) -> str:
+    """``made 2026-11-28 14:05``: when a file was last written (its modification time, local)."""
+    import time
+
+    return time.strftime("made %Y-%m-%d %H:%M", time.localtime(os.path.getmtime(path)))
+
+
+def check_replaceable(what: str, held: str, *, kind: str, is_kind: bool, overwrite: bool,
+                      noun: str = "it") -> None:
+    """An output file that already exists, refused in one line before the command's work starts.
+
+    ``what`` names the option and the path (``OUT='feat.pt'``), ``held`` what the file holds, read
+    cheaply (``teacher features of 1,234 samples, ...``). Without ``overwrite``: an error that
+    says what would be lost and the two fixes. A file that is not a ``kind`` (``is_kind`` false)
+    is refused even with ``overwrite``: the command replaces only what it wrote itself."""
+    if not is_kind:
+        raise ConfigError(f"{what} exists and is not {kind} ({held}), so --overwrite will not "
+                          "replace it; name a new file, or move that one away")
+    if not overwrite:
+        raise ConfigError(f"{what} exists ({held}); add --overwrite to replace {noun}, or name a "
+                          "new file")

@@ -67,7 +67,7 @@ if [[ $STAGE == teacher || $STAGE == all ]]; then
       model.name=$TEACHER_MODEL loss.name=dcl data.batch_size=256 train.steps=$TEACHER_STEPS \
       optim.lr=3e-3 optim.weight_decay=0.1 optim.warmup_steps=25
   vlc prep teacher $DATA/train $OUT/teacher-features.pt --teacher $OUT/teacher \
-      --augmentations 0 --no-progress
+      --augmentations 0 --no-progress --overwrite  # the teacher above is new
 fi
 
 student() {  # seed arm

@@ -133,7 +133,8 @@ def test_writes_are_atomic(tmp_path, monkeypatch):
 
     monkeypatch.setattr(np, "save", broken_save)
     with pytest.raises(OSError, match="disk full"):
-        write_embeddings(Embeddings(np.ones((3, 2), np.float32), ["x", "y", "z"]), out)
+        write_embeddings(Embeddings(np.ones((3, 2), np.float32), ["x", "y", "z"]), out,
+                         overwrite=True)
     np.testing.assert_array_equal(np.load(out), np.eye(2))  # the earlier file, whole
     assert read_ids(out) == ["a", "b"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e.npy", "e.npy.ids.txt"]

@@ -39,7 +39,11 @@ def register(sub) -> None:
                         "webdataset shards (a shard folder, brace pattern, glob, .tar files)")
     source.add_argument("--texts", default=None, help="a text file, one text per line")
     embed_cmd.add_argument("--out", required=True, help="FILE.npy (ids in FILE.npy.ids.txt) or "
-                           "FILE.parquet (needs pyarrow)")
+                           "FILE.parquet (needs pyarrow); refused when it exists, before the "
+                           "model is loaded, unless --overwrite")
+    embed_cmd.add_argument("--overwrite", action="store_true",
+                           help="replace the files of an earlier embed at --out (the new ones "
+                           "move in only when complete)")
     for p in (classify_cmd, embed_cmd):
         p.add_argument("--batch-size", type=int, default=64)
         p.add_argument("--workers", type=int, default=2, help="image loader processes")
@@ -99,7 +103,7 @@ def run_embed(args) -> int:
                                       read_texts, resolve_device, write_embeddings)
 
     check_counts(args)
-    out = check_output(args.out)
+    out = check_output(args.out, args.overwrite)  # before the inputs are read
     texts = paths = shards = None
     if args.texts:
         texts = read_texts(args.texts)
@@ -127,7 +131,7 @@ def run_embed(args) -> int:
             print(f"vlcontrast embed: "
                   f"{alpha_summary(embeddings.transparent, len(embeddings.ids), args.alpha)}",
                   file=sys.stderr)
-    written = write_embeddings(embeddings, out)
+    written = write_embeddings(embeddings, out, overwrite=args.overwrite)
     if embeddings.reasons:
         print(f"vlcontrast embed: {skipped_line(embeddings)}", file=sys.stderr)
     print(f"vlcontrast embed: {embeddings.vectors.shape[0]} embeddings of dimension "

@@ -176,6 +176,10 @@ def register(sub) -> None:
     teacher.add_argument("--device", default="auto",
                          help="where the teacher runs: auto (CUDA when available, else the CPU), "
                          "cpu, cuda or cuda:N")
+    teacher.add_argument("--overwrite", action="store_true",
+                         help="replace an existing OUT that prep teacher wrote (without it an "
+                         "existing OUT is refused before the teacher runs); the new file moves "
+                         "in only when complete")
     teacher.add_argument("--no-progress", action="store_true")
     prep.set_defaults(func=run_prep)
 
@@ -293,7 +297,7 @@ def _run_prep_check(args) -> int:
 
 def _run_prep_teacher(args) -> int:
     from vlcontrast.config import ModelConfig
-    from vlcontrast.distill.offline import write_teacher_features
+    from vlcontrast.distill.offline import check_features_out, write_teacher_features
     from vlcontrast.errors import ConfigError
     from vlcontrast.inference.model import resolve_device
 
@@ -310,6 +314,7 @@ def _run_prep_teacher(args) -> int:
                           f"{str(err).replace('model.augment.', 'key ')}") from None
     from vlcontrast.outputs import writable_file
 
+    check_features_out(args.out, args.overwrite)  # an earlier file is hours of a teacher's work
     writable_file(args.out, "OUT")
     device = resolve_device(args.device, option="--device")  # auto: CUDA when available, as eval
     summary = write_teacher_features(args.shards, args.out, teacher=args.teacher,
@@ -317,7 +322,7 @@ def _run_prep_teacher(args) -> int:
                                      augmentations=args.augmentations, augment=augment,
                                      image_key=args.image_key, caption_key=args.caption_key,
                                      dtype=args.dtype, device=device,
-                                     progress=not args.no_progress)
+                                     progress=not args.no_progress, overwrite=args.overwrite)
     # The file keeps the whole key; the terminal gets one line.
     print(f"prep teacher: {summary['samples']} samples, {summary['views']} views "
           f"({summary['augmentations']} augmentation{'' if summary['augmentations'] == 1 else 's'}), {summary['dim']}-d embeddings -> "

@@ -119,13 +119,17 @@ class _TeacherAugmentations:
 def write_teacher_features(shards: str, out: str | Path, *, teacher: str, pretrained: str = "",
                            augmentations: int = 1, augment: dict[str, Any] | None = None,
                            image_key: str = "", caption_key: str = "", dtype: str = "float16",
-                           device: str | torch.device = "cpu",
-                           progress: bool = False) -> dict[str, Any]:
+                           device: str | torch.device = "cpu", progress: bool = False,
+                           overwrite: bool = False) -> dict[str, Any]:
     """Embed every sample of ``shards`` with the teacher: ``augmentations`` seeded augmentations of
     each image (0: the evaluation transform only) and its caption; write the file ``out``.
 
-    Errors name the arguments of ``vlcontrast prep teacher`` (``SHARDS``, ``--teacher`` ...), which
-    this is; ``progress``: a :class:`~vlcontrast.progress.Progress` over the samples."""
+    An existing ``out`` is refused before the teacher is loaded or the shards are read, unless
+    ``overwrite`` and it is an earlier teacher-features file (:func:`check_features_out`); the
+    file is written under a temporary name and renamed into place, so an interrupted run leaves
+    the earlier file whole. Errors name the arguments of ``vlcontrast prep teacher`` (``SHARDS``,
+    ``--teacher`` ...), which this is; ``progress``: a :class:`~vlcontrast.progress.Progress`
+    over the samples."""
     from vlcontrast.config import DataConfig
     from vlcontrast.data.loader import build_train_loader
     from vlcontrast.distill.teacher import PREP_OPTIONS, Teacher, image_transforms, teacher_identity
@@ -135,6 +139,7 @@ def write_teacher_features(shards: str, out: str | Path, *, teacher: str, pretra
         raise ConfigError(f"--augmentations={augmentations}: must be >= 0")
     if dtype not in ("float16", "float32"):
         raise ConfigError(f"--dtype={dtype!r}: must be float16 or float32")
+    out = check_features_out(out, overwrite)  # before the teacher and the shards: hours of work
     augment = dict(augment or {})
     defaults = DataConfig()
     data = DataConfig(train=str(shards), batch_size=1, workers=0, shuffle_buffer=0,
@@ -180,17 +185,66 @@ def write_teacher_features(shards: str, out: str | Path, *, teacher: str, pretra
         raise ConfigError(f"SHARDS={str(shards)!r}: sample ids are not unique; teacher features "
                           "are keyed by sample id: re-key the shards with `vlcontrast prep wds`")
     store = getattr(torch, dtype)
-    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    torch.save({"key": key, "ids": all_ids,
-                "image": torch.cat(images)[order].to(store).contiguous(),
-                "text": torch.cat(texts)[order].to(store).contiguous(),
-                "logit_scale": model.logit_scale().cpu()}, tmp)
-    tmp.replace(out)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:  # the earlier file stays whole until the new one is complete
+        torch.save({"key": key, "ids": all_ids,
+                    "image": torch.cat(images)[order].to(store).contiguous(),
+                    "text": torch.cat(texts)[order].to(store).contiguous(),
+                    "logit_scale": model.logit_scale().cpu()}, tmp)
+        os.replace(tmp, out)
+    finally:
+        try:  # the cleanup must not hide the error that stopped the writing
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
     return {"path": str(out), "samples": len(all_ids), "augmentations": augmentations,
             "views": len(all_ids) * views, "dim": model.embed_dim,
             "seconds": round(time.monotonic() - start, 1), "key": key}
+
+
+def check_features_out(out: str | Path, overwrite: bool = False, option: str = "OUT") -> Path:
+    """``prep teacher``'s ``out``: new, or (with ``overwrite``) an earlier teacher-features file; a
+    one-line ConfigError naming ``option`` and what the file holds otherwise. Reads the file's
+    header only (:func:`describe_features`)."""
+    from vlcontrast.outputs import check_replaceable
+
+    out = Path(out)
+    if out.is_file():
+        is_kind, held = describe_features(out)
+        check_replaceable(f"{option}={str(out)!r}", held, kind="a teacher-features file",
+                          is_kind=is_kind, overwrite=overwrite)
+    return out
+
+
+def describe_features(path: str | Path) -> tuple[bool, str]:
+    """Whether ``path`` is a ``prep teacher`` file, and what it holds (``teacher features of 1,234
+    samples, 2 augmentations, teacher ViT-B-32 (openai), made 2026-11-28 14:05``), or what it is
+    instead. Memory-mapped: the tensors' shapes are read, not their bytes."""
+    from vlcontrast.outputs import made
+
+    try:
+        stored = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - whatever it is, it is no features file
+        return False, "not a file of tensors that torch.load reads"
+    key = stored.get("key") if isinstance(stored, dict) else None
+    if not (isinstance(key, dict) and "format" in key and isinstance(stored.get("ids"),
+                                                                      torch.Tensor)):
+        if isinstance(stored, dict):
+            names = ", ".join(repr(str(k)) for k in list(stored)[:2])
+            return False, (f"a torch.save file of a dict of {len(stored)} "
+                           f"entr{'y' if len(stored) == 1 else 'ies'}"
+                           f"{', e.g. ' + names if names else ''}")
+        return False, f"a torch.save file of a {type(stored).__name__}"
+    teacher = key.get("teacher") if isinstance(key.get("teacher"), dict) else {}
+    name = teacher.get("model") or f"weights sha256 {str(teacher.get('weights_sha256'))[:12]}"
+    if teacher.get("pretrained"):
+        name += f" ({teacher['pretrained']})"
+    count = key.get("augmentations")
+    views = ("the evaluation transform" if count == 0 else
+             f"{count} augmentation{'' if count == 1 else 's'}")
+    return True, (f"teacher features of {len(stored['ids']):,} samples, {views}, teacher {name}, "
+                  f"{made(path)}")
 
 
 def check_features_path(path: str | Path) -> Path:

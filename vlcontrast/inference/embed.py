@@ -33,8 +33,9 @@ def ids_path(out: str | os.PathLike) -> Path:
     return Path(f"{out}.ids.txt")
 
 
-def check_output(out: str | os.PathLike) -> Path:
-    """``--out`` checked before any work: a known format, pyarrow present for parquet."""
+def check_output(out: str | os.PathLike, overwrite: bool = False) -> Path:
+    """``--out`` checked before any work: a known format, pyarrow present for parquet, and no
+    file of an earlier embed under its names unless ``overwrite`` (:func:`check_existing`)."""
     out = Path(out)
     if out.suffix.lower() not in FORMATS:
         raise ConfigError(f"--out {str(out)!r}: unknown format {out.suffix or '(none)'!r}; end it "
@@ -49,7 +50,82 @@ def check_output(out: str | os.PathLike) -> Path:
     writable_file(out, "--out")
     if out.suffix.lower() == ".npy":
         writable_file(ids_path(out), "--out's ids file")
+    check_existing(out, overwrite)
     return out
+
+
+def check_existing(out: Path, overwrite: bool = False) -> None:
+    """Files of ``out`` that exist already (``FILE.npy``, its ids file, even without the
+    ``.npy``; or ``FILE.parquet``): a one-line ConfigError saying what they hold, unless
+    ``overwrite`` and they are what embed writes. Reads headers only, never the rows."""
+    from vlcontrast.outputs import check_replaceable, made
+
+    sidecar = ids_path(out) if out.suffix.lower() == ".npy" else None
+    found = [path for path in (out, sidecar) if path is not None and path.is_file()]
+    if not found:
+        return
+    what, parts, is_kind = f"--out {str(out)!r}", [], True
+    if out.is_file():
+        describe = _describe_npy if out.suffix.lower() == ".npy" else _describe_parquet
+        is_kind, held = describe(out)
+        parts.append(held)
+    if sidecar is not None and sidecar.is_file():
+        ok, held = _describe_ids(sidecar)
+        if out.is_file():
+            parts.append(f"{held} in {str(sidecar)!r}")
+        else:  # the ids of a .npy that is gone: replacing them loses something too
+            what = f"{what}: its ids file {str(sidecar)!r}"
+            parts.append(held)
+        is_kind = is_kind and ok
+    check_replaceable(what, f"{', '.join(parts)}, {made(found[0])}",
+                      kind="a file vlcontrast embed writes", is_kind=is_kind,
+                      overwrite=overwrite, noun="it" if len(found) == 1 else "them")
+
+
+def _describe_npy(path: Path) -> tuple[bool, str]:
+    """``5 embeddings of dimension 32``, from the header (a memory map reads no rows); embed
+    writes 2-d float32."""
+    try:
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError, EOFError):
+        return False, "not a NumPy .npy file"
+    if not isinstance(array, np.ndarray):  # an .npz archive under a .npy name
+        return False, "a NumPy .npz archive"
+    shape, dtype = tuple(array.shape), array.dtype
+    del array
+    if len(shape) != 2 or dtype != np.float32:
+        return False, f"a {' x '.join(map(str, shape)) or 'scalar'} {dtype} array"
+    return True, f"{shape[0]:,} embeddings of dimension {shape[1]}"
+
+
+def _describe_ids(path: Path) -> tuple[bool, str]:
+    """``ids`` for a text file (its first 4 KiB decode as UTF-8, without NUL bytes)."""
+    with open(path, "rb") as handle:
+        head = handle.read(4096)
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as err:
+        if err.start < len(head) - 3:  # not a character cut by the 4 KiB
+            return False, "binary data"
+    if b"\0" in head:
+        return False, "binary data"
+    return True, "ids"
+
+
+def _describe_parquet(path: Path) -> tuple[bool, str]:
+    """``5 embeddings``, from the parquet footer; a table without ``id`` and ``embedding`` is
+    none of embed's."""
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.read_metadata(path)
+    except Exception:  # noqa: BLE001 - pyarrow's errors: whatever it is, not embed's
+        return False, "not a parquet file"
+    schema = meta.schema.to_arrow_schema()
+    if schema.names != ["id", "embedding"]:
+        return False, f"a parquet table of columns {', '.join(schema.names) or '(none)'}"
+    size = getattr(schema.field("embedding").type, "list_size", None)
+    return True, f"{meta.num_rows:,} embeddings" + (f" of dimension {size}" if size else "")
 
 
 def read_texts(path: str | os.PathLike) -> list[str]:
@@ -136,11 +212,13 @@ def _temporary(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
 
-def write_embeddings(embeddings: Embeddings, out: str | os.PathLike) -> list[Path]:
+def write_embeddings(embeddings: Embeddings, out: str | os.PathLike,
+                     overwrite: bool = False) -> list[Path]:
     """Write ``.npy`` + ``OUT.ids.txt``, or ``.parquet``; each file goes to a temporary name in
     the same folder first and is renamed into place, so no half-written file is ever left under
-    its name. Returns the paths written."""
-    out = check_output(out)
+    its name and an interrupted write leaves the earlier files whole. Existing files are refused
+    unless ``overwrite`` (:func:`check_output`). Returns the paths written."""
+    out = check_output(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     vectors = np.ascontiguousarray(embeddings.vectors, dtype=np.float32)
     if len(embeddings.ids) != vectors.shape[0]:
