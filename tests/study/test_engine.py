@@ -173,8 +173,165 @@ def test_plan_of_the_grid_layout_counts_its_cells(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert out.startswith("study (grid): 6 losses x 4 batch sizes x 5 seeds = 120 cells")
     # 64,000 samples per cell: ceil(64000 / B) steps
-    assert "  B=16: 4000 steps\n  B=64: 1000 steps\n  B=256: 250 steps\n  B=1024: 63 steps" in out
+    for size, steps in ((16, 4000), (64, 1000), (256, 250), (1024, 63)):
+        assert f"\n  B={size}: {steps} steps, 30 cells, " in out
     assert "120 of 120 cells done" in out
+
+
+# --plan of a grid study: machine time by the cost models, and what is left
+
+
+def _grid(tmp_path: Path, *overrides: str):
+    """``configs/study/default.yaml`` with its results in ``tmp_path`` (none done)."""
+    return load_study_config(ROOT / "configs" / "study" / "default.yaml",
+                             [f"output_dir={tmp_path / 'out'}", f"results_dir={tmp_path / 'res'}",
+                              *overrides])
+
+
+def _finish(config, cells: list[Cell], wall_s: float) -> None:
+    """Result files with the cells' fingerprints, as run_one writes them."""
+    for cell in cells:
+        path = engine.result_path(config, cell)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"cell": cell.name, "wall_s": wall_s,
+                                    "fingerprint": engine.fingerprint(config, cell)}))
+
+
+def _cpu_cell_s(size: int, steps: int) -> float:
+    """One cell by the CPU model's formula (study/budget.py's docstring), written out here: fixed
+    part, the first epoch's reads (10,000 training pairs), the steps."""
+    from vlcontrast.study import budget as b
+
+    return b.CELL_FIXED_S + b.DECODE_S * min(size * steps, 10_000) \
+        + steps * (b.STEP_S + b.SAMPLE_S * size)
+
+
+def _cpu_start_s() -> float:
+    """The shared start by the CPU model: 750 steps at batch 128 (default.yaml's pretrain), both
+    towers, no feature cache."""
+    from vlcontrast.study import budget as b
+
+    return b.CELL_FIXED_S + 750 * 128 * b.START_SAMPLE_S
+
+
+GRID_STEPS = {16: 4000, 64: 1000, 256: 250, 1024: 63}
+
+
+def test_the_grid_plan_prices_its_cells_by_the_cpu_model_and_checks_the_budget(tmp_path):
+    from vlcontrast.study.budget import grid_cost
+
+    config = _grid(tmp_path)
+    per_batch = {size: 30 * _cpu_cell_s(size, steps) for size, steps in GRID_STEPS.items()}
+    start = _cpu_start_s()
+    total = sum(per_batch.values()) + start
+    assert total / 3600 == pytest.approx(0.94, abs=0.005)  # today's constants
+    cost = grid_cost(config)  # the budget module's own pricing of the same cells
+    assert {part: s for part, (_, s) in cost["parts"].items()} == pytest.approx(
+        {f"B={size}": s for size, s in per_batch.items()})
+    assert cost["core_hours"] * 3600 == pytest.approx(total)
+    text = engine.plan_text(config)
+    for size, steps in GRID_STEPS.items():
+        assert (f"  B={size}: {steps} steps, 30 cells, {per_batch[size] / 3600:.2f} "
+                "core-hours") in text
+    assert f"  shared start (--stage prepare): 1 run, {start / 3600:.2f} core-hours" in text
+    assert (f"  total {total / 3600:.2f} core-hours = {total / 7200:.2f} h on 2 core(s); "
+            "budget - h") in text
+    # nothing done: every cell is left (the start is not a cell)
+    left = total - start
+    assert (f"  0 of 120 cells done; {left / 3600:.2f} core-hours left by the model"
+            in text)
+    assert f"left {left / 3600:.2f} core-hours = {left / 7200:.2f} h on 2 core(s)" in text
+    assert "OVER BUDGET" not in text and "pace" not in text
+    # a budget below the estimate's wall hours: over by the difference
+    wall = total / 7200
+    over = engine.plan_text(_grid(tmp_path, "budget_hours=0.25"))
+    assert "budget 0.25 h" in over
+    assert f"  OVER BUDGET by {wall - 0.25:.2f} h ({wall / 0.25 - 1:.0%})" in over
+    assert "OVER BUDGET" not in engine.plan_text(_grid(tmp_path, "budget_hours=0.5"))
+
+
+def test_done_grid_cells_reduce_the_time_left_and_give_their_pace(tmp_path):
+    config = _grid(tmp_path)
+    seed0 = [cell for cell in grid_cells(config) if cell.seed == 0]
+    assert len(seed0) == 24
+    _finish(config, seed0, wall_s=200.0)
+    text = engine.plan_text(config)
+    per_seed = sum(6 * _cpu_cell_s(size, steps) for size, steps in GRID_STEPS.items())
+    left = 4 * per_seed  # seeds 1-4
+    assert f"  24 of 120 cells done; {left / 3600:.2f} core-hours left by the model" in text
+    assert (f"  spent {24 * 200 / 3600:.2f} core-hours in 24 cells; left {left / 3600:.2f} "
+            f"core-hours = {left / 7200:.2f} h on 2 core(s)") in text
+    pace = 24 * 200 / per_seed
+    assert pace == pytest.approx(7.17, abs=0.01)  # today's constants
+    assert (f"  finished cells' pace: {pace:.2f} x the model over 24 cells (their wall time, on "
+            f"the CPUs they ran on); left at that pace {left * pace / 7200:.2f} h") in text
+    # the total still prices every cell
+    total = 5 * per_seed + _cpu_start_s()
+    assert f"  total {total / 3600:.2f} core-hours" in text
+
+
+def _throughput(path: Path, model: str, batch_per_gpu: int, rate: float) -> None:
+    """A bench/gpu_check report holding one measured throughput."""
+    path.write_text(json.dumps({"info": {
+        "device_name": "NVIDIA H200 x1", "throughput": {model: {"vlcontrast": rate}},
+        "throughput_setup": {"batch_per_gpu": batch_per_gpu, "precision": "fp32"}}}))
+
+
+def test_the_gpu_grid_plan_prices_measured_batches_only_and_names_the_others(tmp_path):
+    """nproc 2: B=16 and B=64 are 8 and 32 per GPU, measured at 200 and 400 samples/s per GPU;
+    B=256 and 1024 are not measured, so not priced."""
+    reports = tmp_path / "gpu"
+    reports.mkdir()
+    _throughput(reports / "a.json", "vlc-rn-micro", 8, 200.0)
+    _throughput(reports / "b.json", "vlc-rn-micro", 32, 400.0)
+    _throughput(reports / "c.json", "RN50", 128, 900.0)  # another model prices nothing
+    config = _grid(tmp_path, "cost_model=gpu", f"gpu_measurements={reports}/*.json", "nproc=2")
+    # GPU-seconds of a cell: steps x (B / nproc) / rate on each of its nproc GPUs
+    cell = {16: 4000 * 8 / 200.0 * 2, 64: 1000 * 32 / 400.0 * 2}
+    assert cell == {16: 320.0, 64: 160.0}
+    text = engine.plan_text(config)
+    assert text.startswith("study (grid): 6 losses x 4 batch sizes x 5 seeds = 120 cells; nothing "
+                           "tuned (one lr rule); vlc-rn-micro fp32 on 2 GPU(s) per cell")
+    assert ("  B=16: 4000 steps, 8 per GPU: 40 ms per step measured (200 samples/s per GPU); "
+            f"30 cells, {30 * 320 / 3600:.1f} GPU-hours") in text
+    assert ("  B=64: 1000 steps, 32 per GPU: 80 ms per step measured (400 samples/s per GPU); "
+            f"30 cells, {30 * 160 / 3600:.1f} GPU-hours") in text
+    assert ("  B=256: 250 steps, 128 per GPU: no measured step time; 30 cells, not priced (not "
+            "measured)") in text
+    assert f"  total 120 cells, {30 * 480 / 3600:.1f} GPU-hours for the 60 measured ones" in text
+    assert 30 * 480 / 3600 == 4.0
+    assert ("NOT PRICED: no measured step time of vlc-rn-micro fp32 at B=256 (128 per GPU, 30 "
+            "cells), B=1024 (512 per GPU, 30 cells)") in text
+    assert "  0 of 120 cells done; 4.0 GPU-hours left for the 60 measured ones (60 not " \
+           "measured)" in text
+    # seed 0 done: 6 cells of each batch; 24 of each left
+    _finish(config, [c for c in grid_cells(config) if c.seed == 0], wall_s=50.0)
+    text = engine.plan_text(config)
+    assert "  total 120 cells, 4.0 GPU-hours for the 60 measured ones" in text
+    assert (f"  24 of 120 cells done; {24 * 480 / 3600:.1f} GPU-hours left for the 48 "
+            "measured ones (48 not measured)") in text
+    assert 24 * 480 / 3600 == 3.2
+
+
+def test_the_grid_plan_quoted_in_the_docs_is_the_plan(monkeypatch):
+    """docs/loss-study.md quotes v1's ``--plan``: the cost model's numbers and the committed cells'."""
+    monkeypatch.chdir(ROOT)
+    text = engine.plan_text(load_study_config("configs/study/default.yaml"))
+    assert f"```\n{text}\n```" in (ROOT / "docs" / "loss-study.md").read_text()
+
+
+def test_a_gpu_grid_with_no_measured_step_time_prices_nothing(tmp_path):
+    config = _grid(tmp_path, "cost_model=gpu", f"gpu_measurements={tmp_path}/none/*.json",
+                   "grid.seeds=[0]")
+    text = engine.plan_text(config)
+    assert "  total 24 cells; GPU-hours unknown: no cell's step time is measured" in text
+    assert "GPU-hours for" not in text and "GPU-hours left" not in text.replace(
+        "GPU-hours left unknown", "")
+    assert ("NOT PRICED: no measured step time of vlc-rn-micro fp32 at B=16 (16 per GPU, 6 cells), "
+            "B=64 (64 per GPU, 6 cells), B=256 (256 per GPU, 6 cells), B=1024 (1024 per GPU, 6 "
+            "cells)") in text
+    assert "0 of 24 cells done; GPU-hours left unknown: none of the 24 cells' step time " \
+           "is measured" in text
 
 
 def test_a_failed_dataset_conversion_is_one_error_naming_the_split_and_the_fix(tmp_path, monkeypatch):

@@ -13,7 +13,7 @@ from vlcontrast.errors import ConfigError
 
 
 def register(sub) -> None:
-    study = sub.add_parser("study", help="grid of short runs: loss x batch size x seed")
+    study = sub.add_parser("study", help="compare losses: a staged design (tuned lr, seeds, Holm) or a grid of short runs (loss x batch size x seed); --plan prices it")
     study.add_argument("--config", required=True)
     study.add_argument("--report-only", action="store_true",
                        help="rebuild the CSV, tables and plots from the stored cell results")

@@ -1,6 +1,8 @@
-"""Machine-time estimates of a staged study (``vlcontrast study --plan``): the CPU cost model of
+"""Machine-time estimates of a study (``vlcontrast study --plan``): the CPU cost model of
 study v2 (docs/loss-study-v2.md, "Budget") and, for GPU studies (``cost_model: gpu``,
 docs/study-gpu.md), GPU-hours from the throughputs ``bench/gpu_check`` measured and committed.
+A grid study's cells are priced by the same functions, as :func:`cell_counts` rows
+(:func:`grid_counts`, :func:`grid_cost`).
 
 A cell with cached locked-tower features costs, on one core of the 2-core machine with a second
 cell on the other core (``vlc-rn-micro`` at 32 px, fp32, 1 thread):
@@ -25,6 +27,7 @@ from __future__ import annotations
 import glob
 import json
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +48,20 @@ FOLDER_DEFAULT_SIZE = 8100
 def cell_seconds(global_batch: int, steps: int, train_size: int) -> float:
     return (CELL_FIXED_S + DECODE_S * min(global_batch * steps, train_size)
             + steps * (STEP_S + SAMPLE_S * global_batch))
+
+
+def start_seconds(steps: int, batch: int, cache_size: int = 0) -> float:
+    """One starting checkpoint (both towers, ``steps`` at batch ``batch``) and the feature cache
+    of its ``cache_size`` training samples (0: none)."""
+    return CELL_FIXED_S + steps * batch * START_SAMPLE_S + cache_size * CACHE_SAMPLE_S
+
+
+def price_rows(rows: list[tuple[str, int, int, int]], sizes: dict[str, int]) -> tuple[int, float]:
+    """(cells, core-seconds) of :func:`cell_counts` rows by the CPU model; ``sizes``: training
+    samples per dataset."""
+    return (sum(count for *_, count in rows),
+            sum(count * cell_seconds(batch, steps, sizes[dataset])
+                for dataset, batch, steps, count in rows))
 
 
 def train_size(config: StudyConfig, dataset: str) -> int:
@@ -92,15 +109,13 @@ def study_cost(config: StudyConfig) -> dict[str, Any]:
     parts: dict[str, tuple[int, float]] = {}
     start_steps, start_batch = _start_steps(config)
     n_start = len(config.datasets) * config.starts.count
-    start_s = sum(config.starts.count * (CELL_FIXED_S + start_steps * start_batch * START_SAMPLE_S
-                                         + train_size(config, d) * CACHE_SAMPLE_S)
+    start_s = sum(config.starts.count * start_seconds(start_steps, start_batch,
+                                                      train_size(config, d))
                   for d in config.datasets)
     parts["starts and feature caches"] = (n_start, start_s)
     sizes = {dataset: train_size(config, dataset) for dataset in config.datasets}
     for part, rows in cell_counts(config).items():
-        parts[part] = (sum(count for *_, count in rows),
-                       sum(count * cell_seconds(batch, steps, sizes[dataset])
-                           for dataset, batch, steps, count in rows))
+        parts[part] = price_rows(rows, sizes)
     total = sum(seconds for _, seconds in parts.values())
     per_seed = parts["final"][1] / max(1, len(config.grid.seeds))
     return {"parts": parts, "core_hours": total / 3600,
@@ -158,12 +173,19 @@ def read_throughputs(pattern: str) -> tuple[list[Throughput], list[str]]:
     return found, files
 
 
-def gpu_cost(config: StudyConfig) -> dict[str, Any]:
+def gpu_cell_seconds(step: Throughput, steps: int, nproc: int) -> float:
+    """GPU-seconds of one cell: ``steps`` measured steps on each of its ``nproc`` GPUs."""
+    return steps * step.step_s * nproc
+
+
+def gpu_cost(config: StudyConfig,
+             counts: dict[str, list[tuple[str, int, int, int]]] | None = None) -> dict[str, Any]:
     """GPU-hours per part from measured throughputs (``gpu_measurements``): a cell of ``steps``
     steps at global batch B on ``nproc`` GPUs takes steps x (B / nproc) / rate seconds on each
     of its GPUs, where rate is the measured samples/s per GPU of this model and precision at
     exactly B / nproc per GPU. A batch without such a measurement is not priced (named in
-    ``unmeasured``); evaluations and start-up are not counted."""
+    ``unmeasured``); evaluations and start-up are not counted. ``counts``: the cells to price,
+    as :func:`cell_counts` gives them (its default)."""
     from vlcontrast.config import load_config
 
     run = load_config(config.base, list(config.overrides))
@@ -175,7 +197,7 @@ def gpu_cost(config: StudyConfig) -> dict[str, Any]:
             by_batch.setdefault(entry.batch_per_gpu, entry)  # files in name order: the first wins
     parts: dict[str, dict[str, Any]] = {}
     unmeasured: dict[int, int] = {}
-    for part, rows in cell_counts(config).items():
+    for part, rows in (cell_counts(config) if counts is None else counts).items():
         cells = priced = 0
         gpu_s = 0.0
         for _dataset, batch, steps, count in rows:
@@ -185,8 +207,69 @@ def gpu_cost(config: StudyConfig) -> dict[str, Any]:
                 unmeasured[batch] = unmeasured.get(batch, 0) + count
                 continue
             priced += count
-            gpu_s += count * steps * entry.step_s * config.nproc
+            gpu_s += count * gpu_cell_seconds(entry, steps, config.nproc)
         parts[part] = {"cells": cells, "priced": priced, "gpu_hours": gpu_s / 3600}
     return {"model": model, "precision": precision, "files": files, "used": by_batch,
             "parts": parts, "unmeasured": unmeasured,
             "gpu_hours": sum(p["gpu_hours"] for p in parts.values())}
+
+
+# --------------------------------------------------------------------------------------------
+# grid studies (no ``datasets:``): their cells as cell_counts rows
+
+
+GRID_DATA = "grid"
+"""The one dataset of a grid study's rows (``data``, or the base config's data)."""
+
+
+def grid_counts(config: StudyConfig, cells: list | None = None
+                ) -> dict[str, list[tuple[str, int, int, int]]]:
+    """A grid study's cells (``cells``: some of them, e.g. the unfinished ones) as
+    :func:`cell_counts` rows, one part per batch size (``B=16``), in ``grid.global_batch_sizes``
+    order; a batch size with none of ``cells`` has no part."""
+    from .grid import grid_cells
+
+    per_batch: dict[tuple[int, int], int] = {}
+    for cell in grid_cells(config) if cells is None else cells:
+        key = (cell.global_batch, cell.steps)
+        per_batch[key] = per_batch.get(key, 0) + 1
+    return {f"B={size}": [(GRID_DATA, batch, steps, count)]
+            for size in config.grid.global_batch_sizes
+            for (batch, steps), count in per_batch.items() if batch == size}
+
+
+def grid_train_size(config: StudyConfig) -> int:
+    """Training samples of a grid study's data: ``data.generate``'s ``train``, else the
+    ``num_samples`` of ``data.dir/train/manifest.json``; unknown (the base config names the
+    data), every sample a cell sees is priced as a first read."""
+    if config.data.generate:
+        return int(config.data.generate.get("train", 20_000))
+    manifest = Path(config.data.dir) / "train" / "manifest.json" if config.data.dir else None
+    try:
+        return int(json.loads(manifest.read_text())["num_samples"])
+    except (AttributeError, OSError, ValueError, KeyError, TypeError):
+        return sys.maxsize
+
+
+def grid_start_seconds(config: StudyConfig) -> float:
+    """The shared start (``pretrain.overrides``; 0 without one) by the CPU model: both towers,
+    no feature cache."""
+    if not config.pretrain.overrides:
+        return 0.0
+    from vlcontrast.config import load_config
+
+    run = load_config(config.base, list(config.pretrain.overrides))
+    return start_seconds(run.train.steps,
+                         run.data.batch_size * config.nproc * run.train.accum_steps)
+
+
+def grid_cost(config: StudyConfig, cells: list | None = None) -> dict[str, Any]:
+    """Cells and core-seconds per batch size of a grid study (``cells``: some of its cells) by
+    the CPU model, like :func:`study_cost`: ``parts`` {``B=<size>``: (cells, core-seconds)},
+    ``start_s`` (the shared start, counted only with every cell), core- and wall hours."""
+    sizes = {GRID_DATA: grid_train_size(config)}
+    parts = {part: price_rows(rows, sizes) for part, rows in grid_counts(config, cells).items()}
+    start_s = grid_start_seconds(config) if cells is None else 0.0
+    total = start_s + sum(seconds for _, seconds in parts.values())
+    return {"parts": parts, "start_s": start_s, "core_hours": total / 3600,
+            "wall_hours": total / 3600 / max(1, config.parallel)}

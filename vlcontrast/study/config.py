@@ -186,8 +186,9 @@ class StudyConfig:
     stands for each dataset's name; the report then plots each setting's measured gradient bias
     against its gain over InfoNCE, one figure per dataset. Empty: no such figure."""
     budget_hours: float = 0.0
-    """Study v2: the machine time the study may take (both cores); ``--plan`` checks the
-    estimate against it. 0: no check."""
+    """The machine time the study may take: hours on ``parallel`` cores by the CPU cost model;
+    ``--plan`` of a staged or a grid study checks the estimate against it (not with ``cost_model:
+    gpu``). 0: no check."""
     cost_model: Literal["cpu", "gpu"] = "cpu"
     """``--plan``'s price of a cell: ``cpu``, the 2-core machine's model (study/budget.py);
     ``gpu``, GPU-hours from measured step times (``gpu_measurements``), never extrapolated."""

@@ -199,21 +199,95 @@ def _count(items, one: str, many: str = "") -> str:
 
 def plan_text(config: StudyConfig) -> str:
     """``--plan``: a staged study's cells and machine time (:func:`.v2.plan_text`); a grid
-    study's cells (losses x batch sizes x seeds, the steps of each batch, how many are done)."""
+    study's cells (losses x batch sizes x seeds, the steps of each batch), their machine time per
+    batch size and in total by the same cost models, and what is left (:func:`grid_plan_text`)."""
     if staged(config):
         from .v2 import plan_text as staged_plan_text
 
         return staged_plan_text(config)
+    return grid_plan_text(config)
+
+
+def grid_plan_text(config: StudyConfig) -> str:
+    """A grid study's ``--plan``: core-hours by the CPU model, or GPU-hours from measured step
+    times only (``cost_model: gpu``; an unmeasured batch is named, not priced), then the time
+    left for the cells without a result."""
     cells = grid_cells(config)
-    done = sum(is_finished(config, cell) for cell in cells)
-    steps = {cell.global_batch: cell.steps for cell in cells}
-    return "\n".join([
-        f"study (grid): {_count(config.grid.losses, 'loss', 'losses')} x "
-        f"{_count(config.grid.global_batch_sizes, 'batch size')} x "
-        f"{_count(config.grid.seeds, 'seed')} = {_count(cells, 'cell')}; nothing tuned "
-        "(one lr rule)",
-        *[f"  B={size}: {n} steps" for size, n in steps.items()],
-        f"  {done} of {len(cells)} cells done (result files in {config.results_path}/)"])
+    todo = [cell for cell in cells if not is_finished(config, cell)]
+    head = (f"study (grid): {_count(config.grid.losses, 'loss', 'losses')} x "
+            f"{_count(config.grid.global_batch_sizes, 'batch size')} x "
+            f"{_count(config.grid.seeds, 'seed')} = {_count(cells, 'cell')}; nothing tuned "
+            "(one lr rule)")
+    done = f"{len(cells) - len(todo)} of {len(cells)} cells done"
+    progress = f"progress (result files in {config.results_path}/):"
+    if config.cost_model == "gpu":
+        return "\n".join(_grid_gpu_lines(config, head, done, progress, todo))
+    return "\n".join(_grid_cpu_lines(config, head, done, progress, cells, todo))
+
+
+def _grid_cpu_lines(config: StudyConfig, head: str, done: str, progress: str,
+                    cells: list[Cell], todo: list[Cell]) -> list[str]:
+    from .budget import cell_seconds, grid_cost, grid_counts, grid_train_size
+    from .v2 import cpu_total_line, over_budget_lines
+
+    counts, cost, left = grid_counts(config), grid_cost(config), grid_cost(config, todo)
+    lines = [head]
+    for part, (cells_of_batch, seconds) in cost["parts"].items():
+        (_data, _size, steps, _cells), = counts[part]
+        lines.append(f"  {part}: {steps} steps, {cells_of_batch} cells, {seconds / 3600:.2f} "
+                     "core-hours")
+    if config.pretrain.overrides:
+        lines.append(f"  shared start (--stage prepare): 1 run, {cost['start_s'] / 3600:.2f} "
+                     "core-hours")
+    lines.append(cpu_total_line(config, cost))
+    lines += over_budget_lines(config, cost)
+    left_names = {cell.name for cell in todo}
+    finished = [cell for cell in cells if cell.name not in left_names]
+    lines.append("  the CPU model prices study v2's cells, whose locked tower's features are "
+                 "cached (study/budget.py); a grid cell computes both towers every step, so it "
+                 "costs more" + (" (the finished cells' pace, below)" if finished else ""))
+    spent = sum(float((read_result(config, cell) or {}).get("wall_s", 0.0)) for cell in finished)
+    lines += [progress,
+              f"  {done}; {left['core_hours']:.2f} core-hours left by the model",
+              f"  spent {spent / 3600:.2f} core-hours in {len(finished)} cells; left "
+              f"{left['core_hours']:.2f} core-hours = {left['wall_hours']:.2f} h on "
+              f"{config.parallel} core(s)"]
+    size = grid_train_size(config)
+    model_s = sum(cell_seconds(cell.global_batch, cell.steps, size) for cell in finished)
+    if spent > 0 and model_s > 0:
+        pace = spent / model_s
+        lines.append(f"  finished cells' pace: {pace:.2f} x the model over {len(finished)} cells "
+                     f"(their wall time, on the CPUs they ran on); left at that pace "
+                     f"{left['wall_hours'] * pace:.2f} h")
+    return lines
+
+
+def _grid_gpu_lines(config: StudyConfig, head: str, done: str, progress: str,
+                    todo: list[Cell]) -> list[str]:
+    from .budget import gpu_cost, grid_counts
+    from .v2 import gpu_cells_text, gpu_source_lines, gpu_total_line, step_price
+
+    counts = grid_counts(config)
+    cost, left = gpu_cost(config, counts), gpu_cost(config, grid_counts(config, todo))
+    lines = [f"{head}; {cost['model']} {cost['precision']} on {config.nproc} GPU(s) per cell"]
+    for part, numbers in cost["parts"].items():
+        (_data, size, steps, _cells), = counts[part]
+        lines.append(f"  {part}: {steps} steps, {size // config.nproc} per GPU: "
+                     f"{step_price(cost['used'].get(size // config.nproc))}; "
+                     f"{gpu_cells_text(numbers)}")
+    lines.append(gpu_total_line(sum(p["cells"] for p in cost["parts"].values()), cost))
+    lines += gpu_source_lines(config, cost)
+    lines.append("  not counted: evaluations, start-up, checkpoints"
+                 + (", the shared start" if config.pretrain.overrides else ""))
+    unpriced = sum(left["unmeasured"].values())
+    priced = len(todo) - unpriced
+    if todo and not priced:
+        left_text = f"GPU-hours left unknown: none of the {len(todo)} cells' step time is measured"
+    else:
+        left_text = (f"{left['gpu_hours']:.1f} GPU-hours left"
+                     + (f" for the {priced} measured ones ({unpriced} not measured)"
+                        if unpriced else ""))
+    return lines + [progress, f"  {done}; {left_text}"]
 
 
 # --------------------------------------------------------------------------------------------

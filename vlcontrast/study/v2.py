@@ -464,15 +464,76 @@ def plan_text(config: StudyConfig) -> str:
         lines.append(f"  B={size}: {steps} steps ({'+'.join(arm_names)})")
     for part, (cells, seconds) in cost["parts"].items():
         lines.append(f"  {part_label(part)}: {cells} cells, {seconds / 3600:.2f} core-hours")
-    lines.append(f"  total {cost['core_hours']:.2f} core-hours = {cost['wall_hours']:.2f} h on "
-                 f"{config.parallel} core(s); budget {config.budget_hours or '-'} h")
+    lines.append(cpu_total_line(config, cost))
     if config.sweep.extend_edges:
         lines.append(f"  not counted: up to {config.sweep.extend_edges} edge extension(s) per "
                      "training's lr sweep, and their hyper sweeps")
-    if config.budget_hours and cost["wall_hours"] > config.budget_hours:
-        lines.append(f"  OVER BUDGET by {cost['wall_hours'] - config.budget_hours:.2f} h "
-                     f"({cost['wall_hours'] / config.budget_hours - 1:.0%})")
-    return "\n".join(lines + progress_lines(config, cost))
+    return "\n".join(lines + over_budget_lines(config, cost) + progress_lines(config, cost))
+
+
+def cpu_total_line(config: StudyConfig, cost: dict[str, Any]) -> str:
+    """``--plan``'s total by the CPU model, with the study's budget."""
+    return (f"  total {cost['core_hours']:.2f} core-hours = {cost['wall_hours']:.2f} h on "
+            f"{config.parallel} core(s); budget {config.budget_hours or '-'} h")
+
+
+def over_budget_lines(config: StudyConfig, cost: dict[str, Any]) -> list[str]:
+    """``OVER BUDGET`` when the CPU model's wall hours exceed ``budget_hours`` (none: nothing)."""
+    if not config.budget_hours or cost["wall_hours"] <= config.budget_hours:
+        return []
+    return [f"  OVER BUDGET by {cost['wall_hours'] - config.budget_hours:.2f} h "
+            f"({cost['wall_hours'] / config.budget_hours - 1:.0%})"]
+
+
+def step_price(entry: Any) -> str:
+    """A batch's measured step (a :class:`.budget.Throughput`, or None) as ``--plan`` prints it."""
+    return (f"{entry.step_s * 1000:.0f} ms per step measured ({entry.samples_per_s:.0f} "
+            f"samples/s per GPU)" if entry else "no measured step time")
+
+
+def gpu_cells_text(numbers: dict[str, Any]) -> str:
+    """A part's cells and GPU-hours (:func:`.budget.gpu_cost`), the unmeasured ones counted."""
+    unpriced = numbers["cells"] - numbers["priced"]
+    if unpriced and not numbers["priced"]:
+        return f"{numbers['cells']} cells, not priced (not measured)"
+    return (f"{numbers['cells']} cells, {numbers['gpu_hours']:.1f} GPU-hours"
+            + (f" for {numbers['priced']} of them ({unpriced} not measured)" if unpriced else ""))
+
+
+def gpu_total_line(total_cells: int, cost: dict[str, Any]) -> str:
+    """``--plan``'s GPU-hours of ``total_cells`` cells, the measured ones only."""
+    priced = total_cells - sum(cost["unmeasured"].values())
+    if not priced:
+        return (f"  total {total_cells} cells; GPU-hours unknown: no cell's step time is "
+                "measured")
+    return (f"  total {total_cells} cells, {cost['gpu_hours']:.1f} GPU-hours"
+            + (f" for the {priced} measured ones" if cost["unmeasured"] else ""))
+
+
+def gpu_source_lines(config: StudyConfig, cost: dict[str, Any]) -> list[str]:
+    """Which reports priced the cells, which are transcribed, and what is not priced."""
+    lines = []
+    sources = sorted({entry.source for entry in cost["used"].values()})
+    devices = sorted({entry.device for entry in cost["used"].values()})
+    if sources:
+        lines.append(f"  step times: {', '.join(sources)} (bench/gpu_check's throughput group, "
+                     f"{', '.join(devices)}; vlcontrast reading shards)")
+        copied = sorted({e.source for e in cost["used"].values() if e.transcribed})
+        if copied:
+            lines.append(f"  transcribed, not a run's own report: {', '.join(copied)} (read its "
+                         "provenance; a committed run of the throughput group replaces it)")
+    unmeasured = cost["unmeasured"]
+    if unmeasured:
+        batches = ", ".join(f"B={b} ({b // config.nproc} per GPU, {n} cells)"
+                            for b, n in sorted(unmeasured.items()))
+        lines.append(f"  NOT PRICED: no measured step time of {cost['model']} {cost['precision']} "
+                     f"at {batches} in {config.gpu_measurements} (read: "
+                     f"{', '.join(cost['files']) or 'no file'}; a report without a throughput "
+                     "group prices nothing: its matrix rows time 3-step runs with start-up, not a "
+                     "step); measure each on the GPU with `python -m bench.gpu_check --only "
+                     "throughput --throughput-batch N` and commit its report; no number is "
+                     "extrapolated")
+    return lines
 
 
 def gpu_plan_text(config: StudyConfig) -> str:
@@ -489,52 +550,16 @@ def gpu_plan_text(config: StudyConfig) -> str:
                 else " at the reference options, then the other options at the chosen lr")
              + f"; edge rule: up to {config.sweep.extend_edges} extension(s) per sweep"]
     for (size, steps), arm_names in batch_steps(config).items():
-        entry = cost["used"].get(size // config.nproc)
-        price = (f"{entry.step_s * 1000:.0f} ms per step measured ({entry.samples_per_s:.0f} "
-                 f"samples/s per GPU)" if entry else "no measured step time")
         lines.append(f"  B={size}: {steps} steps ({'+'.join(arm_names)}), {size // config.nproc} "
-                     f"per GPU: {price}")
+                     f"per GPU: {step_price(cost['used'].get(size // config.nproc))}")
     total_cells = 0
     for part, numbers in cost["parts"].items():
         total_cells += numbers["cells"]
-        unpriced = numbers["cells"] - numbers["priced"]
-        if unpriced and not numbers["priced"]:
-            lines.append(f"  {part_label(part)}: {numbers['cells']} cells, not priced (not "
-                         "measured)")
-        else:
-            lines.append(f"  {part_label(part)}: {numbers['cells']} cells, "
-                         f"{numbers['gpu_hours']:.1f} GPU-hours"
-                         + (f" for {numbers['priced']} of them ({unpriced} not measured)"
-                            if unpriced else ""))
+        lines.append(f"  {part_label(part)}: {gpu_cells_text(numbers)}")
     counted = sum(count for rows in cell_counts(config).values() for *_, count in rows)
     assert counted == total_cells
-    unmeasured = cost["unmeasured"]
-    priced = total_cells - sum(unmeasured.values())
-    if not priced:
-        lines.append(f"  total {total_cells} cells; GPU-hours unknown: no cell's step time is "
-                     "measured")
-    else:
-        lines.append(f"  total {total_cells} cells, {cost['gpu_hours']:.1f} GPU-hours"
-                     + (f" for the {priced} measured ones" if unmeasured else ""))
-    sources = sorted({entry.source for entry in cost["used"].values()})
-    devices = sorted({entry.device for entry in cost["used"].values()})
-    if sources:
-        lines.append(f"  step times: {', '.join(sources)} (bench/gpu_check's throughput group, "
-                     f"{', '.join(devices)}; vlcontrast reading shards)")
-        copied = sorted({e.source for e in cost["used"].values() if e.transcribed})
-        if copied:
-            lines.append(f"  transcribed, not a run's own report: {', '.join(copied)} (read its "
-                         "provenance; a committed run of the throughput group replaces it)")
-    if unmeasured:
-        batches = ", ".join(f"B={b} ({b // config.nproc} per GPU, {n} cells)"
-                            for b, n in sorted(unmeasured.items()))
-        lines.append(f"  NOT PRICED: no measured step time of {cost['model']} {cost['precision']} "
-                     f"at {batches} in {config.gpu_measurements} (read: "
-                     f"{', '.join(cost['files']) or 'no file'}; a report without a throughput "
-                     "group prices nothing: its matrix rows time 3-step runs with start-up, not a "
-                     "step); measure each on the GPU with `python -m bench.gpu_check --only "
-                     "throughput --throughput-batch N` and commit its report; no number is "
-                     "extrapolated")
+    lines.append(gpu_total_line(total_cells, cost))
+    lines += gpu_source_lines(config, cost)
     lines.append("  not counted: evaluations, start-up, checkpoints, edge extensions"
                  + (f", {config.starts.count} start(s) per dataset" if config.starts.count else ""))
     return "\n".join(lines)
