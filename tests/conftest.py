@@ -1,5 +1,5 @@
 """Fixtures and hooks shared across test folders: DeepSpeed's accelerator on a host without CUDA,
-the ``cuda`` marker (skipped without CUDA)."""
+the ``cuda`` marker (skipped without CUDA), the small synthetic worlds training tests read."""
 
 import os
 
@@ -21,6 +21,30 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+def synthetic_world(tmp_path_factory, name: str = "synthetic", *, train: int, val: int,
+                    zeroshot_per_class: int, shard_size: int, seed: int = 0):
+    """A synthetic world of 32-px images (``train/``, ``val/``, ``zeroshot/``) in a new folder."""
+    from vlcontrast.data.prep.synthetic import write_synthetic
+
+    root = tmp_path_factory.mktemp(name)
+    write_synthetic(root, train=train, val=val, zeroshot_per_class=zeroshot_per_class, seed=seed,
+                    image_size=32, shard_size=shard_size, workers=1, progress=False)
+    return root
+
+
+@pytest.fixture(scope="session")
+def synthetic_data(tmp_path_factory):
+    """256 training samples in 4 shards, 32 validation, 2 zero-shot images per class."""
+    return synthetic_world(tmp_path_factory, train=256, val=32, zeroshot_per_class=2,
+                           shard_size=64)
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    """64 training samples in 2 shards, 8 validation, 1 zero-shot image per class."""
+    return synthetic_world(tmp_path_factory, train=64, val=8, zeroshot_per_class=1, shard_size=32)
 
 
 @pytest.fixture(scope="session")

@@ -211,16 +211,6 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory):
-    from vlcontrast.data.prep.synthetic import write_synthetic
-
-    root = tmp_path_factory.mktemp("synthetic")
-    write_synthetic(root, train=64, val=8, zeroshot_per_class=1, seed=0, image_size=32,
-                    shard_size=32, workers=1, progress=False)
-    return root
-
-
 @pytest.mark.slow
 def test_a_full_disk_while_a_checkpoint_is_written_is_one_line_naming_the_path_and_the_fix(
         tiny_data, tmp_path):

@@ -148,16 +148,6 @@ if os.environ.get("RANK") == "1":
 """
 
 
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory):
-    from vlcontrast.data.prep.synthetic import write_synthetic
-
-    root = tmp_path_factory.mktemp("synthetic")
-    write_synthetic(root, train=64, val=8, zeroshot_per_class=1, seed=0, image_size=32,
-                    shard_size=32, workers=1, progress=False)
-    return root
-
-
 @pytest.mark.slow
 def test_two_ranks_with_a_full_disk_on_one_end_as_one_line(tiny_data, tmp_path):
     """Real ranks under torchrun; the disk fills up on rank 1 (a ``sitecustomize`` every rank

@@ -12,27 +12,6 @@ import torch
 from vlcontrast.distill.offline import TeacherFeatures, write_teacher_features
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    from vlcontrast.data.prep.synthetic import write_synthetic
-
-    root = tmp_path_factory.mktemp("teacher-out-data")
-    write_synthetic(root, train=24, val=8, zeroshot_per_class=1, seed=0, image_size=32,
-                    shard_size=24, workers=1, progress=False)
-    return root
-
-
-@pytest.fixture(scope="module")
-def teacher_file(tmp_path_factory):
-    from vlcontrast.config import ModelConfig
-    from vlcontrast.models import build_model
-
-    torch.manual_seed(7)
-    path = tmp_path_factory.mktemp("teacher-out") / "teacher.pt"
-    torch.save(build_model(ModelConfig(name="vlc-tiny")).model.state_dict(), path)
-    return path
-
-
 @pytest.fixture
 def earlier(data, teacher_file, tmp_path):
     """An earlier prep teacher's file (the evaluation transform only) in a folder of its own."""
@@ -74,7 +53,7 @@ def test_an_existing_out_is_refused_before_the_teacher(data, teacher_file, earli
     code, _, err = prep_teacher(capsys, data, teacher_file, earlier, "--augmentations", "2")
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith(f"vlcontrast: error: OUT={str(earlier)!r} exists (teacher features of "
-                          "24 samples, the evaluation transform, teacher vlc-tiny, made 20")
+                          "96 samples, the evaluation transform, teacher vlc-tiny, made 20")
     assert err.rstrip().endswith("); add --overwrite to replace it, or name a new file")
     assert snapshot(earlier.parent) == before
 
@@ -82,7 +61,7 @@ def test_an_existing_out_is_refused_before_the_teacher(data, teacher_file, earli
 def test_write_teacher_features_refuses_unless_overwrite(data, teacher_file, earlier, no_work):
     from vlcontrast.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"exists \(teacher features of 24 samples"):
+    with pytest.raises(ConfigError, match=r"exists \(teacher features of 96 samples"):
         write_teacher_features(str(data / "train"), earlier, teacher="vlc-tiny",
                                pretrained=str(teacher_file))
 
@@ -93,9 +72,9 @@ def test_overwrite_replaces_and_training_reads_the_new_file(data, teacher_file, 
     code, out, err = prep_teacher(capsys, data, teacher_file, earlier, "--augmentations", "2",
                                   "--overwrite")
     assert code == 0, err
-    assert out.startswith("prep teacher: 24 samples, 48 views (2 augmentations)")
+    assert out.startswith("prep teacher: 96 samples, 192 views (2 augmentations)")
     stored = TeacherFeatures(earlier)  # what distill.teacher_features reads
-    assert stored.augmentations == 2 and stored.image.shape == (24, 2, 64)
+    assert stored.augmentations == 2 and stored.image.shape == (96, 2, 64)
     batch = stored.lookup(stored.ids[:3], torch.tensor([0, 1, 1]))
     assert batch.image.shape == (3, 64) and batch.text.shape == (3, 64)
     assert [p.name for p in earlier.parent.iterdir()] == ["teacher.pt"]  # no temporary left

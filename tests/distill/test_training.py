@@ -19,28 +19,6 @@ from tests.train.helpers import tiny_config
 from vlcontrast.errors import ConfigError
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    from vlcontrast.data.prep.synthetic import write_synthetic
-
-    root = tmp_path_factory.mktemp("distill-data")
-    write_synthetic(root, train=96, val=16, zeroshot_per_class=1, seed=0, image_size=32,
-                    shard_size=48, workers=1, progress=False)
-    return root
-
-
-@pytest.fixture(scope="module")
-def teacher_file(tmp_path_factory):
-    from vlcontrast.config import ModelConfig
-    from vlcontrast.models import build_model
-
-    torch.manual_seed(7)
-    model = build_model(ModelConfig(name="vlc-tiny")).model
-    path = tmp_path_factory.mktemp("teacher") / "teacher.pt"
-    torch.save(model.state_dict(), path)
-    return path
-
-
 def _teacher(teacher_file, **extra):
     return {"distill__teacher": "vlc-tiny", "distill__teacher_pretrained": str(teacher_file),
             **extra}

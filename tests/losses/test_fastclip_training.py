@@ -23,16 +23,6 @@ OPTIONS = {"loss__name": "fastclip", "loss__recipe": "fast_clip", "loss__gamma":
 STEPS, STOP_AT = 6, 3
 
 
-@pytest.fixture(scope="module")
-def synthetic_data(tmp_path_factory):
-    from vlcontrast.data.prep.synthetic import write_synthetic
-
-    root = tmp_path_factory.mktemp("synthetic")
-    write_synthetic(root, train=256, val=32, zeroshot_per_class=2, seed=0, image_size=32,
-                    shard_size=64, workers=1, progress=False)
-    return root
-
-
 def _train_full_and_split(rank, world_size, data_dir, out_root):
     from tests.train.helpers import tiny_config
     from vlcontrast.train import StopRequested, train
