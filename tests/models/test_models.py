@@ -460,3 +460,16 @@ def test_pretrained_naming_a_folder_of_models_names_the_ones_inside(tmp_path):
         pretrained_weights(str(tmp_path))
     with pytest.raises(ConfigError, match=r"config.json of a CLIP model\)$"):
         pretrained_weights(str(tmp_path / "notes"))
+
+
+def test_a_model_name_one_typo_away_names_the_one_meant():
+    """``vlc-mirco`` listed open_clip's first names but not the shipped ``vlc-micro`` it meant."""
+    from vlcontrast.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^model\.name='vlc-mirco' \(did you mean 'vlc-micro'\?\): "
+                       "not an open_clip model"):
+        build_model(ModelConfig(name="vlc-mirco"))
+    with pytest.raises(ConfigError, match=r"^model\.name='ViT-B-23' \(did you mean 'ViT-B-32'\?\)"):
+        build_model(ModelConfig(name="ViT-B-23"))
+    with pytest.raises(ConfigError, match=r"^model\.name='no-such-tower': not an open_clip"):
+        build_model(ModelConfig(name="no-such-tower"))

@@ -144,10 +144,16 @@ def resolve_model_config(name: str, hf_model_dir: str = "") -> tuple[str, dict[s
     if model_cfg is None:
         model_cfg = open_clip.get_model_config(name)
     if model_cfg is None:
+        import difflib
+
         shipped = sorted(p.stem for p in PACKAGE_CONFIG_DIR.glob("*.json"))
-        raise ConfigError(f"model.name={name!r}: not an open_clip model, not a model-config JSON, not "
-                         f"shipped with vlcontrast ({', '.join(shipped)}) and not in "
-                         f"{USER_CONFIG_DIR}/ (open_clip has e.g. {open_clip.list_models()[:6]} ...)")
+        known = [*shipped, *(p.stem for p in Path(USER_CONFIG_DIR).glob("*.json")),
+                 *open_clip.list_models()]
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"model.name={name!r}{hint}: not an open_clip model, not a model-config "
+                          f"JSON, not shipped with vlcontrast ({', '.join(shipped)}) and not in "
+                          f"{USER_CONFIG_DIR}/ (open_clip has e.g. {open_clip.list_models()[:6]} ...)")
     for key in ("embed_dim", "vision_cfg", "text_cfg"):
         if key not in model_cfg:
             raise ConfigError(f"model.name={name!r}: model config lacks {key!r}")
