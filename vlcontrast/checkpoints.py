@@ -9,6 +9,8 @@ Layout of one checkpoint directory (written by :class:`vlcontrast.train.checkpoi
         trainer_state.pt     the run-wide stateful objects (train state, loss state, EMA towers)
         rank_00000.pt ...    per-rank stateful objects: data-loader position and RNG states
         config.yaml          resolved run config
+        universal/           engine/ as DeepSpeed's universal checkpoint, made at the first ZeRO
+                             1-3 resume with another world size (:func:`universal_resume`)
     RUN/checkpoints/latest   name of the newest complete checkpoint
 
 Training (resume), evaluation, export, the study, diagnostics and model loading all find
@@ -276,39 +278,27 @@ def engine_format(zero_stage: Any, precision: Any) -> str:
             f"{_PARAMETERS.get(precision, 'fp32')} parameters")
 
 
-def check_resume_config(path: Path | None, resume: str, current: dict[str, Any],
-                        world_size: int = 1) -> None:
+def check_resume_config(path: Path | None, resume: str, current: dict[str, Any]) -> None:
     """Before any heavy work: the checkpoint ``path`` (what ``train.resume=resume`` names, from
     :func:`find_resume`) was written with this run's :data:`RESUME_MUST_MATCH` values, in an
     optimizer-state format this run reads (:func:`engine_format`), as its ``config.yaml`` says
-    (``current`` is the run's config as a nested dict), and, under ZeRO 1-3 (whose optimizer
-    state DeepSpeed partitions by rank and cannot partition anew), by ``world_size`` ranks (one
-    ``rank_*.pt`` each). A one-line ConfigError names the keys, both values and the fix."""
-    import yaml
-
-    if path is None or not (path / "config.yaml").is_file():
+    (``current`` is the run's config as a nested dict). Another world size is resumed (ZeRO 0
+    as it is, ZeRO 1-3 through a universal checkpoint, :func:`universal_resume`). A one-line
+    ConfigError names the keys, both values and the fix."""
+    saved = _saved_config(path)
+    if path is None or saved is None:
         return
-    try:
-        saved = yaml.safe_load((path / "config.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return  # the state files are checked when they are loaded
-    if not isinstance(saved, dict):
-        return
-
-    def value(config: dict[str, Any], key: str) -> Any:
-        section, name = key.split(".")
-        return (config.get(section) or {}).get(name)
 
     weights_fix = f"start a new run from its weights with model.pretrained={path}"
     for key in RESUME_MUST_MATCH:
-        was, now = value(saved, key), value(current, key)
+        was, now = _value(saved, key), _value(current, key)
         if was is not None and was != now:
             fix = (f"resume with {key}={was} (its {path / 'config.yaml'})" if key == "model.name"
                    else f"resume with {key}={was} (its {path / 'config.yaml'}), or {weights_fix}")
             raise ConfigError(f"train.resume={resume!r}: {path} was written with {key}={was!r}, "
                               f"this run has {key}={now!r}; {fix}")
     keys = ("deepspeed.zero_stage", "train.precision")
-    was, now = [value(saved, k) for k in keys], [value(current, k) for k in keys]
+    was, now = [_value(saved, k) for k in keys], [_value(current, k) for k in keys]
     if None not in was and engine_format(*was) != engine_format(*now):
         differ = [i for i in range(len(keys)) if was[i] != now[i]]
 
@@ -321,14 +311,49 @@ def check_resume_config(path: Path | None, resume: str, current: dict[str, Any],
             f"DeepSpeed lays out their optimizer states differently; resume with "
             f"{setting(was, ' ')} (stages 1 and 2 read each other's checkpoints, as do fp32 and "
             f"amp_bf16), or {weights_fix}")
-    written_by = len(list(path.glob("rank_*.pt")))
-    if was[0] in (1, 2, 3) and written_by and written_by != world_size:
-        raise ConfigError(
-            f"train.resume={resume!r}: {path} was written by {written_by} ranks at "
-            f"deepspeed.zero_stage={was[0]}, this run has {world_size}; DeepSpeed partitions ZeRO "
-            f"1-3 optimizer state by rank and cannot partition it anew: resume with "
-            f"{written_by} ranks (vlcontrast train --nproc {written_by}, or as many GPUs over the "
-            f"nodes), or {weights_fix}")
+
+
+def _value(config: dict[str, Any], key: str) -> Any:
+    section, name = key.split(".")
+    return (config.get(section) or {}).get(name)
+
+
+def _saved_config(path: Path | None) -> dict[str, Any] | None:
+    """The checkpoint's ``config.yaml`` as a dict, or None (none there, or unreadable: its state
+    files are checked when they are loaded)."""
+    import yaml
+
+    if path is None or not (path / "config.yaml").is_file():
+        return None
+    try:
+        saved = yaml.safe_load((path / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return None
+    return saved if isinstance(saved, dict) else None
+
+
+UNIVERSAL_STAGES = (1, 2, 3)
+"""ZeRO stages whose optimizer state DeepSpeed splits over the ranks that wrote it. Their
+checkpoints resume with another world size through DeepSpeed's universal checkpoint
+(``deepspeed.checkpoint.ds_to_universal``, ``checkpoint.load_universal``): all three, fp32 and
+bf16, with DeepSpeed 0.19 (tests/train/test_universal_resume.py)."""
+
+
+def written_by_ranks(path: Path) -> int:
+    """How many ranks wrote the checkpoint ``path`` (its ``rank_*.pt`` files; 0: none there)."""
+    return len(list(Path(path).glob("rank_*.pt")))
+
+
+def universal_resume(path: Path | None, world_size: int) -> bool:
+    """Whether resuming the checkpoint ``path`` with ``world_size`` ranks goes through a universal
+    checkpoint: its ``config.yaml`` says ZeRO 1-3 (optimizer state partitioned by rank) and
+    another number of ranks wrote it."""
+    saved = _saved_config(path)
+    if path is None or saved is None:
+        return False
+    written_by = written_by_ranks(path)
+    return (_value(saved, "deepspeed.zero_stage") in UNIVERSAL_STAGES
+            and written_by not in (0, world_size))
 
 
 # --------------------------------------------------------------------------------------------
@@ -363,14 +388,15 @@ DEEPSPEED_GLOBALS = frozenset({
 
 
 def check_engine_files(folder: Path) -> None:
-    """Refuse DeepSpeed's files in ``folder`` when their pickles name anything else.
+    """Refuse DeepSpeed's files in ``folder`` and below (a universal checkpoint keeps one folder
+    per parameter) when their pickles name anything else.
 
     DeepSpeed loads its files itself with ``torch.load(weights_only=False)``, which would call
     whatever a pickle names. Scanning the pickles first (no object is built) and accepting only
     ``torch.load(weights_only=True)``'s own types plus :data:`DEEPSPEED_GLOBALS` means that what
     DeepSpeed then unpickles can construct those classes and nothing else.
     """
-    for path in sorted(Path(folder).glob("*.pt")):
+    for path in sorted(Path(folder).rglob("*.pt")):
         try:
             named = set(torch.serialization.get_unsafe_globals_in_checkpoint(path))
         except Exception as err:  # noqa: BLE001 - any unreadable file is refused the same way
@@ -382,6 +408,21 @@ def check_engine_files(folder: Path) -> None:
                 f"{path}: refused to load: DeepSpeed would unpickle it with weights_only=False "
                 f"and it names {unexpected}, which DeepSpeed's checkpoints do not contain; "
                 "loading it could run code. Was this directory written by vlcontrast?")
+
+
+def load_engine_file(path: Path) -> Any:
+    """A DeepSpeed file read as :func:`load_file` reads vlcontrast's: ``weights_only=True``, with
+    :data:`DEEPSPEED_GLOBALS`' classes allowed besides tensors and plain containers."""
+    import importlib
+
+    classes = [getattr(importlib.import_module(name.rpartition(".")[0]), name.rpartition(".")[2])
+               for name in sorted(DEEPSPEED_GLOBALS)]
+    try:
+        with torch.serialization.safe_globals(classes):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(f"{path}: refused to load: it names classes DeepSpeed's checkpoints "
+                              f"do not contain ({err})") from None
 
 
 def missing_engine_file(folder: Path, rank: int) -> Path | None:

@@ -11,6 +11,8 @@ Layout of one checkpoint (:mod:`vlcontrast.checkpoints`; docs/training.md, "Chec
                              epoch), divergence counts, loss state (DeCL's buffer), EMA towers
         rank_00000.pt ...    per-rank stateful objects: data-loader position and RNG states
         config.yaml          resolved run config
+        universal/           after a ZeRO 1-3 resume with another world size: engine/ as
+                             DeepSpeed's universal checkpoint (:func:`universal_checkpoint`)
     checkpoints/latest       name of the newest complete checkpoint
 
 State goes in through one dict of stateful objects per kind (run-wide, per rank): each has
@@ -203,7 +205,8 @@ class Checkpointer:
         """Restore from the checkpoint ``path`` (``train.resume`` as the preflight resolved it,
         :func:`~vlcontrast.checkpoints.find_resume`; collective). None: nothing to resume. True:
         every state restored. False: run states restored, per-rank states not (the world size
-        changed). A file missing from the checkpoint is a CheckpointError on every rank."""
+        changed; under ZeRO 1-3 the engine state comes from :func:`universal_checkpoint`). A file
+        missing from the checkpoint is a CheckpointError on every rank."""
         if path is None:
             return None
         # Ours first: a file carrying code is refused before DeepSpeed reads its own files.
@@ -211,8 +214,15 @@ class Checkpointer:
         world = dist_utils.get_world_size()
         rank_file = path / f"rank_{dist_utils.get_rank():05d}.pt"
         saved_world = int(run_state.get(WORLD_KEY) or len(list(path.glob("rank_*.pt"))) or world)
+        universal = checkpoints.universal_resume(path, world)
+        if universal and not loads_universal(self.engine):
+            raise CheckpointError(f"{path}: written by {saved_world} ranks under ZeRO 1-3 and "
+                                  f"resumed by {world}, which needs an engine built with "
+                                  "load_universal=True (build_engine)")
         error = None
-        lost = missing_engine_file(path / "engine", dist_utils.get_rank())
+        # A universal checkpoint is made from every rank's partition, else a rank reads its own.
+        ranks = range(saved_world) if universal else [dist_utils.get_rank()]
+        lost = next(filter(None, (missing_engine_file(path / "engine", r) for r in ranks)), None)
         if saved_world == world and not rank_file.is_file():
             error = CheckpointError(
                 f"{rank_file}: missing; the checkpoint was written by as many ranks as this "
@@ -226,20 +236,27 @@ class Checkpointer:
         rank_state = load_file(rank_file) if saved_world == world else None
         self._check_layout(run_state, path)
         check_engine_files(path / "engine")
+        source = universal_checkpoint(path, saved_world) if universal else path
+        if universal:
+            check_engine_files(source)  # reused from an earlier resume: read as warily
         try:
-            self.engine.load_checkpoint(str(path), tag="engine", load_module_strict=True)
+            self.engine.load_checkpoint(str(source), tag="engine", load_module_strict=True)
         except FileNotFoundError as err:  # DeepSpeed's own files: one lost or never copied
             raise CheckpointError(f"{err.filename}: missing, so this checkpoint's optimizer "
                                   f"state cannot be read; {damaged_fix(path)}") from None
+        if universal:
+            _restore_group_settings(self.engine, source / "engine" / "zero" / "optimizer_state.pt")
         _load_states(self.run_states, run_state, path / "trainer_state.pt")
         if rank_state is not None:
             _load_states(self.rank_states, rank_state, rank_file)
         elif dist_utils.get_rank() == 0:
             import logging
 
+            how = (f" through a universal checkpoint ({source}, DeepSpeed's ZeRO state split "
+                   "anew)" if universal else "")
             logging.getLogger(__name__).warning(
-                "resuming %s, written by %d rank(s), with %d: weights, optimizer and loss state "
-                "resume; the data loader restarts the saved epoch", path, saved_world, world)
+                "resuming %s, written by %d rank(s), with %d%s: weights, optimizer and loss state "
+                "resume; the data loader restarts the saved epoch", path, saved_world, world, how)
         self.last_good = path
         self._saved_step = int(run_state.get("train", {}).get("step", -1))
         return rank_state is not None
@@ -368,6 +385,78 @@ class Checkpointer:
         if isinstance(error, PermissionError):
             return f"; make {self.root} writable, or point output_dir elsewhere"
         return ""
+
+
+UNIVERSAL = "universal"
+"""The folder inside a checkpoint that holds its universal form (:func:`universal_checkpoint`)."""
+
+
+def universal_checkpoint(path: Path, saved_world: int) -> Path:
+    """``path/universal``: the checkpoint's DeepSpeed state as a universal checkpoint, which any
+    world size loads (collective; ``saved_world`` ranks wrote ``path``, named in errors).
+
+    Rank 0 converts it once (:func:`convert_to_universal`) into ``universal.tmp/``, renamed when
+    complete, while the others wait; a later resume reuses it, and a ``.tmp`` left by an
+    interrupted conversion is converted anew, never used. Any failure is a CheckpointError on
+    every rank."""
+    final, tmp = path / UNIVERSAL, path / (UNIVERSAL + ".tmp")
+    error: CheckpointError | None = None
+    if dist_utils.get_rank() == 0 and not final.is_dir():
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            needed = sum(f.stat().st_size for f in (path / "engine").glob("*.pt"))
+            checkpoints.check_free_space(path, needed, "universal checkpoint")
+            convert_to_universal(path / "engine", tmp / "engine")
+            os.replace(tmp, final)
+        except Exception as err:  # noqa: BLE001 - DeepSpeed's converter asserts and raises anything
+            shutil.rmtree(tmp, ignore_errors=True)
+            first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+            error = CheckpointError(
+                f"{path}: its ZeRO state could not be converted into a universal checkpoint for "
+                f"another world size ({type(err).__name__}: {first[:300]}); resume with "
+                f"{saved_world} ranks (vlcontrast train --nproc {saved_world}), or start a new run "
+                f"from its weights (model.pretrained={path})")
+    dist_utils.raise_on_any_rank(error, CheckpointError)  # also the barrier the others wait at
+    return final
+
+
+def convert_to_universal(source: Path, target: Path) -> None:
+    """DeepSpeed's ``ds_to_universal`` from the engine folder ``source`` into ``target``, in this
+    process (no worker pool inside a training rank), its printing and progress bars kept off the
+    console. vlcontrast's engine records no tensor- or pipeline-parallel layout for it to read
+    (``inject_missing_state``)."""
+    import argparse
+    import contextlib
+    import io
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = argparse.Namespace(input_folder=str(source), output_folder=str(target),
+                              num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
+                              strict=True, inject_missing_state=True)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        ds_to_universal.main(args)
+
+
+def loads_universal(engine) -> bool:
+    """Whether ``engine`` was built to load universal checkpoints (DeepSpeed's
+    ``checkpoint.load_universal``)."""
+    check = getattr(engine, "load_universal_checkpoint", None)
+    return bool(check()) if callable(check) else False
+
+
+def _restore_group_settings(engine, optimizer_state: Path) -> None:
+    """Give each optimizer group the settings it was saved with (weight decay, learning rate).
+    DeepSpeed 0.19's ZeRO-3 universal load gives every group the first group's, which would
+    drop the weight decay of the decayed group; stages 1 and 2 restore them as saved already."""
+    saved = checkpoints.load_engine_file(optimizer_state).get("param_groups") or []
+    groups = engine.optimizer.param_groups
+    if len(saved) != len(groups):
+        raise CheckpointError(f"{optimizer_state}: {len(saved)} optimizer groups saved, "
+                              f"{len(groups)} now; resume with the config that wrote it")
+    for group, settings in zip(groups, saved):
+        group.update({key: value for key, value in settings.items() if key != "params"})
 
 
 LAYOUT_KEY = "param_layout"

@@ -29,9 +29,12 @@ from vlcontrast.train.precision import Precision
 
 def deepspeed_config(train: TrainConfig, deepspeed: DeepSpeedConfig, *, micro_batch_size: int,
                      grad_clip: float, world_size: int, accelerator: str | None = None,
-                     trainable_parameters: int | None = None) -> dict[str, Any]:
+                     trainable_parameters: int | None = None,
+                     load_universal: bool = False) -> dict[str, Any]:
     """The DeepSpeed config of a run; ``accelerator`` (default: DeepSpeed's) is "cuda" or "cpu";
-    ``trainable_parameters`` sizes ZeRO's gradient buckets (:func:`bucket_elements`)."""
+    ``trainable_parameters`` sizes ZeRO's gradient buckets (:func:`bucket_elements`);
+    ``load_universal``: the run resumes a universal checkpoint (ZeRO 1-3 with another world size,
+    :func:`vlcontrast.checkpoints.universal_resume`)."""
     if accelerator is None:
         from deepspeed.accelerator import get_accelerator
 
@@ -65,6 +68,8 @@ def deepspeed_config(train: TrainConfig, deepspeed: DeepSpeedConfig, *, micro_ba
         # on, into one contiguous buffer (no fragmentation). CPU has no streams to overlap on.
         zero["overlap_comm"] = True
         zero["contiguous_gradients"] = True
+    if load_universal:
+        ds["checkpoint"] = {"load_universal": True}
     return _merge(ds, deepspeed.overrides)
 
 
@@ -206,9 +211,10 @@ def engine_kind(train: TrainConfig, deepspeed: DeepSpeedConfig) -> str:
 
 def build_engine(model: torch.nn.Module, *, optim: OptimConfig, train: TrainConfig,
                  deepspeed: DeepSpeedConfig, micro_batch_size: int, total_steps: int,
-                 world_size: int):
+                 world_size: int, load_universal: bool = False):
     """(engine, ds_config): with torch AdamW and a cosine schedule, DeepSpeed's engine and its
-    config, or (``train.engine``, :func:`engine_kind`) the plain ZeRO-0 step and None."""
+    config, or (``train.engine``, :func:`engine_kind`) the plain ZeRO-0 step and None.
+    ``load_universal``: see :func:`deepspeed_config`."""
     from vlcontrast.models.norms import keep_batch_norm_statistics_fp32
 
     kind = engine_kind(train, deepspeed)
@@ -245,7 +251,8 @@ def build_engine(model: torch.nn.Module, *, optim: OptimConfig, train: TrainConf
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     ds_config = deepspeed_config(train, deepspeed, micro_batch_size=micro_batch_size,
                                  grad_clip=optim.grad_clip, world_size=world_size,
-                                 accelerator=device.type, trainable_parameters=trainable)
+                                 accelerator=device.type, trainable_parameters=trainable,
+                                 load_universal=load_universal)
     engine, _, _, _ = deepspeed_lib.initialize(model=model, optimizer=optimizer,
                                                lr_scheduler=scheduler, config=ds_config,
                                                dist_init_required=False)

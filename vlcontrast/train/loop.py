@@ -114,7 +114,9 @@ def train(config: RunConfig) -> dict[str, Any]:
     global_batch = config.data.batch_size * env.world_size * config.train.accum_steps
     total_steps = config.train.steps or max(1, math.ceil(config.train.epochs * data.steps_per_epoch))
     layout, legacy_layout = _param_layouts(bundle.model, config)
-    engine, checkpoint_bytes = _build_engine(bundle.model, config, total_steps, env)
+    engine, checkpoint_bytes = _build_engine(
+        bundle.model, config, total_steps, env,
+        load_universal=ckpt.universal_resume(resume_from, env.world_size))
     momentum = _momentum_towers(engine, loss_fn, config.deepspeed.zero_stage, precision)
 
     state = TrainState()
@@ -386,13 +388,14 @@ def _param_layouts(model, config: RunConfig) -> tuple[list[list[str]], list[list
     return layout(flat_align(config.train, config.deepspeed)), layout(1)
 
 
-def _build_engine(model, config: RunConfig, total_steps: int, env):
+def _build_engine(model, config: RunConfig, total_steps: int, env, load_universal: bool = False):
     """(engine, estimated checkpoint bytes); rank 0 writes deepspeed.json (DeepSpeed's engine)
     and checks the disk."""
     engine, ds_config = build_engine(model, optim=config.optim, train=config.train,
                                      deepspeed=config.deepspeed,
                                      micro_batch_size=config.data.batch_size,
-                                     total_steps=total_steps, world_size=env.world_size)
+                                     total_steps=total_steps, world_size=env.world_size,
+                                     load_universal=load_universal)
     checkpoint_bytes = ckpt.checkpoint_bytes(num_parameters(engine.module))
     error = None
     if env.rank == 0:

@@ -76,7 +76,7 @@ def preflight(config: RunConfig, evaluator=None) -> Path | None:
     check_run_directory(config.output_dir)
     resume = find_resume(config.train.resume, Path(config.output_dir),
                          warn=dist_utils.get_rank() == 0)
-    check_resume_config(resume, config.train.resume, to_dict(config), dist_utils.get_world_size())
+    check_resume_config(resume, config.train.resume, to_dict(config))
     check_stop_after_resume(resume, config.train.stop_at_step)
     return resume
 
