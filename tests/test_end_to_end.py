@@ -192,6 +192,168 @@ def test_verify_refuses_bad_input_in_one_line(tmp_path, capsys, args, line):
     assert main(["verify", str(run / "results.json")]) == 0
 
 
+# The held-out split of the clip-art tutorial (docs/tutorial-own-data.md §5): 22 classes, one of
+# them ("computer") 202 of the 777 images, one with no image at all.
+CLIPART_COUNTS = [202, 145, 106, 64, 42, 39, 33, 28, 23, 17, 16, 15, 14, 11, 6, 4, 4, 3, 2, 2, 1, 0]
+
+
+def _clipart_labels():
+    import torch
+
+    return torch.cat([torch.full((n,), c, dtype=torch.long) for c, n in enumerate(CLIPART_COUNTS)])
+
+
+def _zeroshot_run(logits, labels) -> dict:
+    """``zeroshot/*`` metrics as a run records them (the trainer's prefix on zeroshot_metrics)."""
+    from vlcontrast.evaluation import zeroshot_metrics
+
+    metrics = {f"zeroshot/{k}": v for k, v in zeroshot_metrics(logits, labels).items()}
+    return dict(metrics, **{"zeroshot/num_classes": logits.shape[1]})
+
+
+def test_zeroshot_chance_is_the_constant_guessers_on_an_imbalanced_set(tmp_path, capsys):
+    """Always answering the largest class scores its share: that is top-1's chance, not 1/K, so
+    a model at that level fails (it passed at 5.7x "chance" 1/22 before)."""
+    from collections import Counter
+
+    import torch
+
+    from vlcontrast.cli import main
+
+    labels = _clipart_labels()
+    counts = Counter(labels.tolist())
+    largest = [n for _, n in counts.most_common()]
+    constant = torch.tensor(CLIPART_COUNTS, dtype=torch.float32).expand(len(labels), -1)
+    run = _zeroshot_run(constant, labels)  # the best label-blind guesser
+    assert run["zeroshot/top1"] == pytest.approx(202 / 777)
+
+    ok, rows = verify_results(run)
+    assert not ok
+    top1, recall = rows
+    assert [top1["metric"], recall["metric"]] == ["zeroshot/top1",
+                                                  "zeroshot/mean_per_class_recall"]
+    assert top1["chance"] == pytest.approx(largest[0] / len(labels))   # 0.2600, not 1/22
+    assert top1["ratio"] == pytest.approx(1.0)
+    assert recall["chance"] == pytest.approx(1 / len(counts))          # 1/21: classes present
+    assert recall["ratio"] == pytest.approx(1.0)
+    top5 = verify_results(run, 1.0, ("zeroshot/top5",))[1][0]
+    assert top5["chance"] == pytest.approx(sum(largest[:5]) / len(labels))  # 0.7194
+    assert top5["ratio"] == pytest.approx(1.0) and top5["passed"]
+
+    # The walkthrough's model: 15.2% top-1 is below what "always computer" scores.
+    walkthrough = dict(run, **{"zeroshot/top1": 0.1519, "zeroshot/mean_per_class_recall": 0.0497})
+    (tmp_path / "results.json").write_text(json.dumps({"metrics": walkthrough}))
+    assert main(["verify", str(tmp_path)]) == 1
+    table = capsys.readouterr().out
+    assert "| zeroshot/top1 | 0.1519 | 0.2600 | largest class 26.0% | 0.6 | 3x | FAIL |" in table
+    assert ("| zeroshot/mean_per_class_recall | 0.0497 | 0.0476 | 1/21 classes present | 1.0 | "
+            "3x | FAIL |") in table
+    assert "cannot pass" not in table  # 3x 26% is within reach
+    # Top-5's chance is the five largest classes, 559 of 777: 3x that is out of reach, and the
+    # table says so.
+    assert main(["verify", str(tmp_path), "--metrics", "zeroshot/top5"]) == 1
+    table = capsys.readouterr().out
+    assert "| zeroshot/top5 | 0.7194 | 0.7194 | 5 largest classes 71.9% | 1.0 | 3x | FAIL |" \
+        in table
+    assert "note: zeroshot/top5 cannot pass: 3x its chance 0.7194 is above 1; check " in table
+    # A model that names the classes passes on the per-class mean, with the same chance.
+    good = dict(walkthrough, **{"zeroshot/mean_per_class_recall": 0.2})
+    ok, rows = verify_results(good, 3.0, ("zeroshot/mean_per_class_recall",))
+    assert ok and rows[0]["ratio"] == pytest.approx(0.2 * 21)
+
+
+def test_mean_per_class_recall_is_checked_with_chance_one_over_classes(tmp_path, capsys):
+    from vlcontrast.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    metrics = {"zeroshot/top1": 0.45, "zeroshot/mean_per_class_recall": 0.25,
+               "zeroshot/num_classes": 10}
+    (run / "results.json").write_text(json.dumps({"metrics": metrics}))
+    assert main(["verify", str(run), "--metrics", "zeroshot/mean_per_class_recall:2"]) == 0
+    assert "| zeroshot/mean_per_class_recall | 0.2500 | 0.1000 | 1/10 classes | 2.5 | 2x | ok |" \
+        in capsys.readouterr().out
+    assert main(["verify", str(run), "--metrics", "zeroshot/mean_per_class_recall:3"]) == 1
+    out = capsys.readouterr().out
+    assert "| zeroshot/mean_per_class_recall | 0.2500 | 0.1000 | 1/10 classes | 2.5 | 3x | FAIL |" \
+        in out
+    assert ("| zeroshot/top1 | 0.4500 | 0.1000 | 1/10, class balance unknown | 4.5 |  | "
+            "(not checked) |") in out
+
+
+def test_results_without_class_counts_fall_back_to_one_over_classes_and_say_so(tmp_path, capsys):
+    """An older results.json has num_classes only: top-k's chance is k/K, and the table says the
+    classes' balance is unknown."""
+    from vlcontrast.cli import main
+
+    old = {"zeroshot/top1": 0.1519, "zeroshot/top5": 0.3436, "zeroshot/num_classes": 22}
+    ok, rows = verify_results(old, 3.0, ("zeroshot/top1", "zeroshot/top5"))
+    assert [r["chance"] for r in rows] == [pytest.approx(1 / 22), pytest.approx(5 / 22)]
+    assert [r["chance_from"] for r in rows] == ["1/22, class balance unknown",
+                                               "5/22, class balance unknown"]
+    (tmp_path / "results.json").write_text(json.dumps({"metrics": old}))
+    assert main(["verify", str(tmp_path)]) == 0
+    assert ("| zeroshot/top1 | 0.1519 | 0.0455 | 1/22, class balance unknown | 3.3 | 3x | ok |"
+            in capsys.readouterr().out)
+    # On a balanced set the recorded chance is k/K, and the table says the classes are balanced.
+    balanced = dict(old, **{"zeroshot/chance_top1": 1 / 22, "zeroshot/chance_top5": 5 / 22})
+    assert [r["chance_from"] for r in verify_results(balanced, 3.0, ("zeroshot/top1",
+                                                                    "zeroshot/top5"))[1]] == \
+        ["1/22, balanced classes", "5/22, balanced classes"]
+
+
+def test_retrieval_chance_is_k_over_candidates(tmp_path):
+    run = {"retrieval/text_to_image_R@5": 0.2, "retrieval/image_to_text_R@10": 0.2,
+           "retrieval/num_images": 777, "retrieval/num_texts": 1554}
+    rows = verify_results(run, 3.0, tuple(k for k in run if "_R@" in k))[1]
+    assert [r["chance"] for r in rows] == [pytest.approx(5 / 777), pytest.approx(10 / 777)]
+    assert [r["chance_from"] for r in rows] == ["5/777 images", "10/777 images"]
+
+
+def test_verify_reads_an_eval_out_record(tmp_path, capsys):
+    """``vlcontrast eval zeroshot|retrieval --out F.json`` records: their metrics are read under
+    the run's names (``top1`` -> ``zeroshot/top1``)."""
+    from vlcontrast.cli import main
+
+    record = {"task": "zeroshot", "checkpoint": "runs/x/checkpoints/step_00000040",
+              "dataset": "data/openclipart-classes/val", "N": 777,
+              "metrics": {"top1": 0.151866152882576, "top5": 0.3436293303966522,
+                          "mean_per_class_recall": 0.04971606011330755, "num_images": 777,
+                          "num_classes": 22, "num_templates": 2, "num_skipped": 0},
+              "world_size": 1}
+    (tmp_path / "zs.json").write_text(json.dumps(record))
+    assert main(["verify", str(tmp_path / "zs.json")]) == 1  # 1/22 for mean per-class recall
+    out = capsys.readouterr().out
+    assert "| zeroshot/top1 | 0.1519 | 0.0455 | 1/22, class balance unknown | 3.3 | 3x | ok |" in out
+    assert "| zeroshot/mean_per_class_recall | 0.0497 | 0.0455 | 1/22 classes | 1.1 | 3x | FAIL |" \
+        in out
+    retrieval = {"task": "retrieval", "N": 100, "num_texts": 200,
+                 "metrics": {"image_to_text_R@1": 0.2, "text_to_image_R@1": 0.15,
+                             "num_images": 100, "num_texts": 200}}
+    (tmp_path / "r.json").write_text(json.dumps(retrieval))
+    assert main(["verify", str(tmp_path / "r.json")]) == 0
+    assert "| retrieval/text_to_image_R@1 | 0.1500 | 0.0100 | 1/100 images | 15.0 | 3x | ok |" in \
+        capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content, line", [
+    ([{"checkpoint": "runs/a", "zeroshot/top1": 0.3}],
+     "verify RUN '{path}': an `eval compare` table (a list of rows), not one run; verify reads a "
+     "run's results.json or one `eval retrieval|zeroshot --out` record (OUT/0_zeroshot.json)"),
+    ({"task": "retrieval", "N": 3},
+     "verify RUN '{path}': no 'metrics' object; verify reads a run's results.json or one "
+     "`eval retrieval|zeroshot --out` record"),
+])
+def test_verify_refuses_a_json_it_cannot_read_in_one_line(tmp_path, capsys, content, line):
+    from vlcontrast.cli import main
+
+    path = tmp_path / "comparison.json"
+    path.write_text(json.dumps(content))
+    assert main(["verify", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "vlcontrast: error: " + line.format(path=path)
+
+
 @pytest.mark.slow
 def test_normalizing_on_the_device_trains_exactly_like_the_per_image_transform(dataset, tmp_path):
     # data.normalize_on_device moves ToTensor + Normalize from the loader to the batch; the

@@ -142,3 +142,29 @@ def test_torchmetrics_is_declared_and_pinned():
     pins = (root / "requirements.lock").read_text().splitlines()
     assert [p for p in pins if p.startswith("torchmetrics==")]
     assert [p for p in pins if p.startswith("lightning-utilities==")]
+
+
+@pytest.mark.parametrize("num_classes", [3, 12])
+def test_chance_levels_are_the_best_constant_guessers(num_classes):
+    """``chance_top1``/``chance_top5``: the k largest class shares of the evaluated images (what
+    always answering the same k classes scores); ``chance_mean_per_class_recall``: 1 over the
+    classes present. Checked against Counter and against a constant guesser's own scores."""
+    from collections import Counter
+
+    generator = torch.Generator().manual_seed(num_classes)
+    # class 0 is a third of the set; the last class has no image
+    labels = torch.cat([torch.zeros(30, dtype=torch.long),
+                        torch.randint(1, num_classes - 1, (60,), generator=generator)])
+    counts = Counter(labels.tolist())
+    largest = [n for _, n in counts.most_common()]
+    metrics = zeroshot_metrics(torch.randn(len(labels), num_classes, generator=generator), labels)
+    assert metrics["chance_top1"] == pytest.approx(largest[0] / len(labels))
+    assert metrics["chance_top5"] == pytest.approx(sum(largest[:5]) / len(labels))
+    assert metrics["chance_mean_per_class_recall"] == pytest.approx(1 / len(counts))
+    assert metrics["chance_top1"] > 1 / num_classes  # the constant guesser beats 1/K here
+    scores = torch.tensor([float(counts[c]) for c in range(num_classes)]).expand(len(labels), -1)
+    constant = zeroshot_metrics(scores, labels)
+    assert constant["top1"] == pytest.approx(metrics["chance_top1"])
+    assert constant["top5"] == pytest.approx(metrics["chance_top5"])
+    assert constant["mean_per_class_recall"] == pytest.approx(
+        metrics["chance_mean_per_class_recall"])

@@ -27,17 +27,19 @@ def register(sub) -> None:
                              "new or empty)")
     export.set_defaults(func=run_export)
 
+    from vlcontrast.verify import DEFAULT_KEYS
+
     verify = sub.add_parser("verify", help="check a finished run's metrics against chance")
     verify.add_argument("run_dir", metavar="RUN",
-                        help="a finished run's folder (its output_dir) or its results.json")
+                        help="a finished run's folder (its output_dir), its results.json, or an "
+                             "`eval retrieval|zeroshot --out` record")
     verify.add_argument("--min-over-chance", type=float, default=3.0,
                         help="required multiple of chance for metrics without their own :RATIO "
                              "(default 3)")
-    verify.add_argument("--metrics", default=",".join(("retrieval/text_to_image_R@1",
-                                                       "retrieval/image_to_text_R@1",
-                                                       "zeroshot/top1")),
-                        help="comma-separated metrics that must pass, each KEY or KEY:RATIO "
-                             "(others are shown)")
+    verify.add_argument("--metrics", default=",".join(DEFAULT_KEYS),
+                        help="comma-separated metrics that must pass, each KEY or KEY:RATIO (a "
+                             "KEY the run did not evaluate is skipped, a KEY:RATIO fails; the "
+                             "default ones not listed are shown)")
     verify.set_defaults(func=run_verify)
 
 

@@ -10,6 +10,11 @@ ranked above it when its index is lower, i.e. ``argmax`` picks the first maximum
 (top-min(5, C) when there are fewer classes) and mean per-class recall (sklearn's
 ``balanced_accuracy_score``: the mean over classes present in ``labels`` of their top-1 recall).
 
+Beside them, the chance level of each, as a label-blind guesser's best on this set (what
+``vlcontrast verify`` compares with): ``chance_top1`` and ``chance_top5``, the share of the
+largest class and of the k largest (always answering them; k/C only on a balanced set), and
+``chance_mean_per_class_recall``, 1 over the classes present (any label-blind guess).
+
 The counting is torchmetrics' (:class:`ZeroShotMetrics`): ``MulticlassAccuracy`` (micro) for
 top-1 and top-k, ``MulticlassStatScores`` per class for the recalls, with torchmetrics' own
 reduction over the ranks of a process group. Two conventions are kept on top of it: logits are
@@ -148,16 +153,21 @@ class ZeroShotMetrics:
         recall, support = self.per_class_recall()
         if float(support.sum()) == 0:
             raise ValueError("zeroshot_metrics: no samples")
+        shares = (support / support.sum()).sort(descending=True).values
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*called before the ``update``")
             return {"top1": float(self.top1.compute()),
                     "top5": float(self.topk.compute()),
-                    "mean_per_class_recall": float(recall[support > 0].mean())}
+                    "mean_per_class_recall": float(recall[support > 0].mean()),
+                    "chance_top1": float(shares[0]),
+                    "chance_top5": float(shares[:self.top_k].sum()),
+                    "chance_mean_per_class_recall": 1.0 / int((support > 0).sum())}
 
 
 def zeroshot_metrics(logits: torch.Tensor, labels) -> dict[str, float]:
-    """``top1``, ``top5``, ``mean_per_class_recall`` of ``logits [N, C]`` against ``labels [N]``
-    (this process's rows; :class:`ZeroShotMetrics` with ``distributed=True`` sums over ranks)."""
+    """``top1``, ``top5``, ``mean_per_class_recall`` (and their ``chance_*``) of ``logits [N, C]``
+    against ``labels [N]`` (this process's rows; :class:`ZeroShotMetrics` with
+    ``distributed=True`` sums over ranks)."""
     if logits.ndim != 2:
         raise ValueError(f"logits must be [N, C] and labels [N]; got {tuple(logits.shape)}")
     if logits.shape[0] == 0:
