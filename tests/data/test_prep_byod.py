@@ -314,3 +314,43 @@ def test_prep_csv_val_fraction_splits_local_images_by_the_folder_rule(tmp_path, 
     (tmp_path / "urls.csv").write_text("filepath,title\nhttp://h/a.jpg,x\n")
     with pytest.raises(DataPrepError, match="--val-fraction works on local paths"):
         prepare_table(tmp_path / "urls.csv", tmp_path / "o4", val_fraction=0.1, progress=False)
+
+
+def test_prep_csv_of_a_folder_says_it_takes_a_table(tmp_path, capsys):
+    image_file(tmp_path / "mine" / "a.jpg")
+    capsys.readouterr()
+    assert cli.main(["prep", "csv", str(tmp_path / "mine"), str(tmp_path / "out"), "--image-key",
+                     "filepath", "--caption-key", "title"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"vlcontrast: error: prep csv: {str(tmp_path / 'mine')!r} is a folder; prep csv "
+                   "takes a CSV/TSV file with a header row (for a folder of images run `vlcontrast "
+                   f"prep folder {tmp_path / 'mine'} OUT`)\n")
+    # A table inside the folder is named.
+    (tmp_path / "mine" / "images.csv").write_text("filepath,title\na.jpg,a cat\n")
+    with pytest.raises(DataPrepError, match=r"takes a CSV/TSV file with a header row, e\.g\. "
+                                            r"'.*mine/images\.csv'"):
+        prepare_table(tmp_path / "mine", tmp_path / "out2", progress=False)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--caption-template", "{name}"], "--caption-template applies only to --caption-from name, "
+     "not sidecar (the default); add --caption-from name or drop --caption-template"),
+    (["--keep-author"], "--keep-author applies only to --caption-from name, not sidecar (the "
+     "default); add --caption-from name or drop --keep-author"),
+    (["--template", "a {c}"], "--template applies only to --caption-from class, not sidecar (the "
+     "default); add --caption-from class or drop --template"),
+    (["--caption-from", "name", "--template", "a {c}"], "--template applies only to "
+     "--caption-from class, not name; add --caption-from class or drop --template"),
+    (["--caption-from", "class", "--caption-template", "{name}"], "--caption-template applies "
+     "only to --caption-from name, not class; add --caption-from name or drop --caption-template"),
+    (["--caption-from", "class", "--keep-author"], "--keep-author applies only to --caption-from "
+     "name, not class; add --caption-from name or drop --keep-author"),
+])
+def test_prep_folder_refuses_options_of_another_caption_source(tmp_path, capsys, args, message):
+    image_file(tmp_path / "src" / "cats" / "a.jpg")
+    (tmp_path / "src" / "cats" / "a.txt").write_text("a cat")
+    capsys.readouterr()
+    assert cli.main(["prep", "folder", str(tmp_path / "src"), str(tmp_path / "out"),
+                     "--no-progress", *args]) == 2
+    assert capsys.readouterr().err == f"vlcontrast: error: prep folder: {message}\n"
+    assert not any((tmp_path / "out").glob("*"))  # refused before any image is read

@@ -189,3 +189,52 @@ def test_image_folder_reads_its_own_classnames_and_templates(tmp_path):
     # Explicit files still win over the folder's own.
     (tmp_path / "other.txt").write_text("{c}!\n")
     assert resolve_zeroshot_data(str(tmp_path), templates=str(tmp_path / "other.txt")).templates == ["{c}!"]
+
+
+def shard_sets(root, splits=("train", "val"), classnames=True):
+    """prep folder --caption-from class --val-fraction's output: a shard set per split."""
+    for split in splits:
+        write_retrieval_shards(root / split, 2, per_shard=2)
+        if classnames:
+            (root / split / "classnames.txt").write_text("cat\ndog\n")
+    return root
+
+
+def test_zeroshot_data_of_shard_sets_names_the_one_to_give(tmp_path, capsys):
+    from tests.inference.helpers import run_cli
+    from vlcontrast.evaluation.datasets import ZeroShotDataError
+
+    root = shard_sets(tmp_path / "classes")
+    with pytest.raises(ZeroShotDataError) as err:
+        resolve_zeroshot_data(str(root))
+    assert str(err.value) == (f"--data {str(root)!r} holds shard sets in train/, val/, not class "
+                              f"folders: give --data {str(root / 'val')!r}")
+    with pytest.raises(ZeroShotDataError, match=r"^eval.zeroshot='.*classes' holds shard sets in "
+                       r"train/, val/, not class folders: give eval.zeroshot='.*classes/val'$"):
+        resolve_zeroshot_data(str(root), keys=("eval.zeroshot", "eval.classnames",
+                                               "eval.templates"))
+    # Refused before the model is loaded (the checkpoint does not exist).
+    code, out, err = run_cli(capsys, "eval", "zeroshot", "--checkpoint", str(tmp_path / "no_run"),
+                             "--data", str(root), "--device", "cpu")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err == f"vlcontrast: error: --data {str(root)!r} holds shard sets in train/, val/, " \
+                  f"not class folders: give --data {str(root / 'val')!r}\n"
+
+
+def test_retrieval_data_of_shard_sets_names_the_sub_folders(tmp_path, tiny_checkpoint, capsys,
+                                                            monkeypatch):
+    from tests.inference.helpers import run_cli
+    from vlcontrast.evaluation import runner
+
+    root = shard_sets(tmp_path / "mine", classnames=False)
+    message = (f"directory {str(root)!r} holds no .tar shards (numbered 00000.tar ..., any *.tar, "
+               "or CLIP_benchmark's test/nshards.txt); its sub-folders train/, val/ hold shard "
+               f"sets: give one of them, e.g. {str(root / 'val')!r}")
+    with pytest.raises(ConfigError) as err:
+        resolve_shards(str(root))
+    assert message in str(err.value) and "\n" not in str(err.value)
+    # eval retrieval checks --data before the model is loaded.
+    monkeypatch.setattr(runner, "_load", lambda *a: pytest.fail("the model was loaded"))
+    code, out, err = run_cli(capsys, "eval", "retrieval", "--checkpoint", str(tiny_checkpoint),
+                             "--data", str(root), "--device", "cpu")
+    assert code == 2 and out == "" and err == f"vlcontrast: error: --data: {message}\n"

@@ -1,5 +1,6 @@
 import io
 import json
+import re
 
 import pytest
 import torch
@@ -227,3 +228,67 @@ def test_compare_checks_every_checkpoint_before_evaluating_any(tmp_path, tiny_ch
                    "a run directory, a checkpoint directory, a `vlcontrast export` directory or "
                    "a transformers CLIPModel directory\n")
     assert evaluated == [] and not (tmp_path / "cmp").exists()
+
+
+def test_verify_reads_an_eval_zeroshot_record(tmp_path, tiny_checkpoint, capsys):
+    """``eval zeroshot --out`` records the chance levels of its set; ``verify`` reads the record
+    and compares with them (here 4 of 6 images are one class: top-1 chance 4/6, not 1/3)."""
+    from collections import Counter
+
+    from vlcontrast.cli import main
+
+    labels = [0, 0, 1, 0, 2, 0]
+    write_clip_benchmark_wds(tmp_path / "cls", 6, 3, task="classification", labels=labels,
+                             classnames=["cat", "dog", "car"], templates=["a {c}", "the {c}"])
+    out = tmp_path / "zs.json"
+    run_zeroshot_cli(str(tiny_checkpoint), str(tmp_path / "cls"), str(out), batch_size=4,
+                     workers=0, device="cpu")
+    metrics = json.loads(out.read_text())["metrics"]
+    share = Counter(labels).most_common(1)[0][1] / len(labels)
+    assert metrics["chance_top1"] == pytest.approx(share)
+    assert metrics["chance_mean_per_class_recall"] == pytest.approx(1 / 3)
+    capsys.readouterr()
+    assert main(["verify", str(out)]) == 1  # 3x of 4/6 is out of reach
+    table = capsys.readouterr().out
+    assert (f"| zeroshot/top1 | {metrics['top1']:.4f} | 0.6667 | largest class 66.7% | "
+            f"{metrics['top1'] / share:.1f} | 3x | FAIL |") in table
+    assert "| zeroshot/mean_per_class_recall |" in table
+
+
+def test_eval_commands_take_no_progress(tmp_path, tiny_checkpoint, capsys):
+    from tests.inference.helpers import run_cli
+
+    write_retrieval_shards(tmp_path / "shards", 4, per_shard=2)
+    write_image_folder(tmp_path / "classes", ["cat", "dog"], per_class=1)
+    common = ["--workers", "0", "--device", "cpu", "--batch-size", "2"]
+    commands = {
+        "retrieval": ["eval", "retrieval", "--checkpoint", str(tiny_checkpoint), "--data",
+                      str(tmp_path / "shards"), *common],
+        "zeroshot": ["eval", "zeroshot", "--checkpoint", str(tiny_checkpoint), "--data",
+                     str(tmp_path / "classes"), "--templates", str(tmp_path / "t.txt"), *common],
+        "compare": ["eval", "compare", str(tiny_checkpoint), "--retrieval",
+                    str(tmp_path / "shards"), "--zeroshot", str(tmp_path / "classes"),
+                    "--templates", str(tmp_path / "t.txt"), "--out", str(tmp_path / "cmp"),
+                    *common],
+    }
+    (tmp_path / "t.txt").write_text("a {c}\n")
+    for name, args in commands.items():
+        code, _, err = run_cli(capsys, *args)
+        assert code == 0 and "embed" in err and "(100%)" in err, (name, err)  # progress lines
+        code, _, err = run_cli(capsys, *args, "--no-progress")
+        assert code == 0 and "(100%)" not in err and "batch/s" not in err, (name, err)
+
+
+def test_eval_zeroshot_names_the_skipped_images(tmp_path, tiny_checkpoint, capsys):
+    from tests.inference.helpers import run_cli
+
+    write_image_folder(tmp_path / "classes", ["cat", "dog"], per_class=2)
+    for name in ("cat/broken.png", "dog/empty.png"):
+        (tmp_path / "classes" / name).write_bytes(b"not an image" if "broken" in name else b"")
+    code, out, err = run_cli(capsys, "eval", "zeroshot", "--checkpoint", str(tiny_checkpoint),
+                             "--data", str(tmp_path / "classes"), "--workers", "0", "--device",
+                             "cpu", "--no-progress")
+    assert code == 0 and re.search(r"num_skipped +2\n", out)
+    assert (f"vlcontrast eval zeroshot: skipped 2 of 6 images (undecodable_image: 2): "
+            f"{tmp_path / 'classes' / 'cat' / 'broken.png'}, "
+            f"{tmp_path / 'classes' / 'dog' / 'empty.png'}\n") in err

@@ -127,7 +127,7 @@ def test_no_images_found(tmp_path, capsys):
         (tmp_path / "mine" / split / "00000.tar").write_bytes(b"")
     with pytest.raises(ConfigError, match=r"no images found in .*mine .*; it holds shards in "
                                           r".*mine/train, .*mine/val: give one of those folders"):
-        find_images([str(tmp_path / "mine")], what="--images")
+        find_images([str(tmp_path / "mine")], what="--images", reads_shards=True)
 
 
 def test_labels_file_and_find_images_order(tmp_path, user_images):
@@ -221,3 +221,20 @@ def test_figure_format_follows_the_suffix(trained, user_images, tmp_path):
     assert plot_classification(result, tmp_path / "f.pdf").read_bytes().startswith(b"%PDF")
     assert plot_classification(result, tmp_path / "f.JPG").read_bytes().startswith(b"\xff\xd8")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.JPG", "f.pdf"]
+
+
+def test_classify_of_shards_says_it_takes_images_and_embed_reads_shards(tmp_path, capsys):
+    # prep's output (train/ and val/ shard sets), or one shard set: classify reads no shards, so
+    # the hint must not send the user to a shard folder.
+    for split in ("train", "val"):
+        (tmp_path / "mine" / split).mkdir(parents=True)
+        (tmp_path / "mine" / split / "00000.tar").write_bytes(b"")
+    for given, shown in (("mine", "mine/train, mine/val"), ("mine/train", "mine/train")):
+        code, out, err = run_cli(capsys, "classify", "--checkpoint", str(tmp_path / "no_run"),
+                                 "--labels", "cat,dog", str(tmp_path / given))
+        assert code == 2 and out == "" and err.count("\n") == 1, err
+        assert (f"it holds webdataset shards ({tmp_path}/{shown.replace(', ', f', {tmp_path}/')}), "
+                "which classify does not read: give image files or folders holding them "
+                f"(`vlcontrast embed --images {tmp_path / given.split('/')[0] / 'train'}` embeds "
+                "shards)") in err, err
+        assert "give one of those folders" not in err

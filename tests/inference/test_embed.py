@@ -160,3 +160,33 @@ def test_shard_progress_has_a_total_from_sizes_json(trained, tmp_path, capsys):
     assert code == 0, err
     # 3 + 2 samples in batches of 2: 2 + 1 batches, as sizes.json tells before any is read.
     assert "embed images 3/3 (100%)" in err and "ETA" in err
+
+
+def test_images_and_shards_in_one_call_is_refused_naming_each(user_images, tmp_path, capsys):
+    write_retrieval_shards(tmp_path / "shards", 3, per_shard=2)
+    folder = str(user_images[0])
+    code, out, err = run_cli(capsys, "embed", "--checkpoint", str(tmp_path / "no_run"), "--images",
+                             folder, str(tmp_path / "shards"), "--out", str(tmp_path / "e.npy"))
+    assert code == 2 and out == "" and err == (
+        "vlcontrast: error: --images: one call embeds image files and folders or webdataset "
+        f"shards, not both: images {folder!r}, shards {str(tmp_path / 'shards')!r}; embed each "
+        "in a call of its own\n")
+    assert not list(tmp_path.glob("e.*"))
+
+
+def test_shard_rows_are_in_shard_order_whatever_the_workers(trained, tmp_path, capsys):
+    # 3 shards of 3, 3, 1 samples: 2 workers read whole shards; one shard: every other sample.
+    write_retrieval_shards(tmp_path / "shards", 7, per_shard=3)
+    write_retrieval_shards(tmp_path / "one", 5, per_shard=5)
+    for name, expected in (("shards", ["000000000", "000000001", "000000002", "000010000",
+                                       "000010001", "000010002", "000020000"]),
+                           ("one", [f"{row:09d}" for row in range(5)])):
+        outs = {}
+        for workers in ("0", "2"):
+            outs[workers] = tmp_path / f"{name}{workers}.npy"
+            code, _, err = run_cli(capsys, "embed", "--checkpoint", str(trained[1]),
+                                   "--no-progress", "--batch-size", "2", "--workers", workers,
+                                   "--images", str(tmp_path / name), "--out", str(outs[workers]))
+            assert code == 0, err
+        assert read_ids(outs["0"]) == expected and read_ids(outs["2"]) == expected
+        np.testing.assert_allclose(np.load(outs["2"]), np.load(outs["0"]), atol=1e-6, rtol=0)

@@ -21,6 +21,8 @@ def register(sub) -> None:
         p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
                        help="data loader processes (default: 4, or the CPU count if smaller)")
         p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+        p.add_argument("--no-progress", action="store_true",
+                       help="show no progress (bars on a terminal, lines in a log)")
 
     for name in ("retrieval", "zeroshot"):
         p = ev_sub.add_parser(name, help=f"{name} of one checkpoint; writes a JSON record")
@@ -71,11 +73,13 @@ def run_eval(args) -> int:
         runner.run_retrieval_cli(args.checkpoint, args.data, args.out, batch_size=args.batch_size,
                                  workers=args.workers, max_samples=args.max_samples,
                                  device=args.device, image_key=args.image_key,
-                                 caption_key=args.caption_key, alpha=args.alpha)
+                                 caption_key=args.caption_key, alpha=args.alpha,
+                                 progress=not args.no_progress)
     elif args.what == "zeroshot":
         runner.run_zeroshot_cli(args.checkpoint, args.data, args.out, classnames=args.classnames,
                                 templates=args.templates, batch_size=args.batch_size,
-                                workers=args.workers, device=args.device, alpha=args.alpha)
+                                workers=args.workers, device=args.device, alpha=args.alpha,
+                                progress=not args.no_progress)
     else:
         if not args.retrieval and not args.zeroshot:
             raise ConfigError("eval compare: give --retrieval and/or --zeroshot")
@@ -83,7 +87,7 @@ def run_eval(args) -> int:
                                    zeroshot=args.zeroshot, classnames=args.classnames,
                                    templates=args.templates, max_samples=args.max_samples,
                                    batch_size=args.batch_size, workers=args.workers,
-                                   device=args.device)
+                                   device=args.device, progress=not args.no_progress)
     return 0
 
 

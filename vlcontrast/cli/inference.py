@@ -107,13 +107,23 @@ def run_embed(args) -> int:
     texts = paths = shards = None
     if args.texts:
         texts = read_texts(args.texts)
-    elif names_shards(args.images):
-        from vlcontrast.evaluation.datasets import resolve_shards
-
-        shards = resolve_shards(args.images)  # one-line error naming missing shards
     else:
-        paths = find_images(args.images, what="--images", kinds="image files, folders holding "
-                            "them or webdataset shards")
+        named = [names_shard(item) for item in args.images]
+        images = [item for item, shard in zip(args.images, named) if not shard]
+        if not images:
+            from vlcontrast.evaluation.datasets import resolve_shards
+
+            shards = resolve_shards(args.images)  # one-line error naming missing shards
+        else:  # a missing path or a folder without images is named first
+            paths = find_images(images, what="--images", kinds="image files, folders holding "
+                                "them or webdataset shards", reads_shards=True)
+            if len(images) < len(args.images):
+                given = [item for item, shard in zip(args.images, named) if shard]
+                raise ConfigError(f"--images: one call embeds image files and folders or "
+                                  f"webdataset shards, not both: images "
+                                  f"{', '.join(repr(str(i)) for i in images)}, shards "
+                                  f"{', '.join(repr(str(i)) for i in given)}; embed each in a "
+                                  "call of its own")
     device = resolve_device(args.device, option="--device")
     prepare_environment(str(device), option="--device")
     from vlcontrast.inference.model import load_bundle
@@ -142,33 +152,27 @@ def run_embed(args) -> int:
 def skipped_line(embeddings, limit: int = 3) -> str:
     """``skipped 1 of 6 images (undecodable_image: 1): a.png`` (the first ``limit`` named; shards'
     samples have no file to name)."""
-    why = ", ".join(f"{reason}: {n}" for reason, n in sorted(embeddings.reasons.items()))
+    from vlcontrast.data.samples import skipped_summary
+
     if not embeddings.skipped:
+        why = ", ".join(f"{reason}: {n}" for reason, n in sorted(embeddings.reasons.items()))
         return f"skipped unreadable images ({why})"
-    total = len(embeddings.ids) + len(embeddings.skipped)
-    names = ", ".join(embeddings.skipped[:limit])
-    more = (f" and {len(embeddings.skipped) - limit} more" if len(embeddings.skipped) > limit
-            else "")
-    return f"skipped {len(embeddings.skipped)} of {total} images ({why}): {names}{more}"
+    return skipped_summary(len(embeddings.skipped), len(embeddings.ids) + len(embeddings.skipped),
+                           embeddings.reasons, embeddings.skipped, limit)
 
 
 SPEC_MARKS = ("{", "*", "?", "[", "::", ",", "@")
 """What makes a missing path a shard spec of the one grammar (braces, globs, lists, mixes)."""
 
 
-def names_shards(items) -> bool:
-    """Whether ``embed --images`` names webdataset shards (read by the one shard grammar) rather
-    than image files and folders: a ``.tar`` file, a folder holding ``.tar`` files (or
-    CLIP_benchmark's ``test/nshards.txt``), or a spec that is no path (braces, globs, ``pipe:``).
-    A plain path that does not exist names neither: :func:`find_images` says so."""
-    for item in items:
-        path = Path(item)
-        if path.is_file():
-            if path.suffix == ".tar":
-                return True
-        elif path.is_dir():
-            if any(path.glob("*.tar")) or (path / "test" / "nshards.txt").is_file():
-                return True
-        elif str(item).startswith("pipe:") or any(mark in str(item) for mark in SPEC_MARKS):
-            return True
-    return False
+def names_shard(item) -> bool:
+    """Whether an ``embed --images`` argument names webdataset shards (read by the one shard
+    grammar) rather than image files and folders: a ``.tar`` file, a folder holding ``.tar`` files
+    (or CLIP_benchmark's ``test/nshards.txt``), or a spec that is no path (braces, globs,
+    ``pipe:``). A plain path that does not exist names neither: :func:`find_images` says so."""
+    path = Path(item)
+    if path.is_file():
+        return path.suffix == ".tar"
+    if path.is_dir():
+        return any(path.glob("*.tar")) or (path / "test" / "nshards.txt").is_file()
+    return str(item).startswith("pipe:") or any(mark in str(item) for mark in SPEC_MARKS)

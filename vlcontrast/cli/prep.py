@@ -94,10 +94,10 @@ def register(sub) -> None:
     folder.add_argument("--template", action="append", default=None,
                         help="with --caption-from class: a prompt with {c} (repeatable; default "
                         "'a photo of a {c}.' and two more)")
-    folder.add_argument("--caption-template", default="{name}, {category}",
+    folder.add_argument("--caption-template", default=None,
                         help="with --caption-from name: fields {name} (cleaned file name), "
                         "{category} (its folder), {path} (all folders), e.g. "
-                        "'{name}, {category} clip art'")
+                        "'{name}, {category} clip art' (default '{name}, {category}')")
     folder.add_argument("--val-fraction", type=float, default=0.0,
                         help="hold out about this fraction of the images (chosen per file by a "
                              "hash of its path) and write OUT/train and OUT/val")

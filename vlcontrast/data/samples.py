@@ -31,7 +31,7 @@ import os
 import re
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from PIL import Image
 
@@ -265,6 +265,17 @@ def alpha_summary(transparent: int, total: int, alpha: str) -> str:
     rule = ("composited on white, as in training" if alpha == "white" else
             "alpha dropped by convert(\"RGB\"), as open_clip and CLIP_benchmark read images")
     return f"{transparent} of {total} images had transparency; --alpha {alpha}: {rule}"
+
+
+def skipped_summary(skipped: int, total: int, reasons: dict[str, int],
+                    names: Sequence[str] = (), limit: int = 3) -> str:
+    """The line the commands print for skipped images: ``skipped 2 of 10 images
+    (undecodable_image: 2): a.png, b.jpg`` (the first ``limit`` of ``names``, when given)."""
+    why = ", ".join(f"{reason}: {n}" for reason, n in sorted(reasons.items()))
+    shown = ", ".join(str(name) for name in names[:limit])
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return (f"skipped {skipped} of {total} images" + (f" ({why})" if why else "")
+            + (f": {shown}{more}" if shown else ""))
 
 
 def decode_image(image_bytes: bytes, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,

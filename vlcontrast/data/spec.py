@@ -131,7 +131,7 @@ def expand_member(member: str, key: str = "data.train", split: str = DEFAULT_SPL
             raise ShardsNotFoundError(
                 f"{key}: directory {member!r} holds no .tar shards (numbered 00000.tar ..., any "
                 f"*.tar, or CLIP_benchmark's {split}/{CLIP_BENCHMARK_COUNT_FILE})"
-                + _directory_hint(member))
+                + _directory_hint(member, key))
     else:
         urls = []
         for path in braceexpand.braceexpand(member):
@@ -192,7 +192,32 @@ def _file_hint(path: str) -> str:
     return ": name webdataset shards (.tar), e.g. /data/shards/{00000..00099}.tar"
 
 
-def _directory_hint(directory: str) -> str:
+def holds_shards(folder: str | os.PathLike) -> bool:
+    """Whether ``folder`` is a shard set: ``.tar`` files in it, or CLIP_benchmark's layout."""
+    folder = Path(folder)
+    return any(folder.glob("*.tar")) or any(folder.glob(f"*/{CLIP_BENCHMARK_COUNT_FILE}"))
+
+
+def _shard_sets_hint(directory: str, prefer: tuple[str, ...] = ("val", "test")) -> str:
+    """``; its sub-folders train/, val/ hold shard sets: give one of them, e.g. 'DIR/val'`` for a
+    folder of shard sets (prep's ``--val-fraction`` output), else an empty string; ``prefer``:
+    the sub-folders to name first."""
+    try:
+        sets = sorted(entry.name for entry in os.scandir(directory)
+                      if entry.is_dir() and holds_shards(entry.path))
+    except OSError:
+        return ""
+    if not sets:
+        return ""
+    pick = next((name for name in prefer if name in sets), sets[0])
+    return (f"; its sub-folders {', '.join(name + '/' for name in sets)} hold shard sets: give one "
+            f"of them, e.g. {os.path.join(directory, pick)!r}")
+
+
+def _directory_hint(directory: str, key: str = "") -> str:
+    sets = _shard_sets_hint(directory, ("train",) if key.endswith("train") else ("val", "test"))
+    if sets:
+        return sets
     images = tables = 0
     for _, _, files in itertools.islice(os.walk(directory), 200):
         for name in files:

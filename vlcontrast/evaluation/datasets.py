@@ -50,7 +50,7 @@ from vlcontrast.data.samples import (DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MEMBERS, 
                                      find_image, inspect_sample, read_json,
                                      read_label)
 from vlcontrast.data.shards import read_sizes
-from vlcontrast.data.spec import DEFAULT_SPLIT, expand_spec
+from vlcontrast.data.spec import DEFAULT_SPLIT, expand_spec, holds_shards
 from vlcontrast.data.tar_reader import SHARD_EVENTS, read_shard
 from vlcontrast.errors import ConfigError
 
@@ -360,8 +360,9 @@ def build_retrieval_loader(shards: str | Sequence[str], preprocess, *, batch_siz
 
 def build_image_shards_loader(shards: str | Sequence[str], preprocess, *, batch_size: int,
                               workers: int = 0, alpha: str = TRAINING_ALPHA) -> EvalLoader:
-    """The images of shards in dataset order, one process: batches ``(images or None, sample
-    keys list[str], global keys [B], skipped)``; captions are not needed."""
+    """The images of shards, one process: batches ``(images or None, sample keys list[str],
+    global keys [B], skipped)``, in the order loader workers hand them over (the global keys give
+    the dataset order back); captions are not needed."""
     paths = resolve_shards(shards)
     dataset = TarEvalDataset(paths, ImageDecoder(preprocess, alpha=alpha))
     name = shards if isinstance(shards, str) else ",".join(shards)
@@ -547,6 +548,13 @@ def resolve_zeroshot_data(data_dir: str, classnames: str | Sequence[str] | None 
                                 "folder (one sub-folder per class) or CLIP_benchmark shards "
                                 "(docs/evaluation.md)")
     is_imagenet = len(class_dirs) == len(IMAGENET_CLASSNAMES) and all(WNID.match(d) for d in class_dirs)
+    samples = _folder_samples(root, class_dirs)
+    shard_sets = [d for d in class_dirs if holds_shards(root / d)]
+    if not samples and shard_sets:  # prep's train/ and val/: one of them is the set
+        pick = next((d for d in ("val", "test") if d in shard_sets), shard_sets[0])
+        raise ZeroShotDataError(f"{folder} holds shard sets in "
+                                f"{', '.join(d + '/' for d in shard_sets)}, not class folders: "
+                                f"give {_named(data_key, root / pick)}")
     # An ImageFolder may carry its own classnames.txt / templates.txt (the synthetic set does).
     if names is None and (root / "classnames.txt").is_file():
         names = read_list_file(root / "classnames.txt")
@@ -560,7 +568,7 @@ def resolve_zeroshot_data(data_dir: str, classnames: str | Sequence[str] | None 
         prompts = list(OPENAI_IMAGENET_TEMPLATES)
     check_class_count(names, len(class_dirs), names_source, f"class folders of {folder}")
     return ZeroShotData("imagenet" if is_imagenet else "imagefolder", str(root), list(names),
-                        list(prompts), samples=_folder_samples(root, class_dirs))
+                        list(prompts), samples=samples)
 
 
 class FolderEvalDataset(Dataset):

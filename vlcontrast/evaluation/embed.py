@@ -20,10 +20,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from PIL import Image
 
+from vlcontrast.data.samples import CONTENT_REASONS, LABEL_REASONS, SHARD_REASONS
 from vlcontrast.distributed import all_gather_variable, get_rank, get_world_size
 from vlcontrast.progress import Progress
 
 _END = object()
+READ_REASONS = CONTENT_REASONS + LABEL_REASONS + SHARD_REASONS
+"""Why the evaluation readers skip an image (counted over ranks by name)."""
 
 
 def unwrap_model(model):
@@ -192,13 +195,18 @@ def embed_labelled_images(model, preprocess, loader, *, device, progress=False, 
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Encode batches ``(images, labels [B], keys [B], skipped)``; return gathered, key-sorted
     ``(keys, image_features, labels, skipped)``. ``counts``: a dict that receives
-    ``transparent``, the images (all ranks) that had transparency."""
+    ``transparent``, the images (all ranks) that had transparency, and ``reasons``, the skipped
+    images per reason (all ranks)."""
     model = unwrap_model(model)
     dtype = model_dtype(model)
     feature_parts, label_parts, key_parts = [], [], []
     skipped = transparent = 0
+    reasons: dict[str, int] = {}
     for batch in encode_in_lockstep(loader, device, progress=progress, total=total_batches,
                                     description="embed images"):
+        if batch is not None:
+            for reason, n in getattr(batch[3], "reasons", {}).items():
+                reasons[reason] = reasons.get(reason, 0) + n
         if batch is None or batch[0] is None:
             if batch is not None:
                 skipped += int(batch[3])
@@ -215,12 +223,17 @@ def embed_labelled_images(model, preprocess, loader, *, device, progress=False, 
     keys = torch.cat(key_parts) if key_parts else torch.zeros(0, dtype=torch.long)
     features = _agree_on_width(features, device)
     keys, features, labels = gather_sorted(keys, features, labels, device=device)
-    totals = torch.tensor([skipped, transparent], device=torch.device(device))
+    # The reasons a reader names, counted on every rank in one order (one all_reduce for all).
+    named = [] if get_world_size() == 1 else list(READ_REASONS)
+    totals = torch.tensor([skipped, transparent, *(reasons.get(r, 0) for r in named)],
+                          device=torch.device(device))
     if get_world_size() > 1:
         dist.all_reduce(totals)
-    skipped, transparent = totals.tolist()
+        reasons = {r: int(n) for r, n in zip(named, totals[2:].tolist()) if n}
+    skipped, transparent = totals[:2].tolist()
     if counts is not None:
         counts["transparent"] = int(transparent)
+        counts["reasons"] = reasons
     return keys, features, labels, int(skipped)
 
 

@@ -154,7 +154,8 @@ def evaluate_retrieval(model, preprocess, tokenizer, shards: str | Sequence[str]
 def evaluate_zeroshot(model, preprocess, tokenizer, data_dir, classnames=None,
                       templates=None, *, batch_size: int = 256, workers: int = 4, device="cpu",
                       split: str = "test", progress: bool = True,
-                      image_cache: str | Path | None = None, alpha: str | None = None) -> dict:
+                      image_cache: str | Path | None = None, alpha: str | None = None,
+                      report: dict | None = None) -> dict:
     """Zero-shot classification of an ImageNet val dir, an ImageFolder or a CLIP_benchmark wds set.
 
     ``data_dir``: a directory, or its :class:`~vlcontrast.evaluation.datasets.ZeroShotData`
@@ -168,6 +169,10 @@ def evaluate_zeroshot(model, preprocess, tokenizer, data_dir, classnames=None,
     ``alpha``: the transparency rule (:data:`~vlcontrast.data.samples.ALPHA_RULES`); given, the
     result also holds ``num_transparent`` (images that had transparency) and the image cache is
     not used. None: ``white``, the training rule, and the result as the trainer logs it.
+
+    ``report``: a dict that receives ``reasons`` (skipped images per reason) and ``skipped`` (the
+    skipped images' paths, in the data's order; folders only: shards' samples have no file);
+    not filled from an image cache.
 
     Returns ``top1``, ``top5``, ``mean_per_class_recall``, ``num_images``, ``num_classes``,
     ``num_templates``, ``num_skipped``.
@@ -186,9 +191,13 @@ def evaluate_zeroshot(model, preprocess, tokenizer, data_dir, classnames=None,
         loader = build_zeroshot_loader(data, preprocess, batch_size=batch_size, workers=workers,
                                        rank=rank, world_size=world,
                                        alpha=alpha or TRAINING_ALPHA)
-        _, features, labels, skipped = embed_labelled_images(
+        keys, features, labels, skipped = embed_labelled_images(
             model, preprocess, loader.loader, device=device, progress=progress,
             total_batches=loader.num_batches, counts=counts)
+        if report is not None:  # keys are positions in data.samples (folders)
+            kept = set(keys.tolist())
+            report.update(reasons=counts["reasons"], skipped=[
+                path for index, (path, _) in enumerate(data.samples) if index not in kept])
         return features, labels, skipped
 
     with _eval_mode(model):
@@ -302,20 +311,28 @@ def _report_alpha(task: str, metrics: dict, alpha: str) -> None:
 
 def run_retrieval_cli(checkpoint, data, out=None, batch_size: int = 256, workers: int = 4,
                       max_samples: int = 0, device: str | None = None, image_key: str = "",
-                      caption_key: str = "", alpha: str = "white") -> dict:
+                      caption_key: str = "", alpha: str = "white", progress: bool = True) -> dict:
     """``vlcontrast eval retrieval``: load CKPT (run dir -> latest), evaluate, write ``out`` JSON.
     ``image_key``/``caption_key``: as ``data.image_key``/``data.caption_key`` (empty: default).
     ``alpha``: the transparency rule (:data:`~vlcontrast.data.samples.ALPHA_RULES`); how many
-    images had transparency is printed and recorded (``num_transparent``)."""
+    images had transparency is printed and recorded (``num_transparent``). ``progress``: the
+    progress bars (plain lines in a log)."""
     from vlcontrast.data.samples import Members, check_alpha
+    from vlcontrast.data.spec import check_spec
 
     alpha = check_alpha(alpha)
     members = Members.parse(image_key, caption_key) if (image_key or caption_key) else None
+    if isinstance(data, str):  # the checkpoint's and the data's errors before the model
+        from vlcontrast.checkpoints import resolve_model_files
+
+        resolve_model_files(checkpoint)
+        check_spec("--data", data)
     device = _setup_device(device)
     folder, bundle = _load(checkpoint, device)
     metrics = evaluate_retrieval(bundle.model, bundle.preprocess_val, bundle.tokenizer, data,
                                  batch_size=batch_size, workers=workers, device=device,
-                                 max_samples=max_samples, members=members, alpha=alpha)
+                                 max_samples=max_samples, members=members, alpha=alpha,
+                                 progress=progress)
     _report_alpha("retrieval", metrics, alpha)
     return _write_record("retrieval", folder, bundle, data, metrics, out,
                          {"num_texts": metrics["num_texts"], "batch_size": batch_size,
@@ -324,19 +341,30 @@ def run_retrieval_cli(checkpoint, data, out=None, batch_size: int = 256, workers
 
 def run_zeroshot_cli(checkpoint, data, out=None, classnames=None, templates=None,
                      batch_size: int = 256, workers: int = 4, device: str | None = None,
-                     alpha: str = "white") -> dict:
-    """``vlcontrast eval zeroshot``: load CKPT, classify ``data`` zero-shot, write ``out`` JSON.
-    ``alpha``: as for :func:`run_retrieval_cli`."""
+                     alpha: str = "white", progress: bool = True) -> dict:
+    """``vlcontrast eval zeroshot``: load CKPT, classify ``data`` zero-shot, write ``out`` JSON;
+    skipped images are named on stderr (the first three). ``alpha``, ``progress``: as for
+    :func:`run_retrieval_cli`."""
     from vlcontrast.data.samples import check_alpha
 
     alpha = check_alpha(alpha)
     resolved = resolve_zeroshot_data(data, classnames, templates)  # its errors before the model
     device = _setup_device(device)
     folder, bundle = _load(checkpoint, device)
+    report: dict = {}
     metrics = evaluate_zeroshot(bundle.model, bundle.preprocess_val, bundle.tokenizer, resolved,
                                 batch_size=batch_size, workers=workers, device=device,
-                                alpha=alpha)
+                                alpha=alpha, progress=progress, report=report)
     _report_alpha("zeroshot", metrics, alpha)
+    if metrics["num_skipped"] and get_rank() == 0:
+        import sys
+
+        from vlcontrast.data.samples import skipped_summary
+
+        skipped = metrics["num_skipped"]
+        line = skipped_summary(skipped, metrics["num_images"] + skipped,
+                               report.get("reasons", {}), report.get("skipped", []))
+        print(f"vlcontrast eval zeroshot: {line}", file=sys.stderr, flush=True)
     return _write_record("zeroshot", folder, bundle, data, metrics, out,
                          {"classnames": str(classnames) if classnames else None,
                           "templates": str(templates) if templates else None,
@@ -364,7 +392,7 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
 def compare_checkpoints(checkpoints: Sequence[str], out, *, retrieval: str = "",
                         zeroshot: str = "", classnames=None, templates=None,
                         max_samples: int = 0, batch_size: int = 256, workers: int = 4,
-                        device: str | None = None) -> str:
+                        device: str | None = None, progress: bool = True) -> str:
     """``vlcontrast eval compare``: evaluate every checkpoint on the same data.
 
     Writes ``OUT/<n>_<task>.json`` per checkpoint and task, ``OUT/comparison.json`` and
@@ -394,11 +422,13 @@ def compare_checkpoints(checkpoints: Sequence[str], out, *, retrieval: str = "",
         row = {"checkpoint": str(checkpoint)}
         if retrieval:
             record = run_retrieval_cli(checkpoint, retrieval, out / f"{index}_retrieval.json",
-                                       batch_size, workers, max_samples, device)
+                                       batch_size, workers, max_samples, device,
+                                       progress=progress)
             row.update({f"retrieval/{k}": v for k, v in record["metrics"].items()})
         if zeroshot:
             record = run_zeroshot_cli(checkpoint, zeroshot, out / f"{index}_zeroshot.json",
-                                      classnames, templates, batch_size, workers, device)
+                                      classnames, templates, batch_size, workers, device,
+                                      progress=progress)
             row.update({f"zeroshot/{k}": v for k, v in record["metrics"].items()})
         rows.append(row)
     table = markdown_table(rows, columns)

@@ -159,8 +159,9 @@ def embed_texts(model, tokenizer, texts: Sequence[str], *, device="cpu", batch_s
 def embed_images(model, preprocess, *, paths: Sequence[Path] | None = None, shards=None,
                  device="cpu", batch_size: int = 256, workers: int = 0,
                  progress: bool = True, alpha: str = "white") -> Embeddings:
-    """Encode image files (ids: their paths) or the images of webdataset shards in the one shard
-    grammar (ids: the samples' keys). Unreadable images are skipped and counted; transparency
+    """Encode image files (ids: their paths, in the given order) or the images of webdataset
+    shards in the one shard grammar (ids: the samples' keys, in shard order then position in the
+    shard, whatever ``workers``). Unreadable images are skipped and counted; transparency
     follows the rule ``alpha`` (:data:`~vlcontrast.data.samples.ALPHA_RULES`)."""
     from vlcontrast.data.samples import check_alpha
     from vlcontrast.evaluation.embed import unwrap_model
@@ -191,21 +192,24 @@ def _embed_shard_images(model, preprocess, shards, *, device, batch_size, worker
     loader = build_image_shards_loader(shards, preprocess, batch_size=batch_size, workers=workers,
                                        alpha=alpha)
     dtype = model_dtype(model)
-    parts, ids, reasons, transparent = [], [], {}, 0
-    for images, keys, _, skipped in encode_in_lockstep(loader.loader, device, progress=progress,
-                                                       total=loader.num_batches,
-                                                       description="embed images",
-                                                       synchronize=False):
+    parts, ids, order, reasons, transparent = [], [], [], {}, 0
+    for images, keys, positions, skipped in encode_in_lockstep(
+            loader.loader, device, progress=progress, total=loader.num_batches,
+            description="embed images", synchronize=False):
         for reason, n in skipped.reasons.items():
             reasons[reason] = reasons.get(reason, 0) + n
         transparent += skipped.transparent
         if images is not None:
             parts.append(encode_images(model, images, device, dtype).cpu())
             ids.extend(keys)
+            order.append(positions)  # (shard index, row in shard) as one number
     if not parts:
         raise ConfigError(f"--images {loader.name!r}: no readable image in these shards "
                           f"({reasons}); check them with `vlcontrast prep check`")
-    return Embeddings(torch.cat(parts).numpy(), ids, [], reasons, transparent)
+    # Loader workers hand batches over in turns: the rows go back to shard order at the end.
+    rows = torch.argsort(torch.cat(order), stable=True)
+    return Embeddings(torch.cat(parts)[rows].numpy(), [ids[i] for i in rows.tolist()], [],
+                      reasons, transparent)
 
 
 def _temporary(path: Path) -> Path:

@@ -18,9 +18,11 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
 
 
 def find_images(inputs: Sequence[str | os.PathLike], what: str = "IMAGES",
-                kinds: str = "image files or folders holding them") -> list[Path]:
+                kinds: str = "image files or folders holding them", *,
+                reads_shards: bool = False, command: str = "classify") -> list[Path]:
     """Image files named in ``inputs`` (files as given; folders recursively, sorted), each once;
-    ``kinds``: what the command accepts, for its errors."""
+    ``kinds``: what the command accepts, for its errors; ``reads_shards``: whether ``command``
+    also reads shards (embed), else its error for a folder of shards says which command does."""
     if not inputs:
         raise ConfigError(f"{what}: no images given; name {kinds}")
     found: list[Path] = []
@@ -39,8 +41,14 @@ def find_images(inputs: Sequence[str | os.PathLike], what: str = "IMAGES",
     if not unique:
         shard_folders = sorted({str(tar.parent) for item in inputs if Path(item).is_dir()
                                 for tar in Path(item).rglob("*.tar")})
-        hint = (f"; it holds shards in {', '.join(shard_folders[:3])}: give one of those folders"
-                if shard_folders else f"; name {kinds}")
+        if not shard_folders:
+            hint = f"; name {kinds}"
+        elif reads_shards:
+            hint = f"; it holds shards in {', '.join(shard_folders[:3])}: give one of those folders"
+        else:
+            hint = (f"; it holds webdataset shards ({', '.join(shard_folders[:3])}), which "
+                    f"{command} does not read: give image files or folders holding them "
+                    f"(`vlcontrast embed --images {shard_folders[0]}` embeds shards)")
         raise ConfigError(f"{what}: no images found in {', '.join(map(str, inputs))} (looked for "
                           f"{' '.join(IMAGE_SUFFIXES)}, any case, in sub-folders too){hint}")
     return unique
@@ -87,9 +95,9 @@ def embed_image_files(model, preprocess, paths: Sequence[Path], *, device, batch
 
 def skipped_summary(paths: Sequence[Path], result: ImageFeatures, limit: int = 3) -> str:
     """``skipped 2 of 10 images (undecodable_image: 2): a.png, b.jpg`` or an empty string."""
+    from vlcontrast.data.samples import skipped_summary as summary
+
     if not result.skipped:
         return ""
-    why = ", ".join(f"{reason}: {n}" for reason, n in sorted(result.reasons.items()))
-    names = ", ".join(str(paths[i]) for i in result.skipped[:limit])
-    more = f" and {len(result.skipped) - limit} more" if len(result.skipped) > limit else ""
-    return (f"skipped {len(result.skipped)} of {len(paths)} images ({why}): {names}{more}")
+    return summary(len(result.skipped), len(paths), result.reasons,
+                   [str(paths[i]) for i in result.skipped], limit)

@@ -256,7 +256,7 @@ def render_name_caption(relative: str, template: str, *, strip_author: bool = Tr
 
 def prepare_folder(root: str | os.PathLike, out: str | os.PathLike, *,
                    caption_from: str = "sidecar", templates: list[str] | None = None,
-                   caption_template: str = DEFAULT_NAME_TEMPLATE, strip_author: bool = True,
+                   caption_template: str | None = None, strip_author: bool = True,
                    image_size: int = DEFAULT_IMAGE_SIZE, resize_mode: str = "keep_ratio",
                    encode_quality: int = DEFAULT_QUALITY, shard_size: int = DEFAULT_SHARD_SIZE,
                    max_image_pixels: int = MAX_IMAGE_PIXELS, val_fraction: float = 0.0,
@@ -264,8 +264,10 @@ def prepare_folder(root: str | os.PathLike, out: str | os.PathLike, *,
                    ) -> dict[str, Any]:
     """Convert a folder of images into shards in ``out``; returns the report (see
     :func:`~.writer.write_shards`), or ``{"train": report, "val": report}`` with
-    ``val_fraction`` (shards in ``out/train`` and ``out/val``). All argument errors are raised
-    before any image is read."""
+    ``val_fraction`` (shards in ``out/train`` and ``out/val``). ``templates`` belong to
+    ``caption_from="class"``, ``caption_template`` (default ``"{name}, {category}"``) and
+    ``strip_author=False`` to ``"name"``: given with another source they are refused. All argument
+    errors are raised before any image is read."""
     command = "prep folder"
     root = Path(root)
     if not root.is_dir():
@@ -274,10 +276,19 @@ def prepare_folder(root: str | os.PathLike, out: str | os.PathLike, *,
     if caption_from not in CAPTION_SOURCES:
         raise DataPrepError(f"{command}: --caption-from={caption_from!r}: must be one of "
                             f"{CAPTION_SOURCES}")
+    for option, given, source in (("--template", templates is not None, "class"),
+                                  ("--caption-template", caption_template is not None, "name"),
+                                  ("--keep-author", not strip_author, "name")):
+        if given and caption_from != source:
+            default = " (the default)" if caption_from == CAPTION_SOURCES[0] else ""
+            raise DataPrepError(f"{command}: {option} applies only to --caption-from {source}, "
+                                f"not {caption_from}{default}; add --caption-from {source} or "
+                                f"drop {option}")
     check_image_options(image_size, resize_mode, encode_quality, max_image_pixels)
     if not 1 <= shard_size <= 1_000_000:
         raise DataPrepError(f"{command}: --shard-size={shard_size}: must be in 1..1000000")
     templates = list(templates or DEFAULT_TEMPLATES)
+    caption_template = DEFAULT_NAME_TEMPLATE if caption_template is None else caption_template
     if caption_from == "class":
         bad = [t for t in templates if "{c}" not in t]
         if bad:

@@ -43,6 +43,13 @@ def read_table(path: Path, image_key: str, caption_key: str, sep: str
                ) -> tuple[list[tuple[int, str, str]], dict[str, int], dict[str, list[str]]]:
     """Rows ``(line, image, caption)`` with both cells filled; skipped rows by reason."""
     command = "prep csv"
+    if path.is_dir():
+        tables = sorted(p for p in path.iterdir() if p.suffix.lower() in (".csv", ".tsv", ".tab")
+                        and p.is_file())
+        example = f", e.g. {str(tables[0])!r}" if tables else ""
+        raise DataPrepError(f"{command}: {str(path)!r} is a folder; {command} takes a CSV/TSV "
+                            f"file with a header row{example} (for a folder of images run "
+                            f"`vlcontrast prep folder {path} OUT`)")
     if not path.is_file():
         raise DataPrepError(f"{command}: table {str(path)!r} does not exist")
     csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
