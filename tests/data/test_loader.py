@@ -621,3 +621,19 @@ def test_epoch_seeded_augmentation_is_the_same_with_persistent_workers(uneven_sh
     inline, persistent = second_epoch(0), second_epoch(2)
     assert inline.keys() == persistent.keys()
     assert all(torch.equal(inline[i], persistent[i]) for i in inline)
+
+
+def test_a_relative_pattern_that_matches_nothing_names_the_directory_it_was_read_from(
+        tmp_path, monkeypatch):
+    """A config's relative data.train, run from another folder, read as a typo; the error now
+    says which directory the path was read from (an absolute one needs no such note)."""
+    from vlcontrast.data.spec import expand_member
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(LoaderError) as err:
+        expand_member("data/openclipart/train/{00000..00001}.tar")
+    assert (f"(e.g. 'data/openclipart/train/00000.tar'), relative to the current directory "
+            f"{str(tmp_path)!r}; give a folder") in str(err.value)
+    with pytest.raises(LoaderError) as err:
+        expand_member(str(tmp_path / "x" / "{0..1}.tar"))
+    assert "relative to" not in str(err.value)

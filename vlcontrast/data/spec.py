@@ -142,6 +142,8 @@ def expand_member(member: str, key: str = "data.train", split: str = DEFAULT_SPL
     missing = [u for u in urls if not os.path.isfile(u)]
     if not urls or len(missing) == len(urls):
         example = f" (e.g. {missing[0]!r})" if missing else ""
+        if not os.path.isabs(member):  # a config's paths are read from where the command runs
+            example += f", relative to the current directory {os.getcwd()!r}"
         raise ShardsNotFoundError(f"{key} pattern {member!r} matches no shard files: it expands to "
                                   f"{len(urls)} paths, none exists{example}; give a folder of .tar "
                                   "shards, a brace pattern (dir/{00000..00009}.tar) or a comma "
