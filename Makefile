@@ -36,9 +36,10 @@ data: setup
 # faster than two processes) and one per GPU otherwise; verify gates on retrieval (R@1 >= 100x
 # chance in both directions) and on zero-shot shape classification (top-1 >= 5x chance: the 50%
 # the demo aims for; three seeds gave 64.8-67.8%, results/demo-tuning/demo.md, "Demo results").
+# train.resume=latest: run again, it continues an interrupted demo or re-evaluates a finished one.
 DEMO_NPROC ?= $(shell $(BIN)/python -c 'import torch; print(torch.cuda.device_count() or 1)' 2>/dev/null || echo 1)
 demo: setup data
-	$(BIN)/vlcontrast train --config configs/demo.yaml --nproc $(DEMO_NPROC)
+	$(BIN)/vlcontrast train --config configs/demo.yaml --nproc $(DEMO_NPROC) train.resume=latest
 	$(BIN)/vlcontrast verify runs/demo --metrics retrieval/text_to_image_R@1:100,retrieval/image_to_text_R@1:100,zeroshot/top1:5
 
 test: setup

@@ -147,6 +147,14 @@ def test_a_non_terminal_run_logs_plain_progress_lines(cli_run):
     assert all("loss" in line and "ETA" in line for line in lines), lines
 
 
+def test_a_finished_run_ends_by_saying_where_its_results_are(cli_run):
+    """The table was the last thing printed, with no path to results.json or the weights."""
+    run, output, _ = cli_run
+    assert (f"vlcontrast: results in {run / 'results.json'}, report in {run / 'report.md'}; "
+            f"weights in {run / 'checkpoints' / 'step_00000003'} (vlcontrast eval ... "
+            f"--checkpoint {run})") in output.splitlines()
+
+
 def test_a_resumed_run_says_where_it_resumed_on_the_console(cli_run, tmp_path):
     """The resume used to be written to metrics.jsonl only; a resume of a finished run re-ran its
     final evaluation without a word."""
@@ -452,3 +460,18 @@ def test_a_partition_lost_on_one_rank_stops_every_rank_before_deepspeed_s_load(t
                                       / "engine" / "zero_pp_rank_1_mp_rank_00_optim_states.pt: "
                                       "missing, so this checkpoint's optimizer state"))
     assert messages[0] == messages[1] + " [reported by rank 1]"
+
+
+def test_retention_keeps_the_checkpoint_just_written_over_later_steps_of_another_history(
+        tmp_path):
+    """Resumed from step 2 of a run that had reached step 4: the step-3 checkpoint the resumed run
+    writes is kept (sorting by name alone kept step 4 and deleted it), and step 4 is left alone."""
+    from vlcontrast.train.checkpoint import prune
+
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3, 4):
+        (root / f"step_{step:08d}").mkdir(parents=True)
+    prune(root, keep=1, newest=root / "step_00000003")
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000003", "step_00000004"]
+    prune(root, keep=1)  # without a newest: the highest steps, as before
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000004"]

@@ -140,3 +140,17 @@ def test_under_zero_1_every_even_sized_parameter_view_starts_on_a_64_byte_bounda
     plain = run_distributed(_zero1_view_alignment, 1, False, timeout=300)[0]
     assert set(aligned.values()) == {0}, aligned
     assert any(plain.values()), plain  # without it the gains sit 4 bytes off
+
+
+def test_a_warmup_as_long_as_the_run_is_named_with_where_the_rate_ends():
+    """own-data.yaml's warmup_steps=50 with train.steps=40 trained 40 steps below the peak rate
+    without a word; the last step's factor is 40/50 of optim.lr (the schedule's own value)."""
+    from vlcontrast.train.optimizer import cosine_with_warmup, warmup_note
+
+    assert cosine_with_warmup(50, 40)(39) == pytest.approx(0.8)
+    assert warmup_note(OptimConfig(lr=3e-3, warmup_steps=50), 40) == (
+        "optim.warmup_steps=50 is not shorter than the run's 40 steps: the learning rate rises "
+        "the whole run and ends at 80% of optim.lr=0.003; lower optim.warmup_steps (e.g. to 4)")
+    assert warmup_note(OptimConfig(warmup_steps=40), 40).startswith("optim.warmup_steps=40 is")
+    assert warmup_note(OptimConfig(warmup_steps=39), 40) == ""
+    assert warmup_note(OptimConfig(warmup_steps=0), 1) == ""

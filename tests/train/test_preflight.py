@@ -81,3 +81,36 @@ def test_a_stop_at_step_not_after_the_resumed_step_is_refused(synthetic_data, tm
         config = tiny_config(synthetic_data, run, train__resume="latest",
                              train__stop_at_step=stop_at)
         assert preflight(config) == step
+
+
+def test_a_fresh_start_over_an_earlier_run_is_refused_and_says_how_to_continue(synthetic_data,
+                                                                                tmp_path):
+    """Training again into a run's folder without train.resume put the new checkpoints beside the
+    old ones, and retention (highest steps kept) then deleted the new run's only checkpoint."""
+    run = tmp_path / "run"
+    base = ["train.steps=1", f"data.train={synthetic_data}/train", f"output_dir={run}"]
+    (run / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (run / "checkpoints" / "step_00000002").mkdir()
+    with pytest.raises(ConfigError) as err:
+        preflight(load_config(None, base))
+    assert str(err.value) == (f"output_dir={str(run)!r} holds an earlier run (checkpoints up to "
+                              "step_00000004); continue it with train.resume=latest, or give a new "
+                              "output_dir (or move that one away)")
+    for folder in (run / "checkpoints").iterdir():
+        folder.rmdir()
+    (run / "results.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"holds an earlier run \(results\.json\)"):
+        preflight(load_config(None, base))
+    (run / "results.json").unlink()
+    (run / "checkpoints" / "step_00000002.tmp").mkdir()  # a start that died writing: no run
+    assert preflight(load_config(None, base)) is None
+    assert preflight(load_config(None, base + ["train.resume=latest"])) is None
+
+
+def test_a_mistyped_model_name_stops_the_preflight_before_the_run_folder_is_made(synthetic_data,
+                                                                                 tmp_path):
+    run = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"^model\.name='vlc-mirco' \(did you mean 'vlc-micro'"):
+        preflight(load_config(None, ["train.steps=1", f"data.train={synthetic_data}/train",
+                                     f"output_dir={run}", "model.name=vlc-mirco"]))
+    assert not run.exists()

@@ -365,7 +365,7 @@ class Checkpointer:
                 error = err
         agree(error)
         if rank == 0:
-            prune(self.root, self.keep)
+            prune(self.root, self.keep, newest=final)
         dist_utils.barrier()
         return final
 
@@ -493,8 +493,11 @@ def _load_states(objects: dict[str, Stateful], saved: dict[str, Any], path: Path
                 "start a new run from its weights (model.pretrained=CHECKPOINT_DIR)") from err
 
 
-def prune(root: Path, keep: int) -> None:
-    done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+def prune(root: Path, keep: int, newest: Path | None = None) -> None:
+    """Keep the ``keep`` newest checkpoints up to ``newest`` (the one just written), which is
+    always kept; folders of later steps (a history this run resumed before) are left alone."""
+    done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")
+                  and (newest is None or p.name <= newest.name))
     for old in done[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     for stale in root.glob("step_*.tmp"):

@@ -52,6 +52,7 @@ from vlcontrast.train.engine import (build_engine, clamp_logit_scale, count_skip
 from vlcontrast.train.evaluate import Evaluator
 from vlcontrast.train.guard import DivergenceGuard, TrainingDiverged
 from vlcontrast.train.metrics import MetricsLogger
+from vlcontrast.train.optimizer import warmup_note
 from vlcontrast.train.momentum import MomentumTowers
 from vlcontrast.train.precision import Precision
 from vlcontrast.train.preflight import preflight
@@ -86,7 +87,7 @@ def train(config: RunConfig) -> dict[str, Any]:
     shard_set = check_ids_available(config.data, needs_ids, who=f"loss={config.loss.name}")
     check_batch_fits(config.data, shard_set, env.world_size)  # before the model, too
     run_dir, config_yaml = Path(config.output_dir), yaml.safe_dump(to_dict(config), sort_keys=False)
-    _configure_process(config.seed, env, run_dir, config_yaml)
+    _configure_process(config.seed, env)
 
     bundle = build_model(config.model, siglip=LOSSES[config.loss.name].uses_logit_bias,
                          device=device, weights_follow=resume_from is not None)
@@ -113,6 +114,11 @@ def train(config: RunConfig) -> dict[str, Any]:
                           "towers embeds the images itself; turn the cache off")
     global_batch = config.data.batch_size * env.world_size * config.train.accum_steps
     total_steps = config.train.steps or max(1, math.ceil(config.train.epochs * data.steps_per_epoch))
+    note = warmup_note(config.optim, total_steps)
+    if note and env.rank == 0:
+        import logging
+
+        logging.getLogger(__name__).warning(note)
     layout, legacy_layout = _param_layouts(bundle.model, config)
     engine, checkpoint_bytes = _build_engine(
         bundle.model, config, total_steps, env,
@@ -130,6 +136,8 @@ def train(config: RunConfig) -> dict[str, Any]:
         config_yaml=config_yaml, expected_bytes=checkpoint_bytes, param_layout=layout,
         legacy_layout=legacy_layout)
     resumed = checkpointer.resume(resume_from)
+    if env.rank == 0:  # once the model, the engine and the resume have worked
+        (run_dir / "config.yaml").write_text(config_yaml)
     if resumed is False:  # another world size: start the saved epoch afresh
         data.start_epoch(state.epoch)
     log = _step_logger(config, env, total_steps, precision, resumed_at=state.step,
@@ -360,8 +368,8 @@ def _momentum_towers(engine, loss_fn, zero_stage: int,
                           compute_dtype=precision.compute_dtype)
 
 
-def _configure_process(seed: int, env, run_dir: Path, config_yaml: str) -> None:
-    """Threads and seeds of this process; rank 0 writes config.yaml."""
+def _configure_process(seed: int, env) -> None:
+    """Threads and seeds of this process."""
     if env.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Launchers other than torchrun leave every process one thread per core: N processes on
         # N cores then spin against each other for minutes inside every collective.
@@ -370,8 +378,6 @@ def _configure_process(seed: int, env, run_dir: Path, config_yaml: str) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-    if env.rank == 0:
-        (run_dir / "config.yaml").write_text(config_yaml)
 
 
 def _param_layouts(model, config: RunConfig) -> tuple[list[list[str]], list[list[str]]]:

@@ -165,6 +165,18 @@ def cosine_with_warmup(warmup_steps: int, total_steps: int, min_ratio: float = 0
     return factor
 
 
+def warmup_note(optim: OptimConfig, total_steps: int) -> str:
+    """A warning when ``optim.warmup_steps`` is not shorter than the run: the learning rate would
+    rise the whole run and end below ``optim.lr`` (at ``total_steps / warmup_steps`` of it);
+    ``""`` otherwise."""
+    if optim.warmup_steps < total_steps or total_steps <= 0:
+        return ""
+    reached = cosine_with_warmup(optim.warmup_steps, total_steps)(total_steps - 1)
+    return (f"optim.warmup_steps={optim.warmup_steps} is not shorter than the run's {total_steps} "
+            f"steps: the learning rate rises the whole run and ends at {reached:.0%} of "
+            f"optim.lr={optim.lr:g}; lower optim.warmup_steps (e.g. to {max(1, total_steps // 10)})")
+
+
 def build_optimizer(model: torch.nn.Module, optim: OptimConfig, total_steps: int, *,
                     finite_checked: bool, align: int = 1):
     """(AdamW, its LambdaLR cosine schedule) for the trainable parameters of ``model``.

@@ -1,5 +1,6 @@
-"""Checks before any heavy work: the run directory is writable, a checkpoint to resume was written
-with this run's model and loss, and each component's own check.
+"""Checks before any heavy work: the run directory is writable and holds no earlier run unless
+the run resumes it, a checkpoint to resume was written with this run's model and loss, and each
+component's own check.
 
 ``train()`` calls :func:`preflight` before the model is built. It composes the components' checks
 (the training data's shard spec through the data package's own grammar, the one the loader reads
@@ -28,6 +29,14 @@ def check_training_data(data: DataConfig) -> None:
     for key, spec in (("data.train", data.train), ("data.val", data.val)):
         if spec:
             check_spec(key, spec)
+
+
+def check_model_name(model) -> None:
+    """``model.name`` names a model (an open_clip name, a model-config JSON, a run or export
+    folder: reads configs, builds nothing), so a typo stops the run before anything is written."""
+    from vlcontrast.models import resolve_model_config
+
+    resolve_model_config(model.name, model.hf_model_dir)
 
 
 def check_distill_paths(distill) -> None:
@@ -59,6 +68,25 @@ def check_run_directory(output_dir: str) -> None:
     dist_utils.raise_on_any_rank(error, ConfigError)
 
 
+def check_fresh_start(output_dir: str, resume: str) -> None:
+    """A run that does not ask to resume (``train.resume`` empty) starts in a folder without an
+    earlier run's checkpoints or results: its checkpoints would sit beside theirs (retention
+    keeps the highest steps, so it could delete the new run's own), its metrics would be appended
+    to theirs and its results would replace theirs. A one-line ConfigError says what is there and
+    the fixes; an earlier start that failed before its first checkpoint is no run."""
+    if resume:
+        return
+    out = Path(output_dir)
+    steps = sorted(p.name for p in (out / "checkpoints").glob("step_*")
+                   if p.is_dir() and not p.name.endswith(".tmp"))
+    held = ([f"checkpoints up to {steps[-1]}" if len(steps) > 1 else f"checkpoint {steps[0]}"]
+            if steps else []) + (["results.json"] if (out / "results.json").is_file() else [])
+    if held:
+        raise ConfigError(f"output_dir={output_dir!r} holds an earlier run ({', '.join(held)}); "
+                          "continue it with train.resume=latest, or give a new output_dir (or "
+                          "move that one away)")
+
+
 def preflight(config: RunConfig, evaluator=None) -> Path | None:
     """Fail fast on missing data, bad evaluation paths, unwritable output and a checkpoint this
     run cannot resume (collective). Returns the checkpoint to resume from (``train.resume``
@@ -69,10 +97,12 @@ def preflight(config: RunConfig, evaluator=None) -> Path | None:
     from vlcontrast.train.evaluate import Evaluator
 
     check_training_data(config.data)
+    check_model_name(config.model)
     check_distill_paths(config.distill)
     if evaluator is None:
         evaluator = Evaluator(config.eval, val_shards=config.data.val)
     evaluator.check()
+    check_fresh_start(config.output_dir, config.train.resume)
     check_run_directory(config.output_dir)
     resume = find_resume(config.train.resume, Path(config.output_dir),
                          warn=dist_utils.get_rank() == 0)

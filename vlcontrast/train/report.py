@@ -83,5 +83,13 @@ def finish_run(run_dir: Path, results: dict[str, Any], *, checkpoint, setup: dic
          "engine": setup.get("engine"),
          **({"distill": setup["distill"]} if "distill" in setup else {}), "metrics": results},
         indent=2))
-    write_report(run_dir, results, setup)
+    report = write_report(run_dir, results, setup)
     print("\n" + results_table(results) + "\n", flush=True)
+    print(where_line(run_dir, checkpoint, report), flush=True)
+
+
+def where_line(run_dir: Path, checkpoint, report: Path) -> str:
+    """The last line of a run: where its results, report and final weights are."""
+    weights = f"; weights in {checkpoint}" if checkpoint else ""
+    return (f"vlcontrast: results in {run_dir / 'results.json'}, report in {report}{weights} "
+            f"(vlcontrast eval ... --checkpoint {run_dir})")
