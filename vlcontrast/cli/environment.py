@@ -11,12 +11,24 @@ COUNT_OPTIONS = {  # argparse attribute -> (option, smallest value, what the val
     "batch_size": ("--batch-size", 1, "e.g. --batch-size 64"),
     "workers": ("--workers", 0, "0 reads the data in the main process"),
     "max_samples": ("--max-samples", 0, "0 evaluates every sample"),
+    "max_image_pixels": ("--max-image-pixels", 1, "images with more pixels are skipped; "
+                         "the default is PIL's 89478485"),
 }
 
 
+def add_max_image_pixels(parser) -> None:
+    """``--max-image-pixels``: one definition for prep and every command that reads images."""
+    from vlcontrast.data.samples import DEFAULT_MAX_IMAGE_PIXELS
+
+    parser.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
+                        help="larger images are skipped as decompression bombs (PIL's limit; "
+                        "raise it for huge clip art, memory permitting)")
+
+
 def check_counts(args) -> None:
-    """A one-line ConfigError naming the first of ``--batch-size``, ``--workers`` and
-    ``--max-samples`` (those ``args`` has) below its smallest value, before any work starts."""
+    """A one-line ConfigError naming the first of ``--batch-size``, ``--workers``,
+    ``--max-samples`` and ``--max-image-pixels`` (those ``args`` has) below its smallest value,
+    before any work starts."""
     for attribute, (option, least, hint) in COUNT_OPTIONS.items():
         value = getattr(args, attribute, None)
         if value is not None and value < least:

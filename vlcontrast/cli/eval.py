@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from vlcontrast.cli.environment import check_counts, prepare_environment
+from vlcontrast.cli.environment import add_max_image_pixels, check_counts, prepare_environment
 from vlcontrast.errors import ConfigError
 
 
@@ -23,6 +23,7 @@ def register(sub) -> None:
         p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
         p.add_argument("--no-progress", action="store_true",
                        help="show no progress (bars on a terminal, lines in a log)")
+        add_max_image_pixels(p)
 
     for name in ("retrieval", "zeroshot"):
         p = ev_sub.add_parser(name, help=f"{name} of one checkpoint; writes a JSON record")
@@ -74,12 +75,14 @@ def run_eval(args) -> int:
                                  workers=args.workers, max_samples=args.max_samples,
                                  device=args.device, image_key=args.image_key,
                                  caption_key=args.caption_key, alpha=args.alpha,
-                                 progress=not args.no_progress)
+                                 progress=not args.no_progress,
+                                 max_image_pixels=args.max_image_pixels)
     elif args.what == "zeroshot":
         runner.run_zeroshot_cli(args.checkpoint, args.data, args.out, classnames=args.classnames,
                                 templates=args.templates, batch_size=args.batch_size,
                                 workers=args.workers, device=args.device, alpha=args.alpha,
-                                progress=not args.no_progress)
+                                progress=not args.no_progress,
+                                max_image_pixels=args.max_image_pixels)
     else:
         if not args.retrieval and not args.zeroshot:
             raise ConfigError("eval compare: give --retrieval and/or --zeroshot")
@@ -87,7 +90,8 @@ def run_eval(args) -> int:
                                    zeroshot=args.zeroshot, classnames=args.classnames,
                                    templates=args.templates, max_samples=args.max_samples,
                                    batch_size=args.batch_size, workers=args.workers,
-                                   device=args.device, progress=not args.no_progress)
+                                   device=args.device, progress=not args.no_progress,
+                                   max_image_pixels=args.max_image_pixels)
     return 0
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from vlcontrast.cli.environment import check_counts, prepare_environment
+from vlcontrast.cli.environment import add_max_image_pixels, check_counts, prepare_environment
 from vlcontrast.errors import ConfigError
 
 
@@ -53,6 +53,7 @@ def register(sub) -> None:
                        help="transparent images: white composites them on white, as in training (default); drop "
                            "throws the alpha channel away with convert(\"RGB\"), as open_clip, "
                            "CLIP_benchmark and transformers do")
+        add_max_image_pixels(p)
     classify_cmd.set_defaults(func=run_classify)
     embed_cmd.set_defaults(func=run_embed)
 
@@ -82,7 +83,8 @@ def run_classify(args) -> int:
     result = classify(bundle.model, bundle.preprocess_val, bundle.tokenizer, paths, labels,
                       templates=templates, top_k=args.top_k, device=device,
                       batch_size=args.batch_size, workers=args.workers,
-                      progress=not args.no_progress, alpha=args.alpha)
+                      progress=not args.no_progress, alpha=args.alpha,
+                      max_image_pixels=args.max_image_pixels)
     print(format_classification(result, as_json=args.json))
     if result.transparent or args.alpha != "white":  # nothing to say for opaque images as trained
         print(f"vlcontrast classify: "
@@ -134,7 +136,8 @@ def run_embed(args) -> int:
         embeddings = embed_texts(bundle.model, bundle.tokenizer, texts, **common)
     else:
         embeddings = embed_images(bundle.model, bundle.preprocess_val, paths=paths, shards=shards,
-                                  workers=args.workers, alpha=args.alpha, **common)
+                                  workers=args.workers, alpha=args.alpha,
+                                  max_image_pixels=args.max_image_pixels, **common)
         from vlcontrast.data.samples import alpha_summary
 
         if embeddings.transparent or args.alpha != "white":
@@ -151,14 +154,16 @@ def run_embed(args) -> int:
 
 def skipped_line(embeddings, limit: int = 3) -> str:
     """``skipped 1 of 6 images (undecodable_image: 1): a.png`` (the first ``limit`` named; shards'
-    samples have no file to name)."""
-    from vlcontrast.data.samples import skipped_summary
+    samples have no file to name), ending in the ``--max-image-pixels`` hint after decompression
+    bombs."""
+    from vlcontrast.data.samples import pixels_hint, skipped_summary
 
+    pixels = getattr(embeddings, "max_image_pixels", None)
     if not embeddings.skipped:
         why = ", ".join(f"{reason}: {n}" for reason, n in sorted(embeddings.reasons.items()))
-        return f"skipped unreadable images ({why})"
+        return f"skipped unreadable images ({why}){pixels_hint(embeddings.reasons, pixels)}"
     return skipped_summary(len(embeddings.skipped), len(embeddings.ids) + len(embeddings.skipped),
-                           embeddings.reasons, embeddings.skipped, limit)
+                           embeddings.reasons, embeddings.skipped, limit, max_image_pixels=pixels)
 
 
 SPEC_MARKS = ("{", "*", "?", "[", "::", ",", "@")

@@ -59,7 +59,8 @@ def register(sub) -> None:
     cc3m.add_argument("--user-agent-token", default=CC3M_SETTINGS["user_agent_token"])
     cc3m.add_argument("--overwrite", action="store_true",
                       help="delete earlier shards instead of resuming")
-    from vlcontrast.data.prep.writer import DEFAULT_IMAGE_SIZE, DEFAULT_QUALITY, MAX_IMAGE_PIXELS
+    from vlcontrast.cli.environment import add_max_image_pixels
+    from vlcontrast.data.prep.writer import DEFAULT_IMAGE_SIZE, DEFAULT_QUALITY
 
     def add_image_options(p, shard_size: int):
         p.add_argument("--image-size", type=int, default=DEFAULT_IMAGE_SIZE,
@@ -68,9 +69,7 @@ def register(sub) -> None:
                        choices=("keep_ratio", "keep_ratio_largest", "center_crop", "no"))
         p.add_argument("--encode-quality", type=int, default=DEFAULT_QUALITY, help="JPEG quality")
         p.add_argument("--shard-size", type=int, default=shard_size, help="samples per shard")
-        p.add_argument("--max-image-pixels", type=int, default=MAX_IMAGE_PIXELS,
-                       help="larger images are skipped as decompression bombs (PIL's limit; "
-                       "raise it for huge clip art, memory permitting)")
+        add_max_image_pixels(p)
 
     def add_writer_options(p):
         p.add_argument("--workers", type=int, default=None, help="processes (default: all CPUs)")

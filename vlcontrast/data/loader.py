@@ -266,7 +266,8 @@ class TrainLoader:
         examined = self._base_examined + sum(self._epoch_examined)
         if not final and examined < MIN_EXAMINED_FOR_RATE:
             return
-        error = bad_rate_error(self.bad_samples, examined, self._stream.max_bad_fraction, where)
+        error = bad_rate_error(self.bad_samples, examined, self._stream.max_bad_fraction, where,
+                               getattr(self._stream, "max_image_pixels", None))
         if error is not None:
             raise error
 

@@ -267,15 +267,29 @@ def alpha_summary(transparent: int, total: int, alpha: str) -> str:
     return f"{transparent} of {total} images had transparency; --alpha {alpha}: {rule}"
 
 
+def pixels_hint(reasons: dict[str, int], max_image_pixels: int | None,
+                option: str = "--max-image-pixels") -> str:
+    """``; raise --max-image-pixels (now 89,478,485) if you trust these files`` when ``reasons``
+    count ``decompression_bomb`` skips and the limit is known, else ``""``; ``option``: how the
+    limit is set (``data.max_image_pixels`` in training)."""
+    if not reasons.get("decompression_bomb") or max_image_pixels is None:
+        return ""
+    return f"; raise {option} (now {max_image_pixels:,}) if you trust these files"
+
+
 def skipped_summary(skipped: int, total: int, reasons: dict[str, int],
-                    names: Sequence[str] = (), limit: int = 3) -> str:
+                    names: Sequence[str] = (), limit: int = 3, *,
+                    max_image_pixels: int | None = None, option: str = "--max-image-pixels",
+                    noun: str = "images") -> str:
     """The line the commands print for skipped images: ``skipped 2 of 10 images
-    (undecodable_image: 2): a.png, b.jpg`` (the first ``limit`` of ``names``, when given)."""
+    (undecodable_image: 2): a.png, b.jpg`` (the first ``limit`` of ``names``, when given), ending
+    in :func:`pixels_hint` when ``max_image_pixels`` is given."""
     why = ", ".join(f"{reason}: {n}" for reason, n in sorted(reasons.items()))
     shown = ", ".join(str(name) for name in names[:limit])
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return (f"skipped {skipped} of {total} images" + (f" ({why})" if why else "")
-            + (f": {shown}{more}" if shown else ""))
+    return (f"skipped {skipped} of {total} {noun}" + (f" ({why})" if why else "")
+            + (f": {shown}{more}" if shown else "")
+            + pixels_hint(reasons, max_image_pixels, option))
 
 
 def decode_image(image_bytes: bytes, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
@@ -388,9 +402,11 @@ def bad_items(counts: dict[str, int]) -> int:
     return sum(counts.get(r, 0) for r in SAMPLE_REASONS if r != "missing_samples")
 
 
-def bad_rate_error(bad: dict[str, int], examined: int, max_bad_fraction: float, where: str
-                   ) -> LoaderError | None:
-    """The error to raise when the bad-sample rate exceeds the limit, else None."""
+def bad_rate_error(bad: dict[str, int], examined: int, max_bad_fraction: float, where: str,
+                   max_image_pixels: int | None = None) -> LoaderError | None:
+    """The error to raise when the bad-sample rate exceeds the limit, else None; with
+    ``max_image_pixels`` (``data.max_image_pixels``) it ends in :func:`pixels_hint` when images
+    were skipped as ``decompression_bomb``."""
     bad_total = sum(bad.get(r, 0) for r in SAMPLE_REASONS)
     denominator = examined + bad.get("missing_samples", 0)
     if denominator <= 0 or bad_total / denominator <= max_bad_fraction:
@@ -406,4 +422,4 @@ def bad_rate_error(bad: dict[str, int], examined: int, max_bad_fraction: float, 
         f"{where}: {bad_total} of {denominator} samples were bad ({bad_total / denominator:.1%} > "
         f"data.max_bad_fraction={max_bad_fraction:.1%}); reasons {detail}. The shards look "
         "damaged or are not image/caption webdataset shards; fix them or raise "
-        "data.max_bad_fraction")
+        "data.max_bad_fraction" + pixels_hint(bad, max_image_pixels, "data.max_image_pixels"))

@@ -125,6 +125,8 @@ class Tally:
     good: int = 0
     fallbacks: dict[str, int] = field(default_factory=dict)
     """Images decoded on the CPU under ``data.decode=gpu``, per reason (not bad samples)."""
+    max_image_pixels: int | None = None
+    """``data.max_image_pixels``, named in the error when images were decompression bombs."""
 
     @property
     def examined(self) -> int:
@@ -133,7 +135,8 @@ class Tally:
     def bad(self, reason: str) -> None:
         count(self.counts, reason)
         if self.examined >= MIN_EXAMINED_FOR_RATE:
-            error = bad_rate_error(self.counts, self.examined, self.max_bad_fraction, self.where)
+            error = bad_rate_error(self.counts, self.examined, self.max_bad_fraction, self.where,
+                                   self.max_image_pixels)
             if error is not None:
                 raise error
 
@@ -429,7 +432,7 @@ class SlotStream(IterableDataset):
             # their own copy of it, which the main process's assignment never reaches.
             self.preprocess.epoch = self.epoch
         tally = Tally(f"data (rank {self.rank}, worker {worker}, epoch {self.epoch})",
-                      self.max_bad_fraction)
+                      self.max_bad_fraction, max_image_pixels=self.max_image_pixels)
         fresh = skip_replayed(number(self.rows(worker, tally.counts)), position)
         samples = decode(fresh, self.shard_set, tally, preprocess=self.preprocess,
                          max_image_pixels=self.max_image_pixels, cache=self.cache,

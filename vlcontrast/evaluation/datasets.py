@@ -359,12 +359,13 @@ def build_retrieval_loader(shards: str | Sequence[str], preprocess, *, batch_siz
 
 
 def build_image_shards_loader(shards: str | Sequence[str], preprocess, *, batch_size: int,
-                              workers: int = 0, alpha: str = TRAINING_ALPHA) -> EvalLoader:
+                              workers: int = 0, alpha: str = TRAINING_ALPHA,
+                              max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> EvalLoader:
     """The images of shards, one process: batches ``(images or None, sample keys list[str],
     global keys [B], skipped)``, in the order loader workers hand them over (the global keys give
     the dataset order back); captions are not needed."""
     paths = resolve_shards(shards)
-    dataset = TarEvalDataset(paths, ImageDecoder(preprocess, alpha=alpha))
+    dataset = TarEvalDataset(paths, ImageDecoder(preprocess, max_image_pixels, alpha=alpha))
     name = shards if isinstance(shards, str) else ",".join(shards)
     return EvalLoader(_loader(dataset, batch_size, workers, collate_retrieval),
                       planned_batches(dataset, known_shard_sizes(paths), batch_size, workers),
@@ -381,11 +382,13 @@ def planned_batches(dataset: TarEvalDataset, sizes: Sequence[int] | None, batch_
 
 
 def build_image_files_loader(paths: Sequence[str | os.PathLike], preprocess, *, batch_size: int,
-                             workers: int = 0, alpha: str = TRAINING_ALPHA) -> EvalLoader:
+                             workers: int = 0, alpha: str = TRAINING_ALPHA,
+                             max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> EvalLoader:
     """Image files in the given order, one process: batches ``(images or None, labels (all 0),
     keys [B] = positions in ``paths``, skipped)``; unreadable files are skipped and counted as
     zero-shot evaluation counts them."""
-    dataset = FolderEvalDataset([(str(path), 0) for path in paths], preprocess, 0, 1, alpha)
+    dataset = FolderEvalDataset([(str(path), 0) for path in paths], preprocess, 0, 1, alpha,
+                                max_image_pixels)
     return EvalLoader(_loader(dataset, batch_size, workers, collate_classification),
                       -(-len(dataset) // batch_size), "image files")
 
@@ -575,9 +578,10 @@ class FolderEvalDataset(Dataset):
     """This rank's samples of an ImageFolder (every ``world_size``-th file), as ``(key, decoded)``."""
 
     def __init__(self, samples: Sequence[tuple[str, int]], preprocess, rank: int, world_size: int,
-                 alpha: str = TRAINING_ALPHA):
+                 alpha: str = TRAINING_ALPHA, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
         self.indices = list(range(rank, len(samples), world_size))
         self.samples, self.preprocess, self.alpha = samples, preprocess, alpha
+        self.max_image_pixels = max_image_pixels
 
     def __len__(self):
         return len(self.indices)
@@ -590,7 +594,7 @@ class FolderEvalDataset(Dataset):
                 image_bytes = handle.read()
         except OSError:
             return index, "undecodable_image"
-        image = transformed_image(image_bytes, self.preprocess, DEFAULT_MAX_IMAGE_PIXELS,
+        image = transformed_image(image_bytes, self.preprocess, self.max_image_pixels,
                                   self.alpha)
         if isinstance(image, str):
             return index, image  # skipped and counted under the training loader's name
@@ -598,14 +602,16 @@ class FolderEvalDataset(Dataset):
 
 
 def build_zeroshot_loader(data: ZeroShotData, preprocess, *, batch_size: int, workers: int = 0,
-                          rank: int = 0, world_size: int = 1,
-                          alpha: str = TRAINING_ALPHA) -> EvalLoader:
+                          rank: int = 0, world_size: int = 1, alpha: str = TRAINING_ALPHA,
+                          max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> EvalLoader:
     if data.kind == "wds":
-        dataset = TarEvalDataset(data.shards, ClassificationDecoder(preprocess, alpha=alpha),
+        dataset = TarEvalDataset(data.shards,
+                                 ClassificationDecoder(preprocess, max_image_pixels, alpha=alpha),
                                  rank=rank, world_size=world_size)
         return EvalLoader(_loader(dataset, batch_size, workers, collate_classification),
                           planned_batches(dataset, known_shard_sizes(data.shards), batch_size,
                                           workers), data.root)
-    dataset = FolderEvalDataset(data.samples, preprocess, rank, world_size, alpha)
+    dataset = FolderEvalDataset(data.samples, preprocess, rank, world_size, alpha,
+                                max_image_pixels)
     return EvalLoader(_loader(dataset, batch_size, workers, collate_classification),
                       -(-len(dataset) // batch_size), data.root)

@@ -12,7 +12,7 @@ more than one batch at a collective, however unevenly the data splits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 import torch
@@ -109,6 +109,7 @@ class RetrievalEmbeddings:
     first_caption: torch.Tensor    # [N_images] index of each image's first caption
     skipped: int                   # samples that could not be decoded (all ranks)
     transparent: int = 0           # images that had transparency (all ranks)
+    reasons: dict[str, int] = field(default_factory=dict)   # skipped samples per reason (all ranks)
 
 
 RetrievalBatch = tuple  # (image features [B, D] or None, captions list[list[str]], keys [B], skipped)
@@ -154,9 +155,12 @@ def embed_retrieval(model, preprocess, tokenizer, loader, *, device, progress=Fa
                                           progress=progress, total_batches=total_batches)
     image_parts, key_parts, text_parts, text_key_parts, text_pos_parts = [], [], [], [], []
     skipped = transparent = 0
+    reasons: dict[str, int] = {}
     for features, captions, keys, batch_skipped in encoded:
         skipped += int(batch_skipped)
         transparent += getattr(batch_skipped, "transparent", 0)
+        for reason, n in getattr(batch_skipped, "reasons", {}).items():
+            reasons[reason] = reasons.get(reason, 0) + n
         if features is None:
             continue
         image_parts.append(features)
@@ -181,12 +185,15 @@ def embed_retrieval(model, preprocess, tokenizer, loader, *, device, progress=Fa
     text_keys, text_features = text_keys[order], text_features[order]
     text_to_image = torch.searchsorted(image_keys, text_keys)
     first_caption = torch.searchsorted(text_to_image, torch.arange(image_keys.shape[0]))
-    totals = torch.tensor([skipped, transparent], device=torch.device(device))
+    named = [] if get_world_size() == 1 else list(READ_REASONS)
+    totals = torch.tensor([skipped, transparent, *(reasons.get(r, 0) for r in named)],
+                          device=torch.device(device))
     if get_world_size() > 1:
         dist.all_reduce(totals)
-    skipped, transparent = totals.tolist()
+        reasons = {r: int(n) for r, n in zip(named, totals[2:].tolist()) if n}
+    skipped, transparent = totals[:2].tolist()
     return RetrievalEmbeddings(image_features, image_keys, text_features, text_to_image,
-                               first_caption, int(skipped), int(transparent))
+                               first_caption, int(skipped), int(transparent), reasons)
 
 
 @torch.no_grad()

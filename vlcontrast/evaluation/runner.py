@@ -20,6 +20,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from vlcontrast.data.samples import DEFAULT_MAX_IMAGE_PIXELS
 from vlcontrast.distributed import all_gather_variable, get_rank, get_world_size
 from vlcontrast.errors import ConfigError
 from vlcontrast.evaluation.datasets import (ZeroShotData, build_retrieval_loader,
@@ -72,7 +73,8 @@ def evaluate_retrieval(model, preprocess, tokenizer, shards: str | Sequence[str]
                        max_samples: int = 0, logit_scale: float | None = None,
                        chunk_size: int = 4096, progress: bool = True,
                        members=None, image_cache: str | Path | None = None,
-                       alpha: str | None = None) -> dict:
+                       alpha: str | None = None, max_image_pixels: int | None = None,
+                       report: dict | None = None) -> dict:
     """Image-text retrieval on webdataset shards (see ``datasets.py`` for layouts).
 
     ``logit_scale`` is the multiplier for the validation loss (already exponentiated); by default
@@ -93,6 +95,10 @@ def evaluate_retrieval(model, preprocess, tokenizer, shards: str | Sequence[str]
     result also holds ``num_transparent`` (images that had transparency) and the image cache is
     not used. None: ``white``, the training rule, and the result as the trainer logs it.
 
+    ``max_image_pixels``: images with more pixels are skipped as ``decompression_bomb`` (None:
+    PIL's limit; given, the image cache is not used). ``report``: a dict that receives
+    ``reasons`` (skipped samples per reason; not filled from an image cache).
+
     Returns ``retrieval_metrics`` keys plus ``val_loss``, ``val_loss_batch_size``, ``num_skipped``.
     """
     rank, world = get_rank(), get_world_size()
@@ -101,9 +107,10 @@ def evaluate_retrieval(model, preprocess, tokenizer, shards: str | Sequence[str]
     members = members or DEFAULT_MEMBERS
     loader = build_retrieval_loader(shards, preprocess, batch_size=batch_size, workers=workers,
                                     rank=rank, world_size=world, max_samples=max_samples,
-                                    members=members, alpha=alpha or TRAINING_ALPHA)
+                                    members=members, alpha=alpha or TRAINING_ALPHA,
+                                    max_image_pixels=max_image_pixels or DEFAULT_MAX_IMAGE_PIXELS)
     with _eval_mode(model):
-        if image_cache and world == 1 and alpha is None:
+        if image_cache and world == 1 and alpha is None and max_image_pixels is None:
             from vlcontrast.evaluation.datasets import resolve_shards
             from vlcontrast.evaluation.embed import encode_retrieval_images
             from vlcontrast.evaluation.image_cache import cached_retrieval_images, retrieval_key
@@ -126,14 +133,19 @@ def evaluate_retrieval(model, preprocess, tokenizer, shards: str | Sequence[str]
             embeddings = embed_retrieval(model, preprocess, tokenizer, loader.loader,
                                          device=device, progress=progress,
                                          total_batches=loader.num_batches)
+            if report is not None:
+                report.update(reasons=embeddings.reasons)
         scale = logit_scale if logit_scale is not None else _model_logit_scale(model)
 
     def compute():
         if embeddings.image_features.shape[0] == 0:
+            from vlcontrast.data.samples import pixels_hint
+
             raise ConfigError(f"no decodable retrieval samples in {loader.name!r} "
                              f"({embeddings.skipped} skipped); `vlcontrast prep check` names the "
                              "reasons; captions or images under other members need "
-                             "data.caption_key / data.image_key (eval retrieval --caption-key)")
+                             "data.caption_key / data.image_key (eval retrieval --caption-key)"
+                             f"{pixels_hint(embeddings.reasons, max_image_pixels)}")
         compute_device = torch.device(device)
         images = embeddings.image_features.to(compute_device)
         texts = embeddings.text_features.to(compute_device)
@@ -155,7 +167,7 @@ def evaluate_zeroshot(model, preprocess, tokenizer, data_dir, classnames=None,
                       templates=None, *, batch_size: int = 256, workers: int = 4, device="cpu",
                       split: str = "test", progress: bool = True,
                       image_cache: str | Path | None = None, alpha: str | None = None,
-                      report: dict | None = None) -> dict:
+                      report: dict | None = None, max_image_pixels: int | None = None) -> dict:
     """Zero-shot classification of an ImageNet val dir, an ImageFolder or a CLIP_benchmark wds set.
 
     ``data_dir``: a directory, or its :class:`~vlcontrast.evaluation.datasets.ZeroShotData`
@@ -174,6 +186,9 @@ def evaluate_zeroshot(model, preprocess, tokenizer, data_dir, classnames=None,
     skipped images' paths, in the data's order; folders only: shards' samples have no file);
     not filled from an image cache.
 
+    ``max_image_pixels``: images with more pixels are skipped as ``decompression_bomb`` (None:
+    PIL's limit; given, the image cache is not used).
+
     Returns ``top1``, ``top5``, ``mean_per_class_recall``, ``num_images``, ``num_classes``,
     ``num_templates``, ``num_skipped``.
     """
@@ -190,7 +205,9 @@ def evaluate_zeroshot(model, preprocess, tokenizer, data_dir, classnames=None,
     def embed() -> tuple[torch.Tensor, torch.Tensor, int]:
         loader = build_zeroshot_loader(data, preprocess, batch_size=batch_size, workers=workers,
                                        rank=rank, world_size=world,
-                                       alpha=alpha or TRAINING_ALPHA)
+                                       alpha=alpha or TRAINING_ALPHA,
+                                       max_image_pixels=max_image_pixels
+                                       or DEFAULT_MAX_IMAGE_PIXELS)
         keys, features, labels, skipped = embed_labelled_images(
             model, preprocess, loader.loader, device=device, progress=progress,
             total_batches=loader.num_batches, counts=counts)
@@ -206,7 +223,7 @@ def evaluate_zeroshot(model, preprocess, tokenizer, data_dir, classnames=None,
                                           data.templates, device=device, batch_size=batch_size,
                                           progress=progress, synchronize=True)
         classifier = all_gather_variable(local.t().contiguous()).t().contiguous()
-        if image_cache and world == 1 and alpha is None:
+        if image_cache and world == 1 and alpha is None and max_image_pixels is None:
             from vlcontrast.evaluation.image_cache import cache_key, cached_image_features
 
             key = cache_key(clip, data, preprocess, batch_size=batch_size, dtype=model_dtype(clip))
@@ -220,7 +237,10 @@ def evaluate_zeroshot(model, preprocess, tokenizer, data_dir, classnames=None,
     # Every rank holds all features (gathered above); each scores every world-th image and
     # torchmetrics sums the counts over the ranks.
     if features.shape[0] == 0:
-        raise ConfigError(f"no decodable images in {data_dir!r}")
+        from vlcontrast.data.samples import pixels_hint
+
+        raise ConfigError(f"no decodable images in {data_dir!r}"
+                          f"{pixels_hint(counts.get('reasons', {}), max_image_pixels)}")
     if int(labels.min()) < 0 or int(labels.max()) >= num_classes:  # same on every rank
         raise ConfigError(f"{data_dir}: an image has label {int(labels.max())} but there are "
                          f"{num_classes} class names; give one class name per label")
@@ -309,14 +329,31 @@ def _report_alpha(task: str, metrics: dict, alpha: str) -> None:
               file=sys.stderr, flush=True)
 
 
+def _report_skipped(task: str, metrics: dict, report: dict, max_image_pixels: int,
+                    noun: str = "images") -> None:
+    """``vlcontrast eval TASK: skipped 2 of 10 images (...)`` on stderr (rank 0), when any were."""
+    import sys
+
+    from vlcontrast.data.samples import skipped_summary
+
+    skipped = metrics["num_skipped"]
+    if skipped and get_rank() == 0:
+        line = skipped_summary(skipped, metrics["num_images"] + skipped,
+                               report.get("reasons", {}), report.get("skipped", []),
+                               max_image_pixels=max_image_pixels, noun=noun)
+        print(f"vlcontrast eval {task}: {line}", file=sys.stderr, flush=True)
+
+
 def run_retrieval_cli(checkpoint, data, out=None, batch_size: int = 256, workers: int = 4,
                       max_samples: int = 0, device: str | None = None, image_key: str = "",
-                      caption_key: str = "", alpha: str = "white", progress: bool = True) -> dict:
+                      caption_key: str = "", alpha: str = "white", progress: bool = True,
+                      max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> dict:
     """``vlcontrast eval retrieval``: load CKPT (run dir -> latest), evaluate, write ``out`` JSON.
     ``image_key``/``caption_key``: as ``data.image_key``/``data.caption_key`` (empty: default).
     ``alpha``: the transparency rule (:data:`~vlcontrast.data.samples.ALPHA_RULES`); how many
     images had transparency is printed and recorded (``num_transparent``). ``progress``: the
-    progress bars (plain lines in a log)."""
+    progress bars (plain lines in a log). ``max_image_pixels``: larger images are skipped as
+    ``decompression_bomb``; skipped samples are counted on stderr."""
     from vlcontrast.data.samples import Members, check_alpha
     from vlcontrast.data.spec import check_spec
 
@@ -329,11 +366,14 @@ def run_retrieval_cli(checkpoint, data, out=None, batch_size: int = 256, workers
         check_spec("--data", data)
     device = _setup_device(device)
     folder, bundle = _load(checkpoint, device)
+    report: dict = {}
     metrics = evaluate_retrieval(bundle.model, bundle.preprocess_val, bundle.tokenizer, data,
                                  batch_size=batch_size, workers=workers, device=device,
                                  max_samples=max_samples, members=members, alpha=alpha,
-                                 progress=progress)
+                                 progress=progress, max_image_pixels=max_image_pixels,
+                                 report=report)
     _report_alpha("retrieval", metrics, alpha)
+    _report_skipped("retrieval", metrics, report, max_image_pixels, noun="samples")
     return _write_record("retrieval", folder, bundle, data, metrics, out,
                          {"num_texts": metrics["num_texts"], "batch_size": batch_size,
                           "max_samples": max_samples, "alpha": alpha})
@@ -341,10 +381,11 @@ def run_retrieval_cli(checkpoint, data, out=None, batch_size: int = 256, workers
 
 def run_zeroshot_cli(checkpoint, data, out=None, classnames=None, templates=None,
                      batch_size: int = 256, workers: int = 4, device: str | None = None,
-                     alpha: str = "white", progress: bool = True) -> dict:
+                     alpha: str = "white", progress: bool = True,
+                     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> dict:
     """``vlcontrast eval zeroshot``: load CKPT, classify ``data`` zero-shot, write ``out`` JSON;
-    skipped images are named on stderr (the first three). ``alpha``, ``progress``: as for
-    :func:`run_retrieval_cli`."""
+    skipped images are named on stderr (the first three). ``alpha``, ``progress``,
+    ``max_image_pixels``: as for :func:`run_retrieval_cli`."""
     from vlcontrast.data.samples import check_alpha
 
     alpha = check_alpha(alpha)
@@ -354,17 +395,10 @@ def run_zeroshot_cli(checkpoint, data, out=None, classnames=None, templates=None
     report: dict = {}
     metrics = evaluate_zeroshot(bundle.model, bundle.preprocess_val, bundle.tokenizer, resolved,
                                 batch_size=batch_size, workers=workers, device=device,
-                                alpha=alpha, progress=progress, report=report)
+                                alpha=alpha, progress=progress, report=report,
+                                max_image_pixels=max_image_pixels)
     _report_alpha("zeroshot", metrics, alpha)
-    if metrics["num_skipped"] and get_rank() == 0:
-        import sys
-
-        from vlcontrast.data.samples import skipped_summary
-
-        skipped = metrics["num_skipped"]
-        line = skipped_summary(skipped, metrics["num_images"] + skipped,
-                               report.get("reasons", {}), report.get("skipped", []))
-        print(f"vlcontrast eval zeroshot: {line}", file=sys.stderr, flush=True)
+    _report_skipped("zeroshot", metrics, report, max_image_pixels)
     return _write_record("zeroshot", folder, bundle, data, metrics, out,
                          {"classnames": str(classnames) if classnames else None,
                           "templates": str(templates) if templates else None,
@@ -392,7 +426,8 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
 def compare_checkpoints(checkpoints: Sequence[str], out, *, retrieval: str = "",
                         zeroshot: str = "", classnames=None, templates=None,
                         max_samples: int = 0, batch_size: int = 256, workers: int = 4,
-                        device: str | None = None, progress: bool = True) -> str:
+                        device: str | None = None, progress: bool = True,
+                        max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> str:
     """``vlcontrast eval compare``: evaluate every checkpoint on the same data.
 
     Writes ``OUT/<n>_<task>.json`` per checkpoint and task, ``OUT/comparison.json`` and
@@ -423,12 +458,12 @@ def compare_checkpoints(checkpoints: Sequence[str], out, *, retrieval: str = "",
         if retrieval:
             record = run_retrieval_cli(checkpoint, retrieval, out / f"{index}_retrieval.json",
                                        batch_size, workers, max_samples, device,
-                                       progress=progress)
+                                       progress=progress, max_image_pixels=max_image_pixels)
             row.update({f"retrieval/{k}": v for k, v in record["metrics"].items()})
         if zeroshot:
             record = run_zeroshot_cli(checkpoint, zeroshot, out / f"{index}_zeroshot.json",
                                       classnames, templates, batch_size, workers, device,
-                                      progress=progress)
+                                      progress=progress, max_image_pixels=max_image_pixels)
             row.update({f"zeroshot/{k}": v for k, v in record["metrics"].items()})
         rows.append(row)
     table = markdown_table(rows, columns)

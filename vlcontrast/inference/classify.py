@@ -16,6 +16,7 @@ from typing import Sequence
 
 import torch
 
+from vlcontrast.data.samples import DEFAULT_MAX_IMAGE_PIXELS
 from vlcontrast.errors import ConfigError
 
 DEFAULT_TEMPLATES = ("itap of a {c}.", "a bad photo of the {c}.", "a origami {c}.",
@@ -63,6 +64,7 @@ class Classification:
     reasons: dict[str, int]
     alpha: str = "white"            # the transparency rule the images were read with
     transparent: int = 0            # read images that had transparency
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS   # the limit the images were read under
 
     def to_dict(self) -> dict:
         return {
@@ -86,9 +88,10 @@ class Classification:
 def classify(model, preprocess, tokenizer, paths: Sequence[Path], labels: Sequence[str], *,
              templates: Sequence[str] = DEFAULT_TEMPLATES, top_k: int = 5, device="cpu",
              batch_size: int = 64, workers: int = 0, progress: bool = True,
-             alpha: str = "white") -> Classification:
+             alpha: str = "white", max_image_pixels: int | None = None) -> Classification:
     """Classify the images at ``paths`` among ``labels`` (see the module docstring); ``alpha``:
-    the transparency rule (:data:`~vlcontrast.data.samples.ALPHA_RULES`)."""
+    the transparency rule (:data:`~vlcontrast.data.samples.ALPHA_RULES`); images of more than
+    ``max_image_pixels`` pixels (None: PIL's limit) are skipped as ``decompression_bomb``."""
     from vlcontrast.data.samples import check_alpha
 
     from vlcontrast.evaluation.datasets import check_templates
@@ -105,7 +108,8 @@ def classify(model, preprocess, tokenizer, paths: Sequence[Path], labels: Sequen
     classifier = build_zeroshot_classifier(model, tokenizer, list(labels), templates,
                                            device=device, batch_size=batch_size)
     images = embed_image_files(model, preprocess, paths, device=device, batch_size=batch_size,
-                               workers=workers, progress=progress, alpha=alpha)
+                               workers=workers, progress=progress, alpha=alpha,
+                               max_image_pixels=max_image_pixels or DEFAULT_MAX_IMAGE_PIXELS)
     if not images.kept:
         raise ConfigError(f"none of the {len(paths)} images could be read ("
                           f"{skipped_summary(paths, images)}); check the files")
@@ -115,7 +119,7 @@ def classify(model, preprocess, tokenizer, paths: Sequence[Path], labels: Sequen
     top = probs.topk(min(top_k, len(labels)), dim=-1)
     return Classification(list(paths), list(labels), templates, images.kept, top.indices,
                           top.values, probs, images.skipped, images.reasons, alpha,
-                          images.transparent)
+                          images.transparent, images.max_image_pixels)
 
 
 def format_classification(result: Classification, as_json: bool = False) -> str:

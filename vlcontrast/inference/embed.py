@@ -26,6 +26,7 @@ class Embeddings:
     skipped: list[str] = field(default_factory=list)
     reasons: dict[str, int] = field(default_factory=dict)
     transparent: int = 0            # images that had transparency (texts: 0)
+    max_image_pixels: int | None = None   # the limit images were read under (texts: None)
 
 
 def ids_path(out: str | os.PathLike) -> Path:
@@ -158,39 +159,46 @@ def embed_texts(model, tokenizer, texts: Sequence[str], *, device="cpu", batch_s
 @torch.no_grad()
 def embed_images(model, preprocess, *, paths: Sequence[Path] | None = None, shards=None,
                  device="cpu", batch_size: int = 256, workers: int = 0,
-                 progress: bool = True, alpha: str = "white") -> Embeddings:
+                 progress: bool = True, alpha: str = "white",
+                 max_image_pixels: int | None = None) -> Embeddings:
     """Encode image files (ids: their paths, in the given order) or the images of webdataset
     shards in the one shard grammar (ids: the samples' keys, in shard order then position in the
-    shard, whatever ``workers``). Unreadable images are skipped and counted; transparency
-    follows the rule ``alpha`` (:data:`~vlcontrast.data.samples.ALPHA_RULES`)."""
-    from vlcontrast.data.samples import check_alpha
+    shard, whatever ``workers``). Unreadable images are skipped and counted, as are images of
+    more than ``max_image_pixels`` pixels (None: PIL's limit); transparency follows the rule
+    ``alpha`` (:data:`~vlcontrast.data.samples.ALPHA_RULES`)."""
+    from vlcontrast.data.samples import DEFAULT_MAX_IMAGE_PIXELS, check_alpha, pixels_hint
     from vlcontrast.evaluation.embed import unwrap_model
 
     alpha = check_alpha(alpha)
+    pixels = max_image_pixels or DEFAULT_MAX_IMAGE_PIXELS
 
     model = unwrap_model(model)
     if paths is not None:
         from vlcontrast.inference.images import embed_image_files
 
         found = embed_image_files(model, preprocess, paths, device=device, batch_size=batch_size,
-                                  workers=workers, progress=progress, alpha=alpha)
+                                  workers=workers, progress=progress, alpha=alpha,
+                                  max_image_pixels=pixels)
         if not found.kept:
             raise ConfigError(f"--images: none of the {len(paths)} images could be read "
-                              f"({found.reasons}); check the files")
+                              f"({found.reasons}); check the files"
+                              f"{pixels_hint(found.reasons, pixels)}")
         return Embeddings(found.features.numpy(), [str(paths[i]) for i in found.kept],
                           [str(paths[i]) for i in found.skipped], found.reasons,
-                          found.transparent)
+                          found.transparent, pixels)
     return _embed_shard_images(model, preprocess, shards, device=device, batch_size=batch_size,
-                               workers=workers, progress=progress, alpha=alpha)
+                               workers=workers, progress=progress, alpha=alpha,
+                               max_image_pixels=pixels)
 
 
 def _embed_shard_images(model, preprocess, shards, *, device, batch_size, workers,
-                        progress, alpha) -> Embeddings:
+                        progress, alpha, max_image_pixels) -> Embeddings:
+    from vlcontrast.data.samples import pixels_hint
     from vlcontrast.evaluation.datasets import build_image_shards_loader
     from vlcontrast.evaluation.embed import encode_images, encode_in_lockstep, model_dtype
 
     loader = build_image_shards_loader(shards, preprocess, batch_size=batch_size, workers=workers,
-                                       alpha=alpha)
+                                       alpha=alpha, max_image_pixels=max_image_pixels)
     dtype = model_dtype(model)
     parts, ids, order, reasons, transparent = [], [], [], {}, 0
     for images, keys, positions, skipped in encode_in_lockstep(
@@ -205,11 +213,12 @@ def _embed_shard_images(model, preprocess, shards, *, device, batch_size, worker
             order.append(positions)  # (shard index, row in shard) as one number
     if not parts:
         raise ConfigError(f"--images {loader.name!r}: no readable image in these shards "
-                          f"({reasons}); check them with `vlcontrast prep check`")
+                          f"({reasons}); check them with `vlcontrast prep check`"
+                          f"{pixels_hint(reasons, max_image_pixels)}")
     # Loader workers hand batches over in turns: the rows go back to shard order at the end.
     rows = torch.argsort(torch.cat(order), stable=True)
     return Embeddings(torch.cat(parts)[rows].numpy(), [ids[i] for i in rows.tolist()], [],
-                      reasons, transparent)
+                      reasons, transparent, max_image_pixels)
 
 
 def _temporary(path: Path) -> Path:

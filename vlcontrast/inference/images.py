@@ -11,6 +11,7 @@ from typing import Sequence
 
 import torch
 
+from vlcontrast.data.samples import DEFAULT_MAX_IMAGE_PIXELS
 from vlcontrast.errors import ConfigError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
@@ -62,19 +63,21 @@ class ImageFeatures:
     skipped: list[int]                     # indices into paths of the unreadable images
     reasons: dict[str, int] = field(default_factory=dict)   # skipped images per reason
     transparent: int = 0                   # read images that had transparency
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS   # the limit they were read under
 
 
 @torch.no_grad()
 def embed_image_files(model, preprocess, paths: Sequence[Path], *, device, batch_size: int = 64,
-                      workers: int = 0, progress: bool = True,
-                      alpha: str = "white") -> ImageFeatures:
+                      workers: int = 0, progress: bool = True, alpha: str = "white",
+                      max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> ImageFeatures:
     """Encode image files in batches (a progress bar on a terminal, plain lines in a log);
-    transparency is treated by the rule ``alpha`` (:data:`~vlcontrast.data.samples.ALPHA_RULES`)."""
+    transparency is treated by the rule ``alpha`` (:data:`~vlcontrast.data.samples.ALPHA_RULES`);
+    images of more than ``max_image_pixels`` pixels are skipped as ``decompression_bomb``."""
     from vlcontrast.evaluation.datasets import build_image_files_loader
     from vlcontrast.evaluation.embed import embed_labelled_images
 
     loader = build_image_files_loader(paths, preprocess, batch_size=batch_size, workers=workers,
-                                      alpha=alpha)
+                                      alpha=alpha, max_image_pixels=max_image_pixels)
     reasons: dict[str, int] = {}
     counts: dict[str, int] = {}
 
@@ -90,14 +93,17 @@ def embed_image_files(model, preprocess, paths: Sequence[Path], *, device, batch
     kept = keys.tolist()
     kept_set = set(kept)
     skipped = [index for index in range(len(paths)) if index not in kept_set]
-    return ImageFeatures(features, kept, skipped, reasons, counts.get("transparent", 0))
+    return ImageFeatures(features, kept, skipped, reasons, counts.get("transparent", 0),
+                         max_image_pixels)
 
 
 def skipped_summary(paths: Sequence[Path], result: ImageFeatures, limit: int = 3) -> str:
-    """``skipped 2 of 10 images (undecodable_image: 2): a.png, b.jpg`` or an empty string."""
+    """``skipped 2 of 10 images (undecodable_image: 2): a.png, b.jpg`` (with the
+    ``--max-image-pixels`` hint after decompression bombs) or an empty string."""
     from vlcontrast.data.samples import skipped_summary as summary
 
     if not result.skipped:
         return ""
     return summary(len(result.skipped), len(paths), result.reasons,
-                   [str(paths[i]) for i in result.skipped], limit)
+                   [str(paths[i]) for i in result.skipped], limit,
+                   max_image_pixels=result.max_image_pixels)

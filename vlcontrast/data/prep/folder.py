@@ -175,8 +175,19 @@ def _sidecar_candidates(path: Path) -> list[Path]:
             path.with_name(path.name + ".txt"), path.with_name(path.name + ".json")]
 
 
+SIDECAR_KEYS = ("captions", "caption", "text")
+"""The keys of a ``.json`` sidecar a caption is read from, first present wins."""
+
+
 def read_sidecar(path: Path) -> list[str] | str:
     """Captions of an image's sidecar file, or a skip reason."""
+    return sidecar_captions(path)[0]
+
+
+def sidecar_captions(path: Path) -> tuple[list[str] | str, str]:
+    """``(captions or skip reason, what the report's example adds)``: for a ``.json`` sidecar
+    without a caption, which keys it has and which are read (``cat.json has keys title, url; a
+    caption is read from captions, caption or text``), else ``""``."""
     for candidate in _sidecar_candidates(path):
         if not candidate.is_file():
             continue
@@ -184,35 +195,47 @@ def read_sidecar(path: Path) -> list[str] | str:
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
-            return "caption_not_utf8"
+            return "caption_not_utf8", ""
         if candidate.suffix == ".json":
             try:
                 value = json.loads(text)
             except ValueError:
-                return "invalid_json"
+                return "invalid_json", ""
+            read = f"a caption is read from {', '.join(SIDECAR_KEYS[:-1])} or {SIDECAR_KEYS[-1]}"
+            found = ""
             if isinstance(value, dict):
-                value = value.get("captions", value.get("caption", value.get("text")))
+                found = next((key for key in SIDECAR_KEYS if key in value), "")
+                keys = list(value)
+                if not found:
+                    shown = ", ".join(map(str, keys[:8])) + (
+                        f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+                    return "missing_caption", (f"{candidate.name} has keys {shown}; {read}"
+                                               if keys else f"{candidate.name} has no keys; {read}")
+                value = value[found]
             if isinstance(value, str):
                 value = [value]
             if not isinstance(value, list):
-                return "missing_caption"
+                held = f"{candidate.name}'s {found}" if found else candidate.name
+                return "missing_caption", (f"{held} holds {json.dumps(value)[:40]}, not text or "
+                                           f"a list of texts; {read}")
             captions = [v.strip() for v in value if isinstance(v, str) and v.strip()]
         else:
             captions = [text.strip()] if text.strip() else []
-        return captions or "empty_caption"
-    return "missing_caption"
+        return (captions or "empty_caption"), ""
+    return "missing_caption", ""
 
 
 def _produce(job: ShardJob) -> Iterator[Any]:
     settings = job.settings
     for relative, payload in job.items:
         path = Path(settings["root"]) / relative
+        detail = ""
         if settings["caption_from"] == "sidecar":
-            captions = read_sidecar(path)
+            captions, detail = sidecar_captions(path)
         else:
             captions = payload
         if isinstance(captions, str):
-            yield Skip(captions, relative)
+            yield Skip(captions, f"{relative}: {detail}" if detail else relative)
             continue
         try:
             data = path.read_bytes()
