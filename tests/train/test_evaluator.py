@@ -100,10 +100,9 @@ def test_evaluation_runs_under_the_training_autocast(monkeypatch, precision, exp
     assert seen == [expected] and results == {"retrieval/text_to_image_R@1": 1.0}
 
 
-@pytest.mark.parametrize("progress", [True, False])
-def test_logging_progress_reaches_the_evaluations_progress(monkeypatch, progress):
-    """``logging.progress=false`` silenced the training steps only: the embedding passes of the
-    in-training evaluation were always shown (evaluate_* default to progress=True)."""
+def _seen_by_the_evaluations(monkeypatch, argument: str, **overrides) -> dict:
+    """What train() hands the in-training evaluations as ``argument`` (by task), given the config
+    ``overrides``: the loop stops as soon as it has made its Evaluator, which evaluates once."""
     import vlcontrast.evaluation as evaluation
     from tests.train.helpers import tiny_config
     from vlcontrast.train import loop
@@ -111,7 +110,7 @@ def test_logging_progress_reaches_the_evaluations_progress(monkeypatch, progress
     seen = {}
 
     def recorder(task):
-        return lambda *args, **kwargs: seen.update({task: kwargs["progress"]}) or {}
+        return lambda *args, **kwargs: seen.update({task: kwargs[argument]}) or {}
 
     monkeypatch.setattr(evaluation, "evaluate_retrieval", recorder("retrieval"))
     monkeypatch.setattr(evaluation, "evaluate_zeroshot", recorder("zeroshot"))
@@ -120,7 +119,8 @@ def test_logging_progress_reaches_the_evaluations_progress(monkeypatch, progress
         pass
 
     def evaluator(*args, **kwargs):
-        built = Evaluator(EvalConfig(retrieval="r.tar", zeroshot="z"), progress=kwargs["progress"])
+        built = Evaluator(EvalConfig(retrieval="r.tar", zeroshot="z"), progress=kwargs["progress"],
+                          max_image_pixels=kwargs["max_image_pixels"])
         built.evaluate(torch.nn.Linear(1, 1), SimpleNamespace(preprocess_val=None, tokenizer=None),
                        "cpu")
         raise Built
@@ -129,9 +129,26 @@ def test_logging_progress_reaches_the_evaluations_progress(monkeypatch, progress
     monkeypatch.setattr(loop, "StopSignal", lambda: None)  # this process keeps its handlers
     monkeypatch.setattr(loop.dist_utils, "init_distributed", lambda **kw: SimpleNamespace(
         device=torch.device("cpu")))
-    with pytest.raises(Built):  # the loop stops as soon as it has made its evaluator
-        loop.train(tiny_config("data", "run", logging__progress=progress))
+    with pytest.raises(Built):
+        loop.train(tiny_config("data", "run", **overrides))
+    return seen
+
+
+@pytest.mark.parametrize("progress", [True, False])
+def test_logging_progress_reaches_the_evaluations_progress(monkeypatch, progress):
+    """``logging.progress=false`` silenced the training steps only: the embedding passes of the
+    in-training evaluation were always shown (evaluate_* default to progress=True)."""
+    seen = _seen_by_the_evaluations(monkeypatch, "progress", logging__progress=progress)
     assert seen == {"retrieval": progress, "zeroshot": progress}
+
+
+@pytest.mark.parametrize("pixels,expected", [(None, None), (1000, 1000)])
+def test_data_max_image_pixels_reaches_the_evaluations(monkeypatch, pixels, expected):
+    """The in-training evaluations kept PIL's limit whatever data.max_image_pixels said; the
+    default still passes None (PIL's limit, and the image-feature cache stays on)."""
+    overrides = {"data__max_image_pixels": pixels} if pixels else {}
+    seen = _seen_by_the_evaluations(monkeypatch, "max_image_pixels", **overrides)
+    assert seen == {"retrieval": expected, "zeroshot": expected}
 
 
 def test_files_the_folder_holds_are_named_after_eval_zeroshot(tmp_path):

@@ -47,9 +47,12 @@ class Evaluator:
 
     def __init__(self, config: EvalConfig, *, val_shards: str = "", workers: int = 0,
                  precision: Precision = Precision(), members=None, image_cache_dir: str = "",
-                 progress: bool = True):
+                 progress: bool = True, max_image_pixels: int | None = None):
         self.config = config
         self.progress = progress
+        # data.max_image_pixels, when the run raised or lowered PIL's limit (None: PIL's); a
+        # set value also skips the image-feature cache, whose key does not hold the limit.
+        self.max_image_pixels = max_image_pixels
         # A frozen image tower shared by many runs (model.lock_image_features): the zero-shot
         # image features are kept in this folder between runs (evaluation/image_cache.py).
         self.image_cache_dir = image_cache_dir
@@ -114,7 +117,8 @@ class Evaluator:
                                                  workers=self.workers, device=device,
                                                  max_samples=config.max_samples,
                                                  members=self.members, progress=self.progress,
-                                                 image_cache=self._retrieval_cache())
+                                                 image_cache=self._retrieval_cache(),
+                                                 max_image_pixels=self.max_image_pixels)
                     results.update({f"retrieval/{k}": v for k, v in metrics.items()
                                     if isinstance(v, (int, float))})
                 if config.zeroshot:
@@ -125,7 +129,8 @@ class Evaluator:
                                                 batch_size=config.batch_size,
                                                 workers=self.workers, device=device,
                                                 progress=self.progress,
-                                                image_cache=self._image_cache())
+                                                image_cache=self._image_cache(),
+                                                max_image_pixels=self.max_image_pixels)
                     results.update({f"zeroshot/{k}": v for k, v in metrics.items()
                                     if isinstance(v, (int, float))})
         finally:

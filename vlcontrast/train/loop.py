@@ -77,7 +77,10 @@ def train(config: RunConfig) -> dict[str, Any]:
     evaluator = Evaluator(config.eval, val_shards=config.data.val, workers=config.data.workers,
                           precision=precision, progress=config.logging.progress,
                           members=Members.parse(config.data.image_key, config.data.caption_key),
-                          image_cache_dir=_image_cache_dir(config))
+                          image_cache_dir=_image_cache_dir(config),
+                          max_image_pixels=(None if config.data.max_image_pixels
+                                            == DataConfig().max_image_pixels
+                                            else config.data.max_image_pixels))
     resume_from = preflight(config, evaluator)
     device, dtype = env.device, precision.parameter_dtype
     if config.data.decode == "gpu":
