@@ -273,3 +273,11 @@ def test_warnings_keep_one_format_before_and_after_a_library_logs_through_the_ro
     assert done.stderr.splitlines()[-3:] == ["vlcontrast: warning: before",
                                              "warning: open_clip says",
                                              "vlcontrast: warning: after 3"], done.stderr
+
+
+@pytest.mark.parametrize("nproc", ["0", "-1"])
+def test_train_refuses_fewer_than_one_process(capsys, nproc):
+    """--nproc 0 and -1 ran as one process without a word."""
+    assert cli.main(["train", "--nproc", nproc, "train.steps=1"]) == 2
+    assert capsys.readouterr().err == (f"vlcontrast: error: --nproc {nproc}: must be >= 1 (the "
+                                       "local processes: 1, or one per GPU)\n")

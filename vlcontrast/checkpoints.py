@@ -285,7 +285,7 @@ def check_resume_config(path: Path | None, resume: str, current: dict[str, Any])
     (``current`` is the run's config as a nested dict). Another world size is resumed (ZeRO 0
     as it is, ZeRO 1-3 through a universal checkpoint, :func:`universal_resume`). A one-line
     ConfigError names the keys, both values and the fix."""
-    saved = _saved_config(path)
+    saved = saved_config(path)
     if path is None or saved is None:
         return
 
@@ -318,7 +318,7 @@ def _value(config: dict[str, Any], key: str) -> Any:
     return (config.get(section) or {}).get(name)
 
 
-def _saved_config(path: Path | None) -> dict[str, Any] | None:
+def saved_config(path: Path | None) -> dict[str, Any] | None:
     """The checkpoint's ``config.yaml`` as a dict, or None (none there, or unreadable: its state
     files are checked when they are loaded)."""
     import yaml
@@ -348,7 +348,7 @@ def universal_resume(path: Path | None, world_size: int) -> bool:
     """Whether resuming the checkpoint ``path`` with ``world_size`` ranks goes through a universal
     checkpoint: its ``config.yaml`` says ZeRO 1-3 (optimizer state partitioned by rank) and
     another number of ranks wrote it."""
-    saved = _saved_config(path)
+    saved = saved_config(path)
     if path is None or saved is None:
         return False
     written_by = written_by_ranks(path)

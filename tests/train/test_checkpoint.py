@@ -155,6 +155,25 @@ def test_a_finished_run_ends_by_saying_where_its_results_are(cli_run):
             f"--checkpoint {run})") in output.splitlines()
 
 
+def test_the_logged_lr_is_the_rate_the_step_used(cli_run):
+    """The record read the engine's rate after the scheduler had stepped: the next step's (with
+    warmup 2, step 1 logged the full rate it had not used, the last step 0)."""
+    import json
+
+    import yaml
+
+    from vlcontrast.train.optimizer import cosine_with_warmup
+
+    run, _, _ = cli_run
+    optim = yaml.safe_load((run / "config.yaml").read_text())["optim"]
+    factor = cosine_with_warmup(optim["warmup_steps"], 3, optim["min_lr"] / optim["lr"])
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    logged = {r["step"]: r["lr"] for r in records if "lr" in r}
+    assert sorted(logged) == [1, 2, 3]
+    assert logged == pytest.approx({s: optim["lr"] * factor(s - 1) for s in (1, 2, 3)})
+    assert logged[1] == pytest.approx(optim["lr"] / 2)  # warmup 2: half the rate at step 1
+
+
 def test_a_resumed_run_says_where_it_resumed_on_the_console(cli_run, tmp_path):
     """The resume used to be written to metrics.jsonl only; a resume of a finished run re-ran its
     final evaluation without a word."""

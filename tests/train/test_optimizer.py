@@ -149,8 +149,24 @@ def test_a_warmup_as_long_as_the_run_is_named_with_where_the_rate_ends():
 
     assert cosine_with_warmup(50, 40)(39) == pytest.approx(0.8)
     assert warmup_note(OptimConfig(lr=3e-3, warmup_steps=50), 40) == (
-        "optim.warmup_steps=50 is not shorter than the run's 40 steps: the learning rate rises "
-        "the whole run and ends at 80% of optim.lr=0.003; lower optim.warmup_steps (e.g. to 4)")
-    assert warmup_note(OptimConfig(warmup_steps=40), 40).startswith("optim.warmup_steps=40 is")
-    assert warmup_note(OptimConfig(warmup_steps=39), 40) == ""
+        "optim.warmup_steps=50 is longer than the run's 40 steps: the learning rate rises the "
+        "whole run and ends at 80% of optim.lr=0.003; lower optim.warmup_steps (e.g. to 4)")
+    assert warmup_note(OptimConfig(warmup_steps=41), 40).startswith("optim.warmup_steps=41 is")
+    assert warmup_note(OptimConfig(warmup_steps=40), 40) == ""  # the peak at the last step
     assert warmup_note(OptimConfig(warmup_steps=0), 1) == ""
+
+
+def test_a_resume_with_another_length_names_the_jump_of_the_rate():
+    """Raising train.steps at a resume (what "nothing left to train" suggests) laid the cosine out
+    anew without a word: at the end of a 10-step run the rate was 0, and step 11 of 14 trains at
+    a quarter of the peak."""
+    from vlcontrast.train.optimizer import cosine_with_warmup, schedule_change_note
+
+    optim = OptimConfig(lr=1e-3, warmup_steps=2)
+    now = 1e-3 * cosine_with_warmup(2, 14)(10)
+    assert now == pytest.approx(2.5e-4)
+    assert schedule_change_note(optim, 10, 14, 10) == (
+        "train.steps=14, the checkpoint's run had 10: the learning-rate schedule is laid out anew "
+        "over 14 steps, so step 11 trains at 0.00025 (the old schedule's rate there: 0)")
+    assert schedule_change_note(optim, 14, 14, 10) == ""  # the same run resumed
+    assert schedule_change_note(optim, 0, 14, 10) == ""   # an epochs run: no step count saved

@@ -28,3 +28,24 @@ def test_an_evaluation_without_the_plotted_metrics_draws_no_empty_legend(tmp_pat
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert plot_loss_curve(metrics, tmp_path / "curve2.png")
+
+
+def test_sogclr_and_fastclip_runs_plot_their_objective_not_the_flat_surrogate(tmp_path):
+    """Their logged loss is a surrogate that stays near tau (0.07 every step of a walkthrough's
+    run), so the curve of report.md looked like a dead run."""
+    import torch
+
+    from vlcontrast.losses import build_loss
+    from vlcontrast.train.report import curve_key
+
+    loss = build_loss("sogclr", id_space=16)
+    torch.manual_seed(0)
+    image, text = torch.nn.functional.normalize(torch.randn(2, 8, 4), dim=-1)
+    out = loss(image, text, torch.tensor(14.0), sample_ids=torch.arange(8), step=1)
+    assert {"loss", "objective"} <= set(out)  # what a train record carries
+    records = [{"step": s, "loss": 0.07, "objective": 2.0 - s / 10} for s in (1, 2, 3)]
+    assert curve_key(records) == "objective"
+    assert curve_key([{"step": 1, "loss": 3.0}]) == "loss"
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("\n".join(json.dumps({"kind": "train", **r}) for r in records))
+    assert plot_loss_curve(metrics, tmp_path / "curve.png")

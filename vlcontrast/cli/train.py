@@ -32,6 +32,11 @@ def register(sub) -> None:
 def run_train(args) -> int:
     from vlcontrast.config import load_config
 
+    if args.nproc < 1:
+        from vlcontrast.errors import ConfigError
+
+        raise ConfigError(f"--nproc {args.nproc}: must be >= 1 (the local processes: 1, or one "
+                          "per GPU)")
     config = load_config(args.config, args.overrides)  # errors here, before any launch
     inside_launcher = "RANK" in os.environ or "SLURM_PROCID" in os.environ
     if args.nproc > 1 and not inside_launcher:

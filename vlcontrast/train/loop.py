@@ -52,7 +52,7 @@ from vlcontrast.train.engine import (build_engine, clamp_logit_scale, count_skip
 from vlcontrast.train.evaluate import Evaluator
 from vlcontrast.train.guard import DivergenceGuard, TrainingDiverged
 from vlcontrast.train.metrics import MetricsLogger
-from vlcontrast.train.optimizer import warmup_note
+from vlcontrast.train.optimizer import schedule_change_note, warmup_note
 from vlcontrast.train.momentum import MomentumTowers
 from vlcontrast.train.precision import Precision
 from vlcontrast.train.preflight import preflight
@@ -141,6 +141,13 @@ def train(config: RunConfig) -> dict[str, Any]:
     resumed = checkpointer.resume(resume_from)
     if env.rank == 0:  # once the model, the engine and the resume have worked
         (run_dir / "config.yaml").write_text(config_yaml)
+        saved = ckpt.saved_config(resume_from) or {}
+        note = schedule_change_note(config.optim, int((saved.get("train") or {}).get("steps") or 0),
+                                    total_steps, state.step)
+        if note:
+            import logging
+
+            logging.getLogger(__name__).warning(note)
     if resumed is False:  # another world size: start the saved epoch afresh
         data.start_epoch(state.epoch)
     log = _step_logger(config, env, total_steps, precision, resumed_at=state.step,
@@ -164,6 +171,8 @@ def train(config: RunConfig) -> dict[str, Any]:
                 micro_batches = distiller.prepare(micro_batches)
             log.timer.mark("data")
             loss_fn.diagnostics = log.should_log(state.step + 1)  # read at log steps only
+            # The rate this step uses: after it, the engine's is already the next step's.
+            lr_used = engine.get_lr()[0] if loss_fn.diagnostics else None
             outcome = train_step(engine, loss_fn, micro_batches, state.step + 1, device, dtype,
                                  log.timer, momentum, stop,
                                  None if data.feeds_device else normalizer)
@@ -187,7 +196,7 @@ def train(config: RunConfig) -> dict[str, Any]:
             if last.skipped is None:
                 if log.should_log(state.step):
                     log.record(state.step, state=state, engine=engine, result=outcome.result,
-                               data=data, counts=guard.counts())
+                               data=data, counts=guard.counts(), lr=lr_used)
                 if evaluator.should_evaluate(state.step, total_steps):
                     log.eval(state.step, evaluator.evaluate(engine.module, bundle, device))
             reason = _stop_reason(stop, signalled, config.train.stop_at_step, state.step)

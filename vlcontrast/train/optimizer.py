@@ -166,15 +166,31 @@ def cosine_with_warmup(warmup_steps: int, total_steps: int, min_ratio: float = 0
 
 
 def warmup_note(optim: OptimConfig, total_steps: int) -> str:
-    """A warning when ``optim.warmup_steps`` is not shorter than the run: the learning rate would
-    rise the whole run and end below ``optim.lr`` (at ``total_steps / warmup_steps`` of it);
-    ``""`` otherwise."""
-    if optim.warmup_steps < total_steps or total_steps <= 0:
+    """A warning when ``optim.warmup_steps`` is longer than the run: the learning rate would rise
+    the whole run and end below ``optim.lr`` (at ``total_steps / warmup_steps`` of it); ``""``
+    otherwise."""
+    if optim.warmup_steps <= total_steps or total_steps <= 0:
         return ""
     reached = cosine_with_warmup(optim.warmup_steps, total_steps)(total_steps - 1)
-    return (f"optim.warmup_steps={optim.warmup_steps} is not shorter than the run's {total_steps} "
+    return (f"optim.warmup_steps={optim.warmup_steps} is longer than the run's {total_steps} "
             f"steps: the learning rate rises the whole run and ends at {reached:.0%} of "
             f"optim.lr={optim.lr:g}; lower optim.warmup_steps (e.g. to {max(1, total_steps // 10)})")
+
+
+def schedule_change_note(optim: OptimConfig, saved_steps: int, total_steps: int,
+                         step: int) -> str:
+    """A warning when a resumed run's length differs from the checkpoint's (``train.steps``
+    raised to train on): the cosine schedule is laid out anew over ``total_steps``, so the rate at
+    the resumed ``step`` jumps; ``""`` when the length is the same."""
+    if saved_steps <= 0 or saved_steps == total_steps or step <= 0:
+        return ""
+    ratio = optim.min_lr / optim.lr if optim.lr else 0.0
+    was = optim.lr * cosine_with_warmup(optim.warmup_steps, saved_steps, ratio)(min(step,
+                                                                                   saved_steps))
+    now = optim.lr * cosine_with_warmup(optim.warmup_steps, total_steps, ratio)(step)
+    return (f"train.steps={total_steps}, the checkpoint's run had {saved_steps}: the learning-rate "
+            f"schedule is laid out anew over {total_steps} steps, so step {step + 1} trains at "
+            f"{now:.3g} (the old schedule's rate there: {was:.3g})")
 
 
 def build_optimizer(model: torch.nn.Module, optim: OptimConfig, total_steps: int, *,

@@ -20,6 +20,12 @@ def results_table(results: dict[str, Any], title: str = "metric") -> str:
     return "\n".join(rows)
 
 
+def curve_key(records: list[dict[str, Any]]) -> str:
+    """What the training curve draws: ``objective`` where every record has one (SogCLR, FastCLIP:
+    their ``loss`` is a surrogate whose value stays near tau by design), else ``loss``."""
+    return "objective" if all("objective" in r for r in records) else "loss"
+
+
 def plot_loss_curve(metrics_path: Path, out_png: Path) -> bool:
     records = [r for r in read_metrics(metrics_path) if r.get("kind") == "train" and "loss" in r]
     if not records:
@@ -30,10 +36,11 @@ def plot_loss_curve(metrics_path: Path, out_png: Path) -> bool:
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in records]
+    key = curve_key(records)
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    axes[0].plot(steps, [float(r["loss"]) for r in records], lw=1.2)
+    axes[0].plot(steps, [float(r[key]) for r in records], lw=1.2)
     axes[0].set_xlabel("optimizer step")
-    axes[0].set_ylabel("training loss")
+    axes[0].set_ylabel("training loss" if key == "loss" else "training objective")
     axes[0].grid(alpha=0.3)
     axes[1].plot(steps, [float(r.get("logit_scale", float("nan"))) for r in records], lw=1.2,
                  color="tab:orange")
