@@ -162,6 +162,29 @@ def test_choices_are_literals_checked_from_the_type():
     (["loss.name=sogclr", "loss.eps=0.1"], "loss.eps=0.1: belongs to recipe='fast_clip'"),
     (["loss.name=fastclip", "loss.recipe=fast_clip", "loss.gamma_decay_steps=5"],
      "loss.gamma_decay_steps=5: recipe='fast_clip' counts the gamma schedule in epochs"),
+    # BCL: alpha and beta are mixture weights of the eCDF densities; outside [0, 1] the weights
+    # go NaN, and alpha = beta = 1 (or 0) makes every weight 0 (loss 0, no gradient).
+    (["loss.name=bcl", "loss.alpha=-1"], "loss.alpha=-1.0: must be in [0, 1] (a mixture weight"),
+    (["loss.name=bcl", "loss.alpha=1.5"], "loss.alpha=1.5: must be in [0, 1] (a mixture weight"),
+    (["loss.name=bcl", "loss.beta=5"], "loss.beta=5.0: must be in [0, 1] (a mixture weight"),
+    (["loss.name=bcl", "loss.beta=-0.1"], "loss.beta=-0.1: must be in [0, 1] (a mixture weight"),
+    (["loss.name=bcl", "loss.alpha=nan"], "loss.alpha=nan: must be in [0, 1] (a mixture weight"),
+    (["loss.name=bcl", "loss.alpha=1.0"],
+     "loss.alpha=1.0, loss.beta=1.0: alpha = beta = 1 (or 0) makes every weight 0"),
+    (["loss.name=bcl", "loss.alpha=0", "loss.beta=0"],
+     "loss.alpha=0.0, loss.beta=0.0: alpha = beta = 1 (or 0) makes every weight 0"),
+    (["loss.name=balanced", "loss.lam=-1"], "loss.lam=-1.0: must be > 0 and finite"),
+    (["loss.name=balanced", "loss.lam=0"], "loss.lam=0.0: must be > 0 and finite"),
+    (["loss.name=balanced", "loss.lam=inf"], "loss.lam=inf: must be > 0 and finite"),
+    (["loss.name=balanced", "loss.alpha=nan"], "loss.alpha=nan: must be > 0"),
+    (["loss.name=decl", "loss.schedule=weighted", "loss.lambda_c=-1"],
+     "loss.lambda_c=-1.0: must be >= 0 (lam_t = min(1, lambda_c / t)"),
+    (["loss.name=dclw", "loss.sigma=nan"], "loss.sigma=nan: must be > 0"),
+    (["loss.name=hcl", "loss.beta=nan"], "loss.beta=nan: must be >= 0"),
+    (["loss.name=fastclip", "loss.temperature=global", "loss.rho=nan"],
+     "loss.rho=nan: must be a finite number"),
+    (["loss.name=fastclip", "loss.temperature=individual", "loss.tau_lr=nan"],
+     "loss.tau_lr=nan: must be >= 0"),
 ])
 def test_a_loss_options_value_is_checked_with_the_config_naming_its_key(overrides, line):
     """The losses' own range checks run when the config is checked (before any model is built),
@@ -172,6 +195,21 @@ def test_a_loss_options_value_is_checked_with_the_config_naming_its_key(override
         load_config(None, ["train.steps=1", *overrides]).check()
     assert str(caught.value).startswith(line), str(caught.value)
     assert "\n" not in str(caught.value) and "decl:" not in str(caught.value)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["loss.name=bcl", "loss.alpha=1", "loss.beta=0.5"],     # alpha's edges, beta inside
+    ["loss.name=bcl", "loss.alpha=0", "loss.beta=1"],
+    ["loss.name=bcl", "loss.alpha=1", "loss.beta=0"],       # beta's edges, alpha != beta
+    ["loss.name=bcl", "loss.alpha=0.5", "loss.beta=0"],
+    ["loss.name=bcl", "loss.alpha=0", "loss.beta=0.5", "loss.tau_plus=0"],
+    ["loss.name=balanced", "loss.lam=1e-3"],
+    ["loss.name=decl", "loss.schedule=weighted", "loss.lambda_c=0"],   # lambda_t = 0: loss_2
+    ["loss.name=dclw", "loss.sigma=inf"],                   # the documented DCL limit
+])
+def test_a_loss_options_edge_value_is_accepted(overrides):
+    """The edges of the ranges the losses check still build (and ``check`` passes)."""
+    load_config(None, ["train.steps=1", *overrides]).check()
 
 
 def test_loss_options_are_converted_to_their_declared_types():

@@ -160,3 +160,49 @@ def test_option_docs_read_the_args_section():
         assert loss_option_docs("undocumented") == {"width": ""}
     finally:
         del LOSSES["undocumented"]
+
+
+@pytest.mark.parametrize("name, options, named, why", [
+    ("bcl", {"alpha": -1.0}, {"alpha": -1.0}, "must be in [0, 1] (a mixture weight"),
+    ("bcl", {"beta": 5.0}, {"beta": 5.0}, "must be in [0, 1] (a mixture weight"),
+    ("bcl", {"alpha": 1.0}, {"alpha": 1.0, "beta": 1.0}, "makes every weight 0"),
+    ("bcl", {"alpha": 0.0, "beta": 0.0}, {"alpha": 0.0, "beta": 0.0}, "makes every weight 0"),
+    ("balanced", {"lam": -1.0}, {"lam": -1.0}, "must be > 0 and finite"),
+    ("balanced", {"lam": 0.0}, {"lam": 0.0}, "must be > 0 and finite"),
+    ("decl", {"schedule": "weighted", "lambda_c": -1.0}, {"lambda_c": -1.0}, "must be >= 0"),
+    ("dclw", {"sigma": float("nan")}, {"sigma": float("nan")}, "must be > 0"),
+    ("fastclip", {"rho": float("inf")}, {"rho": float("inf")}, "must be a finite number"),
+])
+def test_impossible_option_values_are_refused_naming_the_option(name, options, named, why):
+    from vlcontrast.errors import LossOptionError
+
+    with pytest.raises(LossOptionError) as caught:
+        build_loss(name, id_space=10, **options)
+    assert caught.value.loss == name and why in caught.value.why
+    assert list(caught.value.values) == list(named)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("options", [
+    {"alpha": 1.0, "beta": 0.5}, {"alpha": 0.0, "beta": 1.0}, {"alpha": 1.0, "beta": 0.0},
+    {"alpha": 0.5, "beta": 0.0}, {"alpha": 0.0, "beta": 0.5, "tau_plus": 0.0},
+])
+def test_bcl_option_edges_build_and_train(options):
+    """The edges of BCL's alpha and beta give finite weights and a loss that has a gradient."""
+    torch.manual_seed(0)
+    image = nn.functional.normalize(torch.randn(8, 4, dtype=torch.float64), dim=1)
+    text = nn.functional.normalize(torch.randn(8, 4, dtype=torch.float64), dim=1)
+    image.requires_grad_()
+    for chunk_size in (0, 3):
+        loss = build_loss("bcl", chunk_size=chunk_size, **options)(image, text, 10.0)["loss"]
+        (grad,) = torch.autograd.grad(loss, image)
+        assert torch.isfinite(loss) and loss > 0
+        assert torch.isfinite(grad).all() and grad.abs().max() > 0
+
+
+@pytest.mark.parametrize("name, options", [
+    ("balanced", {"lam": 1e-3}), ("decl", {"schedule": "weighted", "lambda_c": 0.0}),
+    ("dclw", {"sigma": float("inf")}), ("hcl", {"beta": 0.0}),
+])
+def test_option_edge_values_still_build(name, options):
+    build_loss(name, id_space=10, **options)

@@ -10,6 +10,8 @@ Per anchor (image→text shown), on raw cosines ``c`` (``logit_scale`` is not us
 
 from __future__ import annotations
 
+import math
+
 from torch import Tensor
 
 from vlcontrast.errors import LossOptionError
@@ -23,7 +25,7 @@ class BalancedLoss(ContrastiveLoss):
 
     Args:
         alpha: inverse temperature of the negative term (the blocks' logits are ``alpha * c``).
-        lam: weight of the negative term (1 gives DCL at scale ``alpha``, divided by ``alpha``).
+        lam: weight of the negative term, > 0 (1: DCL at scale ``alpha``, divided by ``alpha``).
         include_positive: keep the positive in the logsumexp (InfoNCE-like).
     """
 
@@ -32,8 +34,13 @@ class BalancedLoss(ContrastiveLoss):
     def __init__(self, alpha: float = 4.0, lam: float = 2.0, include_positive: bool = False, *,
                  chunk_size: int = 0):
         super().__init__(chunk_size=chunk_size)
-        if alpha <= 0:
+        if not alpha > 0:  # NaN too
             raise LossOptionError(self.name, "must be > 0", alpha=alpha)
+        if not 0 < lam < math.inf:
+            raise LossOptionError(self.name, "must be > 0 and finite (the weight of the uniformity "
+                                  "term: at 0 only -c_ii is left, which collapsing every "
+                                  "embedding minimises; below 0 the loss is unbounded below)",
+                                  lam=lam)
         self.alpha = float(alpha)
         self.lam = float(lam)
         self.include_positive = bool(include_positive)

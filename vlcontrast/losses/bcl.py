@@ -105,8 +105,8 @@ class BCLLoss(ContrastiveLoss):
 
     Args:
         tau_plus: class prior (probability that a "negative" is a false negative).
-        alpha: confidence that the eCDF separates true from false negatives.
-        beta: concentration on hard negatives.
+        alpha: confidence that the eCDF separates true from false negatives, in [0, 1].
+        beta: concentration on hard negatives, in [0, 1] (not alpha = beta = 0 or 1).
     """
 
     name = "bcl"
@@ -116,6 +116,18 @@ class BCLLoss(ContrastiveLoss):
         super().__init__(chunk_size=chunk_size)
         if not 0 <= tau_plus < 1:
             raise LossOptionError(self.name, "must be in [0, 1)", tau_plus=tau_plus)
+        # alpha and beta weigh the densities 2(1 - x) and 2x in the mixtures t, f and h: outside
+        # [0, 1] a mixture goes negative for some ranks and its weight's log is NaN.
+        for option, value in (("alpha", alpha), ("beta", beta)):
+            if not 0 <= value <= 1:  # NaN too
+                raise LossOptionError(self.name, "must be in [0, 1] (a mixture weight of the rank "
+                                      "densities: outside it some weights are negative, their log "
+                                      "NaN)", **{option: value})
+        if alpha == beta and alpha in (0, 1):
+            # h's numerator alpha (1 - beta) p + (1 - alpha) beta q is then 0 for every rank.
+            raise LossOptionError(self.name, "alpha = beta = 1 (or 0) makes every weight 0, so the "
+                                  "loss is 0 and nothing trains; the paper uses alpha in [0.5, 1), "
+                                  "beta in [0.5, 1]", alpha=alpha, beta=beta)
         self.tau_plus = float(tau_plus)
         self.alpha = float(alpha)
         self.beta = float(beta)
@@ -136,8 +148,8 @@ class BCLLoss(ContrastiveLoss):
     def _table(self, num_negatives: int, values: Tensor) -> Tensor:
         """``log w`` for ``0..K`` negatives ``<=`` the entry, in the dtype of ``values``."""
         counts = torch.arange(num_negatives + 1, dtype=torch.float64, device=values.device)
-        # A zero weight (possible at alpha = beta = 1) becomes e^{-10^4}: the same 0, but finite,
-        # so a row whose weights all vanish still has a finite logsumexp.
+        # A zero weight (the positive's entry F = 0 when alpha = 0 or beta = 1) becomes
+        # e^{-10^4}: the same 0, but finite, so adding it to the positive's -inf stays -inf.
         return self.log_weights_from_ecdf(counts / num_negatives).clamp(min=-1e4).to(values.dtype)
 
     @staticmethod

@@ -40,7 +40,7 @@ class DCLWLoss(ContrastiveLoss):
 
     def __init__(self, sigma: float = 0.5, *, chunk_size: int = 0):
         super().__init__(chunk_size=chunk_size)
-        if sigma <= 0:
+        if not sigma > 0:  # NaN too; inf is DCL
             raise LossOptionError(self.name, "must be > 0", sigma=sigma)
         self.sigma = float(sigma)
 

@@ -98,7 +98,7 @@ class DeCLLoss(ContrastiveLoss):
         u_mode: ``mean`` (``U = 1/u``) or ``sample`` (``U ~ Exponential(rate u)``).
         gamma: weight of the current ``m_i`` in the buffer's moving average (``buffer`` only).
         schedule: ``alternate`` | ``weighted`` | ``loss1`` | ``loss2``.
-        lambda_c: ``c`` of the ``weighted`` schedule ``lam_t = min(1, c / t)``.
+        lambda_c: ``c >= 0`` of the ``weighted`` schedule ``lam_t = min(1, c / t)``.
         ema_decay: decay of the EMA towers the trainer keeps for ``momentum``.
         shard_buffer: shard the buffer by id across ranks (LAION-scale id spaces).
         seed: seed of the ``sample`` draws (a function of ``seed`` and the step, equal on all ranks).
@@ -122,6 +122,10 @@ class DeCLLoss(ContrastiveLoss):
             raise LossOptionError(self.name, "must be in (0, 1]", gamma=gamma)
         if not 0 <= ema_decay < 1:
             raise LossOptionError(self.name, "must be in [0, 1)", ema_decay=ema_decay)
+        if not lambda_c >= 0:  # NaN too
+            raise LossOptionError(self.name, "must be >= 0 (lam_t = min(1, lambda_c / t) weighs "
+                                  "loss_1 against loss_2; below 0 it leaves [0, 1])",
+                                  lambda_c=lambda_c)
         if id_space < 0:
             raise LossOptionError(self.name, "must be >= 0", id_space=id_space)
         self.estimator = estimator

@@ -152,8 +152,10 @@ class FastCLIPLoss(DeCLLoss):
         if tau_init and not tau_min <= tau_init <= tau_max:
             raise LossOptionError(self.name, f"is outside [tau_min, tau_max] = [{tau_min}, {tau_max}] "
                                   "(0: start at the model's temperature)", tau_init=tau_init)
-        if tau_lr < 0:
+        if not tau_lr >= 0:  # NaN too
             raise LossOptionError(self.name, "must be >= 0", tau_lr=tau_lr)
+        if not math.isfinite(rho):
+            raise LossOptionError(self.name, "must be a finite number", rho=rho)
         super().__init__(estimator="buffer", u_mode="mean", gamma=gamma, schedule="loss1",
                          shard_buffer=shard_buffer, chunk_size=chunk_size, id_space=id_space)
         self.gamma_schedule = gamma_schedule
@@ -196,7 +198,7 @@ class FastCLIPLoss(DeCLLoss):
             raise LossOptionError(self.name, "recipe='fast_clip' counts the gamma schedule in "
                                   "epochs: set gamma_decay_epochs instead",
                                   gamma_decay_steps=gamma_decay_steps)
-        if eps < 0:
+        if not eps >= 0:  # NaN too
             raise LossOptionError(self.name, "must be >= 0", eps=eps)
         if multiply_tau and temperature == "individual":
             raise LossOptionError(self.name, "has no effect with temperature='individual' "

@@ -112,7 +112,7 @@ class HCLLoss(ContrastiveLoss):
         if not 0 <= tau_plus < 1:
             raise LossOptionError(self.name, "must be in [0, 1)", tau_plus=tau_plus)
         self.tau_plus = float(tau_plus)
-        if beta < 0:
+        if not beta >= 0:  # NaN too
             raise LossOptionError(self.name, "must be >= 0", beta=beta)
         self.beta = float(beta)
 
