@@ -155,6 +155,24 @@ def test_a_finished_run_ends_by_saying_where_its_results_are(cli_run):
             f"--checkpoint {run})") in output.splitlines()
 
 
+def test_results_and_report_name_every_loss_option_in_effect(cli_run, tmp_path):
+    """config.yaml holds only the options a user set; results.json and report.md now hold every
+    option the loss ran with, defaults included, so two runs can be told apart."""
+    import json
+
+    from vlcontrast.losses.registry import loss_option_defaults
+    from vlcontrast.train.report import write_report
+
+    run, _, _ = cli_run
+    results = json.loads((run / "results.json").read_text())
+    assert results["loss_options"] == loss_option_defaults(results["loss"])
+    options = {**loss_option_defaults("decl"), "gamma": 0.5}
+    report = write_report(tmp_path, {"retrieval/text_to_image_R@1": 0.5},
+                          {"loss": "decl", "loss_options": options})
+    text = report.read_text()
+    assert "| loss.gamma | 0.5000 |" in text and "| loss.estimator | buffer |" in text
+
+
 def test_the_logged_lr_is_the_rate_the_step_used(cli_run):
     """The record read the engine's rate after the scheduler had stepped: the next step's (with
     warmup 2, step 1 logged the full rate it had not used, the last step 0)."""

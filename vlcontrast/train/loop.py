@@ -44,6 +44,7 @@ from vlcontrast.data.transforms import split_normalization, splits_normalization
 from vlcontrast.distill import Distiller
 from vlcontrast.errors import ConfigError
 from vlcontrast.losses import LOSSES, build_loss
+from vlcontrast.losses.registry import loss_option_defaults
 from vlcontrast.models import build_model
 from vlcontrast.train.batches import DeviceFeed, SeededTransform, TrainBatches
 from vlcontrast.train.checkpoint import Checkpointer, RNGState
@@ -213,7 +214,9 @@ def train(config: RunConfig) -> dict[str, Any]:
         if env.rank == 0:
             log.eval(state.step, results)
             finish_run(run_dir, results, checkpoint=checkpointer.last_good, setup={
-                "loss": config.loss.name, "model": bundle.model_name,
+                "loss": config.loss.name,
+                "loss_options": {**loss_option_defaults(config.loss.name), **config.loss.options},
+                "model": bundle.model_name,
                 "world_size": env.world_size, "global_batch": global_batch,
                 "steps": state.step, "precision": precision.name,
                 "zero_stage": config.deepspeed.zero_stage,

@@ -67,7 +67,10 @@ def write_report(run_dir: Path, results: dict[str, Any], config_summary: dict[st
     png = run_dir / "loss_curve.png"
     has_plot = plot_loss_curve(run_dir / "metrics.jsonl", png)
     lines = ["# vlcontrast run report", "", f"Run directory: `{run_dir}`", ""]
-    lines += ["## Setup", "", results_table(config_summary, "setting"), ""]
+    setup = {key: value for key, value in config_summary.items() if key != "loss_options"}
+    setup.update({f"loss.{option}": value if isinstance(value, (int, float, str)) else str(value)
+                  for option, value in config_summary.get("loss_options", {}).items()})
+    lines += ["## Setup", "", results_table(setup, "setting"), ""]
     lines += ["## Results", "", results_table(results), ""]
     if has_plot:
         lines += ["## Training curve", "", "![loss curve](loss_curve.png)", ""]
@@ -86,6 +89,7 @@ def finish_run(run_dir: Path, results: dict[str, Any], *, checkpoint, setup: dic
 
     (run_dir / "results.json").write_text(json.dumps(
         {"checkpoint": str(checkpoint) if checkpoint else None, "loss": setup["loss"],
+         "loss_options": setup.get("loss_options", {}),
          "model": setup["model"], "world_size": setup["world_size"],
          "engine": setup.get("engine"),
          **({"distill": setup["distill"]} if "distill" in setup else {}), "metrics": results},
