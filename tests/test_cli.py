@@ -281,3 +281,19 @@ def test_train_refuses_fewer_than_one_process(capsys, nproc):
     assert cli.main(["train", "--nproc", nproc, "train.steps=1"]) == 2
     assert capsys.readouterr().err == (f"vlcontrast: error: --nproc {nproc}: must be >= 1 (the "
                                        "local processes: 1, or one per GPU)\n")
+
+
+def test_config_shows_a_config_that_would_not_train_and_the_loss_options_in_effect(capsys):
+    """`vlcontrast config loss.name=decl` printed only the check's error (the defaults set no
+    train.steps), and a resolved config named only the loss options that were set."""
+    import yaml
+
+    assert cli.main(["config", "loss.name=decl", "loss.gamma=0.5"]) == 2
+    captured = capsys.readouterr()
+    shown = yaml.safe_load(captured.out)
+    assert shown["loss"]["name"] == "decl" and shown["loss"]["gamma"] == 0.5
+    assert ("# loss options in effect (decl): estimator='buffer', u_mode='mean', gamma=0.5, "
+            "schedule='alternate'") in captured.out
+    assert captured.err == ("vlcontrast: error: this config would not train: train.steps=0: set "
+                            "train.steps or train.epochs to a positive value\n")
+    assert cli.main(["config", "loss.name=decl", "train.steps=5"]) == 0

@@ -242,6 +242,18 @@ def test_cli_writes_the_report(tiny, tmp_path, capsys):
         "vlcontrast: error: --batch-sizes '4,abc': 'abc' is not a whole number; give sizes such "
         "as 16,32,64")
 
+    # A second run into the same --out is refused (what is there, and the fixes) ...
+    assert main(args + ["--seed", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"vlcontrast: error: --out {str(out)!r} exists (gradient-bias of "
+                          f"{report['checkpoint']!r}, 8 rows, made "), err
+    assert err.endswith("add --overwrite to replace it, or name a new folder"), err
+    assert json.loads((out / "gradient_bias.json").read_text())["settings"]["seed"] == 0
+    # ... and --overwrite replaces the earlier result.
+    assert main(args + ["--seed", "1", "--overwrite"]) == 0
+    replaced = json.loads((out / "gradient_bias.json").read_text())
+    assert replaced["settings"]["seed"] == 1 and replaced["settings"]["overwrite"] is True
+
 
 def test_lock_image_pushes_back_through_the_text_tower_only(tiny, tmp_path):
     """--lock-image measures the parameter gradient a locked-image run trains: the text tower's

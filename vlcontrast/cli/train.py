@@ -61,13 +61,37 @@ def run_train(args) -> int:
     return 0
 
 
+def effective_loss_options(name: str, options: dict) -> str:
+    """``# loss options in effect (decl): estimator='buffer', gamma=0.5, ...``: the defaults the
+    YAML above leaves out, beside the options it sets (a comment, so the output still loads)."""
+    from vlcontrast.losses import LOSSES
+    from vlcontrast.losses.registry import loss_option_defaults
+
+    if name not in LOSSES:
+        return ""
+    merged = {**loss_option_defaults(name), **options}
+    shown = ", ".join(f"{key}={value!r}" for key, value in merged.items()) or "none"
+    return f"# loss options in effect ({name}): {shown}"
+
+
 def run_config(args) -> int:
     from vlcontrast.config import describe, load_config, to_dict
 
     if args.config or args.overrides:
         import yaml
 
-        print(yaml.safe_dump(to_dict(load_config(args.config, args.overrides)), sort_keys=False))
+        from vlcontrast.errors import ConfigError
+
+        # The resolved config is shown even when it would not train (no train.steps yet, say);
+        # then the check's one line follows on stderr, and the exit code is 2.
+        config = load_config(args.config, args.overrides, check=False)
+        print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+        print(effective_loss_options(config.loss.name, config.loss.options) + "\n")
+        try:
+            config.check()
+        except ConfigError as error:
+            print(f"vlcontrast: error: this config would not train: {error}", file=sys.stderr)
+            return 2
         return 0
     for key, default, doc in describe():
         print(f"{key:28s} {default:14s} {doc}")

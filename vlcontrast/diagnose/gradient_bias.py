@@ -68,6 +68,8 @@ class GradientBiasSettings:
     """``auto`` (CUDA when available), ``cpu``, ``cuda``, ``cuda:1`` ..."""
     workers: int = 0
     """Loader workers for reading the samples."""
+    overwrite: bool = False
+    """Replace an earlier gradient-bias result in ``out`` (anything else there is refused)."""
 
     def validate(self) -> None:
         if self.num_samples < 2:
@@ -80,6 +82,9 @@ class GradientBiasSettings:
                                  f"{self.num_samples}]")
         if not self.losses:
             raise ValueError("--losses is empty")
+        if self.lock_image and not self.parameters:
+            raise ValueError("--lock-image has no effect with --no-parameters (it restricts the "
+                             "parameter gradient, which --no-parameters skips); drop one of them")
         for key, value, low in (("--batches-per-size", self.batches_per_size, 1),
                                 ("--min-replicates", self.min_replicates, 2),
                                 ("--parameter-groups", self.parameter_groups, 2),
@@ -197,12 +202,13 @@ def exact_numerics() -> dict[str, object]:
 
 def run_gradient_bias(settings: GradientBiasSettings) -> dict:
     """Run the diagnostic and write its report under ``settings.out``; returns the report."""
-    from vlcontrast.diagnose.report import write_report
+    from vlcontrast.diagnose.report import check_out, write_report
     from vlcontrast.checkpoints import resolve_weights
     from vlcontrast.models import load_model_from_checkpoint
     from vlcontrast.progress import Progress
 
     settings.validate()
+    check_out(settings.out, settings.overwrite)  # before the checkpoint and data are read
     device = settings.device
     if device in ("", "auto"):
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -123,10 +123,50 @@ def plot(rows: list[dict], path: Path, title: str = "") -> None:
     plt.close(figure)
 
 
+RESULT_KINDS = ("json", "csv", "md", "png")
+
+
+def check_out(out: str | Path, overwrite: bool = False) -> None:
+    """``--out`` before any work starts: a new or empty folder, or (with ``overwrite``) the folder
+    of an earlier gradient-bias result; a one-line ConfigError otherwise. An earlier result is
+    named by its checkpoint, its rows and when it was written (its JSON, read once); a folder
+    that holds anything else is refused even with ``overwrite`` (a run directory named by
+    mistake). Nothing is created."""
+    from vlcontrast.outputs import check_replaceable, made, writable_dir
+
+    folder = writable_dir(out, "--out")
+    held = sorted(path.name for path in folder.iterdir()) if folder.is_dir() else []
+    if not held:
+        return
+    report = _read_report(folder / "gradient_bias.json")
+    if report is None:
+        shown = ", ".join(held[:4]) + (f", ... ({len(held)} entries)" if len(held) > 4 else "")
+        description, is_result = f"holds {shown}", False
+    else:
+        description, is_result = (f"gradient-bias of {str(report['checkpoint'])!r}, "
+                                  f"{len(report['rows'])} rows, "
+                                  f"{made(folder / 'gradient_bias.json')}"), True
+    check_replaceable(f"--out {str(out)!r}", description, kind="a gradient-bias result",
+                      is_kind=is_result, overwrite=overwrite, new="folder")
+
+
+def _read_report(path: Path) -> dict | None:
+    """The report :func:`write_report` wrote at ``path``, or None for anything else."""
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if (isinstance(report, dict) and isinstance(report.get("rows"), list)
+            and isinstance(report.get("settings"), dict) and "checkpoint" in report):
+        return report
+    return None
+
+
 def write_report(report: dict, out: Path) -> dict[str, Path]:
-    """``gradient_bias.json``, ``.csv``, ``.md`` and ``.png`` under ``out``."""
+    """``gradient_bias.json``, ``.csv``, ``.md`` and ``.png`` under ``out`` (an earlier result
+    there is replaced: :func:`check_out` decided that before the work started)."""
     out.mkdir(parents=True, exist_ok=True)
-    paths = {kind: out / f"gradient_bias.{kind}" for kind in ("json", "csv", "md", "png")}
+    paths = {kind: out / f"gradient_bias.{kind}" for kind in RESULT_KINDS}
     paths["json"].write_text(json.dumps(report, indent=2, default=str) + "\n")
     write_csv(report["rows"], paths["csv"])
     header = (f"Gradient bias at {report['checkpoint']} ({report['model_name']}), "
