@@ -244,3 +244,22 @@ def test_the_momentum_estimator_under_zero_3_is_refused_with_the_config():
                            "deepspeed.zero_stage=3"])
     load_config(None, ["train.steps=1", "loss.name=decl", "loss.estimator=momentum",
                        "deepspeed.zero_stage=2"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("loss.nme=dcl", "loss.nme='dcl': is not an option of loss 'infonce' (did you mean 'name'?); "
+                     "its options: none"),
+    ("loss.chunk_sise=8", "loss.chunk_sise=8: is not an option of loss 'infonce' (did you mean "
+                          "'chunk_size'?); its options: none"),
+    ("loss.gamma=0.5", "loss.gamma=0.5: is not an option of loss 'infonce' (an option of decl, "
+                       "fastclip, sogclr); its options: none"),
+    ("loss.options.gamma=0.5", "loss.options={'gamma': 0.5}: the options go flat in the loss "
+                               "section: loss.gamma=0.5 (YAML: gamma under loss), not "
+                               "loss.options.gamma"),
+])
+def test_a_key_of_the_loss_section_that_fits_no_option_says_what_was_meant(override, message):
+    """Typos of the section's own keys read "its options: none"; loss.options (listed by
+    `vlcontrast config`) was refused as an option of the loss."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.steps=1", override])
+    assert str(err.value) == message

@@ -489,8 +489,14 @@ class RunConfig:
                      "teacher needs the images); leave it empty")
         types = loss_option_types(self.loss.name)
         for key, value in self.loss.options.items():
+            _require(key != "options", "loss.options", value, "the options go flat in the loss "
+                     "section: loss.gamma=0.5 (YAML: gamma under loss), not loss.options.gamma")
+            others = [name for name in sorted(LOSSES) if name != self.loss.name
+                      and key in loss_option_defaults(name)]
+            elsewhere = f" (an option of {', '.join(others)})" if others else ""
             _require(key in defaults, f"loss.{key}", value,
-                     f"is not an option of loss '{self.loss.name}'{_did_you_mean(key, defaults)}"
+                     f"is not an option of loss '{self.loss.name}'"
+                     f"{_did_you_mean(key, [*defaults, 'name', 'chunk_size'])}{elsewhere}"
                      f"; its options: {', '.join(sorted(defaults)) or 'none'}")
             if key in types:  # its declared type: a choice, a number, a flag
                 self.loss.options[key] = _coerce(value, types[key], f"loss.{key}")
