@@ -29,3 +29,26 @@ def test_another_ranks_signal_is_named_as_such():
     finally:
         for sig in StopSignal.SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
+
+
+def test_a_run_stopped_at_train_stop_at_step_says_how_to_continue(synthetic_data, tmp_path):
+    """The stop line named the step and the checkpoint, not how to go on from there."""
+    from tests.distributed import default_backend, run_distributed
+
+    run_distributed(_stop_at_one, 1, synthetic_data, tmp_path, timeout=300,
+                    backend=default_backend())
+    message = (tmp_path / "message.txt").read_text()
+    assert message == (f"stopped by train.stop_at_step at step 1; checkpoint "
+                       f"{tmp_path / 'run' / 'checkpoints' / 'step_00000001'}; continue with "
+                       "train.resume=latest and a later train.stop_at_step (or 0 for the end)")
+
+
+def _stop_at_one(rank, world_size, data_dir, out_root):
+    from tests.train.helpers import tiny_config
+    from vlcontrast.train import StopRequested, train
+
+    try:
+        train(tiny_config(data_dir, out_root / "run", train__steps=3, train__stop_at_step=1,
+                          train__engine="torch"))
+    except StopRequested as stop:
+        (out_root / "message.txt").write_text(str(stop))

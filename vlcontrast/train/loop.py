@@ -204,8 +204,10 @@ def train(config: RunConfig) -> dict[str, Any]:
             checkpointer.maybe_save(state.step, force=reason is not None)
             if reason is not None:
                 log.event(state.step, {"stopped": reason, "checkpoint": str(checkpointer.last_good)})
+                again = ("; continue with train.resume=latest and a later train.stop_at_step "
+                         "(or 0 for the end)" if reason == "train.stop_at_step" else "")
                 raise StopRequested(f"stopped by {reason} at step {state.step}; checkpoint "
-                                    f"{checkpointer.last_good}")
+                                    f"{checkpointer.last_good}{again}")
 
         checkpointer.maybe_save(state.step, force=True)
         results = evaluator.evaluate(engine.module, bundle, device)
