@@ -160,8 +160,9 @@ def test_non_finite_steps_are_skipped_on_every_rank_then_stop_with_a_clear_error
         assert [r["step"] for r in train_records] == [1, 2, 3, 4, 5, 6]
         last = train_records[-1]
         assert last["skipped_steps"] == 2
-        # Skipped steps did not advance the schedule: after 6 applied steps it is at 6.
-        assert last["lr"] == pytest.approx(5e-4 * cosine_with_warmup(10, 6)(6))
+        # Skipped steps did not advance the schedule: step 6, the 6th applied, trained at its
+        # value after 5.
+        assert last["lr"] == pytest.approx(5e-4 * cosine_with_warmup(10, 6)(5))
         weights = torch.load(run / "checkpoints" / "step_00000006" / "model.pt", weights_only=True)
         assert all(torch.isfinite(w).all() for w in weights.values())
 

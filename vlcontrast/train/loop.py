@@ -172,8 +172,6 @@ def train(config: RunConfig) -> dict[str, Any]:
                 micro_batches = distiller.prepare(micro_batches)
             log.timer.mark("data")
             loss_fn.diagnostics = log.should_log(state.step + 1)  # read at log steps only
-            # The rate this step uses: after it, the engine's is already the next step's.
-            lr_used = engine.get_lr()[0] if loss_fn.diagnostics else None
             outcome = train_step(engine, loss_fn, micro_batches, state.step + 1, device, dtype,
                                  log.timer, momentum, stop,
                                  None if data.feeds_device else normalizer)
@@ -197,7 +195,7 @@ def train(config: RunConfig) -> dict[str, Any]:
             if last.skipped is None:
                 if log.should_log(state.step):
                     log.record(state.step, state=state, engine=engine, result=outcome.result,
-                               data=data, counts=guard.counts(), lr=lr_used)
+                               data=data, counts=guard.counts())
                 if evaluator.should_evaluate(state.step, total_steps):
                     log.eval(state.step, evaluator.evaluate(engine.module, bundle, device))
             reason = _stop_reason(stop, signalled, config.train.stop_at_step, state.step)

@@ -98,6 +98,18 @@ def unstep_schedule(scheduler, steps: int) -> None:
     scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
 
 
+def trained_lr(engine) -> float:
+    """The rate the last applied step trained at (the first group's). After a step the engine's
+    rate is already the next step's: the schedule (ours, a LambdaLR) has advanced once per applied
+    step, skipped ones taken back (:func:`unstep_schedule`), so the last step used its value at
+    ``last_epoch - 1``. Other schedulers: the engine's current rate."""
+    scheduler = getattr(engine, "lr_scheduler", None)
+    lambdas = getattr(scheduler, "lr_lambdas", None)
+    if lambdas and scheduler.last_epoch >= 1:
+        return scheduler.base_lrs[0] * lambdas[0](scheduler.last_epoch - 1)
+    return engine.get_lr()[0]
+
+
 FLAT_ALIGN = 16
 """Elements: under ZeRO 1-3 and DeepSpeed's bf16/fp16 optimizers each group's parameters become
 views into one flat buffer, laid end to end in group order. A parameter whose size is not a

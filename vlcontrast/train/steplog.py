@@ -123,10 +123,9 @@ class StepLogger:
                 self.progress.update(pending - attempts)
 
     def record(self, step: int, *, state, engine, result: dict, data,
-               counts: dict[str, int], lr: float | None = None) -> None:
-        """At a log step (the loop settled the step first): write the training record. ``lr``:
-        the rate the step used, read before it (the engine's is already the next step's)."""
-        values = self._record(state, engine, result, data, counts, lr)
+               counts: dict[str, int]) -> None:
+        """At a log step (the loop settled the step first): write the training record."""
+        values = self._record(state, engine, result, data, counts)
         self.metrics.log(step, values)
         if self.progress is not None:
             shown = {"loss": f"{values['loss']:.3f}"}
@@ -140,20 +139,21 @@ class StepLogger:
             self.progress.mark()
 
     def applied(self, step: int, global_batch: int, *, state, engine, result: dict,
-                data, counts: dict[str, int], lr: float | None = None) -> None:
+                data, counts: dict[str, int]) -> None:
         """After an applied step: advance the window; at log steps write the record."""
         self.count(global_batch, step)
         if self.should_log(step):
             self.record(step, state=state, engine=engine, result=result, data=data,
-                        counts=counts, lr=lr)
+                        counts=counts)
 
-    def _record(self, state, engine, result, data, counts, lr=None) -> dict[str, Any]:
+    def _record(self, state, engine, result, data, counts) -> dict[str, Any]:
         from vlcontrast.train.engine import read_logit_scale
+        from vlcontrast.train.optimizer import trained_lr
 
         elapsed = time.perf_counter() - self._window_start
         attempts = max(1, self._window_attempts)
         values = {"samples_seen": state.samples_seen, "epoch": data.epoch,
-                  "loss": float(result["loss"].detach()), "lr": engine.get_lr()[0] if lr is None else lr,
+                  "loss": float(result["loss"].detach()), "lr": trained_lr(engine),
                   "logit_scale": read_logit_scale(engine),
                   "samples_per_s": self._window_samples / max(elapsed, 1e-9), **counts}
         if self.flops_per_sample and self.peak_flops:
