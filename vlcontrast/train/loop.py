@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import os
 import random
@@ -62,6 +63,8 @@ from vlcontrast.train.state import TrainState
 from vlcontrast.train.step import Attempt, StepLedger, StepOutcome, train_step
 from vlcontrast.train.steplog import StepLogger
 from vlcontrast.train.stop import StopRequested, StopSignal
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["train", "train_step", "preflight", "SeededTransform", "StepOutcome", "StopRequested",
            "TrainingDiverged"]
@@ -120,9 +123,7 @@ def train(config: RunConfig) -> dict[str, Any]:
     total_steps = config.train.steps or max(1, math.ceil(config.train.epochs * data.steps_per_epoch))
     note = warmup_note(config.optim, total_steps)
     if note and env.rank == 0:
-        import logging
-
-        logging.getLogger(__name__).warning(note)
+        logger.warning(note)
     layout, legacy_layout = _param_layouts(bundle.model, config)
     engine, checkpoint_bytes = _build_engine(
         bundle.model, config, total_steps, env,
@@ -146,9 +147,7 @@ def train(config: RunConfig) -> dict[str, Any]:
         note = schedule_change_note(config.optim, int((saved.get("train") or {}).get("steps") or 0),
                                     total_steps, state.step)
         if note:
-            import logging
-
-            logging.getLogger(__name__).warning(note)
+            logger.warning(note)
     if resumed is False:  # another world size: start the saved epoch afresh
         data.start_epoch(state.epoch)
     log = _step_logger(config, env, total_steps, precision, resumed_at=state.step,
