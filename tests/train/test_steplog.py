@@ -39,6 +39,13 @@ def _attempt(timer):
         timer.mark(phase)
 
 
+
+def _applied(log, step, global_batch, **record):
+    """What the training loop does after an applied step: count it, record it at log steps."""
+    log.count(global_batch, step)
+    if log.should_log(step):
+        log.record(step, **record)
+
 def test_gpu_split_comes_from_events_read_once_per_window(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(FakeEvent, "synchronized", 0)
@@ -155,7 +162,7 @@ def test_progress_lines_in_a_log_fall_on_the_logged_steps_with_their_loss(monkey
     for step in range(1, 41):
         now[0] += 31.0 if step == 5 else 1.0  # a slow step 5: a time line
         log.attempt()
-        log.applied(step, 64, state=state, engine=_Engine(),
+        _applied(log, step, 64, state=state, engine=_Engine(),
                     result={"loss": torch.tensor(2.0 - step / 100)}, data=data, counts={})
     log.progress.close()
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train ")]
@@ -171,7 +178,7 @@ def test_the_progress_line_shows_fastclips_objective_beside_its_surrogate_loss(c
 
     log = StepLogger(_Metrics(), every=1, total_steps=2, device=torch.device("cpu"), progress=True)
     log.attempt()
-    log.applied(1, 8, state=SimpleNamespace(samples_seen=8), engine=_Engine(),
+    _applied(log, 1, 8, state=SimpleNamespace(samples_seen=8), engine=_Engine(),
                 result={"loss": torch.tensor(1.0), "objective": torch.tensor(2.3456)},
                 data=SimpleNamespace(epoch=0, bad_samples={}), counts={})
     log.close()
@@ -197,7 +204,7 @@ def test_the_last_line_of_a_run_stopped_between_logged_steps_dates_its_loss(monk
     for step in range(1, 8):
         now[0] += 1.0
         log.attempt()
-        log.applied(step, 64, state=state, engine=_Engine(),
+        _applied(log, step, 64, state=state, engine=_Engine(),
                     result={"loss": torch.tensor(2.0 - step / 100)}, data=data, counts={})
     log.close()
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train ")]

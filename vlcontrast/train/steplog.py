@@ -138,14 +138,6 @@ class StepLogger:
                 self._progress_pending = 0
             self.progress.mark()
 
-    def applied(self, step: int, global_batch: int, *, state, engine, result: dict,
-                data, counts: dict[str, int]) -> None:
-        """After an applied step: advance the window; at log steps write the record."""
-        self.count(global_batch, step)
-        if self.should_log(step):
-            self.record(step, state=state, engine=engine, result=result, data=data,
-                        counts=counts)
-
     def _record(self, state, engine, result, data, counts) -> dict[str, Any]:
         from vlcontrast.train.engine import read_logit_scale
         from vlcontrast.train.optimizer import trained_lr
