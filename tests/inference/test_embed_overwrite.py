@@ -151,3 +151,38 @@ def test_parquet_is_described_and_another_table_is_refused(tmp_path, capsys, no_
                          "--overwrite")
     assert code == 2 and "is not a file vlcontrast embed writes (a parquet table of columns " \
         "name, price" in err
+
+
+def test_an_out_written_by_something_else_while_embedding_keeps_both(trained, tmp_path, capsys,
+                                                                    monkeypatch):
+    """``--out`` was free at the start and taken while the texts were embedded: the other
+    writer's files stay as they are and this embed's results go to ``e.1.npy`` (they used to be
+    refused at the end, losing the work)."""
+    import vlcontrast.inference as inference
+
+    out = tmp_path / "e.npy"
+    (tmp_path / "texts.txt").write_text("a red car\ntwo dogs\n")
+    real = inference.embed_texts
+
+    def meanwhile(*args, **kwargs):
+        result = real(*args, **kwargs)
+        earlier(out)  # another job writes --out while this one works
+        return result
+
+    monkeypatch.setattr(inference, "embed_texts", meanwhile)
+    code, stdout, err = embed(capsys, trained[1], "--texts", str(tmp_path / "texts.txt"),
+                              "--out", str(out))
+    assert code == 0, err
+    assert f"its files are kept and these results go to {str(tmp_path / 'e.1.npy')!r}" in err
+    assert np.load(out).shape == (2, 4) and np.load(tmp_path / "e.1.npy").shape == (2, 32)
+    assert (tmp_path / "e.1.npy.ids.txt").read_text().splitlines() == ["a red car", "two dogs"]
+    assert "e.1.npy" in stdout
+
+
+def test_free_name_skips_names_whose_ids_file_exists(tmp_path):
+    from vlcontrast.inference.embed import free_name
+
+    (tmp_path / "e.npy.ids.txt").write_text("x\n")
+    (tmp_path / "e.1.npy").write_bytes(b"")
+    assert free_name(tmp_path / "e.npy") == tmp_path / "e.2.npy"
+    assert free_name(tmp_path / "f.parquet") == tmp_path / "f.parquet"

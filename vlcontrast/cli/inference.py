@@ -103,6 +103,7 @@ def run_classify(args) -> int:
 def run_embed(args) -> int:
     from vlcontrast.inference import (check_output, embed_images, embed_texts, find_images,
                                       read_texts, resolve_device, write_embeddings)
+    from vlcontrast.inference.embed import free_name
 
     check_counts(args)
     out = check_output(args.out, args.overwrite)  # before the inputs are read
@@ -144,7 +145,12 @@ def run_embed(args) -> int:
             print(f"vlcontrast embed: "
                   f"{alpha_summary(embeddings.transparent, len(embeddings.ids), args.alpha)}",
                   file=sys.stderr)
-    written = write_embeddings(embeddings, out, overwrite=args.overwrite)
+    target = out if args.overwrite else free_name(out)
+    if target != out:  # --out was free at the start: something wrote it while this embed worked
+        print(f"vlcontrast embed: --out {str(out)!r} was written by something else while this "
+              f"embed ran; its files are kept and these results go to {str(target)!r}",
+              file=sys.stderr)
+    written = write_embeddings(embeddings, target, overwrite=args.overwrite)
     if embeddings.reasons:
         print(f"vlcontrast embed: {skipped_line(embeddings)}", file=sys.stderr)
     print(f"vlcontrast embed: {embeddings.vectors.shape[0]} embeddings of dimension "

@@ -225,6 +225,19 @@ def _temporary(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
 
+def free_name(out: str | os.PathLike) -> Path:
+    """``OUT`` itself, or ``STEM.1.npy``, ``STEM.2.npy`` ...: the first name under which neither
+    the output nor its ids file exists (where a run's results go when ``--out`` was taken while it
+    worked, so neither the new file nor the one that appeared is lost)."""
+    out = Path(out)
+    candidate, n = out, 0
+    while candidate.exists() or (candidate.suffix.lower() == ".npy"
+                                 and ids_path(candidate).exists()):
+        n += 1
+        candidate = out.with_name(f"{out.stem}.{n}{out.suffix}")
+    return candidate
+
+
 def write_embeddings(embeddings: Embeddings, out: str | os.PathLike,
                      overwrite: bool = False) -> list[Path]:
     """Write ``.npy`` + ``OUT.ids.txt``, or ``.parquet``; each file goes to a temporary name in
