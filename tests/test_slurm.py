@@ -6,7 +6,8 @@ The fake ``sbatch`` reads the script's ``#SBATCH`` lines (command-line options w
 one), exports the SLURM_* variables a batch job sees and runs the script with bash. The fake
 ``srun`` logs its arguments and environment, then either emulates the outcome of the training
 (fast tests) or runs the real ``vlcontrast train`` as the single task, optionally sending it
-SIGUSR1 once it has logged a training step, as ``--signal=USR1@N`` does (slow tests).
+SIGUSR1 once it has logged a training step, as ``--signal=USR1@N`` does, or SIGTERM to its whole
+process group, as slurmstepd does on preemption (slow tests).
 The fake ``scontrol`` answers ``show hostnames`` and logs ``requeue``.
 """
 
@@ -63,15 +64,19 @@ elif mode == "signal":  # what vlcontrast.requeue writes after a signal stop
     (run_dir / "preempted.json").write_text("{}")
 elif mode == "fail":
     sys.exit(1)
-elif mode in ("run", "run-and-signal"):
+elif mode in ("run", "run-and-signal", "run-and-term-group"):
     env = dict(os.environ, SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NTASKS="1")
-    proc = subprocess.Popen(args, env=env)
-    if mode == "run-and-signal":
+    group = mode == "run-and-term-group"  # slurmstepd signals every process of the step
+    proc = subprocess.Popen(args, env=env, start_new_session=group)
+    if mode != "run":
         metrics = run_dir / "metrics.jsonl"
         while proc.poll() is None:
             lines = metrics.read_text().splitlines() if metrics.is_file() else []
             if any(json.loads(line).get("kind") == "train" for line in lines if line.strip()):
-                proc.send_signal(signal.SIGUSR1)
+                if group:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                else:
+                    proc.send_signal(signal.SIGUSR1)
                 break
             time.sleep(0.2)
     sys.exit(proc.wait())
@@ -230,9 +235,10 @@ def shards(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode, train, requeued, finished", [
     ("run-and-signal", {"steps": 500}, True, False),
+    ("run-and-term-group", {"steps": 500}, True, False),
     ("run", {"steps": 4, "stop_at_step": 2}, False, False),
     ("run", {"steps": 2}, False, True),
-], ids=["signal", "stop_at_step", "finished"])
+], ids=["signal", "sigterm-to-the-group", "stop_at_step", "finished"])
 def test_real_training_requeued_only_when_stopped_by_a_signal(fake_slurm, tmp_path, shards, mode,
                                                               train, requeued, finished):
     config, run_dir = _config(tmp_path, data=shards, **train)

@@ -40,6 +40,7 @@ from .spec import Source, expand_source, parse_spec
 from .row_snapshot import load_or_build
 from .stream import MIN_EXAMINED_FOR_RATE, CachedTokenizer, SlotStream
 from .tar_reader import group_members, read_shard, split_name
+from .workers import stop_signal_init
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ def dataloader_options(workers: int, device: torch.device | str | None = None) -
                                "pin_memory": cuda, "persistent_workers": workers > 0}
     if workers > 0:
         options["prefetch_factor"] = PREFETCH_FACTOR
+        # A preemption notice to the process group must reach the trainer, not end its workers.
+        options["worker_init_fn"] = stop_signal_init()
     return options
 
 

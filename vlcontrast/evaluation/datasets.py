@@ -52,6 +52,7 @@ from vlcontrast.data.samples import (DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MEMBERS, 
 from vlcontrast.data.shards import read_sizes
 from vlcontrast.data.spec import DEFAULT_SPLIT, expand_spec, holds_shards
 from vlcontrast.data.tar_reader import SHARD_EVENTS, read_shard
+from vlcontrast.data.workers import stop_signal_init
 from vlcontrast.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -327,7 +328,8 @@ def collate_classification(samples):
 def _loader(dataset, batch_size: int, workers: int, collate) -> DataLoader:
     return DataLoader(dataset, batch_size=batch_size, num_workers=workers, collate_fn=collate,
                       shuffle=False, drop_last=False, persistent_workers=False,
-                      prefetch_factor=2 if workers > 0 else None)
+                      prefetch_factor=2 if workers > 0 else None,
+                      worker_init_fn=stop_signal_init() if workers > 0 else None)
 
 
 @dataclass
