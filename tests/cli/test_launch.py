@@ -181,8 +181,14 @@ def test_a_signal_to_the_launcher_ends_as_the_ranks_stop_did(monkeypatch, capsys
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    def stopped(arguments):
+    from vlcontrast.train import StopRequested
+
+    def stopped(arguments, ranks=(0, 1)):
         logging.getLogger(AGENT_LOG).warning("Received 15 death signal, shutting down workers")
+        for rank in ranks:  # what each rank's CLI does after its stop checkpoint
+            monkeypatch.setenv("RANK", str(rank))
+            failure.record_stopped(StopRequested("stopped by signal 15 at step 20"))
+        monkeypatch.delenv("RANK")
         raise SignalException("Process 4242 got signal: 15", sigval=signal.SIGTERM)
 
     monkeypatch.setattr(torchrun, "run", stopped)
@@ -190,6 +196,14 @@ def test_a_signal_to_the_launcher_ends_as_the_ranks_stop_did(monkeypatch, capsys
     assert capsys.readouterr().err == ("vlcontrast: train --nproc 2: Process 4242 got signal: 15 "
                                        "was passed to the ranks, which stopped\n")
     assert agent_log == []
+
+    # Rank 1 died without a vlcontrast error (a killed loader worker's traceback): exit 0 before.
+    monkeypatch.setattr(torchrun, "run", lambda arguments: stopped(arguments, ranks=(0,)))
+    assert launch.launch_local(2, []) == 1
+    assert capsys.readouterr().err == (
+        "vlcontrast: error: train --nproc 2: Process 4242 got signal: 15 was passed to the ranks, "
+        "and rank(s) 1 did not stop with a checkpoint (their output is above); "
+        "train.resume=latest continues from the last checkpoint written\n")
 
     def failed_meanwhile(arguments):
         folder = Path(os.environ[failure.RANK_ERRORS_VARIABLE])
@@ -214,7 +228,11 @@ def test_the_stop_line_is_rank_0_s(monkeypatch, capsys, tmp_path, rank, printed)
 
     monkeypatch.setattr(train_package, "train", stop)
     monkeypatch.setenv("RANK", rank)
+    folder = tmp_path / "launcher"
+    folder.mkdir()
+    monkeypatch.setenv(failure.RANK_ERRORS_VARIABLE, str(folder))  # as under train --nproc
     assert cli.main(["train", "data.train=x", "train.steps=4", "model.name=vlc-micro",
                      f"output_dir={tmp_path / 'run'}"]) == 0
     err = capsys.readouterr().err
     assert ("vlcontrast: stopped by train.stop_at_step at step 2" in err) == printed
+    assert failure.stopped_ranks(folder) == {int(rank)}  # every rank tells the launcher

@@ -100,6 +100,30 @@ def _leave_for_launcher(folder: Path, line: str, error: BaseException) -> bool:
     return True
 
 
+def record_stopped(stop: BaseException) -> None:
+    """A rank launched by ``train --nproc`` stopped on request with its checkpoint written: it
+    says so in the launcher's folder, which counts the ranks that did (:func:`stopped_ranks`)."""
+    folder = os.environ.get(RANK_ERRORS_VARIABLE)
+    if not folder or "RANK" not in os.environ:
+        return
+    try:
+        path = Path(folder) / f"stopped_{int(os.environ['RANK']):05d}.json"
+        path.write_text(json.dumps({"line": f"vlcontrast: {stop}"}))
+    except (OSError, ValueError):
+        pass  # the launcher then reports this rank as not stopped: the safe side
+
+
+def stopped_ranks(folder: Path) -> set[int]:
+    """The global ranks that stopped on request (:func:`record_stopped`)."""
+    ranks = set()
+    for path in Path(folder).glob("stopped_*.json"):
+        try:
+            ranks.add(int(path.stem.partition("_")[2]))
+        except ValueError:
+            continue
+    return ranks
+
+
 def rank_lines(folder: Path) -> dict[int, tuple[str, int]]:
     """What the ranks left in ``folder``: global rank -> (line, exit code)."""
     lines = {}

@@ -102,6 +102,13 @@ def launch_local(nproc: int, train_arguments: list[str]) -> int:
                 line, code = lines[min(lines)]
                 print(line, file=sys.stderr, flush=True)
                 return code
+            missing = sorted(set(range(nproc)) - failure.stopped_ranks(folder))
+            if missing:  # killed, or failed with an error that is not vlcontrast's (above)
+                print(f"vlcontrast: error: train --nproc {nproc}: {signal} was passed to the "
+                      f"ranks, and rank(s) {', '.join(map(str, missing))} did not stop with a "
+                      "checkpoint (their output is above); train.resume=latest continues from "
+                      "the last checkpoint written", file=sys.stderr, flush=True)
+                return 1
             print(f"vlcontrast: train --nproc {nproc}: {signal} was passed to the ranks, which "
                   "stopped", file=sys.stderr, flush=True)
             return 0

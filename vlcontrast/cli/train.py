@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 
+from vlcontrast.cli import failure
 from vlcontrast.cli.environment import prepare_environment
 
 
@@ -57,6 +58,7 @@ def run_train(args) -> int:
             print(f"vlcontrast: {stop}", file=sys.stderr)
         # Exit 0 either way; a signal stop leaves RUN/preempted.json, the scheduler's cue to requeue.
         requeue.record_stop(config.output_dir, stop)
+        failure.record_stopped(stop)  # under train --nproc: the launcher counts the stopped ranks
         return 0
     return 0
 
