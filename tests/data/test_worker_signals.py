@@ -67,3 +67,26 @@ def test_workers_of_both_loaders_get_the_init():
     assert dataloader_options(2, "cpu")["worker_init_fn"] is not None
     assert "worker_init_fn" not in dataloader_options(0, "cpu")
     assert _loader(list(range(4)), 2, 1, lambda x: x).worker_init_fn is not None
+
+
+def test_the_exiting_flag_is_set_before_multiprocessing_ends_the_workers(tmp_path):
+    """The hook that lets workers take their parent's SIGTERM runs before multiprocessing's exit
+    handler, whatever was imported first (a worker that ignored it would hang the exit)."""
+    script = tmp_path / "order.py"
+    script.write_text(textwrap.dedent("""
+        import atexit, sys
+        calls = []
+        real_register = atexit.register
+        def register(function, *args, **kwargs):
+            calls.append(getattr(function, "__name__", repr(function)))
+            return real_register(function, *args, **kwargs)
+        atexit.register = register
+        from vlcontrast.data import workers
+        workers.stop_signal_init()
+        print(calls)
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    calls = eval(out.stdout.strip().splitlines()[-1])
+    assert calls.index("_exit_function") < calls.index("_set_exiting"), calls

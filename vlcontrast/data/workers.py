@@ -31,6 +31,10 @@ def stop_signal_init():
     workers too): stop signals are left to this process, see the module's text."""
     global _exiting
     if _exiting is None:
+        # multiprocessing.util registers its exit handler when first imported: imported first,
+        # so this hook, registered after it, runs before it (atexit runs the last one first).
+        import multiprocessing.util  # noqa: F401
+
         _exiting = multiprocessing.RawValue("b", 0)
         atexit.register(_set_exiting, _exiting)
     return functools.partial(_worker_signals, _exiting, os.getpid())
@@ -45,7 +49,8 @@ def _worker_signals(exiting, parent: int, _worker_id: int = 0) -> None:
 
     def on_sigterm(signum, _frame):
         if exiting.value or os.getppid() != parent:  # the parent ends it, or is gone
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
+            # A plain exit: death by a signal makes PyTorch's SIGCHLD handler in the exiting
+            # parent print "DataLoader worker ... killed by signal: Terminated".
+            os._exit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)
