@@ -38,6 +38,13 @@ def test_a_batch_larger_than_the_data_is_refused_before_the_model_is_built(
                                               rf" = {samples + 1}\); set data.batch_size to at "
                                               rf"most {samples}, or train on more data$"):
         loop.train(config)
+    # The preflight made the run folder; the failed start leaves none behind (it left an empty
+    # run/checkpoints/).
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)  # a folder that was there stays
+    with pytest.raises(DataLayoutError):
+        loop.train(config)
+    assert (tmp_path / "run" / "checkpoints").is_dir()
     config.data.batch_size = samples  # one batch fits: the model is built next
     with pytest.raises(AssertionError, match="the model was built"):
         loop.train(config)

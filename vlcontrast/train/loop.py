@@ -76,6 +76,25 @@ def train(config: RunConfig) -> dict[str, Any]:
     stop = StopSignal()  # first: a preemption notice during start-up is kept
     env = dist_utils.init_distributed(timeout_s=config.train.dist_timeout_s,
                                       device=config.train.device)
+    run_dir = Path(config.output_dir)
+    new_run_dir = env.rank == 0 and not run_dir.exists()
+    try:
+        return _train(config, stop, env)
+    except BaseException:
+        if new_run_dir:  # a start that failed leaves no empty run folder behind
+            _remove_if_empty(run_dir / "checkpoints", run_dir)
+        raise
+
+
+def _remove_if_empty(*folders: Path) -> None:
+    for folder in folders:
+        try:
+            folder.rmdir()  # only an empty folder: anything written stays
+        except OSError:
+            return
+
+
+def _train(config: RunConfig, stop: StopSignal, env) -> dict[str, Any]:
     precision = Precision(config.train.precision)
     precision.check_supported(env.device)  # before the preflight creates the run directory
     evaluator = Evaluator(config.eval, val_shards=config.data.val, workers=config.data.workers,
