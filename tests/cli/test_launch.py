@@ -236,3 +236,20 @@ def test_the_stop_line_is_rank_0_s(monkeypatch, capsys, tmp_path, rank, printed)
     err = capsys.readouterr().err
     assert ("vlcontrast: stopped by train.stop_at_step at step 2" in err) == printed
     assert failure.stopped_ranks(folder) == {int(rank)}  # every rank tells the launcher
+
+
+@pytest.mark.parametrize("preset", [None, "3"])
+def test_the_ranks_get_the_cores_shared_out_as_threads(monkeypatch, preset):
+    """torchrun sets OMP_NUM_THREADS=1 with a banner when it is unset; the launcher gives each
+    rank its share of the cores instead (a value the user set is kept), and puts it back after."""
+    if preset is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", preset)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    seen = []
+    monkeypatch.setattr(torchrun, "run", lambda arguments: seen.append(os.environ.get(
+        "OMP_NUM_THREADS")))
+    assert launch.launch_local(4, []) == 0
+    assert seen == ["4" if preset is None else preset]
+    assert os.environ.get("OMP_NUM_THREADS") == preset

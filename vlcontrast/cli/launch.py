@@ -76,6 +76,11 @@ def launch_local(nproc: int, train_arguments: list[str]) -> int:
     for key in INHERITED_RENDEZVOUS:
         os.environ.pop(key, None)
     saved = os.environ.get(failure.RANK_ERRORS_VARIABLE)
+    # torchrun sets 1 thread per rank with a banner when unset; the cores shared out is what a
+    # rank on CPU would take by itself (vlcontrast.train.loop), without the banner.
+    threads_set = "OMP_NUM_THREADS" not in os.environ
+    if threads_set:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     with tempfile.TemporaryDirectory(prefix="vlcontrast-ranks-") as folder, HeldBack() as held:
         os.environ[failure.RANK_ERRORS_VARIABLE] = folder  # the ranks inherit it
         try:
@@ -120,5 +125,7 @@ def launch_local(nproc: int, train_arguments: list[str]) -> int:
                 os.environ.pop(failure.RANK_ERRORS_VARIABLE, None)
             else:
                 os.environ[failure.RANK_ERRORS_VARIABLE] = saved
+            if threads_set:
+                os.environ.pop("OMP_NUM_THREADS", None)
         held.release()
     return 0
