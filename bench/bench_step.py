@@ -474,6 +474,16 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def write_result(out: Path, stamp: str, result: dict) -> None:
+    """``step_<stamp>.json`` and ``step.md``, each replaced in one step: the run is cut at any row
+    by a device call's time limit (its process group killed), and a half-written JSON would lose
+    every row before it."""
+    from bench.gpu_check.report import write_atomic
+
+    write_atomic(out / f"step_{stamp}.json", json.dumps(result, indent=2))
+    write_atomic(out / "step.md", table(result) + "\n")
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     written = None
@@ -483,8 +493,7 @@ def main(argv=None) -> int:
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
 
         def written(result):
-            (out / f"step_{stamp}.json").write_text(json.dumps(result, indent=2))
-            (out / "step.md").write_text(table(result) + "\n")
+            write_result(out, stamp, result)
 
     result = run(args, written)
     print("\n" + table(result))

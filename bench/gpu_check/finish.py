@@ -11,18 +11,25 @@ rows, step tables and loader rows leave the queue.
     python -m bench.gpu_check.finish            # one line per device call
     python -m bench.gpu_check.finish --sessions # every owed call (step, data, study, check),
                                                 # most wanted first, grouped by session
+    python -m bench.gpu_check.finish --collect DIR   # file a call's returned files
 
-Each line is a ``bench/device_run.sh`` command for the device tool (carry ``.whl``). The
-estimates are the measured matrix cells of the H200 runs (36-64 s each, start-up included) and a
-guess for the memory probes until a committed report times them (the report times every probe,
-and the estimates take the slowest recorded probe of each size), so after the first memory call
-the others are packed from measured times.
+Each line is the device tool's call: ``run(command=..., carry=[".whl"], timeout_s=...)``, its
+``GPU_CHECK_TIMEOUT`` and ``timeout_s`` sized from the call's estimate (:func:`plan_call`), and the
+calls of a session sized so that their ``timeout_s`` together fit its device time. The estimates
+are the measured matrix cells of the H200 runs (36-64 s each, start-up included) and a guess for
+the memory probes until a committed report times them (the report times every probe, and the
+estimates take the slowest recorded probe of each size), so after the first memory call the
+others are packed from measured times.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
+import math
 import re
+import shutil
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -31,12 +38,24 @@ from bench.gpu_check.plan import FULL_MODELS, MEMORY_SIZES, matrix_cells, matrix
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "gpu_check"
 """Where the device runs' raw numbers are committed: what they hold is no longer owed."""
 
-CALL_LIMIT_S = 480.0
-"""Each call must end within 8 minutes (the device tool's 10-minute limit, less installing the
-wheels and copying the report back)."""
+DEVICE_CALL_MAX_S = 600
+"""The device tool's limit on one call (its ``timeout_s``)."""
+CALL_MARGIN_S = 40
+"""What a ``bench/device_run.sh`` call spends outside its ``GPU_CHECK_TIMEOUT``: the carried wheels
+installed and imported (~20 s), ``timeout``'s 10 s grace after its TERM, the copy to ``$OUT``. A
+call's ``timeout_s`` is its ``GPU_CHECK_TIMEOUT`` plus this, so the tool never cuts the copy."""
+CHECK_TIMEOUT_MAX_S = DEVICE_CALL_MAX_S - CALL_MARGIN_S
+"""The largest ``GPU_CHECK_TIMEOUT`` of a call (560 s)."""
+HEADROOM = 1.25
+"""A call's ``GPU_CHECK_TIMEOUT`` over its estimate (the estimates are partly guesses)."""
+CALL_LIMIT_S = 440.0
+"""What a call's estimate must fit: the largest ``GPU_CHECK_TIMEOUT`` less the headroom (8
+minutes; ``CALL_LIMIT_S * HEADROOM <= CHECK_TIMEOUT_MAX_S``)."""
 CALL_SETUP_S = 75.0
 """Per call before the first probe or cell: the carried wheels installed (~15 s), the ``info``
 job (~10 s) and the check's shards written (~45 s for 7,680 224-px samples)."""
+STEP_CALL_SETUP_S = 30.0
+""":data:`CALL_SETUP_S` of a call of only the step group: it writes no shards."""
 PROBE_S = {32_768: 25.0, 65_536: 35.0, 131_072: 55.0, 262_144: 95.0}
 """Seconds per memory probe by global batch (start-up plus one GradCache step over batch / 4096
 micro-batches): a guess consistent with the H200 call that finished infonce's four sizes and
@@ -49,7 +68,7 @@ ZeRO-3's extra start."""
 CUDA_TESTS_SINCE = "2026-11-28"
 """The cuda-marked tests changed on this date (the torch engine against DeepSpeed's on a GPU, the
 decode stream, the feed under load): the ``losses`` group's ``pytest -m cuda`` row counts only from
-a report whose file name (it starts with the date) is not older."""
+a report whose date (:func:`report_date`: its ``info.date``, else its file name's) is not older."""
 TRANSCRIBED_MEMORY = ("infonce",)
 """Memory rows a device run reported in the issue tracker without a committed report (issue "The
 data path on a GPU node": infonce's four sizes); every other verdict is read from :data:`RESULTS`."""
@@ -66,18 +85,40 @@ class Verdict(NamedTuple):
 def cuda_tests_passed(results: Path = RESULTS, since: str = CUDA_TESTS_SINCE) -> bool:
     """Whether a report from ``since`` on has the ``losses`` group's ``pytest -m cuda`` passed."""
     rows: dict[tuple[str, str], Verdict] = {}
-    for path in sorted(Path(results).glob("*")):
-        if path.name >= since:
+    for path in ordered(results):
+        if report_date(path) >= since:
             rows.update(recorded_in(path))
     return getattr(rows.get(("losses", "pytest -m cuda")), "status", "") == "pass"
 
 
+DATE = re.compile(r"^(\d{4}-\d{2}-\d{2})")
+
+
+def report_date(path: Path) -> str:
+    """A result file's date, ``YYYY-MM-DD``: its JSON's ``info.date`` (every report since
+    2026-11-29 records it, as do the step and loader tables), else the date its name starts
+    with, else "" (older than any: an undated copy never overrides a dated report)."""
+    if path.suffix == ".json":
+        match = DATE.match(str(_json(path).get("info", {}).get("date") or ""))
+        if match:
+            return match[1]
+    match = DATE.match(path.name)
+    return match[1] if match else ""
+
+
+def ordered(results: Path = RESULTS) -> list[Path]:
+    """The result files by date (:func:`report_date`), then name: what a later one says of a case
+    overrides an earlier one."""
+    return sorted((p for p in Path(results).glob("*") if p.is_file()),
+                  key=lambda p: (report_date(p), p.name))
+
+
 def recorded(results: Path = RESULTS) -> dict[tuple[str, str], Verdict]:
     """(group, case) -> :class:`Verdict` of every row in the committed GPU-check reports (``*.json``
-    with ``rows``) and console logs (``*.log``), files in name order (they start with the date), a
-    later row overriding an earlier one of the same case."""
+    with ``rows``) and console logs (``*.log``), files in date order (:func:`ordered`), a later
+    row overriding an earlier one of the same case."""
     rows: dict[tuple[str, str], Verdict] = {}
-    for path in sorted(results.glob("*")):
+    for path in ordered(results):
         rows.update(recorded_in(path))
     return rows
 
@@ -98,10 +139,19 @@ def recorded_in(path: Path) -> dict[tuple[str, str], Verdict]:
     return rows
 
 
+_UNREADABLE: set[Path] = set()
+
+
 def _json(path: Path) -> dict:
+    """A result file's JSON object; one that cannot be read is said once (one line on stderr)
+    and counts as holding nothing."""
     try:
         value = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError) as err:
+        if path not in _UNREADABLE:
+            _UNREADABLE.add(path)
+            print(f"finish: {path} is not readable JSON ({type(err).__name__}: {err}); its rows "
+                  "are left out: fix or remove the file", file=sys.stderr)
         return {}
     return value if isinstance(value, dict) else {}
 
@@ -219,32 +269,61 @@ def finish_calls(losses: list[str], precisions: tuple[str, ...], families: list[
     return calls
 
 
-SESSION_CALL_S = 13 * 60.0
-"""Device time a session can give its calls: 15 minutes less the machine's start (1-2 min)."""
+SESSION_DEVICE_S = 15 * 60.0
+"""Device time of a session that is lent a machine, every call and the machine's start together."""
+MACHINE_START_S = 2 * 60.0
+"""The machine's start, out of a session's device time."""
+SESSION_CALL_S = SESSION_DEVICE_S - MACHINE_START_S
+"""What a session's calls may hold together: the sum of their ``timeout_s`` (13 minutes), so no
+call of a session can be cut by the device time running out (which would lose its copy to
+``$OUT``)."""
 DATA_CALL_S = 6 * 60.0
 """``bench/device_data.sh``: the cuda-marked decode tests and the loader bench (its own header)."""
+DATA_TIMEOUT_S = 520
+"""``bench/device_data.sh``'s ``timeout_s``: its three steps are cut at 110 + 60 + 300 s, plus the
+wheels (~20 s) and a margin (its own header and docs/benchmarks.md give the same)."""
+COMPILED_ARMS = ("plain", "vlcontrast", "vlcontrast+compile", "vlcontrast+cudagraphs")
+COMPILE_S = 120.0
+"""The compiled arms' compiles (a minute or more each on a GPU), over :func:`step_seconds`."""
+
+
+def step_missing(rows: list[dict], model: str, arms: tuple[str, ...],
+                 batches: tuple[int, ...], feeds: tuple[str, ...]) -> tuple[int, ...]:
+    """The batches of ``model`` whose step table lacks a (feed, arm) row: a call cut after its
+    first batch leaves the second owed."""
+    have = {(row.get("model"), row.get("batch"), row.get("feed"), row.get("arm")) for row in rows}
+    return tuple(batch for batch in batches
+                 if any((model, batch, feed, arm) not in have for feed in feeds for arm in arms))
 
 
 def queue(results: Path = RESULTS) -> list[tuple[str, str, float]]:
-    """Every device call still owed, most wanted first: (what it answers, the device tool's
-    command, estimated seconds). The step table (issue "GPU speed") first, then the data path's
-    end-to-end rows, the study plan's missing step times, the compiled arms, and the rest of the
-    check (:func:`finish_calls`); a call whose numbers :data:`RESULTS` already holds is left out."""
+    """Every device call still owed, most wanted first: (what it answers, the command, estimated
+    seconds). The step table (issue "GPU speed") first, then the data path's end-to-end rows, the
+    study plan's missing step times, the compiled arms, and the rest of the check
+    (:func:`finish_calls`); a call whose numbers :data:`RESULTS` already holds is left out (a step
+    table only once every planned batch x feed x arm row is there)."""
+    from bench.bench_step import ARMS, FEEDS
     from bench.gpu_check.groups import precisions, shipped_families
-    from bench.gpu_check.plan import estimate_seconds, step_seconds, throughput_seconds
+    from bench.gpu_check.plan import (STEP_BATCHES, estimate_seconds, step_seconds,
+                                      throughput_seconds)
     from vlcontrast.losses import LOSSES
 
     steps = step_rows(results)
-    arms = {(row.get("model"), row["arm"]) for row in steps}
-    run = "GPU_CHECK_TIMEOUT=470 bench/device_run.sh"
+    run = "bench/device_run.sh"
     calls = []
+
+    def only(batches: tuple[int, ...]) -> str:
+        return "" if batches == STEP_BATCHES else f" --step-batches {','.join(map(str, batches))}"
+
     for model in ("ViT-B-32", "RN50"):
         # Each arm also profiled for 3 steps: op tables and kernels per step, to find what the
         # step's remaining host time goes to.
-        if (model, "vlcontrast") not in arms:
+        missing = step_missing(steps, model, ARMS, STEP_BATCHES, FEEDS)
+        if missing:
             calls.append((f"step table, {model}",
-                          f"{run} step --step-models {model} --step-profile 3",
-                          CALL_SETUP_S + step_seconds((model,), profile=True)))
+                          f"{run} step --step-models {model}{only(missing)} --step-profile 3",
+                          STEP_CALL_SETUP_S + step_seconds((model,), profile=True,
+                                                           batches=missing)))
         if model == "ViT-B-32" and not cuda_tests_passed(results):
             # The engines compared on the GPU before their step is timed, with the other
             # cuda-marked tests (the losses group's first row; its loss checks come along).
@@ -261,11 +340,13 @@ def queue(results: Path = RESULTS) -> list[tuple[str, str, float]]:
             calls.append((f"study plan: step time at {batch} per GPU",
                           f"{run} throughput --throughput-batch {batch}",
                           CALL_SETUP_S + throughput_seconds(batch)))
-    if ("ViT-B-32", "vlcontrast+compile") not in arms:
-        compiled = "plain,vlcontrast,vlcontrast+compile,vlcontrast+cudagraphs"
+    missing = step_missing(steps, "ViT-B-32", COMPILED_ARMS, STEP_BATCHES, FEEDS)
+    if missing:
         calls.append(("compiled arms, ViT-B-32",
-                      f"{run} step --step-models ViT-B-32 --step-arms {compiled}",
-                      CALL_SETUP_S + step_seconds(("ViT-B-32",), arms=4) + 120.0))
+                      f"{run} step --step-models ViT-B-32{only(missing)} --step-arms "
+                      + ",".join(COMPILED_ARMS),
+                      STEP_CALL_SETUP_S + step_seconds(("ViT-B-32",), arms=len(COMPILED_ARMS),
+                                                       batches=missing) + COMPILE_S))
     families = sorted(shipped_families())
     for group, selection, seconds in finish_calls(sorted(LOSSES), precisions(), families,
                                                   results):
@@ -273,23 +354,161 @@ def queue(results: Path = RESULTS) -> list[tuple[str, str, float]]:
     return calls
 
 
+class DeviceCall(NamedTuple):
+    """One planned device call: what it answers, its command, its estimate, the device tool's
+    ``timeout_s`` and (``bench/device_run.sh``) the ``GPU_CHECK_TIMEOUT`` the check runs
+    under."""
+
+    what: str
+    command: str
+    seconds: float
+    timeout_s: int
+    check_timeout_s: int | None
+
+    def line(self) -> str:
+        """The device tool's call, as the session makes it, and what it is for."""
+        command = (f"GPU_CHECK_TIMEOUT={self.check_timeout_s} {self.command}"
+                   if self.check_timeout_s is not None else self.command)
+        return (f'run(command="{command}", carry=[".whl"], timeout_s={self.timeout_s})'
+                f"    # ~{self.seconds / 60:.1f} min: {self.what}")
+
+
+def plan_call(what: str, command: str, seconds: float, cap_s: float | None = None
+              ) -> DeviceCall | None:
+    """The call with its limits: ``GPU_CHECK_TIMEOUT`` the estimate plus :data:`HEADROOM`
+    (whole tens of seconds, at most :data:`CHECK_TIMEOUT_MAX_S`) and ``timeout_s`` that plus
+    :data:`CALL_MARGIN_S`; ``bench/device_data.sh`` has its own limits (:data:`DATA_TIMEOUT_S`).
+    ``cap_s``: the device time left to the call, its ``timeout_s`` lowered to fit, down to the
+    estimate plus the margin; None when even that does not fit."""
+    cap = DEVICE_CALL_MAX_S if cap_s is None else min(cap_s, DEVICE_CALL_MAX_S)
+    if not command.startswith("bench/device_run.sh"):
+        return DeviceCall(what, command, seconds, DATA_TIMEOUT_S, None) \
+            if DATA_TIMEOUT_S <= cap else None
+    wanted = min(CHECK_TIMEOUT_MAX_S, 10 * math.ceil(seconds * HEADROOM / 10))
+    least = min(CHECK_TIMEOUT_MAX_S, 10 * math.ceil(seconds / 10))
+    check = min(wanted, int(cap - CALL_MARGIN_S) // 10 * 10)
+    if check < least:
+        return None
+    return DeviceCall(what, command, seconds, check + CALL_MARGIN_S, check)
+
+
 def sessions(calls: list[tuple[str, str, float]], budget_s: float = SESSION_CALL_S
-             ) -> list[list[tuple[str, str, float]]]:
-    """``calls`` in order, cut into sessions whose calls fit ``budget_s`` of device time."""
-    out: list[list[tuple[str, str, float]]] = []
-    spent = budget_s
-    for call in calls:
-        if spent + call[2] > budget_s:
+             ) -> list[list[DeviceCall]]:
+    """``calls`` in order, planned (:func:`plan_call`) and cut into sessions whose calls'
+    ``timeout_s`` together fit ``budget_s``: a call that does not fit what is left of a session
+    has its limits lowered to fit if its estimate still does, else it starts the next session."""
+    out: list[list[DeviceCall]] = []
+    left = 0.0
+    for what, command_, seconds in calls:
+        planned = plan_call(what, command_, seconds, cap_s=left) if out else None
+        if planned is None:
             out.append([])
-            spent = 0.0
-        out[-1].append(call)
-        spent += call[2]
+            left = budget_s
+            planned = plan_call(what, command_, seconds, cap_s=left)
+            if planned is None:  # longer than a session on its own: the tool's limits, alone
+                planned = plan_call(what, command_, seconds)
+        out[-1].append(planned)
+        left -= planned.timeout_s
     return out
 
 
 def command(group: str, selection: str) -> str:
     option = "--memory-losses" if group == "memory" else "--cases"
-    return f"GPU_CHECK_TIMEOUT=540 bench/device_run.sh {group} {option} '{selection}'"
+    return f"bench/device_run.sh {group} {option} '{selection}'"
+
+
+# --------------------------------------------------------------------------------------------
+# --collect: a call's returned files into bench/results/gpu_check/
+
+
+FILED = {"gpu_check.json": ".json", "gpu_check.md": ".md", "tracebacks.txt": "-tracebacks.txt",
+         "job_logs.tar.gz": "-job-logs.tar.gz", "pytest_cuda.log": "-pytest-cuda.log",
+         "step.md": "-table.md", "step_profiles.tar.gz": "-step-profiles.tar.gz",
+         "loader.json": ".json", "loader.md": ".md", "cuda_tests.log": "-cuda-tests.log",
+         "bench.log": "-bench.log"}
+"""A returned file's name -> its ending after the call's stem (``step_<stamp>.json``:
+``-table.json``)."""
+
+
+def device_slug(name: str) -> str:
+    """``NVIDIA H200 x1, CUDA 13.0`` -> ``h200``; a CPU -> ``cpu``; else the name's first word."""
+    name = str(name or "")
+    if "NVIDIA" in name:
+        name = name.split("NVIDIA", 1)[1]
+    if name.strip().lower().startswith("cpu") or not name.strip():
+        return "cpu" if name.strip() else "unknown"
+    return re.sub(r"[^a-z0-9]+", "-", name.split()[0].lower()).strip("-") or "unknown"
+
+
+def call_stem(folder: Path) -> str:
+    """``<date>-<device>-<group(s)>`` of the call whose files ``folder`` holds: from its
+    ``gpu_check.json`` (groups joined by ``-``), else its ``loader.json`` (``loader-b<batch>``),
+    else its step table (``step``); the date is the report's (UTC), else the file's time."""
+    for name, label in (("gpu_check.json", None), ("loader.json", "loader"),
+                        ("step_*.json", "step")):
+        found = sorted(folder.glob(name))
+        if not found:
+            continue
+        data = _json(found[-1])
+        info = data.get("info", {}) if isinstance(data.get("info"), dict) else {}
+        if label is None:
+            options = info.get("options") if isinstance(info.get("options"), dict) else {}
+            label = "-".join(info.get("groups") or []) or "check"
+            if options.get("step_models"):  # the two step calls of a day apart by name
+                label += "-" + str(options["step_models"]).replace(",", "-")
+            if options.get("throughput_batch"):
+                label += f"-b{options['throughput_batch']}"
+            label = re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-")
+        elif label == "loader" and info.get("batch_size"):
+            label = f"loader-b{info['batch_size']}"
+        match = DATE.match(str(info.get("date") or ""))
+        date = match[1] if match else datetime.datetime.fromtimestamp(
+            found[-1].stat().st_mtime, datetime.timezone.utc).strftime("%Y-%m-%d")
+        device = device_slug(info.get("device_name") or info.get("device") or "")
+        return f"{date}-{device}-{label}"
+    raise SystemExit(f"finish --collect: {folder} holds no gpu_check.json, loader.json or "
+                     "step_*.json: give the folder a device call's files came back to")
+
+
+def collect(folder: Path, results: Path = RESULTS) -> list[tuple[Path, Path]]:
+    """File the returned files of one device call (``folder``: the device tool's ``files_at``)
+    into ``results`` as ``<date>-<device>-<group(s)><ending>`` (:data:`FILED`); never over an
+    existing file: the call's stem takes a suffix (``-2``, ...) when any of its names is taken,
+    and a call already filed (the same bytes under one stem) is not filed again. Returns (source,
+    filed) pairs; an empty ``tracebacks.txt`` is left out."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise SystemExit(f"finish --collect: {folder} is not a folder: give the folder a device "
+                         "call's files came back to")
+    stem = call_stem(folder)
+    sources: list[tuple[Path, str]] = []
+    for path in sorted(folder.iterdir()):
+        if path.name == "tracebacks.txt" and not path.read_text(errors="replace").strip():
+            continue
+        if path.name in FILED:
+            sources.append((path, FILED[path.name]))
+        elif re.fullmatch(r"step_.+\.json", path.name):
+            sources.append((path, "-table.json"))
+    endings = [ending for _, ending in sources]
+    sources = [(path, ending if endings.count(ending) == 1 else
+                ending.replace(".", f"-{index}.", 1))
+               for index, (path, ending) in enumerate(sources, 1)]
+    results.mkdir(parents=True, exist_ok=True)
+    for number in range(1, 100):
+        name = stem if number == 1 else f"{stem}-{number}"
+        targets = [(path, results / f"{name}{ending}") for path, ending in sources]
+        if all(target.is_file() and target.read_bytes() == path.read_bytes()
+               for path, target in targets):
+            print(f"finish --collect: already filed as {name}*: nothing to do")
+            return []
+        if not any(target.exists() for _, target in targets):
+            break
+    else:
+        raise SystemExit(f"finish --collect: {stem}-2 to -99 are all taken in {results}: "
+                         "file by hand")
+    for path, target in targets:
+        shutil.copyfile(path, target)
+    return targets
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -298,21 +517,33 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="the device calls still owed")
     parser.add_argument("--sessions", action="store_true",
                         help="every owed call, most wanted first, grouped into sessions of "
-                             f"{SESSION_CALL_S / 60:.0f} minutes of device time")
+                             f"{SESSION_DEVICE_S / 60:.0f} minutes of device time")
+    parser.add_argument("--collect", metavar="DIR",
+                        help="file the files a device call brought back (DIR) into "
+                             "bench/results/gpu_check/, named by date, device and group(s)")
     args = parser.parse_args(argv)
+    if args.collect:
+        for source, target in collect(Path(args.collect), RESULTS):
+            print(f"filed {source.name} -> {target}")
+        return 0
     if args.sessions:
-        for number, calls in enumerate(sessions(queue()), 1):
-            total = sum(seconds for _, _, seconds in calls)
-            print(f"# session {number} (~{total / 60:.1f} min of calls)")
-            for what, cmd, seconds in calls:
-                print(f"{cmd}    # ~{seconds / 60:.1f} min: {what}")
+        grouped = sessions(queue())
+        for number, calls in enumerate(grouped, 1):
+            total = sum(call.seconds for call in calls)
+            caps = sum(call.timeout_s for call in calls)
+            print(f"# session {number}: ~{total / 60:.1f} min of calls; their timeout_s "
+                  f"{caps / 60:.1f} min + ~{MACHINE_START_S / 60:.0f} min machine start, of "
+                  f"{SESSION_DEVICE_S / 60:.0f}")
+            for call in calls:
+                print(call.line())
+        print("# after each call: python -m bench.gpu_check.finish --collect FILES_AT")
         return 0
     from bench.gpu_check.groups import precisions, shipped_families
     from vlcontrast.losses import LOSSES
 
     families = sorted(shipped_families())
     for group, selection, seconds in finish_calls(sorted(LOSSES), precisions(), families):
-        print(f"{command(group, selection)}    # ~{seconds / 60:.1f} min")
+        print(plan_call(f"{group} {selection}", command(group, selection), seconds).line())
     return 0
 
 

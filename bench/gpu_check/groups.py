@@ -267,7 +267,9 @@ def cuda_test_files(root: Path = REPO / "tests") -> list[Path]:
 
 
 def _pytest_cuda(ctx: Context) -> tuple[str, str]:
-    log = ctx.out / "pytest_cuda.log"
+    # In jobs/ with every job log: bench/device_run.sh brings that folder back (job_logs.tar.gz).
+    log = ctx.out / "jobs" / "pytest_cuda.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
            "-m", "cuda", "-rs", *map(str, cuda_test_files())]
     rc = ctx.jobs.run_command("pytest_cuda", cmd, log, timeout_s=300)
@@ -276,7 +278,7 @@ def _pytest_cuda(ctx: Context) -> tuple[str, str]:
     detail = summary[-1].strip("= ") if summary else f"exit {rc}"
     if rc == 5:  # no test collected
         return "skip", "no test is marked cuda"
-    return ("pass" if rc == 0 else "fail"), f"pytest -m cuda: {detail} (log {log.name})"
+    return ("pass" if rc == 0 else "fail"), f"pytest -m cuda: {detail} (log jobs/{log.name})"
 
 
 # --------------------------------------------------------------------------------------------

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
 import time
 import traceback
 from pathlib import Path
 
 from bench.gpu_check import GROUPS
+from bench.gpu_check.report import Row
+
+STOP_RESERVE_S = 20.0
+"""Of ``--time-limit``, kept back from the jobs: the orchestrator's start before it reads the
+clock, and writing the report after the last job is cut."""
 
 
 def choose_cpu_accelerator() -> None:
@@ -49,9 +56,17 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--step-arms", default="",
                         help="comma list: the step group's arms (bench/bench_step.py --arms, e.g. "
                              "'plain,vlcontrast,vlcontrast+compile')")
+    parser.add_argument("--step-batches", default="",
+                        help="comma list: the step group measures only these batches (default "
+                             "128,512; to finish a call cut after its first batch)")
     parser.add_argument("--step-profile", type=int, default=0, metavar="STEPS",
                         help="the step group profiles STEPS more steps of every arm "
                              "(bench/bench_step.py --profile): op tables in OUT/step/")
+    parser.add_argument("--time-limit", type=float, metavar="SECONDS",
+                        default=os.environ.get("GPU_CHECK_TIMEOUT") or "0",
+                        help="the call's time limit (default: $GPU_CHECK_TIMEOUT, under which "
+                             "bench/device_run.sh runs the check): no job runs past it, less "
+                             f"{STOP_RESERVE_S:.0f} s for the report")
     parser.add_argument("--plan", action="store_true",
                         help="print the plan (groups, estimates, disk budget) and exit")
     args = parser.parse_args(argv)
@@ -63,11 +78,58 @@ def parse_args(argv: list[str] | None):
         parser.error(f"--only: {err}")
     if not args.groups:
         parser.error("--only: no group given")
+    if not all(b.isdigit() for b in split(args.step_batches)):
+        parser.error(f"--step-batches: {args.step_batches!r} is not a comma list of batch sizes")
     return args
+
+
+def step_estimate(args) -> float:
+    """The ``step`` group's estimate for what this call asks of it (``--step-models``,
+    ``--step-arms``, ``--step-batches``, ``--step-profile``; on one H100, as every estimate)."""
+    from bench.gpu_check.plan import STEP_ARMS, STEP_BATCH_S, STEP_BATCHES, step_seconds
+
+    models = split(args.step_models) or tuple(STEP_BATCH_S)
+    batches = tuple(int(b) for b in split(args.step_batches)) or STEP_BATCHES
+    return step_seconds(models, arms=len(split(args.step_arms)) or STEP_ARMS,
+                        profile=bool(args.step_profile), batches=batches)
+
+
+def split(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def stop_on_signals(report, jobs, out: Path, state: dict) -> None:
+    """On SIGTERM (``timeout`` at ``GPU_CHECK_TIMEOUT``) or SIGINT: kill every running job's
+    process group (each job runs in a session of its own, which ``timeout``'s signal does not
+    reach: without this a cut call's jobs keep the GPU busy into the next call), write the report
+    with what ended and why it stopped, then exit (128 + the signal) before ``timeout``'s KILL."""
+
+    def stop(signum, _frame):
+        name = signal.Signals(signum).name
+        killed = jobs.kill_running()
+        elapsed = time.perf_counter() - state["start"]
+        group = state.get("group")
+        detail = (f"stopped by {name} after {elapsed:.0f} s"
+                  + (f" (GPU_CHECK_TIMEOUT={state['limit']:.0f})" if state.get("limit") else "")
+                  + (f"; killed: {', '.join(killed)}" if killed else "")
+                  + "; the rest of the call did not run")
+        report.info["stopped"] = detail
+        report.info["total_s"] = round(elapsed, 1)
+        if group:
+            report.rows.append(Row(group, "(stopped)", "skip", detail, 0.0))
+        with contextlib.suppress(Exception):  # exit in time whatever the report's state
+            report.write(out)
+        print(f"[gpu-check] {detail}; report written: {out / 'gpu_check.md'}", flush=True)
+        sys.stderr.flush()
+        os._exit(128 + signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, stop)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    started, started_monotonic = time.perf_counter(), time.monotonic()
     if args.reduced:
         choose_cpu_accelerator()  # first: before any import that could reach DeepSpeed
     import torch
@@ -77,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         choose_cpu_accelerator()
     from bench.gpu_check import groups as checks
     from bench.gpu_check.jobs import JobRunner
-    from bench.gpu_check.plan import disk_budget, estimate_seconds, human_s, settings_for
+    from bench.gpu_check.plan import (disk_budget, estimate_seconds, human_s, needs_shards,
+                                      settings_for, source_commit, utc_now)
     from bench.gpu_check.report import GroupTime, Report
     from bench.gpu_check.shards import write_shards
 
@@ -85,23 +148,28 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     settings = settings_for(reduced, out, workers=args.workers or None)
     if args.cases:
-        settings.matrix_cases = tuple(x.strip() for x in args.cases.split(",") if x.strip())
+        settings.matrix_cases = split(args.cases)
     if args.throughput_batch:
         settings.throughput_batch = args.throughput_batch
     if args.memory_losses:
-        settings.memory_losses = tuple(x.strip() for x in args.memory_losses.split(",") if x.strip())
+        settings.memory_losses = split(args.memory_losses)
     if args.step_models:
-        settings.step_models = tuple(x.strip() for x in args.step_models.split(",") if x.strip())
+        settings.step_models = split(args.step_models)
     if args.step_arms:
-        settings.step_arms = tuple(x.strip() for x in args.step_arms.split(",") if x.strip())
+        settings.step_arms = split(args.step_arms)
+    if args.step_batches:
+        settings.step_batches = tuple(int(b) for b in split(args.step_batches))
     settings.step_profile = args.step_profile
+    shards = needs_shards(args.groups)
     families = sorted(set(checks.shipped_families()) & set(settings.models))
     precisions = checks.precisions()
-    estimates = {g: estimate_seconds(g, precisions, families) for g in args.groups}
+    estimates = {g: step_estimate(args) if g == "step"
+                 else estimate_seconds(g, precisions, families) for g in args.groups}
     print(f"[gpu-check] {'reduced (CPU)' if reduced else 'full (CUDA)'}; groups in order: "
           + ", ".join(f"{g} (~{human_s(estimates[g])} on one H100)" for g in args.groups)
-          + f"; total ~{human_s(sum(estimates.values()))}", flush=True)
-    budget = disk_budget(settings, args.groups, out)
+          + f"; total ~{human_s(sum(estimates.values()))}"
+          + (f"; time limit {args.time_limit:.0f} s" if args.time_limit else ""), flush=True)
+    budget = disk_budget(settings, args.groups, out, shards=shards)
     print(f"[gpu-check] {budget.line(out)}", flush=True)
     if not budget.enough:
         print(budget.refusal(out), file=sys.stderr, flush=True)
@@ -109,28 +177,39 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan:
         return 0
 
-    report = Report(out)  # rewritten after every row
-    jobs = JobRunner(out, settings.device)
-    start = time.perf_counter()
+    report = Report(out)  # rewritten after every row, every group and before the first
+    deadline = (started_monotonic + args.time_limit - STOP_RESERVE_S) if args.time_limit else None
+    jobs = JobRunner(out, settings.device, deadline=deadline)
+    state = {"start": started, "limit": args.time_limit, "group": None}
+    stop_on_signals(report, jobs, out, state)
+    report.info.update(date=utc_now(), commit=source_commit(), reduced=reduced,
+                       groups=list(args.groups),
+                       estimates_s={g: round(v) for g, v in estimates.items()},
+                       options={k: v for k, v in vars(args).items()
+                                if k not in ("groups", "only", "plan", "out") and v},
+                       disk=budget.line(out))
+    report.write(out)  # the header, before anything can stop the call
+    state["group"] = "setup"
     info = jobs.run("info", {"kind": "info"}, timeout_s=300)
     report.info.update({k: v for k, v in info.items()
                         if k in ("device_name", "torch", "deepspeed", "open_clip", "python",
                                  "ds_accelerator")})
-    report.info.update(reduced=reduced, groups=list(args.groups),
-                       estimates_s={g: round(v) for g, v in estimates.items()},
-                       disk=budget.line(out))
     if info.get("error"):
         report.add("setup", "versions", "fail", info["error"])
 
-    shards_start = time.perf_counter()
-    data = write_shards(out / "data" / "train", settings.train_samples, settings.image_size,
-                        shard_size=256 if not reduced else 64)
-    val = write_shards(out / "data" / "val", settings.val_samples, settings.image_size,
-                       shard_size=settings.val_samples, seed=1, first_id=10_000_000)
-    report.info["data_s"] = round(time.perf_counter() - shards_start, 1)
+    data = val = ""
+    if shards:  # the step group reads none (bench/bench_step.py feeds its own loader)
+        shards_start = time.perf_counter()
+        data = write_shards(out / "data" / "train", settings.train_samples, settings.image_size,
+                            shard_size=256 if not reduced else 64)
+        val = write_shards(out / "data" / "val", settings.val_samples, settings.image_size,
+                           shard_size=settings.val_samples, seed=1, first_id=10_000_000)
+        report.info["data_s"] = round(time.perf_counter() - shards_start, 1)
+    report.write(out)  # with the device and versions: what a call cut in its first group keeps
     ctx = checks.Context(settings, report, jobs, out, data, val)
 
     for group in args.groups:
+        state["group"] = group
         group_start = time.perf_counter()
         print(f"[gpu-check] group {group}: starting (estimate ~{human_s(estimates[group])})",
               flush=True)
@@ -146,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         # Written after every group too (and every row): a run stopped by a time limit keeps
         # what it finished.
         report.write(out)
-    report.info["total_s"] = round(time.perf_counter() - start, 1)
+    state["group"] = None
+    report.info["total_s"] = round(time.perf_counter() - started, 1)
     report.info["subprocesses"] = len(jobs.launched)
     # The orchestrator never trains: DeepSpeed must not be in this process.
     report.info["orchestrator_imported_deepspeed"] = "deepspeed" in sys.modules

@@ -3,10 +3,13 @@ how much disk the check needs. Imports nothing heavy: the orchestrator stays fre
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import json
 import math
 import os
 import shutil
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -264,10 +267,11 @@ def parameters_of(model: str) -> int:
     return sum(p.numel() for p in built.parameters())
 
 
-def disk_budget(settings: Settings, groups: tuple[str, ...], out: Path) -> DiskBudget:
+def disk_budget(settings: Settings, groups: tuple[str, ...], out: Path,
+                shards: bool = True) -> DiskBudget:
     """Checkpoints are deleted once a run's checks are done, so at most two live at once (the
     ``resume`` group's stopped run and its resumed continuation, while retention swaps them); one
-    for every other group."""
+    for every other group. ``shards``: whether the check writes its shards."""
     models = set()
     if {"matrix-rn", "matrix-vit", "throughput"} & set(groups):
         models |= set(settings.models.values()) | set(settings.throughput_models.values())
@@ -279,8 +283,8 @@ def disk_budget(settings: Settings, groups: tuple[str, ...], out: Path) -> DiskB
     kept = 2 if "resume" in groups else 1
     # Smooth 224-px JPEGs at quality 90 take about 0.25 bytes per pixel, plus tar headers.
     per_sample = int(0.25 * settings.image_size ** 2) + 2048
-    shards = per_sample * (settings.train_samples + settings.val_samples)
-    return DiskBudget(int(checkpoint), kept, shards, free_bytes(out))
+    shard_bytes = per_sample * (settings.train_samples + settings.val_samples) if shards else 0
+    return DiskBudget(int(checkpoint), kept, shard_bytes, free_bytes(out))
 
 
 def drop_checkpoints(run_dir: Path) -> int:
@@ -304,6 +308,63 @@ def parse_groups(text: str) -> tuple[str, ...]:
     return tuple(g for g in GROUPS if g in wanted)
 
 
+DATA_FREE_GROUPS = frozenset({"step"})
+"""Groups that read none of the check's shards (the step group feeds bench/bench_step.py's own
+synthetic loader): a call of only these writes no shards."""
+
+
+def needs_shards(groups: tuple[str, ...]) -> bool:
+    return any(group not in DATA_FREE_GROUPS for group in groups)
+
+
+def utc_now() -> str:
+    """The report's date: UTC, ISO 8601 to the second (what ``finish`` files and orders it by)."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+SOURCE_DIGEST_PARTS = ("vlcontrast", "bench", "tests", "configs", "pyproject.toml")
+
+
+def source_commit(root: Path = REPO) -> str:
+    """The code a report was made with: git's HEAD (``+dirty`` when tracked files differ from it)
+    where the tree is a git checkout; else (the device tool copies the tree without ``.git``) a
+    digest of its sources, ``tree-sha256:<12 hex>`` (the same digest of the same files here:
+    ``python -c "from bench.gpu_check.plan import source_digest; print(source_digest())"``);
+    ``unknown`` if neither can be read."""
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=20)
+        if head.returncode == 0 and head.stdout.strip():
+            dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
+                                    "--untracked-files=no"], capture_output=True, text=True,
+                                   timeout=20)
+            return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        return source_digest(root)
+    except OSError:
+        return "unknown"
+
+
+def source_digest(root: Path = REPO) -> str:
+    """sha256 over the paths and bytes of the Python, YAML and JSON sources under
+    :data:`SOURCE_DIGEST_PARTS` (``results`` folders left out), in path order."""
+    digest = hashlib.sha256()
+    count = 0
+    for part in SOURCE_DIGEST_PARTS:
+        base = Path(root) / part
+        files = [base] if base.is_file() else sorted(
+            p for p in base.rglob("*") if p.is_file() and p.suffix in (".py", ".yaml", ".json")
+            and "results" not in p.relative_to(root).parts and "__pycache__" not in p.parts)
+        for path in files:
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+            count += 1
+    if not count:
+        raise OSError(f"no sources under {root}")
+    return f"tree-sha256:{digest.hexdigest()[:12]}"
+
+
 def human_s(seconds: float) -> str:
     return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{math.ceil(seconds)} s"
 
@@ -312,15 +373,18 @@ STEP_PROFILE_ARM_S = 4.0
 """``--step-profile``: one arm's profiled steps, with the profiler's start and its op table."""
 
 
-def step_seconds(models: tuple[str, ...], arms: int = STEP_ARMS, profile: bool = False) -> float:
+def step_seconds(models: tuple[str, ...], arms: int = STEP_ARMS, profile: bool = False,
+                 batches: tuple[int, ...] = STEP_BATCHES) -> float:
     """The ``step`` group's rough wall time for ``models`` (``--step-models``) with ``arms`` arms
-    (``profile``: each arm also profiled, ``--step-profile``)."""
+    (``profile``: each arm also profiled, ``--step-profile``) at ``batches``
+    (``--step-batches``)."""
     total = START_S
     per_arm = STEP_ARM_S + (STEP_PROFILE_ARM_S if profile else 0.0)
     for model in models:
         total += FAMILY_EXTRA_S.get(model, 0.0)
-        for seconds in STEP_BATCH_S.get(model, {}).values():
-            total += arms * STEP_FEEDS * (STEP_WARMUP_AND_STEPS * seconds + per_arm)
+        for batch, seconds in STEP_BATCH_S.get(model, {}).items():
+            if batch in batches:
+                total += arms * STEP_FEEDS * (STEP_WARMUP_AND_STEPS * seconds + per_arm)
     return total
 
 

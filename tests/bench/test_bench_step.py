@@ -213,3 +213,29 @@ def test_the_synthetic_loader_stream_yields_pinned_batches_with_ids(monkeypatch)
     assert stream.epoch == 1 and stream.accum_steps == 1
     for (batch,) in batches:
         assert batch.images is images and torch.equal(batch.sample_ids, torch.arange(4))
+
+
+def test_the_step_json_is_replaced_in_one_step(tmp_path, monkeypatch):
+    """A device call's time limit kills bench_step.py at any row: a write cut midway must leave
+    the previous complete JSON (every row before it), not half of one."""
+    from bench.bench_step import write_result
+
+    result = {"info": {"device_name": "cpu", "torch": "t", "deepspeed": "d", "open_clip": "o",
+                       "date": "today"},
+              "setup": {"precision": "fp32", "warmup": 1, "steps": 2, "workers": 1},
+              "rows": [{"model": "vlc-micro", "batch": 8, "feed": "none", "arm": "plain",
+                        "ms_per_step": 10.0, "samples_per_s": 800.0}]}
+    write_result(tmp_path, "x", result)
+    before = (tmp_path / "step_x.json").read_text()
+
+    def cut(self, text, *args, **kwargs):
+        with open(self, "w") as handle:
+            handle.write(text[:10])
+        raise OSError("killed mid-write")
+
+    monkeypatch.setattr(Path, "write_text", cut)
+    with pytest.raises(OSError):
+        write_result(tmp_path, "x", {**result, "rows": result["rows"] * 2})
+    monkeypatch.undo()
+    assert json.loads((tmp_path / "step_x.json").read_text()) == json.loads(before)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step.md", "step_x.json"]

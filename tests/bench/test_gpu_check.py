@@ -6,14 +6,19 @@ the ``cuda`` marker skips GPU tests on a machine without CUDA."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from bench.bench_step import ARMS, FEEDS
 from bench.gpu_check import GROUPS, groups, plan
 from bench.gpu_check.main import main as gpu_check_main
 from bench.gpu_check.shards import write_shards
@@ -440,22 +445,94 @@ def test_the_owed_calls_come_most_wanted_first_and_each_session_fits_its_device_
     # batch 128's throughput is recorded (transcribed), 32 and 512 are owed
     assert [cmd.split()[-1] for _, cmd, _ in calls if "--throughput-batch" in cmd] == ["32", "512"]
     grouped = finish.sessions(calls)
-    assert [call for session in grouped for call in session] == calls
-    assert all(sum(s for _, _, s in session) <= finish.SESSION_CALL_S for session in grouped)
+    assert [(c.what, c.command, c.seconds) for session in grouped for c in session] == calls
+    for session in grouped:
+        # Every call's cap together, with the machine's start, within the session's device time.
+        assert sum(c.timeout_s for c in session) + finish.MACHINE_START_S <= 15 * 60
+        for c in session:
+            assert c.timeout_s <= finish.DEVICE_CALL_MAX_S
+            if c.check_timeout_s is None:  # bench/device_data.sh: its own limits
+                assert c.timeout_s == finish.DATA_TIMEOUT_S
+            else:
+                assert c.seconds <= c.check_timeout_s
+                assert c.timeout_s >= c.check_timeout_s + finish.CALL_MARGIN_S
     assert finish.main(["--sessions"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("# session 1") and out.count("# session") == len(grouped)
+    lines = [line for line in out.splitlines() if not line.startswith("#")]
+    assert len(lines) == len(calls)
+    assert all(line.startswith('run(command="') and 'carry=[".whl"], timeout_s=' in line
+               for line in lines)
 
 
-def test_finish_prints_one_device_command_per_call(capsys):
+DEVICE_CALL = re.compile(r'^run\(command="GPU_CHECK_TIMEOUT=(\d+) bench/device_run.sh (\S+) .*", '
+                         r'carry=\["\.whl"\], timeout_s=(\d+)\)')
+
+
+def test_finish_prints_one_device_call_per_call_with_its_limits(capsys):
+    """Each line is the device tool's call: the check's GPU_CHECK_TIMEOUT and the tool's
+    timeout_s, which leaves the time outside the check (wheels, timeout's grace, the copy) and
+    stays within the tool's 10 minutes."""
     from bench.gpu_check import finish
 
     assert finish.main([]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines and all(line.startswith("GPU_CHECK_TIMEOUT=540 bench/device_run.sh ")
-                         for line in lines)
+    matches = [DEVICE_CALL.match(line) for line in lines]
+    assert lines and all(matches), lines
+    for match in matches:
+        check, timeout = int(match[1]), int(match[3])
+        assert check + finish.CALL_MARGIN_S <= timeout <= finish.DEVICE_CALL_MAX_S
     assert any("--memory-losses 'decl'" in line for line in lines)
-    assert any(line.split()[2] == "matrix-vit" and "--cases" in line for line in lines)
+    assert any(match[2] == "matrix-vit" and "--cases" in match[0] for match in matches)
+
+
+def test_a_call_near_the_limit_gets_a_timeout_s_above_its_check_and_within_600():
+    """A memory or matrix call of ~8 minutes under GPU_CHECK_TIMEOUT ~550 needs the tool's
+    timeout_s ~590: the old plan gave 540 to the check and nothing said what to give the tool."""
+    from bench.gpu_check import finish
+
+    assert finish.CALL_LIMIT_S * finish.HEADROOM <= finish.CHECK_TIMEOUT_MAX_S
+    call = finish.plan_call("memory x", finish.command("memory", "x"), finish.CALL_LIMIT_S)
+    assert finish.CALL_LIMIT_S <= call.check_timeout_s <= finish.CHECK_TIMEOUT_MAX_S
+    assert call.timeout_s == call.check_timeout_s + finish.CALL_MARGIN_S <= 600
+    assert f"GPU_CHECK_TIMEOUT={call.check_timeout_s} bench/device_run.sh memory" in call.line()
+
+
+def test_sessions_lower_a_calls_caps_to_fit_or_start_a_new_session():
+    from bench.gpu_check import finish
+
+    calls = [(f"memory {n}", finish.command("memory", n), 300.0) for n in "abc"]
+    grouped = finish.sessions(calls)
+    assert [[c.what for c in session] for session in grouped] == [["memory a", "memory b"],
+                                                                 ["memory c"]]
+    first, second = grouped[0]
+    assert first.check_timeout_s == 380  # 300 s + 25% = 375, up to tens
+    # The second is lowered to what the session has left, still above its estimate.
+    assert first.timeout_s + second.timeout_s <= finish.SESSION_CALL_S
+    assert 300 <= second.check_timeout_s < first.check_timeout_s
+    # bench/device_data.sh's limits are its own: it is never lowered.
+    data = [("loader", "bench/device_data.sh", finish.DATA_CALL_S)] * 2
+    assert [len(session) for session in finish.sessions(data)] == [1, 1]
+
+
+def test_the_docs_and_device_data_give_the_limits_the_plan_gives():
+    """docs/benchmarks.md's device calls and bench/device_data.sh's header agree with
+    finish.py: timeout_s covers GPU_CHECK_TIMEOUT plus the time outside it, within 600 s."""
+    from bench.gpu_check import finish
+
+    header = (REPO / "bench" / "device_data.sh").read_text()
+    call = f'run(command="bench/device_data.sh", carry=[".whl"], timeout_s={finish.DATA_TIMEOUT_S})'
+    assert call in header
+    doc = (REPO / "docs" / "benchmarks.md").read_text()
+    calls = re.findall(r'run\(command="([^"]*)", carry=\["\.whl"\], timeout_s=(\d+)\)', doc)
+    assert calls
+    for command, timeout in calls:
+        limit = re.match(r"GPU_CHECK_TIMEOUT=(\d+) bench/device_run.sh", command)
+        if command.startswith("bench/device_data.sh"):
+            assert int(timeout) == finish.DATA_TIMEOUT_S, command
+        else:
+            assert limit, command
+            assert int(limit[1]) + finish.CALL_MARGIN_S <= int(timeout) <= 600, command
 
 
 def _stand_in_tree(tmp_path, script: str):
@@ -558,8 +635,8 @@ def test_what_the_committed_reports_hold_leaves_the_queue(tmp_path):
     (tmp_path / "2026-12-02-h200-console.log").write_text(
         "[gpu-check] PASS matrix-vit/ViT ViT-B-32 fp16 zero1: 3 steps, peak 3 GiB (36.0 s)\n")
     step = {"info": gpu, "setup": {"precision": "amp_bf16"},
-            "rows": [{"model": "ViT-B-32", "batch": 128, "feed": "none", "arm": a}
-                     for a in ("plain", "vlcontrast")]}
+            "rows": [{"model": "ViT-B-32", "batch": b, "feed": f, "arm": a}
+                     for b in plan.STEP_BATCHES for f in FEEDS for a in ARMS]}
     write("2026-12-01-h200-step.json", step)
     write("2026-12-01-cpu-step.json", {**step, "info": {"device_name": "cpu"},
                                        "rows": [{**r, "model": "RN50"} for r in step["rows"]]})
@@ -628,3 +705,407 @@ def test_throughput_rows_carry_mfu_on_a_gpu():
     table = groups.throughput_table({"ViT-B-32": {"vlcontrast": 4065.0, "mfu_vlcontrast": value,
                                                   "open_clip": 4000.0}}, "batch 512")
     assert f"| ViT-B-32 | 4065 ({100 * value:.1f}%) | 4000 | – |" in table
+
+
+# --------------------------------------------------------------------------------------------
+# a device call cut by its time limit: jobs stopped, report and files back, nothing stale
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie, killed but not yet reaped, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+ORCHESTRATOR = """
+import sys, time
+from pathlib import Path
+from bench.gpu_check.jobs import JobRunner
+from bench.gpu_check.main import stop_on_signals
+from bench.gpu_check.report import Report
+
+out = Path(sys.argv[1])
+report, jobs = Report(out), JobRunner(out, "cpu")
+stop_on_signals(report, jobs, out, {"start": time.perf_counter(), "limit": 300, "group": "step"})
+report.add("step", "before the cut", "pass", "measured")
+# A job that starts a worker of its own (as a loader does), both writing their pids.
+job = ("import os, subprocess, sys, time; "
+       "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+       "Path = __import__('pathlib').Path; "
+       "Path(sys.argv[1] + '.tmp').write_text(f'{os.getpid()} {child.pid}'); "
+       "os.replace(sys.argv[1] + '.tmp', sys.argv[1]); time.sleep(600)")
+jobs.run_command("step", [sys.executable, "-c", job, str(out / "pids")], out / "jobs" / "step.log",
+                 timeout_s=600)
+print("the job ended on its own")
+"""
+
+
+def test_a_stop_signal_kills_the_running_jobs_and_writes_the_report(tmp_path):
+    """timeout's TERM reaches only the orchestrator (each job runs in a session of its own): the
+    orchestrator kills every running job's process group, writes its report, then exits, so a
+    cut call leaves nothing running on the GPU into the next call."""
+    out = tmp_path / "check"
+    proc = subprocess.Popen([sys.executable, "-c", ORCHESTRATOR, str(out)], cwd=REPO,
+                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    pids_file = out / "pids"
+    for _ in range(600):  # up to a minute for the job to start (not a timing assertion)
+        if pids_file.is_file() or proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    assert pids_file.is_file(), proc.communicate(timeout=60)[0]
+    pids = [int(x) for x in pids_file.read_text().split()]
+    assert all(_alive(pid) for pid in pids)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    try:
+        assert proc.returncode == 128 + signal.SIGTERM, output
+        assert "the job ended on its own" not in output
+        assert not [pid for pid in pids if _alive(pid)], "a job outlived the stopped check"
+        report = json.loads((out / "gpu_check.json").read_text())
+        assert "SIGTERM" in report["info"]["stopped"] and "step" in report["info"]["stopped"]
+        assert [(r["section"], r["case"], r["status"]) for r in report["rows"]] == [
+            ("step", "before the cut", "pass"), ("step", "(stopped)", "skip")]
+        assert "stopped by SIGTERM" in (out / "gpu_check.md").read_text()
+    finally:
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_no_job_runs_past_the_calls_time_limit(tmp_path, monkeypatch):
+    """Each job's timeout is its own limit or the time left before the deadline, whichever is
+    less; with none left it does not start, and says why."""
+    from bench.gpu_check import jobs as jobs_module
+
+    limits = []
+    monkeypatch.setattr(jobs_module, "run_logged",
+                        lambda cmd, env, log, timeout, **kw: limits.append(timeout) or 0)
+    runner = jobs_module.JobRunner(tmp_path, "cpu", timeout_s=600,
+                                   deadline=time.monotonic() + 100)
+    assert runner.run_command("step", ["true"], tmp_path / "step.log") == 0
+    runner.run("info", {"kind": "info"}, timeout_s=300)
+    assert len(limits) == 2 and all(0 < limit <= 100 for limit in limits)
+    assert jobs_module.JobRunner(tmp_path, "cpu").job_timeout(None) == 600  # no deadline
+    runner.deadline = time.monotonic() - 1
+    result = runner.run("matrix_cell", {"kind": "train"})
+    assert result["rc"] == 124 and "no time left" in result["error"]
+    assert runner.run_command("late", ["true"], tmp_path / "late.log") == 124
+    assert "no time left" in (tmp_path / "late.log").read_text()
+    assert len(limits) == 2 and runner.launched == ["step", "info"]
+
+
+@pytest.fixture
+def keep_signal_handlers():
+    """main() installs its stop handlers: put pytest's back afterwards."""
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+
+
+def test_the_report_with_its_header_is_written_before_the_first_group(tmp_path, monkeypatch,
+                                                                      keep_signal_handlers):
+    """A call cut in its first group (the step group's rows are added only after bench_step.py
+    ends) still brings back gpu_check.json with the device, the date and the commit; the
+    check's jobs get the call's deadline; a step-only call writes no shards (none are read)."""
+    from bench.gpu_check import jobs as jobs_module
+    from bench.gpu_check import main as main_module
+
+    seen = {}
+
+    def step_group(ctx):
+        seen["report"] = json.loads((ctx.out / "gpu_check.json").read_text())
+        seen["deadline"] = ctx.jobs.deadline
+        seen["data"] = (ctx.out / "data").exists()
+
+    monkeypatch.setitem(groups.GROUP_FUNCTIONS, "step", step_group)
+    monkeypatch.setattr(jobs_module.JobRunner, "run", lambda self, name, job, timeout_s=None: {
+        "device_name": "NVIDIA H200 x1, CUDA 13.0", "torch": "2.11"})
+    monkeypatch.setenv("GPU_CHECK_TIMEOUT", "300")
+    before = time.monotonic()
+    out = tmp_path / "check"
+    main_module.main(["--reduced", "--only", "step", "--out", str(out)])
+    info = seen["report"]["info"]
+    assert info["device_name"] == "NVIDIA H200 x1, CUDA 13.0" and info["groups"] == ["step"]
+    assert re.match(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\+00:00$", info["date"])
+    assert re.match(r"[0-9a-f]{40}(\+dirty)?$|tree-sha256:[0-9a-f]{12}$", info["commit"])
+    assert before < seen["deadline"] <= time.monotonic() + 300
+    assert seen["data"] is False
+
+
+def test_the_commit_falls_back_to_a_digest_of_the_sources_without_git(tmp_path):
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "a.py").write_text("x = 1\n")
+    first = plan.source_commit(tmp_path)
+    assert re.fullmatch(r"tree-sha256:[0-9a-f]{12}", first)
+    (tmp_path / "bench" / "a.py").write_text("x = 2\n")
+    assert plan.source_commit(tmp_path) != first
+    assert plan.source_commit(tmp_path / "nothing") == "unknown"
+
+
+def test_the_header_estimates_the_step_group_that_is_asked_for(tmp_path, capsys):
+    """--step-models, --step-arms, --step-batches and --step-profile change what the step group
+    runs, so its estimate too."""
+    rc = gpu_check_main(["--reduced", "--only", "step", "--step-models", "ViT-B-32",
+                         "--step-profile", "3", "--plan", "--out", str(tmp_path)])
+    assert rc == 0
+    wanted = plan.human_s(plan.step_seconds(("ViT-B-32",), profile=True))
+    assert f"step (~{wanted} on one H100)" in capsys.readouterr().out
+    gpu_check_main(["--reduced", "--only", "step", "--step-models", "ViT-B-32", "--step-batches",
+                    "512", "--plan", "--out", str(tmp_path)])
+    wanted = plan.human_s(plan.step_seconds(("ViT-B-32",), batches=(512,)))
+    assert f"step (~{wanted} on one H100)" in capsys.readouterr().out
+
+
+def test_the_cuda_tests_log_is_with_the_job_logs(tmp_path):
+    """bench/device_run.sh brings back jobs/ (job_logs.tar.gz): the pytest log must be there."""
+    logs = []
+
+    class Jobs(FakeJobs):
+        def run_command(self, name, cmd, log, timeout_s=None, device=None):
+            logs.append(Path(log))
+            Path(log).write_text("1 passed in 1.0s\n")
+            return 0
+
+    ctx = _context(tmp_path, reduced=False)
+    ctx.jobs = Jobs()
+    status, detail = groups._pytest_cuda(ctx)
+    assert logs == [tmp_path / "jobs" / "pytest_cuda.log"]
+    assert status == "pass" and "jobs/pytest_cuda.log" in detail
+
+
+FAKE_CHECK = """#!/usr/bin/env bash
+# pip and the import check pass; `-m bench.gpu_check --out OUT --only GROUPS ...` plays the check.
+if [ "$1" = "-m" ] && [ "$2" = "bench.gpu_check" ]; then
+    echo "$@" > "{args}"
+    out=$4
+    mkdir -p "$out/jobs"
+    echo log > "$out/jobs/info.log"
+    if [ "{report}" = 1 ]; then
+        echo report > "$out/gpu_check.md"; echo '{{}}' > "$out/gpu_check.json"
+        : > "$out/tracebacks.txt"
+    fi
+    case ",$6," in
+    *,step,*) if [ "{step}" = 1 ]; then mkdir -p "$out/step"; echo '{{}}' > "$out/step/step_1.json"
+              echo table > "$out/step/step.md"; echo ops > "$out/step/profile_a.txt"; fi ;;
+    *,losses,*) echo "1 passed" > "$out/jobs/pytest_cuda.log" ;;
+    esac
+fi
+exit 0
+"""
+
+
+def _device_run(tmp_path, root, group, out, check, report=True, step=True, timeout=None):
+    fake = tmp_path / "python"
+    args = tmp_path / "args.txt"
+    fake.write_text(FAKE_CHECK.format(args=args, report=int(report), step=int(step)))
+    fake.chmod(0o755)
+    out.mkdir()
+    env = {**os.environ, "PY": str(fake), "OUT": str(out), "GPU_CHECK_OUT": str(check)}
+    env.pop("GPU_CHECK_TIMEOUT", None)
+    if timeout:
+        env["GPU_CHECK_TIMEOUT"] = str(timeout)
+    done = subprocess.run(["bash", str(root / "bench" / "device_run.sh"), group], env=env,
+                          capture_output=True, text=True, timeout=60)
+    return done, args.read_text().split() if args.is_file() else []
+
+
+def test_device_run_names_every_expected_file_the_check_did_not_write(tmp_path):
+    root = _stand_in_tree(tmp_path, "device_run.sh")
+    done, _ = _device_run(tmp_path, root, "step", tmp_path / "out", tmp_path / "check",
+                          report=False, step=False)
+    missing = [line for line in done.stderr.splitlines() if line.startswith("device_run: ")]
+    for name in ("gpu_check.md", "gpu_check.json", "tracebacks.txt", "step/step_*.json",
+                 "step/step.md"):
+        assert sum(line.startswith(f"device_run: {name} missing") for line in missing) == 1, \
+            done.stderr
+    assert (tmp_path / "out" / "job_logs.tar.gz").is_file()
+
+
+def test_a_call_on_a_warm_machine_brings_back_only_its_own_files(tmp_path):
+    """The machine keeps /tmp/gpu_check between calls: a losses call after a step call must not
+    return the step call's tables again; its pytest log comes back (alone and in the tarball);
+    the check is given the call's time limit."""
+    root = _stand_in_tree(tmp_path, "device_run.sh")
+    check = tmp_path / "check"
+    done, _ = _device_run(tmp_path, root, "step", tmp_path / "first", check)
+    assert done.returncode == 0, done.stderr
+    assert {"step_1.json", "step.md", "step_profiles.tar.gz"} <= {
+        p.name for p in (tmp_path / "first").iterdir()}
+    done, args = _device_run(tmp_path, root, "syncs,losses", tmp_path / "second", check,
+                             timeout=300)
+    assert done.returncode == 0 and "missing" not in done.stderr, done.stderr
+    names = {p.name for p in (tmp_path / "second").iterdir()}
+    assert names == {"gpu_check.md", "gpu_check.json", "tracebacks.txt", "job_logs.tar.gz",
+                     "pytest_cuda.log"}
+    with tarfile.open(tmp_path / "second" / "job_logs.tar.gz") as archive:
+        assert "jobs/pytest_cuda.log" in archive.getnames()
+    assert args[args.index("--time-limit") + 1] == "300"
+
+
+def _stand_in_git_tree(tmp_path):
+    root = _stand_in_tree(tmp_path, "device_tree.sh")
+    (root / ".whl" / "x-1-py3-none-any.whl").unlink()
+    (root / ".gitignore").write_text("*.whl\n")
+    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
+    return root
+
+
+def test_device_tree_sums_every_file_the_call_sends(tmp_path):
+    """xargs splits a long file list over several du runs, and `tail -1` kept only the last
+    run's total: 3,000 tracked files must all count, with the untracked ones git does not ignore
+    and the carried .whl; over 64 MiB, a warning."""
+    root = _stand_in_git_tree(tmp_path)
+    folder = root / "data" / ("deep_folder_name_" * 4)
+    folder.mkdir(parents=True)
+    for i in range(3000):
+        (folder / f"file_{i:05d}_with_a_long_name.txt").write_bytes(b"x" * 100)
+    subprocess.run(["git", "add", "-A"], cwd=root, check=True)
+    (root / "untracked.txt").write_bytes(b"y" * 1000)
+    (root / ".whl" / "x-1-py3-none-any.whl").write_bytes(b"z" * 10_000)
+    expected = sum(p.stat().st_size for p in root.rglob("*")
+                   if p.is_file() and ".git" not in p.relative_to(root).parts)
+    done = subprocess.run(["bash", str(root / "bench" / "device_tree.sh"), "aside"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f": {expected} of the device tool's 67108864" in done.stdout, done.stdout
+    assert "WARNING" not in done.stderr
+    with open(root / ".whl" / "big.whl", "wb") as handle:
+        handle.truncate(65 * 2**20)  # sparse: counted at its size
+    done = subprocess.run(["bash", str(root / "bench" / "device_tree.sh"), "size"],
+                          capture_output=True, text=True, timeout=120)
+    (warning,) = done.stderr.strip().splitlines()
+    assert "WARNING" in warning and "over the device tool's 64 MiB" in warning
+
+
+# --------------------------------------------------------------------------------------------
+# finish: reports dated by their content, a cut step table still owed, a call's files filed
+
+
+def test_an_undated_report_copied_in_does_not_override_dated_ones(tmp_path):
+    """Order and the cuda-tests cut-off come from the report's own date (info.date), the name
+    only when it has none: a bare gpu_check.json sorts before every dated report."""
+    from bench.gpu_check import finish
+
+    gpu = {"device_name": "NVIDIA H200 x1, CUDA 13.0"}
+    cell = {"section": "matrix-rn", "case": "RN RN50 fp32 zero0"}
+    cuda = {"section": "losses", "case": "pytest -m cuda", "status": "pass"}
+    (tmp_path / "gpu_check.json").write_text(json.dumps(
+        {"info": gpu, "rows": [{**cell, "status": "pass"}, cuda]}))
+    (tmp_path / "2026-12-01-h200-matrix.json").write_text(json.dumps(
+        {"info": gpu, "rows": [{**cell, "status": "fail"}]}))
+    assert finish.recorded(tmp_path)[("matrix-rn", "RN RN50 fp32 zero0")].status == "fail"
+    assert not finish.cuda_tests_passed(tmp_path)
+    # Dated inside, whatever its name: it counts from that date.
+    (tmp_path / "gpu_check.json").write_text(json.dumps(
+        {"info": {**gpu, "date": "2026-12-02T10:00:00+00:00"},
+         "rows": [{**cell, "status": "pass"}, cuda]}))
+    assert finish.report_date(tmp_path / "gpu_check.json") == "2026-12-02"
+    assert finish.recorded(tmp_path)[("matrix-rn", "RN RN50 fp32 zero0")].status == "pass"
+    assert finish.cuda_tests_passed(tmp_path)
+
+
+def test_an_unreadable_report_is_said_in_one_line(tmp_path, capsys):
+    from bench.gpu_check import finish
+
+    (tmp_path / "2026-12-01-h200-check.json").write_text('{"info": {"device_name": "NVIDIA')
+    assert finish.recorded(tmp_path) == {}
+    finish.step_rows(tmp_path)
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "2026-12-01-h200-check.json is not readable JSON" in line and "fix or remove" in line
+
+
+def test_a_step_table_cut_after_its_first_batch_stays_owed(tmp_path):
+    """The step call is done only once every planned batch x feed x arm row is recorded; a call
+    cut after batch 128 leaves a call for batch 512 alone."""
+    from bench.gpu_check import finish
+
+    gpu = {"device_name": "NVIDIA H200 x1, CUDA 13.0", "date": "2026-12-01T00:00:00+00:00"}
+
+    def step_calls():
+        return {what: cmd for what, cmd, _ in finish.queue(tmp_path) if what.startswith(
+            ("step table", "compiled arms"))}
+
+    rows = [{"model": "ViT-B-32", "batch": 128, "feed": f, "arm": a} for f in FEEDS for a in ARMS]
+    (tmp_path / "2026-12-01-h200-step-table.json").write_text(json.dumps(
+        {"info": gpu, "setup": {}, "rows": rows}))
+    calls = step_calls()
+    assert "--step-batches 512" in calls["step table, ViT-B-32"]
+    assert "--step-batches" not in calls["step table, RN50"]
+    rows += [{**row, "batch": 512} for row in rows[:-1]]  # one row short
+    (tmp_path / "2026-12-01-h200-step-table.json").write_text(json.dumps(
+        {"info": gpu, "setup": {}, "rows": rows}))
+    assert "step table, ViT-B-32" in step_calls()
+    rows.append({**rows[len(FEEDS) * len(ARMS) - 1], "batch": 512})
+    (tmp_path / "2026-12-01-h200-step-table.json").write_text(json.dumps(
+        {"info": gpu, "setup": {}, "rows": rows}))
+    assert "step table, ViT-B-32" not in step_calls()
+    assert "--step-batches" not in step_calls()["compiled arms, ViT-B-32"]
+
+
+def test_collect_files_a_calls_files_by_date_device_and_group_never_over_one(tmp_path, capsys,
+                                                                             monkeypatch):
+    from bench.gpu_check import finish
+
+    returned, results = tmp_path / "files_at", tmp_path / "results"
+    returned.mkdir()
+    info = {"device_name": "NVIDIA H200 x1, CUDA 13.0", "date": "2026-12-03T09:00:00+00:00",
+            "groups": ["step"], "options": {"step_models": "ViT-B-32"}}
+    (returned / "gpu_check.json").write_text(json.dumps({"info": info, "rows": []}))
+    (returned / "gpu_check.md").write_text("report\n")
+    (returned / "tracebacks.txt").write_text("")
+    (returned / "job_logs.tar.gz").write_bytes(b"tar")
+    (returned / "step_20261203T090000Z.json").write_text(json.dumps({"info": {}, "rows": []}))
+    (returned / "step.md").write_text("table\n")
+    monkeypatch.setattr(finish, "RESULTS", results)
+    assert finish.main(["--collect", str(returned)]) == 0
+    stem = "2026-12-03-h200-step-vit-b-32"
+    assert sorted(p.name for p in results.iterdir()) == sorted(
+        f"{stem}{ending}" for ending in (".json", ".md", "-job-logs.tar.gz", "-table.json",
+                                         "-table.md"))
+    printed = capsys.readouterr().out
+    assert f"filed gpu_check.json -> {results / (stem + '.json')}" in printed
+    # The same files again: nothing new. Different ones of the same name: a suffix, no overwrite.
+    finish.collect(returned, results)
+    assert len(list(results.iterdir())) == 5 and "already filed" in capsys.readouterr().out
+    (returned / "step.md").write_text("another table\n")
+    filed = finish.collect(returned, results)
+    assert {target.name for _, target in filed} >= {f"{stem}-2.json", f"{stem}-2-table.md"}
+    assert (results / f"{stem}-table.md").read_text() == "table\n"
+    # A device_data.sh call: named by its loader JSON.
+    data = tmp_path / "data_call"
+    data.mkdir()
+    (data / "loader.json").write_text(json.dumps(
+        {"info": {"device": "NVIDIA H200", "date": "2026-12-04T01:00:00+00:00",
+                  "batch_size": 512}}))
+    (data / "cuda_tests.log").write_text("1 passed\n")
+    assert {t.name for _, t in finish.collect(data, results)} == {
+        "2026-12-04-h200-loader-b512.json", "2026-12-04-h200-loader-b512-cuda-tests.log"}
+    with pytest.raises(SystemExit, match="holds no gpu_check.json"):
+        finish.collect(tmp_path / "results" / ".." / "data_call" / ".." / "results", tmp_path)
+
+
+def test_a_report_write_cut_midway_leaves_the_previous_report(tmp_path, monkeypatch):
+    """The report is replaced in one step (a stop can come while a row is being written)."""
+    from bench.gpu_check.report import Report
+
+    report = Report(tmp_path)
+    report.add("memory", "dcl 32k", "pass", "first", 10.0)
+    before = {name: (tmp_path / name).read_text() for name in ("gpu_check.json", "gpu_check.md")}
+
+    def cut(self, text, *args, **kwargs):
+        with open(self, "w") as handle:
+            handle.write(text[:10])
+        raise OSError("killed mid-write")
+
+    monkeypatch.setattr(Path, "write_text", cut)
+    with pytest.raises(OSError):
+        report.add("memory", "dcl 64k", "pass", "second", 10.0)
+    monkeypatch.undo()
+    assert {name: (tmp_path / name).read_text() for name in before} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.json", "gpu_check.md",
+                                                          "tracebacks.txt"]
