@@ -31,6 +31,7 @@ alpha channel instead (``convert("RGB")``), which changes what a transparent ima
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -50,11 +51,22 @@ def _provenance(folder: Path, model_name: str) -> dict:
 
 
 def _save_safetensors(state: dict, path: Path, metadata: dict) -> None:
+    """Write ``state`` as safetensors at ``path``, readable as the export's other files are:
+    safetensors creates its file with mode 0600 whatever the umask, which would leave the
+    weights unreadable to the colleagues who can read the config and the README beside them."""
     from safetensors.torch import save_file
 
     tensors = {key: value.detach().to("cpu").contiguous() for key, value in state.items()}
     save_file(tensors, str(path), metadata={"format": "pt", **{k: str(v) for k, v in
                                                               metadata.items()}})
+    os.chmod(path, 0o666 & ~current_umask())
+
+
+def current_umask() -> int:
+    """The process's umask (read by setting it and setting it back: there is no getter)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _load(checkpoint, what: str = "--checkpoint"):

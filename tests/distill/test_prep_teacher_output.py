@@ -53,7 +53,8 @@ def test_an_existing_out_is_refused_before_the_teacher(data, teacher_file, earli
     code, _, err = prep_teacher(capsys, data, teacher_file, earlier, "--augmentations", "2")
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith(f"vlcontrast: error: OUT={str(earlier)!r} exists (teacher features of "
-                          "96 samples, the evaluation transform, teacher vlc-tiny, made 20")
+                          f"96 samples, the evaluation transform, teacher vlc-tiny "
+                          f"({teacher_file}), made 20")
     assert err.rstrip().endswith("); add --overwrite to replace it, or name a new file")
     assert snapshot(earlier.parent) == before
 
@@ -85,6 +86,8 @@ def test_overwrite_replaces_and_training_reads_the_new_file(data, teacher_file, 
      "a torch.save file of a dict of "),
     ("a text file", lambda p, w: p.write_text("notes\n"),
      "not a file of tensors that torch.load reads"),
+    ("an export's weights", lambda p, w: _save_safetensors(p, w),
+     "a safetensors file of 142 tensors, e.g. "),
 ])
 def test_a_file_prep_teacher_did_not_write_is_refused_even_with_overwrite(
         data, teacher_file, tmp_path, capsys, no_work, what, write, said):
@@ -96,6 +99,66 @@ def test_a_file_prep_teacher_did_not_write_is_refused_even_with_overwrite(
     assert (f"OUT={str(out)!r} exists and is not a teacher-features file ({said}" in err), err
     assert "so --overwrite will not replace it; name a new file" in err
     assert snapshot(tmp_path) == before
+
+
+def _save_safetensors(path, weights):
+    """A safetensors file of 142 tensors (torch.load reads it too, as a dict: it was named "a
+    torch.save file of a dict of 142 entries")."""
+    from safetensors.torch import save_file
+
+    save_file({f"text_model.layer.{i:03d}": torch.zeros(1) for i in range(142)}, str(path))
+
+
+@pytest.fixture
+def teacher_run(teacher_file, tmp_path):
+    """The teacher as a vlcontrast run directory (``--teacher runs/teacher``)."""
+    import json
+
+    from vlcontrast.config import ModelConfig
+    from vlcontrast.models import build_model
+
+    checkpoint = tmp_path / "runs" / "teacher" / "checkpoints" / "step_00000001"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "model.pt").write_bytes(teacher_file.read_bytes())
+    config = build_model(ModelConfig(name="vlc-tiny")).model_config
+    (checkpoint / "model_config.json").write_text(json.dumps(config))
+    (checkpoint.parent / "latest").write_text("step_00000001\n")
+    return tmp_path / "runs" / "teacher"
+
+
+def test_a_refusal_names_a_directory_teacher(data, teacher_run, tmp_path, capsys):
+    """A teacher given as a run was named only by its weights' sha256 (``teacher weights sha256
+    0143d3973b78``); the file now keeps how it was named, its model and path."""
+    from vlcontrast.cli import main
+
+    out = tmp_path / "feats.pt"
+    argv = ["prep", "teacher", str(data / "train"), str(out), "--teacher", str(teacher_run),
+            "--augmentations", "0", "--no-progress"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert (f"exists (teacher features of 96 samples, the evaluation transform, teacher vlc-tiny "
+            f"({teacher_run}), made 20") in err, err
+
+
+def test_a_file_from_before_the_teacher_name_is_still_read(data, teacher_run, tmp_path):
+    """Files written before the name was stored: described by the teacher's identity, and read by
+    training as before (the name is not part of what training compares)."""
+    from vlcontrast.config import DataConfig
+    from vlcontrast.distill.offline import describe_features
+    from vlcontrast.distill.teacher import teacher_identity
+
+    out = tmp_path / "feats.pt"
+    write_teacher_features(str(data / "train"), out, teacher=str(teacher_run), augmentations=0)
+    stored = torch.load(out, weights_only=True)
+    assert stored["key"].pop("teacher_name") == f"vlc-tiny ({teacher_run})"
+    torch.save(stored, out)
+    is_kind, held = describe_features(out)
+    assert is_kind and ", teacher weights sha256 " in held
+    features = TeacherFeatures(out)
+    features.check(data=DataConfig(train=str(data / "train"), augment=False), augment={},
+                   teacher=teacher_identity(str(teacher_run), ""))
 
 
 def test_an_interrupted_overwrite_leaves_the_earlier_file_whole(data, teacher_file, earlier,

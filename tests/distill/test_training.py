@@ -417,6 +417,39 @@ def test_prep_teacher_mistyped_path(data, tmp_path, capsys):
     assert f"did you mean {str(tmp_path / 'teacher')!r}" in error
 
 
+def test_an_unknown_teacher_tag_is_vlcontrasts_line_only(data, tmp_path, capsys, caplog):
+    """open_clip logged its own ``error: Pretrained tag or path (openai) ... not found`` before
+    vlcontrast's line, which repeated it as ``Pretrained value 'openai' is not a known tag``."""
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        error = _prep_teacher_error(capsys, data / "train", tmp_path / "t.pt", "--teacher",
+                                    "vlc-tiny", "--teacher-pretrained", "openai")
+        message = _one_line_error(data, tmp_path / "r", distill__teacher="vlc-tiny",
+                                  distill__teacher_pretrained="openai")
+    assert not [r for r in caplog.records if "openai" in r.getMessage()]
+    assert error == ("vlcontrast: error: --teacher-pretrained='openai': no such file or folder, "
+                     "and not a pretrained tag of --teacher='vlc-tiny' (open_clip has no "
+                     "pretrained tags for it; name a weights file, a vlcontrast run, checkpoint "
+                     "or export directory, or a transformers CLIPModel directory)")
+    assert message.startswith("distill.teacher_pretrained='openai': no such file or folder, and "
+                              "not a pretrained tag of distill.teacher='vlc-tiny' (")
+
+
+def test_a_folder_of_no_model_as_teacher_names_the_option_once(data, tmp_path, capsys):
+    """``distill.teacher='notclip': not a ... (distill.teacher 'notclip': no model.pt ...)``."""
+    folder = tmp_path / "notclip"
+    folder.mkdir()
+    (folder / "foo.txt").write_text("x\n")
+    message = _one_line_error(data, tmp_path / "r", distill__teacher=str(folder))
+    assert message.startswith(f"distill.teacher={str(folder)!r}: no model.pt, no "
+                              "checkpoints/latest and no open_clip_model.safetensors there")
+    assert message.count(str(folder)) == 1, message
+    error = _prep_teacher_error(capsys, data / "train", tmp_path / "t.pt", "--teacher", folder)
+    assert error.startswith(f"vlcontrast: error: --teacher={str(folder)!r}: no model.pt")
+    assert error.count(str(folder)) == 1, error
+
+
 def _two_rank_runs(rank, world_size, data, teacher_file, out):
     from vlcontrast.train import StopRequested
 

@@ -306,3 +306,24 @@ def test_export_into_a_folder_that_holds_files(tiny_checkpoint, tmp_path, capsys
     assert "not a vlcontrast export (notes.txt), which --overwrite would delete" in \
         capsys.readouterr().err
     assert (other / "notes.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o002])
+def test_exported_weights_follow_the_umask_as_the_other_files(tiny_checkpoint, tmp_path, umask):
+    """safetensors creates its file 0600 whatever the umask: the weights of an export on a shared
+    cluster were unreadable to colleagues who could read its config and README."""
+    import os
+    import stat
+
+    from vlcontrast.export import export_model
+
+    old = os.umask(umask)
+    try:
+        for format in ("open_clip", "transformers"):
+            out = tmp_path / format
+            info = export_model(str(tiny_checkpoint), out, format)
+            modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+            assert set(modes.values()) == {0o666 & ~umask}, modes
+            assert os.path.basename(info["weights"]) in modes
+    finally:
+        os.umask(old)

@@ -473,3 +473,153 @@ def test_a_model_name_one_typo_away_names_the_one_meant():
         build_model(ModelConfig(name="ViT-B-23"))
     with pytest.raises(ConfigError, match=r"^model\.name='no-such-tower': not an open_clip"):
         build_model(ModelConfig(name="no-such-tower"))
+
+
+# --------------------------------------------------------------------------------------------
+# model.pretrained checked before the model is built: paths, tags, a transformers weights file
+
+
+@pytest.fixture
+def nothing_built(monkeypatch):
+    """open_clip building a model fails the test: the check comes before it."""
+    import open_clip
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("open_clip built a model before model.pretrained was checked")
+
+    monkeypatch.setattr(open_clip, "create_model_and_transforms", refuse)
+
+
+@pytest.mark.parametrize("value, meant", [
+    ("runs/teachr", "runs/teacher"),
+    ("runs/teacher/nope/model.safetensors", None),
+    ("weights.pt", None),
+    ("hf-t/model.safetensor", "hf-t/model.safetensors"),
+])
+def test_a_pretrained_path_that_does_not_exist_is_one_line(tmp_path, monkeypatch, nothing_built,
+                                                           value, meant):
+    """It was open_clip's 30-line traceback (RuntimeError: Pretrained value ... is not a known tag
+    or valid file path), exit 1; now one line, with the path meant when one is a typo away."""
+    from vlcontrast.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "teacher").mkdir(parents=True)
+    (tmp_path / "hf-t").mkdir()
+    (tmp_path / "hf-t" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError) as caught:
+        build_model(ModelConfig(name="vlc-micro", pretrained=value))
+    message = str(caught.value)
+    hint = f" (did you mean {meant!r}?)" if meant else ""
+    assert message.startswith(f"model.pretrained={value!r}: the path does not exist{hint}; name "
+                              "a weights file, a vlcontrast run"), message
+    assert "\n" not in message
+
+
+def test_an_unknown_tag_names_the_tags_of_the_model(caplog, nothing_built):
+    """``model.pretrained=openai`` for a model without that tag: one line with the model's tags
+    (none for a shipped config), and no open_clip log line before it."""
+    import logging
+
+    from vlcontrast.errors import ConfigError
+    from vlcontrast.models import check_pretrained
+
+    with caplog.at_level(logging.INFO), pytest.raises(ConfigError) as caught:
+        build_model(ModelConfig(name="vlc-micro", pretrained="openai"))
+    assert str(caught.value) == (
+        "model.pretrained='openai': no such file or folder, and not a pretrained tag of "
+        "model.name='vlc-micro' (open_clip has no pretrained tags for it; name a weights file, a "
+        "vlcontrast run, checkpoint or export directory, or a transformers CLIPModel directory)")
+    assert not caplog.records
+    with pytest.raises(ConfigError, match=r"^model\.pretrained='opnai' \(did you mean 'openai'\?"
+                                          r"\): .* tag of model\.name='ViT-B-32' \(its tags: "
+                                          r"'openai', .* and \d+ more; name one of them or a "):
+        check_pretrained(ModelConfig(name="ViT-B-32", pretrained="opnai"))
+    check_pretrained(ModelConfig(name="ViT-B-32", pretrained="openai"))  # a tag: nothing read
+    check_pretrained(ModelConfig(name="ViT-B-32", pretrained="OpenAI"))  # open_clip's spelling
+
+
+def _transformers_folder(folder, keys=142):
+    """A stand-in transformers CLIPModel export: config.json and HF-named tensors."""
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "clip"}))
+    names = ["logit_scale"] + [f"text_model.encoder.layers.{i}.weight" for i in range(keys // 2)]
+    names += [f"vision_model.encoder.layers.{i}.weight" for i in range(keys - len(names))]
+    save_file({name: torch.zeros(1) for name in names}, str(folder / "model.safetensors"))
+    return folder / "model.safetensors"
+
+
+def test_the_weights_file_of_a_transformers_export_names_its_folder(tmp_path, nothing_built):
+    """``model.pretrained=hf-t/model.safetensors`` was a 9 KB line of 142 unexpected keys that
+    never said to pass the folder."""
+    import shutil
+
+    from vlcontrast.errors import ConfigError
+
+    weights = _transformers_folder(tmp_path / "hf-t")
+    with pytest.raises(ConfigError) as caught:
+        build_model(ModelConfig(name="vlc-micro", pretrained=str(weights)))
+    message = str(caught.value)
+    assert message == (f"model.pretrained={str(weights)!r}: a file, not a folder: the weights "
+                       "file of a transformers CLIPModel export (tensor names open_clip does not "
+                       "read; they load with the folder's config.json); give the folder holding "
+                       f"it: model.pretrained={str(tmp_path / 'hf-t')!r}")
+    copied = tmp_path / "w.safetensors"  # taken out of its folder
+    shutil.copy(weights, copied)
+    with pytest.raises(ConfigError, match=r"^model\.pretrained='.*w\.safetensors': holds a "
+                                          r"transformers CLIPModel's tensors .* give that folder"):
+        build_model(ModelConfig(name="vlc-micro", pretrained=str(copied)))
+
+
+def test_weights_that_do_not_fit_name_a_few_keys_and_a_count(tmp_path):
+    """torch lists every unexpected key: a line of kilobytes. A few names and the count."""
+    from vlcontrast.errors import ConfigError
+
+    state = build_model(ModelConfig(name="vlc-micro")).model.state_dict()
+    state.update({f"extra.{i:03d}": torch.zeros(1) for i in range(120)})
+    weights = tmp_path / "weights.pt"  # open_clip's loader: strict, torch's whole list
+    torch.save(state, weights)
+    checkpoint = tmp_path / "ckpt"  # vlcontrast's loader of a checkpoint folder
+    checkpoint.mkdir()
+    torch.save(state, checkpoint / "model.pt")
+    for pretrained in (weights, checkpoint):
+        with pytest.raises(ConfigError) as caught:
+            build_model(ModelConfig(name="vlc-micro", pretrained=str(pretrained)))
+        message = str(caught.value)
+        assert "does not fit this model (model.name='vlc-micro')" in message
+        assert ("unexpected 120 keys ('extra.000', 'extra.001', 'extra.002' and 117 more)"
+                in message), message
+        assert len(message) < 400 and "\n" not in message
+
+
+def test_fit_detail_caps_torchs_lists():
+    from vlcontrast.models import fit_detail
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(6)])
+    state = {f"x{i}": torch.zeros(1) for i in range(10)}
+    state.update({f"{i}.weight": torch.zeros(3, 3) for i in range(6)})
+    with pytest.raises(RuntimeError) as caught:
+        model.load_state_dict(state)
+    detail = fit_detail(caught.value)
+    assert detail.startswith("missing 6 keys ('0.bias', '1.bias', '2.bias' and 3 more); "
+                             "unexpected 10 keys ('x0', 'x1', 'x2' and 7 more); size mismatch for "
+                             "0.weight: copying a param with shape torch.Size([3, 3])"), detail
+    assert detail.endswith("(and 5 more size mismatches)")
+    assert fit_detail(AssertionError("text pos_embed width changed!")) == \
+        "text pos_embed width changed!"
+
+
+def test_check_pretrained_reads_no_weights_of_a_good_value(tmp_path):
+    """The preflight's check: an empty value, a folder of a model and a weights file pass."""
+    from vlcontrast.errors import ConfigError
+    from vlcontrast.models import check_pretrained
+
+    check_pretrained(ModelConfig(name="vlc-micro"))
+    (tmp_path / "w.pt").write_bytes(b"")
+    check_pretrained(ModelConfig(name="vlc-micro", pretrained=str(tmp_path / "w.pt")))
+    (tmp_path / "notes").mkdir()
+    with pytest.raises(ConfigError, match=r"^distill\.teacher_pretrained='.*notes': a directory, "
+                                          r"but not a vlcontrast run"):
+        check_pretrained(ModelConfig(name="vlc-micro", pretrained=str(tmp_path / "notes")),
+                         option="distill.teacher_pretrained")

@@ -121,3 +121,22 @@ def test_a_mistyped_model_name_stops_the_preflight_before_the_run_folder_is_made
         preflight(load_config(None, ["train.steps=1", f"data.train={synthetic_data}/train",
                                      f"output_dir={run}", "model.name=vlc-mirco"]))
     assert not run.exists()
+
+
+@pytest.mark.parametrize("overrides, line", [
+    (["model.pretrained=runs/teachr"], r"^model\.pretrained='runs/teachr': the path does not exist"),
+    (["model.name=ViT-B-32", "model.pretrained=opneai"],
+     r"^model\.pretrained='opneai' \(did you mean 'openai'\?\): no such file or folder"),
+    (["distill.teacher=ViT-B-32", "distill.teacher_pretrained=opneai", "distill.kind=logits"],
+     r"^distill\.teacher_pretrained='opneai' \(did you mean 'openai'\?\)"),
+])
+def test_mistyped_weights_stop_the_preflight_before_the_run_folder_is_made(synthetic_data,
+                                                                           tmp_path, overrides,
+                                                                           line):
+    """open_clip raised them after the run folder was made and the model was being built (a
+    30-line traceback, exit 1); the teacher's only once the student was built."""
+    run = tmp_path / "run"
+    with pytest.raises(ConfigError, match=line):
+        preflight(load_config(None, ["train.steps=1", f"data.train={synthetic_data}/train",
+                                     f"output_dir={run}", *overrides]))
+    assert not run.exists()

@@ -53,10 +53,15 @@ def shards_digest(data) -> dict[str, Any]:
 
 
 def features_key(*, teacher: dict[str, Any], preprocess: dict[str, Any], augmentations: int,
-                 augment: dict[str, Any], data) -> dict[str, Any]:
-    return {"format": FORMAT, "teacher": teacher, "preprocess": preprocess,
-            "augmentations": augmentations, "augment": dict(augment),
-            "members": [data.image_key, data.caption_key], "data": shards_digest(data)}
+                 augment: dict[str, Any], data, teacher_name: str = "") -> dict[str, Any]:
+    """The key of a features file; ``teacher_name`` (how the teacher was named, ``vlc-tiny
+    (runs/teacher)``) is for people only: training compares ``teacher``, the identity."""
+    key = {"format": FORMAT, "teacher": teacher, "preprocess": preprocess,
+           "augmentations": augmentations, "augment": dict(augment),
+           "members": [data.image_key, data.caption_key], "data": shards_digest(data)}
+    if teacher_name:
+        key["teacher_name"] = teacher_name
+    return key
 
 
 def check_shard_ids(shards: str, option: str = "SHARDS") -> int:
@@ -132,7 +137,8 @@ def write_teacher_features(shards: str, out: str | Path, *, teacher: str, pretra
     over the samples."""
     from vlcontrast.config import DataConfig
     from vlcontrast.data.loader import build_train_loader
-    from vlcontrast.distill.teacher import PREP_OPTIONS, Teacher, image_transforms, teacher_identity
+    from vlcontrast.distill.teacher import (PREP_OPTIONS, Teacher, image_transforms,
+                                            teacher_identity, teacher_name)
     from vlcontrast.progress import Progress
 
     if augmentations < 0:
@@ -150,7 +156,8 @@ def write_teacher_features(shards: str, out: str | Path, *, teacher: str, pretra
     identity = teacher_identity(teacher, pretrained, PREP_OPTIONS)
     model = Teacher.load(teacher, pretrained, device=device, options=PREP_OPTIONS)
     key = features_key(teacher=identity, preprocess=model.preprocess,
-                       augmentations=augmentations, augment=augment, data=data)
+                       augmentations=augmentations, augment=augment, data=data,
+                       teacher_name=teacher_name(teacher, pretrained))
     train, val = image_transforms(model.model, augment)
     loader = build_train_loader(data, _TeacherAugmentations(train, val, augmentations),
                                 model.tokenizer, seed=0, rank=0, world_size=1,
@@ -221,8 +228,14 @@ def describe_features(path: str | Path) -> tuple[bool, str]:
     """Whether ``path`` is a ``prep teacher`` file, and what it holds (``teacher features of 1,234
     samples, 2 augmentations, teacher ViT-B-32 (openai), made 2026-11-28 14:05``), or what it is
     instead. Memory-mapped: the tensors' shapes are read, not their bytes."""
+    from vlcontrast.models import safetensors_names
     from vlcontrast.outputs import made
 
+    names = safetensors_names(path)
+    if names is not None:  # torch.load reads some of them too, as a plain dict
+        shown = ", ".join(repr(str(k)) for k in names[:2])
+        return False, (f"a safetensors file of {len(names)} tensor{'' if len(names) == 1 else 's'}"
+                       f"{', e.g. ' + shown if shown else ''}")
     try:
         stored = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # noqa: BLE001 - whatever it is, it is no features file
@@ -237,9 +250,11 @@ def describe_features(path: str | Path) -> tuple[bool, str]:
                            f"{', e.g. ' + names if names else ''}")
         return False, f"a torch.save file of a {type(stored).__name__}"
     teacher = key.get("teacher") if isinstance(key.get("teacher"), dict) else {}
-    name = teacher.get("model") or f"weights sha256 {str(teacher.get('weights_sha256'))[:12]}"
-    if teacher.get("pretrained"):
-        name += f" ({teacher['pretrained']})"
+    name = key.get("teacher_name")  # files from before it was stored: what the identity says
+    if not isinstance(name, str) or not name:
+        name = teacher.get("model") or f"weights sha256 {str(teacher.get('weights_sha256'))[:12]}"
+        if teacher.get("pretrained"):
+            name += f" ({teacher['pretrained']})"
     count = key.get("augmentations")
     views = ("the evaluation transform" if count == 0 else
              f"{count} augmentation{'' if count == 1 else 's'}")

@@ -26,6 +26,17 @@ def _first_line(err: BaseException) -> str:
     return lines[-1].strip() if lines else type(err).__name__
 
 
+def _reason(err: BaseException, option: str, value: str) -> str:
+    """The reason in a loader's one-line error, without its subject when it names ``option`` and
+    ``value`` already (``distill.teacher 'x': no model.pt ...``): the caller's own line names
+    them once."""
+    message = _first_line(err)
+    for subject in (f"{option} {value!r}: ", f"{option}={value!r}: "):
+        if message.startswith(subject):
+            return message[len(subject):]
+    return message
+
+
 def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
@@ -81,7 +92,8 @@ def teacher_identity(teacher: str, pretrained: str,
         try:
             folder = resolve_model_files(teacher, options[0])
         except (FileNotFoundError, ValueError) as err:
-            raise ConfigError(f"{options[0]}={teacher!r}: {_first_line(err)}") from None
+            raise ConfigError(f"{options[0]}={teacher!r}: {_reason(err, options[0], teacher)}"
+                              ) from None
         if is_transformers_clip(folder):  # model.safetensors, its shards or an older .bin
             files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin"))
         else:
@@ -97,6 +109,21 @@ def teacher_identity(teacher: str, pretrained: str,
     if Path(pretrained).is_file():
         return {"model": teacher, "weights_sha256": file_sha256(Path(pretrained))}
     return {"model": teacher, "pretrained": pretrained}
+
+
+def teacher_name(teacher: str, pretrained: str) -> str:
+    """How a person names the teacher: ``ViT-B-32 (openai)``, ``vlc-tiny (weights.pt)``, or the
+    model of a directory teacher with its path (``vlc-tiny (runs/teacher)``); shown when
+    ``prep teacher`` refuses to replace a features file. Read from the configs (no weights)."""
+    from vlcontrast.models import resolve_model_config
+
+    if Path(teacher).is_dir():
+        try:
+            model = resolve_model_config(teacher)[0]
+        except (ValueError, OSError):
+            return teacher
+        return f"{model} ({teacher})"
+    return f"{teacher} ({pretrained})" if pretrained else teacher
 
 
 def load_teacher_bundle(teacher: str, pretrained: str, device: str | torch.device = "cpu",
@@ -116,8 +143,11 @@ def load_teacher_bundle(teacher: str, pretrained: str, device: str | torch.devic
         try:
             return load_model_from_checkpoint(teacher, device=device, what=name)
         except (FileNotFoundError, ValueError, KeyError) as err:
-            raise ConfigError(f"{name}={teacher!r}: not a vlcontrast run, checkpoint, "
-                              f"export or CLIPModel directory ({_first_line(err)})") from None
+            reason = _reason(err, name, teacher)
+            if reason == _first_line(err):  # a reason of its own: what the folder should be
+                reason = (f"not a vlcontrast run, checkpoint, export or CLIPModel directory "
+                          f"({reason})")
+            raise ConfigError(f"{name}={teacher!r}: {reason}") from None
     if not pretrained:
         raise ConfigError(f"{name}={teacher!r}: a model name needs its weights in {weights} (an "
                           "open_clip tag, a weights file or a vlcontrast run); a random teacher "

@@ -11,9 +11,12 @@ and ``model.lock_image``/``model.lock_text`` lock towers as open_clip does (LiT)
 a ``CLIPModel`` directory for evaluation, export and :func:`vlcontrast.load`;
 :func:`load_pretrained_model` takes every form ``model.pretrained`` takes (a teacher's loader).
 open_clip's "initialized randomly" warning is silenced while a model whose weights come right after
-is built, and for a model built from scratch on purpose (``model.pretrained`` empty). Weights that do
-not fit the model are one line naming the option and, when their config is beside them, the right
-``model.name``. Nothing here re-implements open_clip: it only resolves configs and registers them.
+is built, and for a model built from scratch on purpose (``model.pretrained`` empty).
+:func:`check_pretrained` checks ``model.pretrained`` before any model is built (a path that does not
+exist, a tag the model lacks, a transformers export's weights file instead of its folder). Weights
+that do not fit the model are one line naming the option, a few of the keys with their count and,
+when their config is beside them, the right ``model.name``. Nothing here re-implements open_clip:
+it only resolves configs and registers them.
 """
 
 from __future__ import annotations
@@ -186,6 +189,7 @@ def build_model(model_cfg, *, siglip: bool = False, device: str | torch.device =
     import open_clip
 
     name, cfg = resolve_model_config(model_cfg.name, model_cfg.hf_model_dir)
+    check_pretrained(model_cfg)  # before open_clip: its errors are tracebacks and log lines
     registered = _register_config(name, cfg)
     kwargs: dict[str, Any] = {}
     init_scale = model_cfg.init_logit_scale or (math.log(10.0) if siglip else math.log(1 / 0.07))
@@ -299,6 +303,143 @@ def config_difference(expected: dict, actual: dict) -> str:
     return ""
 
 
+PRETRAINED_FORMS = ("a weights file, a vlcontrast run, checkpoint or export directory, or a "
+                    "transformers CLIPModel directory")
+"""What ``model.pretrained`` takes besides an open_clip tag of the model."""
+PATH_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt", ".json")
+"""A value ending in one of these names a file (weights, or a model-config JSON), not a tag."""
+TRANSFORMERS_TENSOR_PREFIXES = ("text_model.", "vision_model.")
+"""How a transformers ``CLIPModel``'s tensor names start (open_clip's never do)."""
+SHOWN = 3
+"""Names shown of a long list (keys, tags) in a one-line error, before the count of the rest."""
+
+
+def looks_like_path(value: str) -> bool:
+    """Whether an option's value reads as a path rather than an open_clip name or tag: it has a
+    path separator (``hf-hub:org/name`` and URLs excepted) or ends in a weights or JSON suffix."""
+    if not value or value.startswith("hf-hub:") or "://" in value:
+        return False
+    return "/" in value or "\\" in value or value.lower().endswith(PATH_SUFFIXES)
+
+
+def near_path(value: str | Path) -> str:
+    """The existing path one typo away from ``value`` (the first component that does not exist
+    replaced by its closest sibling), or ''; for a did-you-mean."""
+    import difflib
+
+    path = Path(value)
+    existing = Path(path.anchor) if path.is_absolute() else Path(".")
+    parts = path.parts[1:] if path.is_absolute() else path.parts
+    for index, part in enumerate(parts):
+        if (existing / part).exists():
+            existing = existing / part
+            continue
+        try:
+            names = [p.name for p in existing.iterdir()]
+        except OSError:
+            return ""
+        for close in difflib.get_close_matches(part, names, n=3, cutoff=0.6):
+            candidate = existing.joinpath(close, *parts[index + 1:])
+            if candidate.exists():
+                return str(candidate)
+        return ""
+    return ""
+
+
+def capped(names: list[str], shown: int = SHOWN) -> str:
+    """``'a', 'b', 'c' and 139 more``: a few names of a long list and the count of the rest."""
+    listed = ", ".join(repr(str(n)) for n in names[:shown])
+    return listed + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+def key_list(label: str, keys: list[str]) -> str:
+    """``unexpected 142 keys ('logit_scale', ... and 139 more)``: a list of state-dict keys in an
+    error, capped to a few names and a count."""
+    return f"{label} {len(keys)} key{'' if len(keys) == 1 else 's'} ({capped(keys)})"
+
+
+def safetensors_names(path: str | Path) -> list[str] | None:
+    """The tensor names in a safetensors file, read from its header alone (no tensor is read);
+    None when ``path`` is no safetensors file."""
+    try:
+        with open(path, "rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            if not 2 <= size <= 100_000_000:
+                return None
+            header = json.loads(handle.read(size))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(header, dict):
+        return None
+    return [key for key in header if key != "__metadata__"]
+
+
+def check_pretrained(model_config, option: str = "model.pretrained",
+                     name_option: str = "model.name") -> None:
+    """``model.pretrained`` names weights this loader takes, checked from the files' names and
+    headers before any model is built (reads no tensor): a one-line :class:`ConfigError` for a
+    path that does not exist (with the one meant, when one is a typo away), a tag open_clip does
+    not know for the model (with the tags it knows), a folder of no model, and the weights file
+    of a transformers ``CLIPModel`` instead of its folder. ``model_config`` has ``name``,
+    ``pretrained`` (and ``hf_model_dir``); ``option``/``name_option`` name the two in errors."""
+    import difflib
+
+    pretrained = str(model_config.pretrained or "")
+    if not pretrained:
+        return
+    what = f"{option}={pretrained!r}"
+    path = Path(pretrained)
+    if path.is_dir():
+        if not is_transformers_clip(path):
+            try:
+                pretrained_weights(pretrained)
+            except ConfigError as err:
+                raise ConfigError(str(err).replace("model.pretrained", option)) from None
+        return
+    if path.is_file():
+        _check_weights_file(path, what, option)
+        return
+    import open_clip
+
+    name = str(model_config.name)
+    registered = resolve_model_config(name, getattr(model_config, "hf_model_dir", "") or "")[0]
+    if open_clip.get_pretrained_cfg(registered.replace("/", "-"), pretrained):
+        return  # a tag of the model: open_clip downloads (or finds cached) its weights
+    tags = open_clip.list_pretrained_tags_by_model(registered.replace("/", "-"))
+    near = near_path(pretrained)
+    if looks_like_path(pretrained):
+        hint = f" (did you mean {near!r}?)" if near else ""
+        raise ConfigError(f"{what}: the path does not exist{hint}; name {PRETRAINED_FORMS}")
+    close = difflib.get_close_matches(pretrained.lower().replace("-", "_"), tags, n=1, cutoff=0.6)
+    hint = (f" (did you mean {close[0]!r}?)" if close else
+            f" (did you mean {near!r}?)" if near else "")
+    known = (f"its tags: {capped(tags, 8)}; name one of them or {PRETRAINED_FORMS}" if tags else
+             f"open_clip has no pretrained tags for it; name {PRETRAINED_FORMS}")
+    raise ConfigError(f"{what}{hint}: no such file or folder, and not a pretrained tag of "
+                      f"{name_option}={name!r} ({known})")
+
+
+def _check_weights_file(path: Path, what: str, option: str) -> None:
+    """A weights file ``model.pretrained`` names: one that open_clip's loader reads (open_clip's
+    tensor names), not a transformers ``CLIPModel``'s, which loads only with its folder."""
+    folder = path.parent
+    in_transformers = (is_transformers_clip(folder) and path.suffix in (".safetensors", ".bin"))
+    names = safetensors_names(path) if path.suffix == ".safetensors" else None
+    transformers_names = (bool(names) and any(n.startswith(TRANSFORMERS_TENSOR_PREFIXES)
+                                              for n in names)
+                          and not any(n.startswith("visual.") for n in names))  # open_clip's
+    if in_transformers:
+        raise ConfigError(f"{what}: a file, not a folder: the weights file of a transformers "
+                          f"CLIPModel export (tensor names open_clip does not read; they load with "
+                          f"the folder's config.json); give the folder holding it: "
+                          f"{option}={str(folder)!r}")
+    if transformers_names:
+        raise ConfigError(f"{what}: holds a transformers CLIPModel's tensors (text_model.*, "
+                          "vision_model.*), which load only from their CLIPModel folder with its "
+                          f"config.json; give that folder as {option} (the one `vlcontrast export "
+                          "--format transformers` wrote)")
+
+
 def pretrained_weights(pretrained: str) -> Path | None:
     """The weights file when ``model.pretrained`` names a directory: a vlcontrast run or
     checkpoint directory (its ``model.pt``) or an open_clip export (``vlcontrast export --format
@@ -356,13 +497,36 @@ def weights_model(path: Path) -> str:
 def does_not_fit(what: str, path: Path, model_name: str, err: BaseException | str) -> ConfigError:
     """The one-line error of weights at ``path`` that do not fit the model of ``model_name``,
     naming the right ``model.name`` when the weights' own config is known."""
-    detail = err if isinstance(err, str) else (str(err).strip().splitlines() or
-                                               [type(err).__name__])[-1].strip()
+    detail = err if isinstance(err, str) else fit_detail(err)
     source = weights_model(path)
     built = f" (model.name={model_name!r})" if model_name else ""
     fix = f", here model.name={source}" if source and source != model_name else ""
     return ConfigError(f"{what}: {path} does not fit this model{built}; model.name must be the "
                        f"checkpoint's model{fix} ({detail or type(err).__name__})")
+
+
+def fit_detail(err: BaseException) -> str:
+    """The reason in a loader's error, in one short line: torch's ``load_state_dict`` lists every
+    missing and unexpected key and every size mismatch (9 KB for a transformers CLIPModel's
+    tensors), kept to a few names and a count of each; any other error's last line."""
+    import re
+
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    parts, mismatches = [], []
+    for line in lines:
+        for label in ("Missing", "Unexpected"):
+            if line.startswith(f"{label} key(s) in state_dict:"):
+                parts.append(key_list(label.lower(), re.findall(r'"([^"]+)"', line)))
+        if line.startswith("size mismatch for "):
+            mismatches.append(line.rstrip("."))
+    if mismatches:
+        more = len(mismatches) - 1
+        parts.append(mismatches[0] + (f" (and {more} more size mismatch"
+                                      f"{'' if more == 1 else 'es'})" if more else ""))
+    if parts:
+        return "; ".join(parts)
+    last = lines[-1] if lines else type(err).__name__
+    return last if len(last) <= 300 else last[:300] + " ..."
 
 
 def load_weights(model: torch.nn.Module, path: Path, what: str,
@@ -391,8 +555,9 @@ def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor], what: str
     unexpected = [k for k in result.unexpected_keys if not k.endswith("num_batches_tracked")
                   and not k.startswith("distill_projection.")]
     if missing or unexpected:
-        raise does_not_fit(what, path, model_name,
-                           f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise does_not_fit(what, path, model_name, "; ".join(
+            key_list(label, keys) for label, keys in (("missing", missing),
+                                                      ("unexpected", unexpected)) if keys))
 
 
 def lock_towers(model: torch.nn.Module, model_cfg) -> None:
@@ -557,6 +722,9 @@ def load_pretrained_model(source: str | Path, pretrained: str = "", *,
     if not pretrained and Path(source).is_dir():
         return load_model_from_checkpoint(source, device, what)
     name, cfg = resolve_model_config(str(source))
+    from types import SimpleNamespace
+
+    check_pretrained(SimpleNamespace(name=str(source), pretrained=str(pretrained)), what)
     registered = _register_config(name, cfg)
     state, preprocess, weights = None, {}, None
     where = f"{what}={str(pretrained)!r}"

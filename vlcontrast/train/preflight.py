@@ -34,9 +34,10 @@ def check_training_data(data: DataConfig) -> None:
 def check_model_name(model) -> None:
     """``model.name`` names a model (an open_clip name, a model-config JSON, a run or export
     folder: reads configs, builds nothing), so a typo stops the run before anything is written."""
-    from vlcontrast.models import resolve_model_config
+    from vlcontrast.models import check_pretrained, resolve_model_config
 
     resolve_model_config(model.name, model.hf_model_dir)
+    check_pretrained(model)  # a mistyped path or a tag the model lacks: names and headers only
 
 
 def check_distill_paths(distill) -> None:
@@ -47,6 +48,15 @@ def check_distill_paths(distill) -> None:
 
     if distill.teacher or distill.teacher_pretrained:
         check_teacher_paths(distill.teacher, distill.teacher_pretrained)
+    if distill.teacher and distill.teacher_pretrained and not Path(distill.teacher).is_dir():
+        from types import SimpleNamespace
+
+        from vlcontrast.models import check_pretrained
+
+        # A model name with a tag it lacks: said before the student is built.
+        check_pretrained(SimpleNamespace(name=distill.teacher, pretrained=distill.teacher_pretrained,
+                                         hf_model_dir=""), "distill.teacher_pretrained",
+                         "distill.teacher")
     if distill.teacher_features:
         check_features_path(distill.teacher_features)
 
