@@ -69,24 +69,43 @@ def test_workers_of_both_loaders_get_the_init():
     assert _loader(list(range(4)), 2, 1, lambda x: x).worker_init_fn is not None
 
 
-def test_the_exiting_flag_is_set_before_multiprocessing_ends_the_workers(tmp_path):
-    """The hook that lets workers take their parent's SIGTERM runs before multiprocessing's exit
-    handler, whatever was imported first (a worker that ignored it would hang the exit)."""
-    script = tmp_path / "order.py"
-    script.write_text(textwrap.dedent("""
-        import atexit, sys
-        calls = []
-        real_register = atexit.register
-        def register(function, *args, **kwargs):
-            calls.append(getattr(function, "__name__", repr(function)))
-            return real_register(function, *args, **kwargs)
-        atexit.register = register
-        from vlcontrast.data import workers
-        workers.stop_signal_init()
-        print(calls)
-    """))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+CHILD = textwrap.dedent("""
+    import multiprocessing, sys
+    import torch
+    from torch.utils.data import DataLoader, IterableDataset
+    from vlcontrast.data.loader import dataloader_options
+
+    class Numbers(IterableDataset):
+        def __iter__(self):
+            yield from (torch.tensor([i]) for i in range(8))
+
+    def cell():  # a study cell: loaders in a multiprocessing child, alive when it returns
+        global iterator
+        iterator = iter(DataLoader(Numbers(), **dataloader_options(2, "cpu")))
+        print("read", sum(1 for _ in iterator), flush=True)
+
+    if __name__ == "__main__":
+        method = sys.argv[1]
+        if method == "main":
+            cell()
+        else:
+            child = multiprocessing.get_context(method).Process(target=cell)
+            child.start()
+            child.join()
+            print("exitcode", child.exitcode, flush=True)
+""")
+
+
+@pytest.mark.parametrize("method", ["main", "fork", "forkserver"])
+def test_a_process_whose_workers_are_alive_at_its_end_still_ends(tmp_path, method):
+    """The workers take their parent's SIGTERM as it exits: at interpreter exit, and at the end
+    of a multiprocessing child (the study's cells), where atexit hooks never run (a cell hung
+    there for good with a first version)."""
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    out = subprocess.run([sys.executable, str(script), method], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    calls = eval(out.stdout.strip().splitlines()[-1])
-    assert calls.index("_exit_function") < calls.index("_set_exiting"), calls
+    assert "read 16" in out.stdout and "killed by signal" not in out.stderr, out.stderr[-2000:]
+    if method != "main":
+        assert "exitcode 0" in out.stdout

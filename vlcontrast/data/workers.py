@@ -8,36 +8,37 @@ workers first and the checkpoint failed with "DataLoader worker ... killed by si
 Terminated".
 
 A worker therefore ignores SIGUSR1, and SIGTERM until its parent is exiting. The parent ends its
-workers with SIGTERM as it exits (``multiprocessing``'s exit handler terminates daemonic children,
+workers with SIGTERM as it exits (``multiprocessing``'s exit function terminates daemonic children,
 then waits for them without a time limit), so a worker that ignored that one too would leave the
 trainer waiting forever after its stop checkpoint. The parent says it is exiting in a shared byte
-that an ``atexit`` hook sets; that hook is registered after ``multiprocessing``'s, so it runs
-first. A worker whose parent is gone ends by PyTorch's watchdog, or on any SIGTERM.
+set by a ``multiprocessing`` finalizer with an exit priority: the exit function runs those before
+it terminates the children, both at interpreter exit and at the end of a ``multiprocessing`` child
+(a study cell run from the forkserver), where ``atexit`` hooks never run. A worker whose parent is
+gone ends by PyTorch's watchdog, or on any SIGTERM.
 """
 
 from __future__ import annotations
 
-import atexit
 import functools
 import multiprocessing
+import multiprocessing.util
 import os
 import signal
 
-_exiting = None  # the parent's shared "exiting" byte, made with the first loader
+_exiting = None  # (pid, shared "exiting" byte) of the process whose loaders use it
 
 
 def stop_signal_init():
     """A DataLoader ``worker_init_fn`` for this process's loaders (picklable, for spawned
     workers too): stop signals are left to this process, see the module's text."""
     global _exiting
-    if _exiting is None:
-        # multiprocessing.util registers its exit handler when first imported: imported first,
-        # so this hook, registered after it, runs before it (atexit runs the last one first).
-        import multiprocessing.util  # noqa: F401
-
-        _exiting = multiprocessing.RawValue("b", 0)
-        atexit.register(_set_exiting, _exiting)
-    return functools.partial(_worker_signals, _exiting, os.getpid())
+    if _exiting is None or _exiting[0] != os.getpid():  # a forked child makes its own
+        flag = multiprocessing.RawValue("b", 0)
+        # Run by multiprocessing's exit function before it terminates the children (priority
+        # >= 0), at interpreter exit and at the end of a multiprocessing child alike.
+        multiprocessing.util.Finalize(None, _set_exiting, args=(flag,), exitpriority=100)
+        _exiting = (os.getpid(), flag)
+    return functools.partial(_worker_signals, _exiting[1], os.getpid())
 
 
 def _set_exiting(flag) -> None:
