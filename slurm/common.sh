@@ -15,6 +15,11 @@
 # preemption) checkpoints, exits 0 and leaves RUN/preempted.json (vlcontrast.requeue): then the job
 # is requeued and resumes. A run that exits 0 without that marker finished (results.json) or
 # stopped at train.stop_at_step: not requeued. A failure (non-zero exit) is not requeued either.
+# "Finished" means this job wrote RUN/results.json: one left by an earlier run does not count.
+if [ -z "${SLURM_JOB_ID:-}" ] || [ -z "${SLURM_JOB_NODELIST:-}" ]; then
+  echo "vlcontrast: $0 runs inside a SLURM job (SLURM_JOB_ID and SLURM_JOB_NODELIST are not set): submit it with sbatch (sbatch $0 CONFIG [key=value ...])" >&2
+  exit 2
+fi
 export MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
 export MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
@@ -23,13 +28,23 @@ PYTHON=${PYTHON:-python}
 # Requeues allowed before giving up (a job preempted again and again without progress ends here).
 VLC_MAX_RESTARTS=${VLC_MAX_RESTARTS:-100}
 
-# Print KEY VALUE lines of the resolved config: output_dir and data.workers.
+# Print KEY VALUE lines of the resolved config: output_dir and data.workers. A config that does
+# not resolve (a missing file, an unknown key) is `vlcontrast config`'s one-line error, exit 2.
 _vlcontrast_settings() {
-  "$PYTHON" -m vlcontrast.cli config "$@" | "$PYTHON" -c '
+  local resolved
+  resolved=$("$PYTHON" -m vlcontrast.cli config "$@") || return 2
+  "$PYTHON" -c '
 import sys, yaml
 config = yaml.safe_load(sys.stdin)
 print("output_dir", config["output_dir"])
-print("workers", config["data"]["workers"])'
+print("workers", config["data"]["workers"])' <<<"$resolved"
+}
+
+# A signature of RUN/results.json (modification time with nanoseconds, size, checksum), or
+# nothing when there is none: the run finished in this job only if it changed.
+_results_signature() {
+  [ -f "$1" ] || return 0
+  printf '%s %s' "$(stat -c '%y %s' "$1" 2>/dev/null)" "$(cksum <"$1" 2>/dev/null)"
 }
 
 run_vlcontrast() {
@@ -54,6 +69,8 @@ run_vlcontrast() {
 
   echo "vlcontrast: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NUM_NODES:-1} node(s), ${SLURM_NTASKS:-1} tasks x $cpus cores ($workers loader workers, OMP_NUM_THREADS=$OMP_NUM_THREADS), run dir $out"
   rm -f "$out/preempted.json"  # a marker from an earlier stop must not requeue this run
+  local before
+  before=$(_results_signature "$out/results.json")  # an earlier run's results.json is not ours
   # --kill-on-bad-exit: a rank that dies ends the step at once; the others would otherwise fail
   # only at their next collective (after train.dist_timeout_s at worst).
   srun --kill-on-bad-exit=1 --cpus-per-task="$cpus" --cpu-bind="${VLC_CPU_BIND:-cores}" \
@@ -70,8 +87,10 @@ run_vlcontrast() {
     fi
     echo "vlcontrast: stopped by a signal after a checkpoint; requeueing job $SLURM_JOB_ID"
     scontrol requeue "$SLURM_JOB_ID"
-  elif [ -f "$out/results.json" ]; then
+  elif [ -f "$out/results.json" ] && [ "$(_results_signature "$out/results.json")" != "$before" ]; then
     echo "vlcontrast: finished; results in $out/results.json"
+  elif [ -f "$out/results.json" ]; then
+    echo "vlcontrast: stopped at train.stop_at_step with a checkpoint, not finished: $out/results.json is an earlier run's (this job did not write it); not requeueing (resubmit with a later train.stop_at_step, or 0 for the end, to continue)"
   else
     echo "vlcontrast: stopped at train.stop_at_step with a checkpoint; not requeueing (resubmit to continue)"
   fi

@@ -252,3 +252,45 @@ def test_real_training_requeued_only_when_stopped_by_a_signal(fake_slurm, tmp_pa
     if requeued:
         marker = json.loads((run_dir / "preempted.json").read_text())
         assert "signal" in marker["stopped"] and marker["slurm_job_id"] == "4242"
+
+
+@pytest.mark.parametrize("case", ["unknown-key", "missing-config"])
+def test_a_config_that_does_not_resolve_is_one_line_and_no_traceback(fake_slurm, tmp_path, case):
+    config, run_dir = _config(tmp_path)
+    args = ("data.wrkers=2",) if case == "unknown-key" else ()
+    if case == "missing-config":
+        config = tmp_path / "missing.yaml"
+    proc, events = fake_slurm("slurm/train_1node.sbatch", config, run_dir, "success", *args)
+    assert proc.returncode == 2 and not _srun_calls(events)
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert ("data.wrkers: unknown key (did you mean 'workers'?)" if case == "unknown-key"
+            else "missing.yaml' does not exist") in proc.stderr
+
+
+@pytest.mark.parametrize("mode", ["stop_at_step", "success"])
+def test_an_earlier_runs_results_json_is_not_this_jobs_finish(fake_slurm, tmp_path, mode):
+    """A run stopped at train.stop_at_step in a folder where an earlier run finished (its
+    results.json) did not finish: said so, not "finished"; a run that writes it did."""
+    config, run_dir = _config(tmp_path)
+    (run_dir / "results.json").write_text('{"metrics": {"step": 6}}')
+    proc, events = fake_slurm("slurm/train_1node.sbatch", config, run_dir, mode)
+    assert proc.returncode == 0 and not _requeues(events)
+    finished = f"vlcontrast: finished; results in {run_dir}/results.json"
+    if mode == "success":
+        assert finished in proc.stdout
+    else:
+        assert finished not in proc.stdout
+        assert (f"stopped at train.stop_at_step with a checkpoint, not finished: "
+                f"{run_dir}/results.json is an earlier run's") in proc.stdout
+
+
+@pytest.mark.parametrize("script", ["slurm/train_1node.sbatch", "slurm/train_multinode.sbatch"])
+def test_a_script_run_outside_slurm_says_to_submit_it(tmp_path, script):
+    config, _ = _config(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    proc = subprocess.run(["bash", script, str(config)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "unbound variable" not in proc.stderr
+    assert proc.stderr.strip() == (
+        f"vlcontrast: {script} runs inside a SLURM job (SLURM_JOB_ID and SLURM_JOB_NODELIST are "
+        f"not set): submit it with sbatch (sbatch {script} CONFIG [key=value ...])")

@@ -86,13 +86,14 @@ def test_run_one_writes_each_layouts_result_fields(tmp_path, monkeypatch):
     files), the layout's result fields, the run summary, and the checkpoints dropped."""
     import vlcontrast.study.engine as module
 
-    def fake_training(config, run_dir, command):
+    def fake_training(config, run_dir, command, **_):
+        steps = int(next(a for a in command if a.startswith("train.steps=")).split("=")[1])
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "checkpoints").mkdir()
         (run_dir / "metrics.jsonl").write_text(json.dumps(
-            {"kind": "train", "step": 2, "samples_seen": 16, "loss": 1.5}) + "\n")
+            {"kind": "train", "step": steps, "samples_seen": 16, "loss": 1.5}) + "\n")
         (run_dir / "results.json").write_text(json.dumps({"metrics": {
-            "step": 2, "samples_seen": 16, "retrieval/text_to_image_R@1": 0.2,
+            "step": steps, "samples_seen": 16, "retrieval/text_to_image_R@1": 0.2,
             "retrieval/image_to_text_R@1": 0.4}}))
         return {"status": "ok", "returncode": 0, "wall_s": 1.5, "command": command}
 

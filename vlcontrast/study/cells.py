@@ -8,24 +8,35 @@ file ``<results_dir>/<cell>.json``: its fingerprint, last and best evaluation, e
 and a thinned training-loss curve, read from the run's ``metrics.jsonl`` with the train loop's
 own reader. Those files are all the report needs, so the run directories may be deleted (a new
 session has none) and a committed ``results_dir`` carries the study across sessions.
+
+One cell runs in one place at a time: :func:`acquire_cell_lock` takes ``<run_dir>.lock`` (an
+``O_EXCL`` file naming the host, pid and SLURM job, its modification time a heartbeat) before the
+run directory is touched; a second task finds it held and skips the cell, unless its holder is
+gone (:func:`_stale_reason`). A stopped or killed attempt leaves its checkpoints:
+:func:`resume_point` lets the next attempt of the same fingerprint continue from them
+(``train.resume=latest``) instead of starting over.
 """
 
 from __future__ import annotations
 
 import copy
+import contextlib
 import functools
 import hashlib
 import json
 import os
 import platform
 import shutil
+import signal
+import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from vlcontrast.train.metrics import read_metrics
 
@@ -66,9 +77,22 @@ def _with_mean_recall(values: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def _as_resumed(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records of the run as it stands: a resumed run logs again the steps after its
+    checkpoint that the stopped attempt had logged already, so at each ``resumed_from`` event the
+    earlier records of later steps are dropped (a run never resumed is left as it is)."""
+    out: list[dict[str, Any]] = []
+    for record in records:
+        if record.get("kind") == "event" and "resumed_from" in record:
+            step = int(record.get("step", 0))
+            out = [r for r in out if r.get("kind") == "event" or int(r.get("step", 0)) <= step]
+        out.append(record)
+    return out
+
+
 def summarise_run(run_dir: Path, global_batch: int) -> dict[str, Any]:
     """Last and best evaluation, evaluation curve and thinned loss curve of a finished run."""
-    records = read_metrics(run_dir / "metrics.jsonl")
+    records = _as_resumed(read_metrics(run_dir / "metrics.jsonl"))
     final = json.loads((run_dir / "results.json").read_text())["metrics"]
     curve_by_step: dict[int, dict[str, Any]] = {}
     for record in records:
@@ -125,12 +149,63 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _run_training(config: StudyConfig, run_dir: Path, command: list[str]) -> dict[str, Any]:
-    """Run one ``vlcontrast train`` subprocess in a fresh ``run_dir``; returns status, return
-    code, wall seconds and (on failure) the tail of stderr."""
-    if run_dir.exists():  # a crashed or interrupted attempt: start over, never mix runs
+_STOP: dict[str, int] = {}
+"""The signal (SIGTERM, SIGUSR1) that asked this process to stop its cells, once one has."""
+
+
+def stop_requested() -> int | None:
+    """The stop signal this process got while running cells (:func:`forwarding_stop_signals`)."""
+    return _STOP.get("signal")
+
+
+def _tell_cells_to_stop(signum: int, _frame: Any = None) -> None:
+    """A stop notice (SLURM's time limit, a preemption): every running cell's launcher gets
+    SIGTERM, which ``vlcontrast train`` answers with a checkpoint and exit 0 (torchrun forwards it
+    to its ranks); no new cell starts."""
+    _STOP.setdefault("signal", signum)
+    with _LIVE_LOCK:
+        procs = list(_LIVE.values())
+    for proc in procs:
+        try:
+            os.kill(proc.pid, signal.SIGTERM)
+        except OSError:
+            pass
+
+
+@contextlib.contextmanager
+def forwarding_stop_signals() -> Iterator[None]:
+    """While cells run in the main thread (one array task's ``--cell``), SIGTERM and SIGUSR1 are
+    passed on to them as a stop (:func:`_tell_cells_to_stop`) instead of ending this process and
+    orphaning them; the earlier handlers come back after. Elsewhere (the study's own cell loop
+    runs cells in threads, under its own handler) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _tell_cells_to_stop)
+                for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _run_training(config: StudyConfig, run_dir: Path, command: list[str], *,
+                  resume: bool = False, start: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run one ``vlcontrast train`` subprocess in a fresh ``run_dir`` (``resume``: in the run
+    directory as it is, whose checkpoints the command resumes from; ``start``: written to it as
+    :data:`START_RECORD` first); returns status (ok, failed, timeout, or stopped by a signal
+    to this process or the run's own), return code, wall seconds and (when not ok) the tail of
+    stderr."""
+    if stop_requested() is not None:
+        return {"status": "stopped", "returncode": None, "wall_s": 0.0, "command": command,
+                "error": f"not started: this process got signal {stop_requested()} (a stop)"}
+    if run_dir.exists() and not resume:  # a crashed or interrupted attempt: start over, never mix runs
         shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
+    run_dir.mkdir(parents=True, exist_ok=resume)
+    (run_dir / "preempted.json").unlink(missing_ok=True)  # an earlier stop's marker is not this run's
+    if start is not None:
+        _write_json(run_dir / START_RECORD, start)
     env = dict(os.environ)
     # No DS_ACCELERATOR here: each cell's `vlcontrast train` chooses the device and DeepSpeed's
     # accelerator together (train.device, auto: the GPU when there is one), so a study on a GPU
@@ -149,9 +224,10 @@ def _run_training(config: StudyConfig, run_dir: Path, command: list[str]) -> dic
         # its own free port for nproc > 1.
         env["MASTER_PORT"] = str(_free_port())
     stdout_path, stderr_path = run_dir / "stdout.log", run_dir / "stderr.log"
-    start = time.perf_counter()
+    began = time.perf_counter()
     status = "ok"
-    with open(stdout_path, "w") as stdout, open(stderr_path, "w") as stderr:
+    mode = "a" if resume else "w"  # a resumed attempt's logs follow the earlier attempt's
+    with open(stdout_path, mode) as stdout, open(stderr_path, mode) as stderr:
         # Forked from the warm server (study/warm.py) when it can be, else a fresh interpreter;
         # either way in its own session: a timeout kills torchrun and all its workers too.
         proc: Any = (fork_cell(command, env, str(stdout_path), str(stderr_path))
@@ -161,6 +237,8 @@ def _run_training(config: StudyConfig, run_dir: Path, command: list[str]) -> dic
                                     start_new_session=True)
         with _LIVE_LOCK:
             _LIVE[proc.pid] = proc
+        if stop_requested() is not None:  # the notice came while it was starting
+            _tell_cells_to_stop(stop_requested())
         try:
             returncode = proc.wait(timeout=config.cell_timeout_s)
         except subprocess.TimeoutExpired:
@@ -174,9 +252,10 @@ def _run_training(config: StudyConfig, run_dir: Path, command: list[str]) -> dic
         finally:
             with _LIVE_LOCK:
                 _LIVE.pop(proc.pid, None)
-    wall = time.perf_counter() - start
-    if status == "ok" and (returncode != 0 or not (run_dir / "results.json").is_file()):
-        status = "failed"
+    wall = time.perf_counter() - began
+    stopped = (run_dir / "preempted.json").is_file()  # vlcontrast.requeue's marker
+    if status == "ok" and (returncode != 0 or stopped or not (run_dir / "results.json").is_file()):
+        status = "stopped" if stopped or stop_requested() is not None else "failed"
     record = {"status": status, "returncode": returncode, "wall_s": round(wall, 1),
               "command": command}
     if status != "ok":
@@ -213,6 +292,226 @@ def _write_json(path: Path, value: dict[str, Any]) -> None:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(value, indent=1) + "\n")
     os.replace(tmp, path)  # a result file is whole or absent
+
+
+# --------------------------------------------------------------------------------------------
+# one cell in one place at a time, and an interrupted cell resumed
+
+
+START_RECORD = "study_cell_start.json"
+"""Written in a cell's run directory before its training starts: the cell and its fingerprint,
+so a later attempt knows whose checkpoints the directory holds (:func:`resume_point`)."""
+
+LOCK_HEARTBEAT_S = 60.0
+"""How often the holder of a cell's lock touches it."""
+LOCK_STALE_S = 600.0
+"""A lock untouched for this long has lost its holder (a job killed on another host)."""
+
+_LIVE_JOB_STATES = ("RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "STOPPED", "RESIZING",
+                    "SIGNALING", "STAGE_OUT")
+
+
+def lock_path(run_dir: Path) -> Path:
+    """``<run_dir>.lock``, beside the run directory (which a fresh attempt deletes)."""
+    return run_dir.parent / f"{run_dir.name}.lock"
+
+
+def _process_start(pid: int) -> str | None:
+    """The start time of process ``pid`` (clock ticks since boot), to tell a reused pid apart."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _owner(cell: str) -> dict[str, Any]:
+    env = os.environ
+    array = (f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+             if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID") else None)
+    return {"cell": cell, "host": socket.gethostname(), "pid": os.getpid(),
+            "pid_start": _process_start(os.getpid()), "slurm_job_id": env.get("SLURM_JOB_ID"),
+            "slurm_array_task": array, "slurm_restart": env.get("SLURM_RESTART_COUNT", "0"),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "token": uuid.uuid4().hex}
+
+
+def _holder_text(holder: dict[str, Any] | None) -> str:
+    if not holder:
+        return "an unreadable holder"
+    job = holder.get("slurm_array_task") or holder.get("slurm_job_id")
+    return (f"{'job ' + job if job else 'a run outside SLURM'} (pid {holder.get('pid')} on "
+            f"{holder.get('host')}, since {holder.get('started')})")
+
+
+def _slurm_job_gone(job_id: str) -> bool:
+    """Whether ``squeue`` says SLURM job ``job_id`` no longer runs (False when it runs, and when
+    there is no squeue or it cannot tell)."""
+    squeue = shutil.which("squeue")
+    if squeue is None:
+        return False
+    try:
+        proc = subprocess.run([squeue, "-h", "-j", job_id, "-o", "%T"], capture_output=True,
+                              text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    if proc.returncode != 0:
+        return "invalid job id" in proc.stderr.lower()
+    return not any(state in _LIVE_JOB_STATES for state in proc.stdout.split())
+
+
+def _stale_reason(holder: dict[str, Any] | None, age_s: float) -> str | None:
+    """Why a lock's holder no longer runs its cell, or None while it may: on this host its
+    process has ended; under SLURM its job is this job's run before a requeue, or squeue says it
+    has ended; anywhere its heartbeat stopped more than :data:`LOCK_STALE_S` ago."""
+    if holder:
+        job, ours = holder.get("slurm_job_id"), os.environ.get("SLURM_JOB_ID")
+        if job and job == ours and holder.get("slurm_restart") != os.environ.get(
+                "SLURM_RESTART_COUNT", "0"):
+            return "it is this job's run before its requeue"
+        pid = holder.get("pid")
+        if holder.get("host") == socket.gethostname() and isinstance(pid, int):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return f"its process {pid} has ended"
+            except PermissionError:
+                pass
+            started = _process_start(pid)
+            if holder.get("pid_start") and started and started != holder["pid_start"]:
+                return f"its process {pid} has ended (the pid is another process's now)"
+            return None  # alive on this host
+        if job and job != ours and _slurm_job_gone(job):
+            return f"squeue says job {job} no longer runs"
+    if age_s > LOCK_STALE_S:
+        return f"its heartbeat stopped {age_s:.0f} s ago (more than {LOCK_STALE_S:.0f} s)"
+    return None
+
+
+def _read_lock(path: Path) -> tuple[dict[str, Any] | None, str, float] | None:
+    """(holder, text, seconds since its heartbeat), or None when there is no lock."""
+    try:
+        text = path.read_text()
+        age = time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    try:
+        holder = json.loads(text)
+    except json.JSONDecodeError:
+        holder = None
+    return (holder if isinstance(holder, dict) else None), text, age
+
+
+class CellLock:
+    """A held cell lock: its heartbeat thread touches the file every :data:`LOCK_HEARTBEAT_S`
+    while this process holds it; :meth:`release` removes it (only if it is still this one's)."""
+
+    def __init__(self, path: Path, owner: dict[str, Any]):
+        self.path, self.owner = path, owner
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="cell-lock", daemon=True)
+        self._thread.start()
+
+    def held(self) -> bool:
+        """Whether the lock file is still this holder's (not taken over as stale)."""
+        found = _read_lock(self.path)
+        return found is not None and (found[0] or {}).get("token") == self.owner["token"]
+
+    def _beat(self) -> None:
+        while not self._done.wait(LOCK_HEARTBEAT_S):
+            if self.held():
+                with contextlib.suppress(OSError):
+                    os.utime(self.path)
+
+    def release(self) -> None:
+        self._done.set()
+        self._thread.join()
+        if self.held():
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+
+
+def acquire_cell_lock(cell: str, run_dir: Path) -> tuple[CellLock | None, str]:
+    """Take ``cell``'s lock before its run directory is touched: ``(lock, note)``, the note
+    saying whose stale lock was taken over (else empty), or ``(None, line)`` when a live holder
+    has it, the line naming that holder. Atomic: ``O_EXCL`` creates it; a stale one is renamed
+    away (only one taker wins the rename) and checked to be the one judged stale."""
+    path = lock_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    owner = _owner(cell)
+    notes = []
+    for _attempt in range(5):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            found = _read_lock(path)
+            if found is None:
+                continue  # released meanwhile: try again
+            holder, text, age = found
+            reason = _stale_reason(holder, age)
+            if reason is None:
+                return None, (f"study: {cell} is held by {_holder_text(holder)}, heartbeat "
+                              f"{age:.0f} s ago (lock {path}): skipped here, that run is "
+                              "finishing it; delete the lock only if that run is gone")
+            moved = path.with_name(f"{path.name}.stale-{owner['token']}")
+            try:
+                os.rename(path, moved)
+            except FileNotFoundError:
+                continue  # another task took it over first
+            if moved.read_text() != text:  # a fresh lock, made after the stale one was read
+                with contextlib.suppress(OSError):
+                    os.link(moved, path)  # put it back
+                moved.unlink()
+                continue
+            moved.unlink()
+            notes.append(f"study: {cell}: took over the lock of {_holder_text(holder)}: "
+                         f"{reason} ({path})")
+            continue
+        with os.fdopen(fd, "w") as handle:
+            handle.write(json.dumps(owner) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        return CellLock(path, owner), "; ".join(notes)
+    return None, (f"study: {cell}: its lock {path} changed hands 5 times while this task tried to "
+                  "take it: skipped here")
+
+
+def resume_point(run_dir: Path, fingerprint: str) -> Path | None:
+    """The checkpoint an earlier, stopped or killed attempt of this cell left in ``run_dir``, when
+    its :data:`START_RECORD` has this ``fingerprint``; None otherwise, and when the last attempt
+    was itself a resume that failed (the next one starts over)."""
+    try:
+        start = json.loads((run_dir / START_RECORD).read_text())
+        name = (run_dir / "checkpoints" / "latest").read_text().strip()
+    except (OSError, ValueError):
+        return None
+    if not isinstance(start, dict) or start.get("fingerprint") != fingerprint or not name:
+        return None
+    checkpoint = run_dir / "checkpoints" / name
+    if not checkpoint.is_dir():
+        return None
+    try:
+        last = json.loads((run_dir / "study_cell.json").read_text())
+    except (OSError, ValueError):
+        last = {}
+    if isinstance(last, dict) and last.get("status") == "failed" and last.get("resumed_from"):
+        return None
+    return checkpoint
+
+
+def incomplete_run(run_dir: Path, steps: int) -> str | None:
+    """What a run that exited 0 lacks before its result may be written, or None: its
+    ``results.json`` at the cell's last step and a ``metrics.jsonl`` with its training records
+    (another process deleting them, as a second task on the same cell did, must not give a
+    result without a loss curve)."""
+    try:
+        final = json.loads((run_dir / "results.json").read_text())["metrics"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{run_dir}/results.json is missing or unreadable"
+    step = final.get("step")
+    if isinstance(step, int) and step != steps:
+        return f"{run_dir}/results.json is at step {step}, the cell trains {steps}"
+    if not any(r.get("kind") == "train" for r in read_metrics(run_dir / "metrics.jsonl")):
+        return f"{run_dir}/metrics.jsonl is missing or holds no training record"
+    return None
 
 
 # --------------------------------------------------------------------------------------------

@@ -33,9 +33,11 @@ from typing import Any, Callable
 
 import yaml
 
+from ..config import ConfigError
 from ..progress import Progress
-from .cells import (_run_training, _write_json, ensure_pretrained, host_cpu, kill_running_cells,
-                    read_result, summarise_run)
+from .cells import (_run_training, _write_json, acquire_cell_lock, ensure_pretrained,
+                    forwarding_stop_signals, host_cpu, incomplete_run, kill_running_cells,
+                    read_result, resume_point, stop_requested, summarise_run)
 from .config import StudyConfig
 from .design import (Cell2, cell_command_v2, cell_fingerprint_v2, final_cells, finished_result,
                      read_selected, selected_path, start_digest, sweep_hyper_cells,
@@ -90,12 +92,73 @@ def _described(config: StudyConfig, cell: AnyCell, wall_s: float) -> dict[str, A
             "fingerprint": cell_fingerprint(config, cell), "wall_s": wall_s}
 
 
+def _not_run(cell: AnyCell, status: str, line: str) -> dict[str, Any]:
+    print(line, file=sys.stderr, flush=True)
+    return {"cell": cell.name, "status": status, "returncode": None, "wall_s": 0.0, "error": line}
+
+
 def run_one(config: StudyConfig, cell: AnyCell) -> dict[str, Any]:
-    """Train one cell in a fresh run directory; on success write its result file (whole or
-    absent). Returns its ``study_cell.json`` record (status, return code, wall time, stderr tail).
-    The single-cell entry point of the loop below and of a SLURM array task."""
+    """Train one cell; on success write its result file (whole or absent). Returns its
+    ``study_cell.json`` record (status, return code, wall time, stderr tail). The single-cell
+    entry point of the loop below and of a SLURM array task.
+
+    The cell's lock (:func:`.cells.acquire_cell_lock`) is taken first: a cell another live task
+    holds is skipped (status ``busy``, one line naming that task) and its run directory left
+    alone. An earlier attempt's checkpoints of the same fingerprint are resumed
+    (:func:`.cells.resume_point`, wall time summed over the attempts); otherwise the run starts in
+    a fresh directory. A stop signal (SLURM's notice, forwarded by the array task) is passed to
+    the training, which checkpoints (status ``stopped``). A result is written only when the run
+    ended with its own complete record (:func:`.cells.incomplete_run`) and the lock is still
+    this task's."""
+    if stop_requested() is not None:
+        return _not_run(cell, "stopped", f"study: {cell.name} not started: this task got signal "
+                        f"{stop_requested()} (a stop); it runs after the requeue")
+    lock, note = acquire_cell_lock(cell.name, cell.run_dir)
+    if lock is None:
+        return _not_run(cell, "busy", note)
+    if note:
+        print(note, file=sys.stderr, flush=True)
+    try:
+        if is_finished(config, cell):  # by the task that held it until now
+            print(f"study: {cell.name} already finished (its fingerprint matches)",
+                  file=sys.stderr, flush=True)
+            return {"cell": cell.name, "status": "ok", "returncode": 0, "wall_s": 0.0,
+                    "skipped": "finished"}
+        return _run_locked(config, cell, lock)
+    finally:
+        lock.release()
+
+
+def _run_locked(config: StudyConfig, cell: AnyCell, lock) -> dict[str, Any]:
     command = cell_command_v2(config, cell) if isinstance(cell, Cell2) else cell_command(config, cell)
-    record = {"cell": cell.name, **_run_training(config, cell.run_dir, command)}
+    print_ = fingerprint(config, cell)
+    checkpoint = resume_point(cell.run_dir, print_)
+    earlier: dict[str, Any] = {}
+    if checkpoint is not None:
+        try:
+            earlier = json.loads((cell.run_dir / "study_cell.json").read_text())
+        except (OSError, ValueError):
+            earlier = {}
+        print(f"study: {cell.name}: resuming an earlier attempt from {checkpoint} (same "
+              "fingerprint)", file=sys.stderr, flush=True)
+        command = command + ["train.resume=latest"]
+    with forwarding_stop_signals():
+        record = {"cell": cell.name, **_run_training(
+            config, cell.run_dir, command, resume=checkpoint is not None,
+            start={"cell": cell.name, "fingerprint": print_})}
+    if checkpoint is not None:
+        record["resumed_from"] = str(checkpoint)
+        record["attempts"] = int(earlier.get("attempts", 1)) + 1
+        record["wall_s"] = round(record["wall_s"] + float(earlier.get("wall_s") or 0.0), 1)
+    if record["status"] == "ok":
+        problem = incomplete_run(cell.run_dir, cell.steps)
+        if problem is None and not lock.held():
+            problem = f"its lock {lock.path} was taken over by another task meanwhile"
+        if problem is not None:
+            record.update(status="incomplete", error=f"the run exited 0 but {problem}: no "
+                          "result written; rerun the cell")
+    if not lock.held():  # the run directory is another task's now: leave it alone
+        return record
     if record["status"] == "ok":
         if not config.keep_checkpoints:
             shutil.rmtree(cell.run_dir / "checkpoints", ignore_errors=True)
@@ -332,16 +395,41 @@ def prepare(config: StudyConfig) -> None:
     ensure_pretrained(config)
 
 
+def refuse_empty_report(results, command: str = "") -> None:
+    """A staged study's report needs a finished final cell: else one ConfigError line with the
+    count and what to run."""
+    if results.rows:
+        return
+    why = ("" if results.planned else
+           "; no final cell has its settings yet (the sweep has not chosen them)")
+    run = f"`{command}`" if command else "`vlcontrast study --config CONFIG`"
+    raise ConfigError(
+        f"study report: 0 of {results.total} final cells have finished{why}: nothing to "
+        f"report yet; run the study first ({run}, or `bash slurm/study.sh CONFIG` under "
+        "SLURM), then --stage report")
+
+
 def write_report(config: StudyConfig, command: str = "", sync_docs: tuple[Path, ...] = (),
                  failures: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]] | None:
-    """The layout's report from the result files; the grid layout returns its rows."""
+    """The layout's report from the result files; the grid layout returns its rows. A staged
+    study with no final cell finished has nothing to report (a line says so, nothing is written;
+    ``--stage report`` refuses it before, :func:`refuse_empty_report`); with some finished, the
+    report says it is partial and names the rest (one line here too)."""
     if staged(config):
         from .findings import write_generated
         from .report_v2 import final_results, write_report_v2
 
         results = final_results(config)
+        if not results.rows:  # --stage report refused this already (run_study)
+            print(f"study: 0 of {results.total} final cells have finished: no report written",
+                  file=sys.stderr, flush=True)
+            return None
         write_report_v2(config, command, results)
         write_generated(config, sync_docs, results)
+        if not results.complete:
+            print(f"study: partial report: {len(results.rows)} of {results.total} final cells "
+                  f"have finished; {config.report_path}/study.md names the rest and concludes "
+                  "nothing for the comparisons that lack them", file=sys.stderr, flush=True)
         return None
     from .report import write_report as write_grid_report
 
@@ -369,6 +457,10 @@ def run_study(config: StudyConfig, stage: str = "all", command: str = "",
     named in its message)."""
     if stage not in STAGES:
         raise ValueError(f"--stage {stage!r}: one of {STAGES}")
+    if stage == "report" and staged(config):  # refused before anything is written
+        from .report_v2 import final_results
+
+        refuse_empty_report(final_results(config), command)
     working = stage in ("prepare", "sweep", "final", "all")
     preparing = working and (staged(config) or bool(next_round(config)[1]))
     if preparing:

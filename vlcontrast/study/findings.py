@@ -43,7 +43,7 @@ from .design import batch_steps
 from .report import format_difference, format_p
 from .caveats import caveats
 from .report_v2 import (BASELINE, FinalResults, Tested, arm_sizes, final_results,
-                        gain_over_start, planned_family_size, recommendation,
+                        gain_over_start, not_yet, planned_family_size, recommendation,
                         tested_family_by_start)
 from .stats import minimum_detectable_difference
 
@@ -61,16 +61,23 @@ def _comparison_text(t: Tested) -> str:
 
 
 def _arm_findings(config: StudyConfig, rows, family: list[Tested], dataset: str,
-                  arm: str) -> list[str]:
+                  arm: str, partial: bool = False) -> list[str]:
+    """The arm's sentences. ``partial``: final cells are still missing, so a comparison that was
+    not made, or does not survive yet, concludes nothing ("no detectable difference" is said of
+    a finished study only)."""
     tested = [t for t in family if t.dataset == dataset and arm in t.arms]
     sizes = [size for size, _ in arm_sizes(config, arm)]
     planned = len(config.comparisons) * len(sizes)
     survivors = sorted((t for t in tested if t.survives),
                        key=lambda t: (t.global_batch, -t.result.difference.mean))
     out = []
+    if partial and not tested:
+        return [f"None of the {planned} comparisons of this arm can be made yet (none has two "
+                "paired seeds): no conclusion."]
     if len(tested) < planned:
         out.append(f"{len(tested)} of the {planned} comparisons of this arm have at least two "
-                   "paired seeds so far; the rest count as p = 1 in the correction.")
+                   "paired seeds so far; the rest count as p = 1 in the correction"
+                   + (" and conclude nothing." if partial else "."))
     if survivors:
         better = [t for t in survivors if t.result.difference.mean > 0]
         worse = [t for t in survivors if t.result.difference.mean < 0]
@@ -80,6 +87,9 @@ def _arm_findings(config: StudyConfig, rows, family: list[Tested], dataset: str,
         if worse:
             text += " Worse: " + "; ".join(map(_comparison_text, worse)) + "."
         out.append(text)
+    elif partial:
+        out.append(f"None of the {len(tested)} made so far survives Holm–Bonferroni; with final "
+                   "cells still to run, that is no conclusion yet.")
     else:
         out.append(f"None of the {planned} comparisons survives Holm–Bonferroni: no detectable "
                    f"difference from {BASELINE} at any batch size.")
@@ -139,8 +149,9 @@ def _seed_note(config: StudyConfig, rows, dataset: str) -> str:
             "will change**")
 
 
-def _by_start_text(config: StudyConfig, rows) -> str:
-    """The sensitivity analysis: the comparisons with the start as the unit of replication."""
+def _by_start_text(config: StudyConfig, rows, partial: bool = False) -> str:
+    """The sensitivity analysis: the comparisons with the start as the unit of replication
+    (``partial``: final cells are missing, so none surviving concludes nothing)."""
     family = tested_family_by_start(config, rows)
     planned = planned_family_size(config)
     survivors = [t for t in family if t.survives]
@@ -152,6 +163,10 @@ def _by_start_text(config: StudyConfig, rows) -> str:
         return text + (f"{len(survivors)} of {planned} comparisons survive: "
                        + "; ".join(f"{t.dataset}, " + _comparison_text(t) for t in survivors) + ".")
     ranked = sorted((t for t in family if t.holm_p == t.holm_p), key=lambda t: t.holm_p)
+    if partial:
+        text += (f"None of the {len(family)} made so far survives; with final cells still to "
+                 "run, that is no conclusion yet")
+        return text + "."
     text += f"None of the {planned} comparisons survives"
     if ranked:
         best = ranked[0]
@@ -160,22 +175,26 @@ def _by_start_text(config: StudyConfig, rows) -> str:
     return text + "."
 
 
-def findings(config: StudyConfig, rows, family: list[Tested]) -> str:
+def findings(config: StudyConfig, rows, family: list[Tested], missing: int = 0) -> str:
     """The ``findings`` block: a list per dataset and arm, then the sensitivity analysis with the
-    start as the unit of replication (:mod:`vlcontrast.study.findings`)."""
+    start as the unit of replication (:mod:`vlcontrast.study.findings`). ``missing``: final
+    cells not finished yet; while there are any, nothing is concluded from their absence."""
     out = [f"Primary metric {config.primary_metric} on the test split, last evaluation, "
            f"{100 * config.confidence:g}% intervals over the final seeds; Holm–Bonferroni over "
            f"all {planned_family_size(config)} planned comparisons.", ""]
+    if missing:
+        out[-1:] = ["", f"**Partial: {missing} final cell(s) have not finished; no conclusion is "
+                    "drawn from cells that have not run.**", ""]
     for dataset in config.datasets:
         cells = sum(row["dataset"] == dataset for row in rows)
         out.append(f"**{dataset}** ({cells} final cells, {_seed_note(config, rows, dataset)})")
         out.append("")
         for arm in config.arms:
-            sentences = _arm_findings(config, rows, family, dataset, arm)
+            sentences = _arm_findings(config, rows, family, dataset, arm, bool(missing))
             out.append(f"- arm `{arm}`: " + " ".join(sentences))
         out.append("")
     if rows and config.starts.count:  # without shared starts every seed is its own replicate
-        out.append(_by_start_text(config, rows))
+        out.append(_by_start_text(config, rows, bool(missing)))
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -235,14 +254,13 @@ def blocks(config: StudyConfig, rows, family: list[Tested], planned_cells: int) 
     ``recommendation``."""
     if len(rows) < planned_cells:
         # No recommendation from part of the seeds: a table is read without its footnotes.
-        table = (f"*Not yet: {len(rows)} of {planned_cells} final cells have run. The table "
-                 "is written here when every final seed has; the partial statistics, marked as "
-                 "such, are in the study's findings.*\n")
+        table = not_yet(len(rows), planned_cells)
     else:
         table = recommendation(config, family)
     return {"status": status(config, rows, planned_cells),
-            "findings": findings(config, rows, family), "power": power(config, family),
-            "caveats": caveats(config, rows, family), "recommendation": table}
+            "findings": findings(config, rows, family, max(0, planned_cells - len(rows))),
+            "power": power(config, family), "caveats": caveats(config, rows, family),
+            "recommendation": table}
 
 
 def _pattern(name: str) -> re.Pattern:
@@ -285,7 +303,7 @@ def write_generated(config: StudyConfig, sync_docs: tuple[Path, ...] = (),
     ``findings.md`` in ``report_dir``; the blocks of the ``sync_docs`` pages rewritten (each
     page's changed blocks are printed). Returns the blocks."""
     results = results or final_results(config)
-    content = blocks(config, results.rows, results.family, len(results.planned))
+    content = blocks(config, results.rows, results.family, results.total)
     config.report_path.mkdir(parents=True, exist_ok=True)
     (config.report_path / "findings.md").write_text(content["status"] + "\n" + content["findings"])
     for page in sync_docs:

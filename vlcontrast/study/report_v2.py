@@ -544,6 +544,14 @@ def plot_bias_against_gain(config, family: list[Tested], bias_csvs: list[Path], 
 # --------------------------------------------------------------------------------------------
 
 
+def expected_final_count(config: StudyConfig) -> int:
+    """The final cells the design has: seeds x datasets x (batch, steps) trainings x settings,
+    whether or not the sweep has chosen their settings yet (before that :func:`final_cells`
+    knows none of them)."""
+    return (len(config.grid.seeds) * len(config.datasets) * len(batch_steps(config))
+            * len(config.grid.losses))
+
+
 @dataclass
 class FinalResults:
     """The final stage as the result files have it: the planned cells, the finished ones' rows,
@@ -552,6 +560,22 @@ class FinalResults:
     planned: list[Cell2]
     rows: list[dict[str, Any]]
     family: list[Tested]
+    expected: int = 0
+    """The design's final cells (:func:`expected_final_count`), chosen or not."""
+
+    @property
+    def total(self) -> int:
+        """The final cells a finished study has."""
+        return max(self.expected, len(self.planned))
+
+    @property
+    def complete(self) -> bool:
+        return len(self.rows) >= self.total
+
+    def unfinished(self) -> list[str]:
+        """Names of the planned final cells without a finished result."""
+        done = {row["cell"] for row in self.rows}
+        return [cell.name for cell in self.planned if cell.name not in done]
 
 
 def final_results(config: StudyConfig) -> FinalResults:
@@ -559,7 +583,31 @@ def final_results(config: StudyConfig) -> FinalResults:
 
     planned = final_cells(config, read_selected(config))
     rows = collect_final(config, planned)
-    return FinalResults(planned, rows, tested_family(config, rows))
+    return FinalResults(planned, rows, tested_family(config, rows), expected_final_count(config))
+
+
+def not_yet(done: int, total: int) -> str:
+    """What stands in for the recommendation table until every final cell has run."""
+    return (f"*Not yet: {done} of {total} final cells have run. The table "
+            "is written here when every final seed has; the partial statistics, marked as "
+            "such, are in the study's findings.*\n")
+
+
+def partial_lines(results: FinalResults) -> list[str]:
+    """The head of a partial report: how many final cells have run, that nothing is concluded
+    from those that have not."""
+    done, total = len(results.rows), results.total
+    text = (f"**Partial report: {done} of {total} final cells have finished.** It draws no "
+            "conclusion from cells that have not run: a comparison without two paired seeds is "
+            "`-` (not made), and the recommendation waits for every final cell.")
+    unchosen = total - len(results.planned)
+    if unchosen:
+        text += (f" {unchosen} final cells have no settings yet: the sweep has not chosen them "
+                 "(`selected`), so run the sweep first.")
+    left = results.unfinished()
+    if left:
+        text += f" The {len(left)} chosen but unfinished cells are listed at the end."
+    return [text + "\n"]
 
 
 def write_report_v2(config: StudyConfig, command: str = "",
@@ -579,6 +627,8 @@ def write_report_v2(config: StudyConfig, command: str = "",
     text.append(f"Final cells finished: {len(rows)}. Tested family: {len(family)} of {planned} "
                 f"planned comparisons made; Holm–Bonferroni over all {planned} at α = "
                 f"{1 - config.confidence:.2g}.\n")
+    if not results.complete:
+        text += partial_lines(results)
     for dataset in config.datasets:
         png = out / f"{dataset}.png"
         plot_dataset(config, rows, dataset, png)
@@ -601,7 +651,9 @@ def write_report_v2(config: StudyConfig, command: str = "",
         if plot_sweeps(config, dataset, png, chosen):
             text.append(f"![lr sweeps, {dataset}]({png.name})\n")
         text += tuning_table(config, dataset, chosen)
-    text += ["## Which loss at which batch size\n", recommendation(config, family)]
+    table = (recommendation(config, family) if results.complete
+             else not_yet(len(rows), results.total))
+    text += ["## Which loss at which batch size\n", table]
     for dataset in config.datasets:
         paths = bias_csvs(config, dataset)
         png = out / f"bias_gain-{dataset}.png"
@@ -610,7 +662,10 @@ def write_report_v2(config: StudyConfig, command: str = "",
             text.append(f"## Gradient bias against gain: {dataset}\n\n"
                         f"Measured by `vlcontrast diagnose gradient-bias` ({', '.join(map(str, paths))}).\n\n"
                         f"![gradient bias against gain, {dataset}]({png.name})\n")
-    (out / "recommendation.md").write_text(recommendation(config, family))
+    if not results.complete and results.unfinished():
+        text.append("## Final cells not finished yet\n\n" + "\n".join(
+            f"- `{name}`" for name in results.unfinished()) + "\n")
+    (out / "recommendation.md").write_text(table)
     with open(out / "comparisons.csv", "w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["dataset", "arms", "candidate", "baseline", "global_batch", "steps", "n",
