@@ -6,7 +6,10 @@ work. :func:`writable_dir` and :func:`writable_file` write and remove a probe fi
 command writes into (or, when it does not exist yet, in its nearest existing parent: nothing is
 created), and raise a one-line :class:`~vlcontrast.errors.ConfigError` naming the option, the
 path, the reason and the fix. :func:`check_replaceable` refuses an output file that already exists
-(what it holds, and ``--overwrite``), so that a typo cannot replace hours of work. They sit just
+(what it holds, and ``--overwrite``), so that a typo cannot replace hours of work. What replaces
+an earlier output does so whole: :func:`write_text_atomic` (a temporary file renamed over it),
+:func:`replace_dir` (a folder built beside it, swapped in when complete); :func:`free_name` is
+where results go when their output, free at the start, was taken meanwhile. They sit just
 above the ground floor (:mod:`vlcontrast.errors`) and import nothing else of vlcontrast.
 """
 
@@ -97,3 +100,59 @@ def check_replaceable(what: str, held: str, *, kind: str, is_kind: bool, overwri
     if not overwrite:
         raise ConfigError(f"{what} exists ({held}); add --overwrite to replace {noun}, or name a "
                           f"new {new}")
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` whole or not at all: into a new file beside it (created with the
+    umask's permissions, as ``open`` would), then renamed over ``path`` (``os.replace``). An
+    interrupted write leaves the earlier file intact and no temporary file behind."""
+    import secrets
+
+    file = Path(path)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    temporary = file.with_name(f".{file.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    try:
+        handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            stream.write(text)
+        os.replace(temporary, file)
+    finally:
+        try:  # the cleanup must not hide the error that stopped the writing
+            temporary.unlink(missing_ok=True)
+        except OSError:
+            pass
+    return file
+
+
+def free_name(path: str | os.PathLike) -> Path:
+    """``path`` itself when nothing is there, else ``STEM.1.SUFFIX``, ``STEM.2.SUFFIX`` ...: the
+    first free name beside it (where a command's results go when its output, free at the start,
+    was written by something else while it worked, so that neither is lost)."""
+    path = Path(path)
+    candidate, n = path, 0
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.stem}.{n}{path.suffix}")
+    return candidate
+
+
+def replace_dir(staging: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """``staging`` (a complete folder beside ``out``) becomes ``out``; an earlier ``out`` is moved
+    aside first and deleted only once the new one is in place (put back if the move fails)."""
+    import shutil
+
+    staging, out = Path(staging), Path(out)
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.replaced-"))
+        old.rmdir()
+        out.rename(old)
+    try:
+        staging.rename(out)
+    except BaseException:
+        if old is not None and not out.exists():
+            old.rename(out)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return out

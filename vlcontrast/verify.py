@@ -172,7 +172,22 @@ def verify_run(run_dir: str | Path, min_ratio: float = 3.0,
     path = results_file(run_dir)
     metrics = load_metrics(path)
     check_keys(keys, metrics, min_ratio)
-    ok, rows = verify_results(metrics, min_ratio, keys)
+    ok, found = verify_results(metrics, min_ratio, keys)
+    nothing = not found
+    # Every metric named with --metrics has its row, in the order given: one the run did not
+    # evaluate reads "missing" (a KEY:RATIO fails; a plain KEY is skipped, unless no checked
+    # metric is there). Of the default ones, only those the run has are shown.
+    by_key, rows = {row["metric"]: row for row in found}, []
+    named = tuple(keys) != DEFAULT_KEYS
+    for text in keys:
+        key, required = parse_key(text, min_ratio)
+        if any(row["metric"] == key for row in rows) or (
+                key not in by_key and not named and not nothing):
+            continue
+        rows.append(by_key.get(key) or {
+            "metric": key, "value": float("nan"), "chance": None, "chance_from": "",
+            "ratio": float("nan"), "required": required,
+            "passed": False if nothing else "skipped"})
     checked = {parse_key(key, min_ratio)[0] for key in keys}
     shown = [key for key in DEFAULT_KEYS if key not in checked and key in metrics]
     rows += [dict(row, passed=None) for row in verify_results(metrics, min_ratio, tuple(shown))[1]]
@@ -181,11 +196,13 @@ def verify_run(run_dir: str | Path, min_ratio: float = 3.0,
     notes = []
     for row in rows:
         chance = f"{row['chance']:.4f}" if row["chance"] else "n/a"
-        verdict = {True: "ok", False: "FAIL", None: "(not checked)"}[row["passed"]]
-        required = f"{row['required']:g}x" if row["passed"] is not None else ""
+        verdict = {True: "ok", False: "FAIL", None: "(not checked)",
+                   "skipped": "skipped: not evaluated"}[row["passed"]]
+        required = f"{row['required']:g}x" if row["passed"] in (True, False) else ""
         value = "missing" if row["value"] != row["value"] else f"{row['value']:.4f}"
+        ratio = "n/a" if row["ratio"] != row["ratio"] else f"{row['ratio']:.1f}"
         lines.append(f"| {row['metric']} | {value} | {chance} | {row['chance_from']} | "
-                     f"{row['ratio']:.1f} | {required} | {verdict} |")
+                     f"{ratio} | {required} | {verdict} |")
         if row["passed"] is False and row["chance"] and row["required"] * row["chance"] > 1:
             instead = ("check zeroshot/mean_per_class_recall (chance 1/classes at any balance) "
                        "or " if row["metric"].startswith("zeroshot/top") else "")
@@ -194,7 +211,7 @@ def verify_run(run_dir: str | Path, min_ratio: float = 3.0,
                          "with a lower RATIO")
     if ok:
         verdict = "PASS: every checked metric is at least its required multiple of chance"
-    elif not rows:
+    elif nothing:
         verdict = (f"FAIL: {path} holds none of the checked metrics ({', '.join(keys)}); a run "
                    "evaluates them with eval.retrieval / eval.zeroshot")
     else:

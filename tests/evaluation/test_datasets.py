@@ -134,16 +134,20 @@ def test_clip_benchmark_retrieval_layout_is_read(tmp_path):
 def test_imagenet_val_dir_uses_open_clip_metadata(tmp_path):
     from open_clip import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES
 
-    wnids = [f"n{i:08d}" for i in range(1000)]
-    for wnid in wnids:
+    from vlcontrast.evaluation.datasets import imagenet_wnids
+
+    wnids = imagenet_wnids()
+    for wnid in wnids:  # every class holds an image (an empty class folder is refused)
         (tmp_path / wnid).mkdir()
+        (tmp_path / wnid / "a.png").write_bytes(b"")
     write_image_folder(tmp_path, [wnids[3]], per_class=2)
     data = resolve_zeroshot_data(str(tmp_path))
     assert data.kind == "imagenet"
     assert data.classnames == list(IMAGENET_CLASSNAMES) and len(data.templates) == 80
     assert data.templates == list(OPENAI_IMAGENET_TEMPLATES)
     # Labels follow sorted WNIDs, like torchvision's ImageFolder.
-    assert [label for _, label in data.samples] == [3, 3]
+    assert [label for _, label in data.samples][:6] == [0, 1, 2, 3, 3, 3]
+    assert data.classnames_from == {"source": "imagenet", "table": "open_clip IMAGENET_CLASSNAMES"}
 
 
 def test_image_folder_with_classnames_and_templates_files(tmp_path):
@@ -238,3 +242,125 @@ def test_retrieval_data_of_shard_sets_names_the_sub_folders(tmp_path, tiny_check
     code, out, err = run_cli(capsys, "eval", "retrieval", "--checkpoint", str(tiny_checkpoint),
                              "--data", str(root), "--device", "cpu")
     assert code == 2 and out == "" and err == f"vlcontrast: error: --data: {message}\n"
+
+
+def test_hidden_folders_are_no_classes_and_empty_class_folders_are_refused(tmp_path, capsys):
+    """``mkdir my_folder/.ipynb_checkpoints`` or an empty ``zebra/`` used to become an extra
+    zero-shot class (6 instead of 5, every number changed), in eval and in training alike."""
+    write_image_folder(tmp_path / "data", ["cat", "dog"], per_class=2)
+    (tmp_path / "data" / ".ipynb_checkpoints").mkdir()
+    (tmp_path / "data" / "cat" / ".ipynb_checkpoints").mkdir()
+    (tmp_path / "data" / "cat" / ".ipynb_checkpoints" / "copy.png").write_bytes(b"")
+    data = resolve_zeroshot_data(str(tmp_path / "data"))
+    assert data.classnames == ["cat", "dog"] and len(data.samples) == 4
+    (tmp_path / "data" / "zebra").mkdir()
+    with pytest.raises(ConfigError) as err:
+        resolve_zeroshot_data(str(tmp_path / "data"))
+    assert str(err.value) == (
+        f"--data {str(tmp_path / 'data')!r}: class folder 'zebra' holds no image (.bmp .jpeg "
+        ".jpg .pgm .png .ppm .tif .tiff .webp); every sub-folder is a class: add images to it, "
+        "or remove or rename it (hidden folders, named with a leading '.', are skipped)")
+    (tmp_path / "data" / "yak").mkdir()
+    with pytest.raises(ConfigError, match=r"^eval.zeroshot='.*': class folders 'yak', 'zebra' "
+                                          r"hold no image"):
+        resolve_zeroshot_data(str(tmp_path / "data"), keys=("eval.zeroshot", "eval.classnames",
+                                                            "eval.templates"))
+    # Refused before the model is loaded (the checkpoint does not exist).
+    from tests.inference.helpers import run_cli
+
+    code, out, err = run_cli(capsys, "eval", "zeroshot", "--checkpoint", str(tmp_path / "none"),
+                             "--data", str(tmp_path / "data"), "--device", "cpu")
+    assert code == 2 and out == "" and "class folders 'yak', 'zebra' hold no image" in err
+
+
+def test_a_class_name_count_that_does_not_fit_names_the_folders(tmp_path):
+    write_image_folder(tmp_path / "data", ["circle", "hollow_ring", "square"], per_class=1)
+    (tmp_path / "names.txt").write_text("circle\nring\nsquare\nzebra\n")
+    with pytest.raises(ConfigError) as err:
+        resolve_zeroshot_data(str(tmp_path / "data"), str(tmp_path / "names.txt"))
+    assert str(err.value) == (
+        f"--classnames {str(tmp_path / 'names.txt')!r}: 4 class names, but the data has 3 classes "
+        f"(the class folders of --data {str(tmp_path / 'data')!r}: circle, hollow_ring, square); "
+        "give one name per class, in the classes' order")
+
+
+def test_class_names_that_are_the_folders_in_another_order_are_refused(tmp_path):
+    """The i-th name labels the i-th folder in sorted order: the folders' own names in another
+    order can only mislabel them (the walkthrough's top-1 moved from 0.2692 to 0.2564)."""
+    write_image_folder(tmp_path / "data", ["circle", "hollow_ring", "star", "triangle"],
+                       per_class=1)
+    names = tmp_path / "names.txt"
+    names.write_text("circle\n\nhollow_ring\ntriangle\nstar\n")
+    with pytest.raises(ConfigError) as err:
+        resolve_zeroshot_data(str(tmp_path / "data"), str(names))
+    assert str(err.value) == (
+        f"--classnames {str(names)!r}: line 4 says 'triangle', but class folder 3 in sorted "
+        "order is 'star': the names are the folders' own in another order, and the i-th name "
+        "labels the i-th folder in sorted order; list them in that order, or leave --classnames "
+        "out to use the folder names")
+    names.write_text("hollow ring\ncircle\nstar\ntriangle\n")  # the names shown, _ as a space
+    with pytest.raises(ConfigError, match="line 1 says 'hollow ring', but class folder 1 in "
+                                          "sorted order is 'circle'"):
+        resolve_zeroshot_data(str(tmp_path / "data"), str(names))
+    (tmp_path / "data" / "classnames.txt").write_text("star\ncircle\nhollow_ring\ntriangle\n")
+    with pytest.raises(ConfigError, match=r"^--data '.*': classnames.txt: line 1 says 'star'.*"
+                                          r"sorted order; list them in that order$"):
+        resolve_zeroshot_data(str(tmp_path / "data"))
+    (tmp_path / "data" / "classnames.txt").unlink()
+    # In sorted order, or names of the user's own, they label the folders as given.
+    names.write_text("circle\nhollow_ring\nstar\ntriangle\n")
+    assert resolve_zeroshot_data(str(tmp_path / "data"), str(names)).classnames == [
+        "circle", "hollow_ring", "star", "triangle"]
+    names.write_text("ring\ncircle\nstar\ntriangle\n")
+    assert resolve_zeroshot_data(str(tmp_path / "data"), str(names)).classnames[0] == "ring"
+
+
+def test_some_imagenet_wnid_folders_get_imagenet_names(tmp_path, caplog):
+    """A subset of ImageNet's class folders used to get the WNIDs themselves as class names
+    ("a photo of a n01440764.")."""
+    from vlcontrast.evaluation.datasets import imagenet_wnids
+
+    write_image_folder(tmp_path / "inet", ["n01440764", "n01443537", "n01484850"], per_class=1)
+    data = resolve_zeroshot_data(str(tmp_path / "inet"))
+    assert data.kind == "imagefolder"
+    assert data.classnames == ["tench", "goldfish", "great white shark"]
+    assert data.classnames_from == {"source": "imagenet",
+                                    "table": "open_clip IMAGENET_CLASSNAMES"}
+    assert data.templates_from == {"source": "default",
+                                   "table": "open_clip OPENAI_IMAGENET_TEMPLATES"}
+    # WordNet IDs that are no ImageNet-1k class stay the names, and a warning says so.
+    write_image_folder(tmp_path / "other", ["n00000001", "n01440764"], per_class=1)
+    with caplog.at_level("WARNING"):
+        data = resolve_zeroshot_data(str(tmp_path / "other"))
+    assert data.classnames == ["n00000001", "n01440764"]
+    assert ("class folders n00000001, n01440764 are WordNet IDs, and the prompts use them as the "
+            "class names ('a photo of a n00000001.'): ImageNet's names are used only when every "
+            "folder is an ImageNet-1k class") in caplog.text
+    assert "give --classnames FILE with one name per line" in caplog.text
+    # The table is ImageNet-1k's: the sorted WNIDs of CLIP_benchmark's list.
+    from clip_benchmark.datasets.builder import all_imagenet_wordnet_ids
+
+    assert imagenet_wnids() == all_imagenet_wordnet_ids
+
+
+def test_where_the_class_names_and_templates_came_from(tmp_path):
+    write_image_folder(tmp_path / "data", ["a_dir", "b_dir"], per_class=1)
+    root = tmp_path / "data"
+    data = resolve_zeroshot_data(str(root))
+    assert data.classnames_from == {"source": "folder names"}
+    (root / "classnames.txt").write_text("apple\nbanana\n")
+    (root / "templates.txt").write_text("a {c}\n")
+    data = resolve_zeroshot_data(str(root))
+    assert data.classnames_from == {"source": "data", "file": str(root / "classnames.txt")}
+    assert data.templates_from == {"source": "data", "file": str(root / "templates.txt")}
+    (tmp_path / "t.txt").write_text("the {c}\n")
+    data = resolve_zeroshot_data(str(root), templates=str(tmp_path / "t.txt"),
+                                 keys=("eval.zeroshot", "eval.classnames", "eval.templates"))
+    assert data.templates_from == {"source": "eval.templates", "file": str(tmp_path / "t.txt")}
+    write_clip_benchmark_wds(tmp_path / "wds", 2, 2, task="classification", labels=[0, 1],
+                             classnames=["cat", "dog"], templates=["a {c}"])
+    data = resolve_zeroshot_data(str(tmp_path / "wds"))
+    assert data.classnames_from == {"source": "data",
+                                    "file": str(tmp_path / "wds" / "classnames.txt")}
+    assert data.templates_from == {
+        "source": "data", "file": str(tmp_path / "wds" / "zeroshot_classification_templates.txt")}

@@ -327,3 +327,45 @@ def test_exported_weights_follow_the_umask_as_the_other_files(tiny_checkpoint, t
             assert os.path.basename(info["weights"]) in modes
     finally:
         os.umask(old)
+
+
+def test_the_documented_clip_benchmark_commands_run(exported, tmp_path, monkeypatch):
+    """docs/evaluation.md's CLIP_benchmark commands crashed with the pinned numpy (its
+    ``accuracy`` calls ``float()`` on a 1-element array), and a retrieval folder needs
+    ``dataset_type.txt``: the documented script and commands run, on both tasks."""
+    import re
+    import sys
+    from pathlib import Path
+
+    from clip_benchmark.metrics import zeroshot_classification
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "evaluation.md").read_text()
+    assert "TypeError: only 0-dimensional arrays\ncan be converted to Python scalars" in doc
+    assert "`dataset_type.txt`\ncontaining `retrieval`" in doc
+    script = re.search(r"```python\n(import sys\n\nfrom clip_benchmark import cli\n.*?)```", doc,
+                       re.S).group(1)
+    commands = re.findall(r"python cb.py (eval .*? --output \S+)", doc.replace("\\\n    ", ""))
+    assert len(commands) == 2
+    script_file = tmp_path / "cb.py"
+    script_file.write_text(script)
+    monkeypatch.setattr(zeroshot_classification, "accuracy", zeroshot_classification.accuracy)
+    out, _ = exported
+    write_clip_benchmark_wds(tmp_path / "zs", 12, 6, task="classification",
+                             labels=[i % 3 for i in range(12)], classnames=["cat", "dog", "car"],
+                             templates=["a {c}"])
+    write_clip_benchmark_wds(tmp_path / "ret", 6, 3, task="retrieval")
+    assert (tmp_path / "ret" / "dataset_type.txt").read_text() == "retrieval"
+    paths = {"exported/my_run": str(out), "data/mine_zs": str(tmp_path / "zs"),
+             "data/mine_ret": str(tmp_path / "ret"), "cb_zs.json": str(tmp_path / "cb_zs.json"),
+             "cb_ret.json": str(tmp_path / "cb_ret.json")}
+    for command in commands:
+        for name, path in paths.items():
+            command = command.replace(name, path)
+        monkeypatch.setattr(sys, "argv", ["cb.py", *command.split(), "--num_workers", "0",
+                                          "--no_amp", "--quiet"])
+        with pytest.raises(SystemExit) as done:
+            exec(compile(script, str(script_file), "exec"), {"__name__": "__main__"})
+        assert not done.value.code
+    assert set(json.loads((tmp_path / "cb_zs.json").read_text())["metrics"]) >= {"acc1", "acc5"}
+    assert "image_retrieval_recall@5" in json.loads((tmp_path / "cb_ret.json").read_text())[
+        "metrics"]

@@ -275,7 +275,8 @@ def test_eval_commands_take_no_progress(tmp_path, tiny_checkpoint, capsys):
     for name, args in commands.items():
         code, _, err = run_cli(capsys, *args)
         assert code == 0 and "embed" in err and "(100%)" in err, (name, err)  # progress lines
-        code, _, err = run_cli(capsys, *args, "--no-progress")
+        again = ["--overwrite"] if name == "compare" else []  # its folder exists now
+        code, _, err = run_cli(capsys, *args, "--no-progress", *again)
         assert code == 0 and "(100%)" not in err and "batch/s" not in err, (name, err)
 
 
@@ -292,3 +293,71 @@ def test_eval_zeroshot_names_the_skipped_images(tmp_path, tiny_checkpoint, capsy
     assert (f"vlcontrast eval zeroshot: skipped 2 of 6 images (undecodable_image: 2): "
             f"{tmp_path / 'classes' / 'cat' / 'broken.png'}, "
             f"{tmp_path / 'classes' / 'dog' / 'empty.png'}\n") in err
+
+
+def test_zeroshot_record_says_where_names_and_templates_came_from(tmp_path, tiny_checkpoint):
+    """The record used to say ``"classnames": null, "templates": null`` when the folder's own
+    files or the default 80 templates were used."""
+    write_image_folder(tmp_path / "classes", ["cat", "dog"], per_class=1)
+    (tmp_path / "classes" / "classnames.txt").write_text("kitten\npuppy\n")
+    out = tmp_path / "zs.json"
+    run_zeroshot_cli(str(tiny_checkpoint), str(tmp_path / "classes"), str(out), batch_size=4,
+                     workers=0, device="cpu", progress=False)
+    record = json.loads(out.read_text())
+    assert record["classnames"] == {"source": "data", "count": 2,
+                                    "file": str(tmp_path / "classes" / "classnames.txt")}
+    assert record["templates"] == {"source": "default", "count": 80,
+                                   "table": "open_clip OPENAI_IMAGENET_TEMPLATES"}
+    (tmp_path / "t.txt").write_text("a {c}\n")
+    record = run_zeroshot_cli(str(tiny_checkpoint), str(tmp_path / "classes"),
+                              classnames=["a", "b"], templates=str(tmp_path / "t.txt"),
+                              batch_size=4, workers=0, device="cpu", progress=False)
+    assert record["classnames"] == {"source": "list", "count": 2}
+    assert record["templates"] == {"source": "--templates", "file": str(tmp_path / "t.txt"),
+                                   "count": 1}
+
+
+@pytest.mark.parametrize("case", ["config", "weights", "compare"])
+def test_a_file_given_as_checkpoint_names_its_folder_only_when_it_holds_a_model(
+        tmp_path, tiny_checkpoint, capsys, case):
+    from tests.inference.helpers import run_cli
+
+    write_retrieval_shards(tmp_path / "shards", 2, per_shard=2)
+    weights = tiny_checkpoint / "checkpoints" / "step_00000100" / "model.pt"
+    (tmp_path / "run.yaml").write_text("output_dir: runs/x\n")
+    given = {"config": tmp_path / "run.yaml", "weights": weights, "compare": weights}[case]
+    if case == "compare":
+        args = ["eval", "compare", str(given), "--retrieval", str(tmp_path / "shards"), "--out",
+                str(tmp_path / "cmp")]
+    else:
+        args = ["eval", "retrieval", "--checkpoint", str(given), "--data", str(tmp_path / "shards")]
+    code, out, err = run_cli(capsys, *args, "--device", "cpu")
+    expected = {
+        "config": f"--checkpoint {str(given)!r}: a file, not a model; give a run directory (its "
+                  "latest checkpoint), a checkpoint directory (RUN/checkpoints/step_*), a "
+                  "`vlcontrast export` directory or a transformers CLIPModel directory",
+        "weights": f"--checkpoint {str(given)!r}: a file, not a folder; give the folder holding "
+                   f"it: --checkpoint {str(weights.parent)!r}",
+        "compare": f"eval compare: checkpoint {str(given)!r}: a file, not a folder; give the "
+                   f"folder holding it: {str(weights.parent)!r}"}[case]
+    assert code == 2 and out == "" and err == f"vlcontrast: error: {expected}\n"
+
+
+def test_retrieval_data_of_images_says_to_evaluate_the_converted_shards(
+        tmp_path, tiny_checkpoint, capsys, monkeypatch):
+    from tests.inference.helpers import run_cli
+    from vlcontrast.evaluation import runner
+
+    monkeypatch.setattr(runner, "_load", lambda *a: pytest.fail("the model was loaded"))
+    write_image_folder(tmp_path / "photos", ["cat"], per_class=2)
+    code, _, err = run_cli(capsys, "eval", "retrieval", "--checkpoint", str(tiny_checkpoint),
+                           "--data", str(tmp_path / "photos"), "--device", "cpu")
+    assert code == 2 and "and train on OUT" not in err
+    assert err.endswith(f"`vlcontrast prep folder {tmp_path / 'photos'} OUT` (captions from "
+                        ".txt/.json sidecars, class folders or file names) and evaluate OUT "
+                        "(--data OUT)\n")
+    code, _, err = run_cli(capsys, "eval", "retrieval", "--checkpoint", str(tiny_checkpoint),
+                           "--data", str(tmp_path / "photos" / "cat" / "img_000.png"),
+                           "--device", "cpu")
+    assert code == 2 and err.endswith("run `vlcontrast prep folder DIR OUT` and evaluate OUT "
+                                      "(--data OUT)\n")

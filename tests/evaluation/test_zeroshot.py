@@ -1,3 +1,4 @@
+import json
 import numpy as np
 import pytest
 import torch
@@ -168,3 +169,26 @@ def test_chance_levels_are_the_best_constant_guessers(num_classes):
     assert constant["top5"] == pytest.approx(metrics["chance_top5"])
     assert constant["mean_per_class_recall"] == pytest.approx(
         metrics["chance_mean_per_class_recall"])
+
+
+def test_metrics_are_the_floats_nearest_their_ratios_of_counts():
+    """17 of 200 is 0.085: not torchmetrics' float32 0.08500000089406967 (what results.json and
+    metrics.jsonl showed), nor a float64 mean's 0.08499999999999999."""
+    from vlcontrast.evaluation.zeroshot import ZeroShotMetrics
+
+    labels = torch.arange(10).repeat_interleave(20)
+    hits = [3, 2, 2, 2, 2, 2, 1, 1, 1, 1]  # 17 right answers
+    logits = torch.zeros(200, 10)
+    for row, label in enumerate(labels.tolist()):
+        if row % 20 < hits[label]:
+            logits[row, label] = 1.0
+        else:  # wrong, and the true class last: outside the top 5 too
+            logits[row, (label + 1) % 10] = 1.0
+            logits[row, label] = -1.0
+    metrics = ZeroShotMetrics(10)
+    metrics.update(logits[:77], labels[:77])
+    metrics.update(logits[77:], labels[77:])
+    result = metrics.compute()
+    assert result["top1"] == 0.085 and result["mean_per_class_recall"] == 0.085
+    assert result["top5"] == 0.085 and result["chance_top5"] == 0.5
+    assert json.dumps(result["top1"]) == "0.085"

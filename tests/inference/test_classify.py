@@ -165,6 +165,29 @@ def test_figure_draws_the_images_with_their_top_labels(trained, user_images, tmp
     assert not list(figure.parent.glob("*.tmp.png"))
 
 
+def test_figure_refuses_an_existing_file_unless_overwrite(trained, user_images, tmp_path,
+                                                         capsys, monkeypatch):
+    """``--figure fig.png`` used to replace an unrelated file there without asking."""
+    from PIL import Image
+
+    figure = tmp_path / "fig.png"
+    Image.new("RGB", (30, 20)).save(figure)
+    before = figure.read_bytes()
+    args = ["classify", "--checkpoint", str(tmp_path / "no_run"), "--labels", "cat,dog",
+            "--workers", "0", "--no-progress", "--figure", str(figure), str(user_images[1][0])]
+    code, out, err = run_cli(capsys, *args)  # refused before the (missing) model is looked at
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith(f"vlcontrast: error: --figure {str(figure)!r} exists (a 30x20 PNG "
+                          "image, made ")
+    assert err.endswith("); add --overwrite to replace it, or name a new file\n")
+    assert figure.read_bytes() == before
+    args[2] = str(trained[1])
+    code, _, err = run_cli(capsys, *args, "--overwrite")
+    assert code == 0, err
+    with Image.open(figure) as image:
+        assert image.size != (30, 20)
+
+
 def test_figure_rows_leave_room_for_three_labels(trained, user_images, tmp_path):
     """Each image's three label lines sit below the file name of the image above them."""
     import matplotlib.pyplot as plt

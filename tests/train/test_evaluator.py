@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.evaluation.helpers import write_image_folder
 from vlcontrast.config import EvalConfig
 from vlcontrast.errors import ConfigError
 from vlcontrast.train.evaluate import Evaluator
@@ -41,15 +42,14 @@ def test_check_resolves_the_zero_shot_set_before_training(tmp_path):
     with pytest.raises(ConfigError, match="eval.zeroshot=.*no class sub-folders"):
         Evaluator(EvalConfig(zeroshot=str(shards))).check()
     folder = tmp_path / "folder"
-    for name in ("cat", "dog"):
-        (folder / name).mkdir(parents=True)
+    write_image_folder(folder, ["cat", "dog"], per_class=1)  # an empty class folder is refused
     (tmp_path / "names.txt").write_text("cat\ndog\nbird\n")
     with pytest.raises(ConfigError) as err:
         Evaluator(EvalConfig(zeroshot=str(folder), classnames=str(tmp_path / "names.txt"))).check()
     assert str(err.value) == (
         f"eval.classnames={str(tmp_path / 'names.txt')!r}: 3 class names, but the data has 2 "
-        f"classes (class folders of eval.zeroshot={str(folder)!r}); give one name per class, in "
-        "the classes' order")
+        f"classes (the class folders of eval.zeroshot={str(folder)!r}: cat, dog); give one name "
+        "per class, in the classes' order")
     Evaluator(EvalConfig(zeroshot=str(folder))).check()  # a plain ImageFolder passes
 
 
@@ -58,8 +58,7 @@ def test_class_names_and_templates_are_checked_once_with_the_keys_named(tmp_path
     repeated, less well, here: a folder given for a file read "no such file"); its errors name
     the config key and its value, the file's content and both fixes."""
     folder = tmp_path / "folder"
-    for name in ("cat", "dog"):
-        (folder / name).mkdir(parents=True)
+    write_image_folder(folder, ["cat", "dog"], per_class=1)  # an empty class folder is refused
     missing = str(tmp_path / "names.txt")
     with pytest.raises(ConfigError) as err:
         Evaluator(EvalConfig(zeroshot=str(folder), classnames=missing)).check()
@@ -128,7 +127,7 @@ def _seen_by_the_evaluations(monkeypatch, argument: str, **overrides) -> dict:
     monkeypatch.setattr(loop, "Evaluator", evaluator)
     monkeypatch.setattr(loop, "StopSignal", lambda: None)  # this process keeps its handlers
     monkeypatch.setattr(loop.dist_utils, "init_distributed", lambda **kw: SimpleNamespace(
-        device=torch.device("cpu")))
+        device=torch.device("cpu"), rank=0))
     with pytest.raises(Built):
         loop.train(tiny_config("data", "run", **overrides))
     return seen
@@ -156,8 +155,7 @@ def test_files_the_folder_holds_are_named_after_eval_zeroshot(tmp_path):
     eval.zeroshot and names the file in it (it named no key, or the wrong one, when the Evaluator
     told the two kinds apart by the message's first words)."""
     folder = tmp_path / "folder"
-    for name in ("cat", "dog"):
-        (folder / name).mkdir(parents=True)
+    write_image_folder(folder, ["cat", "dog"], per_class=1)  # an empty class folder is refused
     def refusal() -> str:
         with pytest.raises(ConfigError) as err:
             Evaluator(EvalConfig(zeroshot=str(folder))).check()

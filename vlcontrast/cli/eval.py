@@ -31,7 +31,11 @@ def register(sub) -> None:
         p.add_argument("--data", required=True, help="retrieval shards (dir, spec, comma list)"
                        if name == "retrieval" else "ImageNet val dir, ImageFolder or "
                        "CLIP_benchmark webdataset dir")
-        p.add_argument("--out", default=None, help="JSON file to write")
+        p.add_argument("--out", default=None, help="JSON file to write (written before the "
+                       "table is printed); refused when it exists, before the model loads, "
+                       "unless --overwrite")
+        p.add_argument("--overwrite", action="store_true",
+                       help="replace an earlier eval record at --out (atomically)")
         add_run_options(p)
         p.add_argument("--alpha", choices=["white", "drop"], default="white",
                        help="transparent images: white composites them on white, as in training (default); drop "
@@ -55,20 +59,42 @@ def register(sub) -> None:
     compare.add_argument("--classnames", default=None, help="one class name per line")
     compare.add_argument("--templates", default=None, help="one prompt per line with {c}")
     compare.add_argument("--max-samples", type=int, default=0, help="0: all")
-    compare.add_argument("--out", required=True, help="output directory")
+    compare.add_argument("--out", required=True, help="output directory; an existing "
+                         "comparison there is refused, before any model loads, unless "
+                         "--overwrite")
+    compare.add_argument("--overwrite", action="store_true",
+                         help="replace an earlier comparison at --out whole (the new one is "
+                         "built beside it and moves in only when complete)")
     add_run_options(compare)
     ev.set_defaults(func=run_eval)
 
 
 def run_eval(args) -> int:
-    from vlcontrast.outputs import writable_dir, writable_file
+    """Run the command; exit status 0. A reader that closed stdout (``| head -1``) gets no
+    traceback: the records are written first, the rest of the output goes to the null device
+    and the status is 1, as Python's documented handling of a broken pipe has it."""
+    from vlcontrast.evaluation import runner
 
+    runner.reset_stdout_state()
+    try:
+        _run_eval(args)
+    except BrokenPipeError:  # a print the runner's emit() did not make
+        runner.close_stdout()
+        return 1
+    return 1 if runner.stdout_closed() else 0
+
+
+def _run_eval(args) -> None:
     check_counts(args)  # before anything is loaded
+    from vlcontrast.evaluation import runner
+
     if args.out:  # before anything is embedded
-        (writable_dir if args.what == "compare" else writable_file)(args.out, "--out")
+        if args.what == "compare":
+            runner.check_comparison_target(args.out, args.overwrite)
+        else:
+            runner.check_record_target(args.out, args.overwrite)
     check_device(args.device)
     prepare_environment(args.device, option="--device")
-    from vlcontrast.evaluation import runner
 
     if args.what == "retrieval":
         runner.run_retrieval_cli(args.checkpoint, args.data, args.out, batch_size=args.batch_size,
@@ -76,13 +102,15 @@ def run_eval(args) -> int:
                                  device=args.device, image_key=args.image_key,
                                  caption_key=args.caption_key, alpha=args.alpha,
                                  progress=not args.no_progress,
-                                 max_image_pixels=args.max_image_pixels)
+                                 max_image_pixels=args.max_image_pixels,
+                                 overwrite=args.overwrite)
     elif args.what == "zeroshot":
         runner.run_zeroshot_cli(args.checkpoint, args.data, args.out, classnames=args.classnames,
                                 templates=args.templates, batch_size=args.batch_size,
                                 workers=args.workers, device=args.device, alpha=args.alpha,
                                 progress=not args.no_progress,
-                                max_image_pixels=args.max_image_pixels)
+                                max_image_pixels=args.max_image_pixels,
+                                overwrite=args.overwrite)
     else:
         if not args.retrieval and not args.zeroshot:
             raise ConfigError("eval compare: give --retrieval and/or --zeroshot")
@@ -91,8 +119,8 @@ def run_eval(args) -> int:
                                    templates=args.templates, max_samples=args.max_samples,
                                    batch_size=args.batch_size, workers=args.workers,
                                    device=args.device, progress=not args.no_progress,
-                                   max_image_pixels=args.max_image_pixels)
-    return 0
+                                   max_image_pixels=args.max_image_pixels,
+                                   overwrite=args.overwrite)
 
 
 def check_device(device: str) -> None:

@@ -26,7 +26,11 @@ def register(sub) -> None:
     classify_cmd.add_argument("--top-k", type=int, default=5, help="labels shown per image")
     classify_cmd.add_argument("--figure", default="",
                               help="also draw the first 12 images with their top-3 labels "
-                              "(FILE.png; any format matplotlib writes: .pdf .svg .jpg ...)")
+                              "(FILE.png; any format matplotlib writes: .pdf .svg .jpg ...); "
+                              "an existing file is refused, before the model loads, unless "
+                              "--overwrite")
+    classify_cmd.add_argument("--overwrite", action="store_true",
+                              help="replace an existing --figure file")
     classify_cmd.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     embed_cmd = sub.add_parser(
@@ -73,8 +77,12 @@ def run_classify(args) -> int:
                  else list(DEFAULT_TEMPLATES))
     if args.top_k < 1:
         raise ConfigError(f"--top-k {args.top_k}: must be at least 1")
-    figure = check_figure(args.figure) if args.figure else None
+    figure = check_figure(args.figure, overwrite=args.overwrite) if args.figure else None
     paths = find_images(args.images)
+    if Path(args.checkpoint).is_file():  # run.yaml, model.pt: what to give instead, in one line
+        from vlcontrast.evaluation.runner import check_checkpoint
+
+        check_checkpoint(args.checkpoint)
     device = resolve_device(args.device, option="--device")
     prepare_environment(str(device), option="--device")
     from vlcontrast.inference.model import load_bundle

@@ -11,10 +11,12 @@ sample, first match wins: a ``captions`` list in its ``.json``; the lines of its
 (CLIP_benchmark writes one caption per line, ``str.splitlines``).
 
 Zero-shot data are an ImageNet ``val`` directory (1000 WNID folders -> open_clip's
-``IMAGENET_CLASSNAMES`` and ``OPENAI_IMAGENET_TEMPLATES``), any ImageFolder (sorted sub-folders are
-the classes; names from ``--classnames``, else the folder names), or CLIP_benchmark's classification
-webdataset (``classnames.txt``, ``zeroshot_classification_templates.txt``, ``.cls`` labels; the
-image checks plus ``missing_label``).
+``IMAGENET_CLASSNAMES`` and ``OPENAI_IMAGENET_TEMPLATES``; some of its WNID folders get their
+ImageNet names too), any ImageFolder (sorted sub-folders are the classes, hidden ones skipped and
+empty ones refused; names from ``--classnames``, else the folder's ``classnames.txt``, else the
+folder names), or CLIP_benchmark's classification webdataset (``classnames.txt``,
+``zeroshot_classification_templates.txt``, ``.cls`` labels; the image checks plus
+``missing_label``).
 
 Every sample gets a global ``key``: ``shard_index * 2**32 + row`` for shards (row = the sample's
 position in its shard), the file's position for folders. Keys give the dataset order back after a
@@ -473,12 +475,25 @@ class ZeroShotData:
     templates: list
     samples: list[tuple[str, int]] = field(default_factory=list)   # folders: (path, label)
     shards: list[str] = field(default_factory=list)                # wds
+    classnames_from: dict = field(default_factory=dict)
+    """Where the class names came from, as an ``eval zeroshot --out`` record keeps it: ``source``
+    (the option that named a file, ``data`` for the folder's own file, ``imagenet`` for open_clip's
+    ImageNet names of WNID folders, ``folder names``, ``list``) and the ``file`` read, if any."""
+    templates_from: dict = field(default_factory=dict)
+    """Where the templates came from: ``source`` (the option, ``data``, ``default`` for open_clip's
+    80 ``OPENAI_IMAGENET_TEMPLATES``, ``list``) and the ``file`` read, if any."""
 
 
 def _folder_samples(root: Path, class_dirs: list[str]) -> list[tuple[str, int]]:
+    """``(path, label)`` of every image under each class folder (recursively, in sorted order);
+    hidden folders (``.ipynb_checkpoints``, ``.thumbnails``) are not read."""
     samples = []
     for label, name in enumerate(class_dirs):
-        for dirpath, _, filenames in sorted(os.walk(root / name, followlinks=True)):
+        walked = []
+        for dirpath, dirnames, filenames in os.walk(root / name, followlinks=True):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            walked.append((dirpath, filenames))
+        for dirpath, filenames in sorted(walked):
             for filename in sorted(filenames):
                 if filename.endswith(FOLDER_IMAGE_EXTENSIONS):
                     samples.append((os.path.join(dirpath, filename), label))
@@ -511,13 +526,19 @@ def resolve_zeroshot_data(data_dir: str, classnames: str | Sequence[str] | None 
                                 "give an ImageNet-style (class sub-folders) or CLIP_benchmark "
                                 f"folder (docs/evaluation.md){leave}")
     names = prompts = None
+    names_from: dict = {"source": "list"}
+    templates_from: dict = {"source": "list"}
     if isinstance(classnames, (str, os.PathLike)):
         names = read_list_file(check_list_file(classnames, names_key, "one class name per line",
                                                or_else))
+        names_from = {"source": names_key, "file": str(classnames)}
     elif classnames is not None:
         names = classnames
-    prompts = (read_templates(templates, templates_key, or_else)
-               if isinstance(templates, (str, os.PathLike)) else templates)
+    if isinstance(templates, (str, os.PathLike)):
+        prompts = read_templates(templates, templates_key, or_else)
+        templates_from = {"source": templates_key, "file": str(templates)}
+    else:
+        prompts = templates
     names_source = (_named(names_key, classnames) if isinstance(classnames, (str, os.PathLike))
                     else names_key)
 
@@ -534,6 +555,7 @@ def resolve_zeroshot_data(data_dir: str, classnames: str | Sequence[str] | None 
                 raise ZeroShotDataError(f"{folder}: shards without classnames.txt; add it beside "
                                         f"them (one class name per line) or give {names_key}")
             names = read_list_file(root / "classnames.txt")
+            names_from = {"source": "data", "file": str(root / "classnames.txt")}
         if prompts is None:
             own = root / "zeroshot_classification_templates.txt"
             if not own.is_file():
@@ -541,18 +563,21 @@ def resolve_zeroshot_data(data_dir: str, classnames: str | Sequence[str] | None 
                                         f"them (one prompt per line with {{c}}) or give "
                                         f"{templates_key}")
             prompts = check_templates(read_list_file(own), f"{folder}: {own.name}")
+            templates_from = {"source": "data", "file": str(own)}
         shards = (sorted(str(p) for p in root.glob("*.tar")) if flat
                   else resolve_shards(str(root), split))
-        return ZeroShotData("wds", str(root), list(names), list(prompts), shards=shards)
+        return ZeroShotData("wds", str(root), list(names), list(prompts), shards=shards,
+                            classnames_from=names_from, templates_from=templates_from)
 
-    class_dirs = sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
+    # Hidden folders (.ipynb_checkpoints, .git) are no classes.
+    class_dirs = sorted(entry.name for entry in os.scandir(root)
+                        if entry.is_dir() and not entry.name.startswith("."))
     if not class_dirs:
         tars = " (it holds .tar shards but no classnames.txt beside them)" if any(
             root.glob("*.tar")) else ""
         raise ZeroShotDataError(f"{folder}: no class sub-folders{tars}; give an ImageNet-style "
                                 "folder (one sub-folder per class) or CLIP_benchmark shards "
                                 "(docs/evaluation.md)")
-    is_imagenet = len(class_dirs) == len(IMAGENET_CLASSNAMES) and all(WNID.match(d) for d in class_dirs)
     samples = _folder_samples(root, class_dirs)
     shard_sets = [d for d in class_dirs if holds_shards(root / d)]
     if not samples and shard_sets:  # prep's train/ and val/: one of them is the set
@@ -560,20 +585,122 @@ def resolve_zeroshot_data(data_dir: str, classnames: str | Sequence[str] | None 
         raise ZeroShotDataError(f"{folder} holds shard sets in "
                                 f"{', '.join(d + '/' for d in shard_sets)}, not class folders: "
                                 f"give {_named(data_key, root / pick)}")
+    _check_no_empty_classes(folder, class_dirs, samples)
     # An ImageFolder may carry its own classnames.txt / templates.txt (the synthetic set does).
     if names is None and (root / "classnames.txt").is_file():
         names = read_list_file(root / "classnames.txt")
         names_source = f"{folder}: classnames.txt"
+        names_from = {"source": "data", "file": str(root / "classnames.txt")}
     if prompts is None and (root / "templates.txt").is_file():
         prompts = check_templates(read_list_file(root / "templates.txt"),
                                   f"{folder}: templates.txt")
-    if names is None:
-        names = list(IMAGENET_CLASSNAMES) if is_imagenet else [d.replace("_", " ") for d in class_dirs]
+        templates_from = {"source": "data", "file": str(root / "templates.txt")}
+    wnid_names = (imagenet_names(class_dirs) if all(WNID.match(d) for d in class_dirs)
+                  else None)
+    is_imagenet = wnid_names is not None and len(class_dirs) == len(IMAGENET_CLASSNAMES)
+    if names is None and wnid_names is not None:  # ImageNet's val, or some of its classes
+        names = wnid_names
+        names_from = {"source": "imagenet", "table": "open_clip IMAGENET_CLASSNAMES"}
+    elif names is None:
+        names = [d.replace("_", " ") for d in class_dirs]
+        names_from = {"source": "folder names"}
+        wnids = [d for d in class_dirs if WNID.match(d)]
+        if wnids and (str(root), names_key) not in _WARNED:  # once per folder (eval compare)
+            _WARNED.add((str(root), names_key))
+            logger.warning("%s: class folders %s are WordNet IDs, and the prompts use them as "
+                           "the class names ('a photo of a %s.'): ImageNet's names are used only "
+                           "when every folder is an ImageNet-1k class; give %s FILE with one "
+                           "name per line, in sorted-folder order", folder, _shown(wnids, 3),
+                           wnids[0], names_key)
     if prompts is None:
         prompts = list(OPENAI_IMAGENET_TEMPLATES)
-    check_class_count(names, len(class_dirs), names_source, f"class folders of {folder}")
+        templates_from = {"source": "default", "table": "open_clip OPENAI_IMAGENET_TEMPLATES"}
+    check_class_count(names, len(class_dirs), names_source,
+                      f"the class folders of {folder}: {_shown(class_dirs, 8)}")
+    if names_from["source"] not in ("folder names", "imagenet"):
+        _check_folder_order(names, class_dirs, names_source, names_key, names_from)
     return ZeroShotData("imagenet" if is_imagenet else "imagefolder", str(root), list(names),
-                        list(prompts), samples=samples)
+                        list(prompts), samples=samples, classnames_from=names_from,
+                        templates_from=templates_from)
+
+
+_WARNED: set[tuple[str, str]] = set()
+"""Folders already warned about (their WordNet IDs used as class names)."""
+
+
+def imagenet_wnids() -> list[str]:
+    """The 1000 WordNet IDs of ImageNet-1k in sorted order, the order of open_clip's
+    ``IMAGENET_CLASSNAMES`` (the i-th ID is the i-th name): timm's table (open_clip needs timm)."""
+    from timm.data import ImageNetInfo
+
+    return list(ImageNetInfo("imagenet-1k").label_names())
+
+
+def imagenet_names(wnids: Sequence[str]) -> list[str] | None:
+    """open_clip's ImageNet class names of WNID folders (all 1000 of ImageNet's ``val``, or some
+    of them), or None when one of them is not an ImageNet-1k class."""
+    from open_clip import IMAGENET_CLASSNAMES
+
+    index = {wnid: i for i, wnid in enumerate(imagenet_wnids())}
+    if not all(wnid in index for wnid in wnids):
+        return None
+    return [IMAGENET_CLASSNAMES[index[wnid]] for wnid in wnids]
+
+
+def _shown(items: Sequence[str], limit: int) -> str:
+    """``a, b, c`` or ``a, b, c and 12 more``."""
+    more = f" and {len(items) - limit} more" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
+def _check_no_empty_classes(folder: str, class_dirs: Sequence[str],
+                            samples: Sequence[tuple[str, int]]) -> None:
+    """Every class folder holds at least one image (as torchvision's ImageFolder requires): an
+    empty one would be an extra class the prompts compete with, changing every number."""
+    present = {label for _, label in samples}
+    empty = [name for label, name in enumerate(class_dirs) if label not in present]
+    if not empty:
+        return
+    kinds = " ".join(sorted({e.lower() for e in FOLDER_IMAGE_EXTENSIONS}))
+    which = (f"class folder {empty[0]!r} holds" if len(empty) == 1 else
+             f"class folders {_shown([repr(e) for e in empty], 5)} hold")
+    raise ZeroShotDataError(f"{folder}: {which} no image ({kinds}); every sub-folder is a class: "
+                            "add images to it, or remove or rename it (hidden folders, named "
+                            "with a leading '.', are skipped)")
+
+
+def _check_folder_order(names: Sequence[str], class_dirs: Sequence[str], source: str,
+                        names_key: str, names_from: dict) -> None:
+    """Class names that are the folders' own names, but in another order, would each label
+    another folder (the i-th name labels the i-th folder in sorted order): refused."""
+    for folders in (list(class_dirs), [d.replace("_", " ") for d in class_dirs]):
+        if list(names) == folders:
+            return
+        if sorted(names) != sorted(folders):
+            continue
+        k = next(i for i, (name, found) in enumerate(zip(names, folders)) if name != found)
+        where = _position(names_from.get("file"), k)
+        fix = (f"list them in that order, or leave {names_key} out to use the folder names"
+               if names_from.get("source") == names_key else "list them in that order")
+        raise ConfigError(f"{source}: {where} says {names[k]!r}, but class folder {k + 1} in "
+                          f"sorted order is {class_dirs[k]!r}: the names are the folders' own in "
+                          f"another order, and the i-th name labels the i-th folder in sorted "
+                          f"order; {fix}")
+
+
+def _position(file: str | None, k: int) -> str:
+    """How to point at the k-th (0-based) class name: ``line 4`` of a text file (blank lines
+    counted), ``item 4`` of a JSON list, else ``name 4``."""
+    if file is None:
+        return f"name {k + 1}"
+    if str(file).endswith(".json"):
+        return f"item {k + 1}"
+    try:
+        lines = Path(file).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return f"name {k + 1}"
+    filled = [number for number, line in enumerate(lines, 1) if line.strip()]
+    return f"line {filled[k]}" if k < len(filled) else f"name {k + 1}"
 
 
 class FolderEvalDataset(Dataset):

@@ -4,8 +4,9 @@
 process group calls them; every rank gets the same dict back, computed once on rank 0). Keys carry no
 prefix (``image_to_text_R@1``, ``top1``, ...); the caller adds one (``retrieval/``, ``zeroshot/``).
 :func:`run_retrieval_cli`, :func:`run_zeroshot_cli` and :func:`compare_checkpoints` back
-``vlcontrast eval ...`` (and the ``eval/*.py`` shims over it): they load a checkpoint, evaluate, print
-a small table and write the JSON record.
+``vlcontrast eval ...`` (and the ``eval/*.py`` shims over it): they load a checkpoint, evaluate, write
+the JSON record (an earlier one is refused unless ``overwrite``; replaced atomically) and then print
+a small table (a closed stdout loses nothing: :func:`emit`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import re
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence
@@ -290,8 +292,167 @@ def format_table(record: dict) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------------------------ stdout
+
+_stdout_closed = False
+
+
+def emit(text: str) -> bool:
+    """Print ``text`` on stdout. A reader that stopped reading (``eval ... | head -1``) ends the
+    printing, not the command: stdout is pointed at the null device (:func:`close_stdout`) and
+    the work goes on, every file still written; False then."""
+    try:
+        print(text, flush=True)
+        return True
+    except BrokenPipeError:
+        close_stdout()
+        return False
+
+
+def close_stdout() -> None:
+    """Point stdout at the null device after a ``BrokenPipeError`` (Python's documented way), so
+    that neither a later print nor the flush at exit fails on the closed pipe."""
+    import io
+    import os
+    import sys
+
+    global _stdout_closed
+    _stdout_closed = True
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, io.UnsupportedOperation):  # not a file (a test's capture)
+        sys.stdout = open(os.devnull, "w")
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
+def reset_stdout_state() -> None:
+    """Forget an earlier command's closed stdout (several commands in one process: tests)."""
+    global _stdout_closed
+    _stdout_closed = False
+
+
+def stdout_closed() -> bool:
+    """Whether a reader closed stdout while this process printed (:func:`emit`)."""
+    return _stdout_closed
+
+
+# ----------------------------------------------------------------------------- output files
+
+RECORD_TASKS = ("retrieval", "zeroshot")
+RECORD_LIMIT = 16 << 20
+"""Bytes of an existing ``--out`` file read to say what it holds (records are a few KiB)."""
+
+
+def describe_record(path: str | Path) -> tuple[bool, str]:
+    """``(is an eval record, what the file holds)``: ``a zeroshot record of 'runs/a/...' on
+    'data/x'``; an empty file is one too (nothing to lose)."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        if size == 0:
+            return True, "an empty file"
+        if size > RECORD_LIMIT:
+            return False, f"a file of {size:,} bytes"
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False, "not JSON"
+    if isinstance(data, dict) and data.get("task") in RECORD_TASKS and "metrics" in data:
+        return True, (f"a {data['task']} record of {str(data.get('checkpoint'))!r} on "
+                      f"{str(data.get('dataset'))!r}")
+    if isinstance(data, dict) and isinstance(data.get("metrics"), dict):
+        return False, "a run's results"
+    return False, "JSON that is not an eval record"
+
+
+def check_record_target(out, overwrite: bool = False, option: str = "--out") -> Path:
+    """``--out`` of ``eval retrieval|zeroshot``, checked before the model loads: a writable file,
+    and an existing one refused (what it holds, when it was made) unless ``overwrite``, which
+    replaces only an eval record."""
+    from vlcontrast.outputs import check_replaceable, made, writable_file
+
+    path = writable_file(out, option)
+    if path.exists():
+        is_kind, held = describe_record(path)
+        check_replaceable(f"{option} {str(out)!r}", f"{held}, {made(path)}",
+                          kind="an eval record", is_kind=is_kind, overwrite=overwrite)
+    return path
+
+
+def write_record(record: dict, out, overwrite: bool = False) -> Path:
+    """The record as JSON at ``out``, atomically (a temporary file renamed over it). ``out`` was
+    free at the start unless ``overwrite``: a file that appeared there while the evaluation ran is
+    kept, and the record goes to the first free name beside it (``NAME.1.json``), said on stderr."""
+    import sys
+
+    from vlcontrast.outputs import free_name, write_text_atomic
+
+    target = Path(out) if overwrite else free_name(out)
+    if target != Path(out):
+        print(f"vlcontrast eval {record['task']}: --out {str(out)!r} was written by something "
+              f"else while this evaluation ran; it is kept and this record goes to "
+              f"{str(target)!r}", file=sys.stderr, flush=True)
+    return write_text_atomic(target, json.dumps(record, indent=2) + "\n")
+
+
+COMPARE_FILE = re.compile(r"^(\d+_(retrieval|zeroshot)\.json|comparison\.(json|md))$")
+"""The files ``eval compare`` writes into its folder."""
+
+
+def check_comparison_target(out, overwrite: bool = False, option: str = "--out") -> Path:
+    """``eval compare --out``, checked before any model loads: a folder that can be written, and
+    beside which the new comparison can be built; an existing comparison is refused (what it
+    holds, when it was made) unless ``overwrite``, which replaces it whole; a folder holding
+    other files is never replaced."""
+    from vlcontrast.outputs import check_replaceable, made, writable_dir
+
+    folder = writable_dir(out, option)
+    writable_dir(folder.absolute().parent, f"{option} {str(out)!r}: its parent folder")
+    held = sorted(folder.iterdir(), key=lambda p: p.name) if folder.is_dir() else []
+    if not held:
+        return folder
+    others = [p.name + ("/" if p.is_dir() else "") for p in held
+              if not (p.is_file() and COMPARE_FILE.match(p.name))]
+    if others:
+        what, newest = f"files eval compare does not write: {', '.join(others[:4])}" + (
+            ", ..." if len(others) > 4 else ""), max(held, key=_mtime)
+    else:
+        what, newest = _describe_comparison(folder, held), max(held, key=_mtime)
+    check_replaceable(f"{option} {str(out)!r}", f"{what}, {made(newest)}",
+                      kind="an eval compare folder", is_kind=not others, overwrite=overwrite,
+                      new="folder")
+    return folder
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _describe_comparison(folder: Path, held: list[Path]) -> str:
+    """``a comparison of 4 checkpoints (runs/a, runs/b, runs/c and 1 more) on retrieval and
+    zeroshot``, from its comparison.json; or its records, when that is missing."""
+    records = [p for p in held if p.suffix == ".json" and p.name != "comparison.json"]
+    try:
+        rows = json.loads((folder / "comparison.json").read_text(encoding="utf-8"))
+        checkpoints = [str(row["checkpoint"]) for row in rows]
+        tasks = sorted({key.split("/")[0] for row in rows for key in row if "/" in key})
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{len(records)} eval records and no comparison table"
+    shown = ", ".join(checkpoints[:3]) + (f" and {len(checkpoints) - 3} more"
+                                          if len(checkpoints) > 3 else "")
+    return (f"a comparison of {len(checkpoints)} checkpoint{'s' * (len(checkpoints) != 1)} "
+            f"({shown}) on {' and '.join(tasks) or 'no task'}")
+
+
 def _write_record(task: str, checkpoint_dir, bundle, data, metrics: dict, out,
-                  extra: dict) -> dict:
+                  extra: dict, overwrite: bool = False) -> dict:
     record = {
         "task": task,
         "checkpoint": str(checkpoint_dir),
@@ -304,11 +465,52 @@ def _write_record(task: str, checkpoint_dir, bundle, data, metrics: dict, out,
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     if get_rank() == 0:
-        print(format_table(record), flush=True)
-        if out:
-            Path(out).parent.mkdir(parents=True, exist_ok=True)
-            Path(out).write_text(json.dumps(record, indent=2) + "\n")
+        if out:  # first: a reader that closes stdout early must not cost the results
+            write_record(record, out, overwrite)
+        emit(format_table(record))
     return record
+
+
+# ------------------------------------------------------------------------- checkpoints, data
+
+CHECKPOINT_FORMS = ("a run directory (its latest checkpoint), a checkpoint directory "
+                    "(RUN/checkpoints/step_*), a `vlcontrast export` directory or a transformers "
+                    "CLIPModel directory")
+
+
+def check_checkpoint(path, what: str = "--checkpoint") -> Path:
+    """The model folder ``path`` names (:func:`~vlcontrast.checkpoints.resolve_model_files`),
+    checked before anything loads. A file is refused in one line: with its folder as the fix
+    when that folder holds a model (``model.pt`` of a checkpoint, an export's weights), else
+    saying what a checkpoint is (a config such as ``run.yaml`` is none)."""
+    from vlcontrast.checkpoints import resolve_model_files
+
+    if Path(path).is_file():
+        folder = Path(path).parent
+        try:
+            resolve_model_files(folder, what)
+        except (FileNotFoundError, ConfigError):
+            raise ConfigError(f"{what} {str(path)!r}: a file, not a model; give {CHECKPOINT_FORMS}"
+                              ) from None
+        fix = (f"{what} {str(folder)!r}" if what.startswith("-") else repr(str(folder)))
+        raise ConfigError(f"{what} {str(path)!r}: a file, not a folder; give the folder holding "
+                          f"it: {fix}")
+    return resolve_model_files(path, what)
+
+
+def check_retrieval_data(key: str, spec: str) -> list[str]:
+    """:func:`~vlcontrast.data.spec.check_spec` of retrieval data, its hints said for evaluation:
+    images converted with ``vlcontrast prep`` are then evaluated, not trained on."""
+    from vlcontrast.data.spec import check_spec
+
+    try:
+        return check_spec(key, spec)
+    except ConfigError as error:
+        text = str(error)
+        if " and train on OUT" not in text:
+            raise
+        raise type(error)(text.replace(" and train on OUT", f" and evaluate OUT ({key} OUT)")
+                          ) from None
 
 
 def _load(checkpoint, device):
@@ -347,23 +549,25 @@ def _report_skipped(task: str, metrics: dict, report: dict, max_image_pixels: in
 def run_retrieval_cli(checkpoint, data, out=None, batch_size: int = 256, workers: int = 4,
                       max_samples: int = 0, device: str | None = None, image_key: str = "",
                       caption_key: str = "", alpha: str = "white", progress: bool = True,
-                      max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> dict:
+                      max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+                      overwrite: bool = False) -> dict:
     """``vlcontrast eval retrieval``: load CKPT (run dir -> latest), evaluate, write ``out`` JSON.
     ``image_key``/``caption_key``: as ``data.image_key``/``data.caption_key`` (empty: default).
     ``alpha``: the transparency rule (:data:`~vlcontrast.data.samples.ALPHA_RULES`); how many
     images had transparency is printed and recorded (``num_transparent``). ``progress``: the
     progress bars (plain lines in a log). ``max_image_pixels``: larger images are skipped as
-    ``decompression_bomb``; skipped samples are counted on stderr."""
+    ``decompression_bomb``; skipped samples are counted on stderr. An existing ``out`` is refused
+    before the model loads unless ``overwrite``; the record is written before the table is
+    printed, atomically."""
     from vlcontrast.data.samples import Members, check_alpha
-    from vlcontrast.data.spec import check_spec
 
     alpha = check_alpha(alpha)
     members = Members.parse(image_key, caption_key) if (image_key or caption_key) else None
+    if out:
+        check_record_target(out, overwrite)
     if isinstance(data, str):  # the checkpoint's and the data's errors before the model
-        from vlcontrast.checkpoints import resolve_model_files
-
-        resolve_model_files(checkpoint)
-        check_spec("--data", data)
+        check_checkpoint(checkpoint)
+        check_retrieval_data("--data", data)
     device = _setup_device(device)
     folder, bundle = _load(checkpoint, device)
     report: dict = {}
@@ -376,20 +580,26 @@ def run_retrieval_cli(checkpoint, data, out=None, batch_size: int = 256, workers
     _report_skipped("retrieval", metrics, report, max_image_pixels, noun="samples")
     return _write_record("retrieval", folder, bundle, data, metrics, out,
                          {"num_texts": metrics["num_texts"], "batch_size": batch_size,
-                          "max_samples": max_samples, "alpha": alpha})
+                          "max_samples": max_samples, "alpha": alpha}, overwrite)
 
 
 def run_zeroshot_cli(checkpoint, data, out=None, classnames=None, templates=None,
                      batch_size: int = 256, workers: int = 4, device: str | None = None,
                      alpha: str = "white", progress: bool = True,
-                     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> dict:
+                     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+                     overwrite: bool = False) -> dict:
     """``vlcontrast eval zeroshot``: load CKPT, classify ``data`` zero-shot, write ``out`` JSON;
-    skipped images are named on stderr (the first three). ``alpha``, ``progress``,
-    ``max_image_pixels``: as for :func:`run_retrieval_cli`."""
+    skipped images are named on stderr (the first three). The record says where the class names
+    and templates came from (``classnames``, ``templates``: :class:`ZeroShotData`'s
+    ``classnames_from``, ``templates_from``). ``alpha``, ``progress``, ``max_image_pixels``,
+    ``overwrite``: as for :func:`run_retrieval_cli`."""
     from vlcontrast.data.samples import check_alpha
 
     alpha = check_alpha(alpha)
+    if out:
+        check_record_target(out, overwrite)
     resolved = resolve_zeroshot_data(data, classnames, templates)  # its errors before the model
+    check_checkpoint(checkpoint)
     device = _setup_device(device)
     folder, bundle = _load(checkpoint, device)
     report: dict = {}
@@ -400,9 +610,11 @@ def run_zeroshot_cli(checkpoint, data, out=None, classnames=None, templates=None
     _report_alpha("zeroshot", metrics, alpha)
     _report_skipped("zeroshot", metrics, report, max_image_pixels)
     return _write_record("zeroshot", folder, bundle, data, metrics, out,
-                         {"classnames": str(classnames) if classnames else None,
-                          "templates": str(templates) if templates else None,
-                          "batch_size": batch_size, "alpha": alpha})
+                         {"classnames": dict(resolved.classnames_from,
+                                             count=len(resolved.classnames)),
+                          "templates": dict(resolved.templates_from,
+                                            count=len(resolved.templates)),
+                          "batch_size": batch_size, "alpha": alpha}, overwrite)
 
 
 COMPARISON_COLUMNS = {
@@ -427,48 +639,96 @@ def compare_checkpoints(checkpoints: Sequence[str], out, *, retrieval: str = "",
                         zeroshot: str = "", classnames=None, templates=None,
                         max_samples: int = 0, batch_size: int = 256, workers: int = 4,
                         device: str | None = None, progress: bool = True,
-                        max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> str:
+                        max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+                        overwrite: bool = False) -> str:
     """``vlcontrast eval compare``: evaluate every checkpoint on the same data.
 
     Writes ``OUT/<n>_<task>.json`` per checkpoint and task, ``OUT/comparison.json`` and
-    ``OUT/comparison.md`` (a markdown table, also returned and printed on rank 0).
+    ``OUT/comparison.md`` (a markdown table, also returned and printed on rank 0). An existing
+    comparison in ``OUT`` is refused before any model loads unless ``overwrite``; the new one is
+    built in a folder beside ``OUT`` and replaces it whole only when complete. A comparison that
+    stops early leaves ``OUT`` as it was, and the records it wrote in that folder (named on
+    stderr).
     """
     if not retrieval and not zeroshot:
         raise ValueError("compare_checkpoints: give retrieval and/or zeroshot data")
     # Every checkpoint and the data are checked before the first is evaluated.
-    from vlcontrast.checkpoints import resolve_model_files
-
     for checkpoint in checkpoints:
-        resolve_model_files(checkpoint, what="eval compare: checkpoint")
+        check_checkpoint(checkpoint, what="eval compare: checkpoint")
     if retrieval:
-        from vlcontrast.data.spec import check_spec
-
-        check_spec("--retrieval", retrieval)
+        check_retrieval_data("--retrieval", retrieval)
     if zeroshot:
         resolve_zeroshot_data(zeroshot, classnames, templates,
                               keys=("--zeroshot", "--classnames", "--templates"))
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    check_comparison_target(out, overwrite)
+    staging = _comparison_staging(out)
     columns = [f"{task}/{column}" for task, data in (("retrieval", retrieval),
                                                      ("zeroshot", zeroshot)) if data
                for column in COMPARISON_COLUMNS[task]]
     rows = []
-    for index, checkpoint in enumerate(checkpoints):
-        row = {"checkpoint": str(checkpoint)}
-        if retrieval:
-            record = run_retrieval_cli(checkpoint, retrieval, out / f"{index}_retrieval.json",
-                                       batch_size, workers, max_samples, device,
-                                       progress=progress, max_image_pixels=max_image_pixels)
-            row.update({f"retrieval/{k}": v for k, v in record["metrics"].items()})
-        if zeroshot:
-            record = run_zeroshot_cli(checkpoint, zeroshot, out / f"{index}_zeroshot.json",
-                                      classnames, templates, batch_size, workers, device,
-                                      progress=progress, max_image_pixels=max_image_pixels)
-            row.update({f"zeroshot/{k}": v for k, v in record["metrics"].items()})
-        rows.append(row)
-    table = markdown_table(rows, columns)
+    try:
+        for index, checkpoint in enumerate(checkpoints):
+            row = {"checkpoint": str(checkpoint)}
+            if retrieval:
+                record = run_retrieval_cli(checkpoint, retrieval,
+                                           staging / f"{index}_retrieval.json", batch_size,
+                                           workers, max_samples, device, progress=progress,
+                                           max_image_pixels=max_image_pixels, overwrite=True)
+                row.update({f"retrieval/{k}": v for k, v in record["metrics"].items()})
+            if zeroshot:
+                record = run_zeroshot_cli(checkpoint, zeroshot, staging / f"{index}_zeroshot.json",
+                                          classnames, templates, batch_size, workers, device,
+                                          progress=progress, max_image_pixels=max_image_pixels,
+                                          overwrite=True)
+                row.update({f"zeroshot/{k}": v for k, v in record["metrics"].items()})
+            rows.append(row)
+        table = markdown_table(rows, columns)
+        if get_rank() == 0:
+            from vlcontrast.outputs import replace_dir, write_text_atomic
+
+            write_text_atomic(staging / "comparison.json", json.dumps(rows, indent=2) + "\n")
+            write_text_atomic(staging / "comparison.md", table)
+            replace_dir(staging, out)
+    except BaseException:
+        _keep_partial(staging, out)
+        raise
     if get_rank() == 0:
-        (out / "comparison.json").write_text(json.dumps(rows, indent=2) + "\n")
-        (out / "comparison.md").write_text(table)
-        print(table, flush=True)
+        emit(table)
     return table
+
+
+def _comparison_staging(out: Path) -> Path:
+    """A new folder beside ``out`` where the comparison is built (on the rank that writes; the
+    others get ``out``, which they never write)."""
+    import tempfile
+
+    from vlcontrast.distributed import launch_env
+
+    if launch_env().rank != 0:
+        return out
+    import os
+
+    out.absolute().parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.absolute().parent, prefix=f".{out.name}.comparing-"))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)  # as mkdir makes it (mkdtemp's is private, 0700)
+    return staging
+
+
+def _keep_partial(staging: Path, out: Path) -> None:
+    """After a comparison that stopped early: its folder removed when it holds nothing, else kept
+    (the records of the checkpoints evaluated so far) and named on stderr."""
+    import shutil
+    import sys
+
+    if staging == out or not staging.is_dir():
+        return
+    records = sorted(p.name for p in staging.iterdir())
+    if not records:
+        shutil.rmtree(staging, ignore_errors=True)
+        return
+    print(f"vlcontrast eval compare: stopped before the comparison was complete; {str(out)!r} is "
+          f"as it was, and the {len(records)} records written so far are kept in "
+          f"{str(staging)!r}", file=sys.stderr, flush=True)

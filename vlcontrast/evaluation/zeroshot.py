@@ -27,6 +27,7 @@ recall 0).
 from __future__ import annotations
 
 import warnings
+from fractions import Fraction
 from typing import Callable, Sequence, Union
 
 import torch
@@ -140,28 +141,45 @@ class ZeroShotMetrics:
             for metric in (self.top1, self.topk, self.per_class):
                 metric.update(scores.to(metric.device), target.to(metric.device))
 
-    def per_class_recall(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(recall [C], support [C])``: top-1 recall of each class (0 where it has no sample) and
-        its number of samples."""
+    def _per_class_counts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(true positives [C], support [C])`` at top-1, summed over the ranks (float64)."""
         with warnings.catch_warnings():  # a rank given no rows still takes part in the sum
             warnings.filterwarnings("ignore", message=".*called before the ``update``")
             stats = self.per_class.compute()      # [C, 5]: tp, fp, tn, fn, support
-        true_positives, support = stats[:, 0].double(), stats[:, 4].double()
+        return stats[:, 0].double(), stats[:, 4].double()
+
+    def per_class_recall(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(recall [C], support [C])``: top-1 recall of each class (0 where it has no sample) and
+        its number of samples."""
+        true_positives, support = self._per_class_counts()
         return true_positives / support.clamp(min=1), support
 
     def compute(self) -> dict[str, float]:
-        recall, support = self.per_class_recall()
-        if float(support.sum()) == 0:
+        true_positives, support = self._per_class_counts()
+        total = int(support.sum())
+        if total == 0:
             raise ValueError("zeroshot_metrics: no samples")
-        shares = (support / support.sum()).sort(descending=True).values
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*called before the ``update``")
-            return {"top1": float(self.top1.compute()),
-                    "top5": float(self.topk.compute()),
-                    "mean_per_class_recall": float(recall[support > 0].mean()),
-                    "chance_top1": float(shares[0]),
-                    "chance_top5": float(shares[:self.top_k].sum()),
-                    "chance_mean_per_class_recall": 1.0 / int((support > 0).sum())}
+            top1, topk = float(self.top1.compute()), float(self.topk.compute())
+        # Every value is a ratio of counts, given as the float nearest it: 19 of 200 is 0.095,
+        # not torchmetrics' float32 0.0949999988, nor a float64 mean's 0.08499999999999999.
+        counts = [(int(tp), int(n)) for tp, n in zip(true_positives.tolist(), support.tolist())
+                  if n > 0]
+        largest = sorted((n for _, n in counts), reverse=True)
+        return {"top1": _ratio(top1, total),
+                "top5": _ratio(topk, total),
+                "mean_per_class_recall": float(sum((Fraction(tp, n) for tp, n in counts),
+                                                   Fraction(0)) / len(counts)),
+                "chance_top1": largest[0] / total,
+                "chance_top5": sum(largest[:self.top_k]) / total,
+                "chance_mean_per_class_recall": 1.0 / len(counts)}
+
+
+def _ratio(value: float, total: int) -> float:
+    """A share of ``total`` samples computed in float32, as the float nearest the exact ratio of
+    counts (exact for any ``total`` below 2**23)."""
+    return round(value * total) / total if total else value
 
 
 def zeroshot_metrics(logits: torch.Tensor, labels) -> dict[str, float]:

@@ -149,10 +149,13 @@ def figure_formats() -> dict[str, str]:
     return FigureCanvasBase.get_supported_filetypes()
 
 
-def check_figure(path: str | os.PathLike, option: str = "--figure") -> Path:
+def check_figure(path: str | os.PathLike, option: str = "--figure",
+                 overwrite: bool | None = None) -> Path:
     """``--figure`` checked before any work: a writable file (not a folder) whose suffix names a
-    format matplotlib writes; a one-line ConfigError naming ``option`` otherwise."""
-    from vlcontrast.outputs import writable_file
+    format matplotlib writes; a one-line ConfigError naming ``option`` otherwise. ``overwrite``
+    False: an existing file is refused (what it is, when it was made; ``--overwrite`` replaces
+    it); None: not asked (the Python API replaces it, as ``savefig`` does)."""
+    from vlcontrast.outputs import check_replaceable, made, writable_file
 
     out = writable_file(path, option)
     formats = figure_formats()
@@ -161,7 +164,21 @@ def check_figure(path: str | os.PathLike, option: str = "--figure") -> Path:
         known = " ".join(f".{name}" for name in sorted(formats))
         found = f"unknown format {out.suffix!r}" if out.suffix else "no format suffix"
         raise ConfigError(f"{option} {str(path)!r}: {found}; end it in .png (or one of {known})")
+    if overwrite is not None and out.exists():
+        check_replaceable(f"{option} {str(path)!r}", f"{_describe_file(out)}, {made(out)}",
+                          kind="a figure", is_kind=True, overwrite=overwrite)
     return out
+
+
+def _describe_file(path: Path) -> str:
+    """``a 1200x900 PNG image`` (from its header), else ``a file of 1,234 bytes``."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            return f"a {image.width}x{image.height} {image.format} image"
+    except Exception:  # noqa: BLE001 - not an image PIL reads: say its size
+        return f"a file of {path.stat().st_size:,} bytes"
 
 
 TITLE_LINE_INCHES = 9 * 1.25 / 72
