@@ -94,6 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[failure.DEBUG_VARIABLE] = "1"  # launched ranks inherit it
     try:
         return args.func(args)
+    except BrokenPipeError:  # a reader that stopped reading (vlcontrast config | head -1)
+        from vlcontrast.evaluation.runner import close_stdout
+
+        close_stdout()  # no traceback, and no second error at the flush at exit
+        return 1
     except Exception as error:  # noqa: BLE001 - anything not the user's is raised again
         found = failure.user_error(error)
         if found is None:
