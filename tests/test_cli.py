@@ -297,3 +297,18 @@ def test_config_shows_a_config_that_would_not_train_and_the_loss_options_in_effe
     assert captured.err == ("vlcontrast: error: this config would not train: train.steps=0: set "
                             "train.steps or train.epochs to a positive value\n")
     assert cli.main(["config", "loss.name=decl", "train.steps=5"]) == 0
+
+
+@pytest.mark.parametrize("overrides, error", [
+    (["train.steps=10", "loss.name=hcl", "loss.betta=0.5"],
+     "loss.betta=0.5: is not an option of loss 'hcl' (did you mean 'beta'?)"),
+    (["loss.name=dlc"], "loss.name='dlc': must be one of"),
+])
+def test_config_lists_no_loss_options_in_effect_for_a_loss_section_that_fails(capsys, overrides,
+                                                                               error):
+    """`loss.betta=0.5` was listed among "# loss options in effect (hcl)" before the error, and
+    `loss.name=dlc` alone was hidden behind "train.steps=0"."""
+    assert cli.main(["config", *overrides]) == 2
+    captured = capsys.readouterr()
+    assert "loss options in effect" not in captured.out
+    assert captured.err.startswith(f"vlcontrast: error: this config would not train: {error}")

@@ -254,8 +254,8 @@ def test_the_momentum_estimator_under_zero_3_is_refused_with_the_config():
     ("loss.gamma=0.5", "loss.gamma=0.5: is not an option of loss 'infonce' (an option of decl, "
                        "fastclip, sogclr); its options: none"),
     ("loss.options.gamma=0.5", "loss.options={'gamma': 0.5}: the options go flat in the loss "
-                               "section: loss.gamma=0.5 (YAML: gamma under loss), not "
-                               "loss.options.gamma"),
+                               "section: set loss.gamma=0.5 (YAML: gamma under loss), not "
+                               "loss.options.gamma=0.5"),
 ])
 def test_a_key_of_the_loss_section_that_fits_no_option_says_what_was_meant(override, message):
     """Typos of the section's own keys read "its options: none"; loss.options (listed by
@@ -263,3 +263,47 @@ def test_a_key_of_the_loss_section_that_fits_no_option_says_what_was_meant(overr
     with pytest.raises(ConfigError) as err:
         load_config(None, ["train.steps=1", override])
     assert str(err.value) == message
+
+
+def test_nested_loss_options_are_refused_with_the_users_own_keys_and_values():
+    """`loss.options.beta=0.5` was answered with a fixed "loss.gamma=0.5" example."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.steps=10", "loss.name=hcl", "loss.options.beta=0.5"])
+    assert str(err.value) == ("loss.options={'beta': 0.5}: the options go flat in the loss "
+                              "section: set loss.beta=0.5 (YAML: beta under loss), not "
+                              "loss.options.beta=0.5")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["loss.name=dlc"], "loss.name='dlc': must be one of balanced, bcl, dcl, dclw, debiased, "
+                        "decl, fastclip, hcl, infonce, siglip, sogclr (did you mean 'dcl'?); "
+                        "set loss.name to one of these"),
+    (["loss.name=HCL"], "loss.name='HCL': must be one of balanced, bcl, dcl, dclw, debiased, "
+                        "decl, fastclip, hcl, infonce, siglip, sogclr (did you mean 'hcl'?); "
+                        "set loss.name to one of these"),
+    (["loss.name=decl", "loss.estimator=buffr"],
+     "loss.estimator='buffr': must be one of buffer, momentum, batch (did you mean 'buffer'?) "
+     "(loss.name=decl); set loss.estimator to one of these"),
+    (["loss.name=sogclr", "loss.recipe=fastclip"],
+     "loss.recipe='fastclip': must be one of paper, fast_clip (did you mean 'fast_clip'?) "
+     "(loss.name=sogclr); set loss.recipe to one of these"),
+    (["loss.name=decl", "loss.estimator=zzz"],
+     "loss.estimator='zzz': must be one of buffer, momentum, batch (loss.name=decl); set "
+     "loss.estimator to one of these"),
+])
+def test_a_mistyped_loss_or_choice_says_what_was_meant_and_how_to_fix_it(overrides, message):
+    """`loss.name=dlc` and `loss.estimator=buffr` gave the choices with no did-you-mean, no loss
+    named and no fix."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.steps=10", *overrides])
+    assert str(err.value) == message
+
+
+def test_the_loss_section_is_checked_before_the_would_not_train_checks():
+    """With the defaults (train.steps=0), `loss.name=dlc` was hidden behind "train.steps=0"."""
+    with pytest.raises(ConfigError, match=r"^loss\.name='dlc': .*\(did you mean 'dcl'\?\)"):
+        load_config(None, ["loss.name=dlc"])
+    with pytest.raises(ConfigError, match=r"^loss\.betta=0\.5: is not an option of loss 'hcl'"):
+        load_config(None, ["loss.name=hcl", "loss.betta=0.5"])
+    with pytest.raises(ConfigError, match=r"^train\.steps=0"):
+        load_config(None, ["loss.name=hcl", "loss.beta=0.5"])

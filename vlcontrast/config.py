@@ -453,18 +453,13 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def check(self) -> None:
+        self.check_loss()  # the loss section first: the user's own mistake before the defaults'
         for name in ("data", "model", "optim", "train", "deepspeed", "checkpoint", "distill",
                      "eval"):
             section = getattr(self, name)
             check_choices(section, name)
             if hasattr(section, "check"):
                 section.check()
-        from vlcontrast.losses import LOSSES, loss_option_defaults, loss_option_types
-
-        _require(self.loss.name in LOSSES, "loss.name", self.loss.name,
-                 f"must be one of {sorted(LOSSES)}")
-        _require(self.loss.chunk_size >= 0, "loss.chunk_size", self.loss.chunk_size, "must be >= 0")
-        defaults = loss_option_defaults(self.loss.name)
         _require(self.data.augment or not self.model.augment, "model.augment", self.model.augment,
                  "is set, but data.augment=false turns training augmentation off")
         locked = [key for key in ("lock_image", "lock_text") if getattr(self.model, key)]
@@ -487,11 +482,32 @@ class RunConfig:
             _require(not self.model.lock_image_features, "model.lock_image_features",
                      self.model.lock_image_features, "does not work with distillation (the "
                      "teacher needs the images); leave it empty")
+        _require(self.loss.options.get("estimator") != "momentum"
+                 or self.deepspeed.zero_stage <= 2, "deepspeed.zero_stage",
+                 self.deepspeed.zero_stage, "with loss.estimator='momentum' (a full EMA copy of "
+                 "the towers on every rank) must be <= 2; use ZeRO 2 or another estimator")
+
+    def check_loss(self) -> None:
+        """The loss section alone: its name, its options' keys, types and values (run first by
+        :meth:`check`, so a mistyped loss is named before "train.steps=0")."""
+        from vlcontrast.losses import LOSSES, loss_option_defaults, loss_option_types
+
+        names = sorted(LOSSES)
+        _require(self.loss.name in LOSSES, "loss.name", self.loss.name,
+                 f"must be one of {', '.join(names)}{_did_you_mean_choice(self.loss.name, names)}"
+                 "; set loss.name to one of these")
+        _require(self.loss.chunk_size >= 0, "loss.chunk_size", self.loss.chunk_size, "must be >= 0")
+        defaults = loss_option_defaults(self.loss.name)
         types = loss_option_types(self.loss.name)
         for key, value in self.loss.options.items():
-            _require(key != "options", "loss.options", value, "the options go flat in the loss "
-                     "section: loss.gamma=0.5 (YAML: gamma under loss), not loss.options.gamma")
-            others = [name for name in sorted(LOSSES) if name != self.loss.name
+            if key == "options":
+                flat = value.items() if isinstance(value, dict) and value else [("gamma", 0.5)]
+                sets = " ".join(f"loss.{k}={v}" for k, v in flat)
+                nested = " ".join(f"loss.options.{k}={v}" for k, v in flat)
+                under = ", ".join(str(k) for k, _ in flat)
+                raise ConfigError(f"loss.options={value!r}: the options go flat in the loss "
+                                  f"section: set {sets} (YAML: {under} under loss), not {nested}")
+            others = [name for name in names if name != self.loss.name
                       and key in loss_option_defaults(name)]
             elsewhere = f" (an option of {', '.join(others)})" if others else ""
             _require(key in defaults, f"loss.{key}", value,
@@ -499,12 +515,9 @@ class RunConfig:
                      f"{_did_you_mean(key, [*defaults, 'name', 'chunk_size'])}{elsewhere}"
                      f"; its options: {', '.join(sorted(defaults)) or 'none'}")
             if key in types:  # its declared type: a choice, a number, a flag
-                self.loss.options[key] = _coerce(value, types[key], f"loss.{key}")
+                self.loss.options[key] = _coerce(value, types[key], f"loss.{key}",
+                                                 f" (loss.name={self.loss.name})")
         _check_loss_options(self.loss)
-        _require(self.loss.options.get("estimator") != "momentum"
-                 or self.deepspeed.zero_stage <= 2, "deepspeed.zero_stage",
-                 self.deepspeed.zero_stage, "with loss.estimator='momentum' (a full EMA copy of "
-                 "the towers on every rank) must be <= 2; use ZeRO 2 or another estimator")
 
 
 def _check_loss_options(loss: LossConfig) -> None:
@@ -585,19 +598,20 @@ def _check_augment_value(key: str, value: Any, use_timm: bool) -> None:
 # dict <-> dataclass
 
 
-def _coerce(value: Any, annotation: Any, key: str) -> Any:
-    """Convert a YAML value to the declared field type, or raise naming the key."""
+def _coerce(value: Any, annotation: Any, key: str, context: str = "") -> Any:
+    """Convert a YAML value to the declared field type, or raise naming the key (``context``,
+    such as `` (loss.name=decl)``, follows a choice's error)."""
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if annotation is Any:
         return value
     if origin is Literal:
-        return _coerce_choice(value, args, key)
+        return _coerce_choice(value, args, key, context)
     if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], key)
+        return _coerce(value, inner[0], key, context)
     if annotation is bool:
         if isinstance(value, bool):
             return value
@@ -634,14 +648,16 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
     return value
 
 
-def _coerce_choice(value: Any, choices: tuple, key: str) -> Any:
+def _coerce_choice(value: Any, choices: tuple, key: str, context: str = "") -> Any:
     """A ``Literal`` field: the value must be one of its choices (``"2"`` reads as ``2``)."""
     for choice in choices:
         if value == choice and type(value) is type(choice):
             return choice
         if isinstance(choice, int) and isinstance(value, str) and value.strip() == str(choice):
             return choice
-    raise ConfigError(f"{key}={value!r}: must be one of {', '.join(str(c) for c in choices)}")
+    raise ConfigError(f"{key}={value!r}: must be one of {', '.join(str(c) for c in choices)}"
+                      f"{_did_you_mean_choice(value, choices)}{context}; set {key} to one of "
+                      "these")
 
 
 def check_choices(section: Any, prefix: str) -> None:
@@ -660,6 +676,18 @@ def _did_you_mean(key: str, names) -> str:
 
     close = difflib.get_close_matches(str(key), sorted(names), n=1, cutoff=0.75)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _did_you_mean_choice(value: Any, choices) -> str:
+    """`` (did you mean 'dcl'?)`` for a value one typo or a letter's case away from a choice (a
+    looser cutoff than for keys: a choice is often short, and "dlc" is one swap from "dcl")."""
+    import difflib
+
+    by_lower = {str(choice).lower(): choice for choice in choices}
+    text = str(value).strip().lower()
+    close = [text] if text in by_lower else difflib.get_close_matches(
+        text, sorted(by_lower), n=1, cutoff=0.6)
+    return f" (did you mean {str(by_lower[close[0]])!r}?)" if close else ""
 
 
 def _from_dict(cls: type, values: dict[str, Any], prefix: str) -> Any:

@@ -71,7 +71,10 @@ def effective_loss_options(name: str, options: dict) -> str:
 
     if name not in LOSSES:
         return ""
-    merged = {**loss_option_defaults(name), **options}
+    defaults = loss_option_defaults(name)
+    if any(key not in defaults for key in options):  # not the loss's: the check names it
+        return ""
+    merged = {**defaults, **options}
     shown = ", ".join(f"{key}={value!r}" for key, value in merged.items()) or "none"
     return f"# loss options in effect ({name}): {shown}"
 
@@ -88,7 +91,11 @@ def run_config(args) -> int:
         # then the check's one line follows on stderr, and the exit code is 2.
         config = load_config(args.config, args.overrides, check=False)
         print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
-        print(effective_loss_options(config.loss.name, config.loss.options) + "\n")
+        try:
+            config.check_loss()  # the options in effect only of a loss section that checks out
+            print(effective_loss_options(config.loss.name, config.loss.options) + "\n")
+        except ConfigError:
+            print()
         try:
             config.check()
         except ConfigError as error:
