@@ -162,3 +162,23 @@ def test_evaluation_and_training_skip_and_count_the_same_samples(tmp_path):
 
     batch_skipped = pickle.loads(pickle.dumps(Skipped({"empty_caption": 2, "truncated_tar": 1})))
     assert batch_skipped == 2 and batch_skipped.reasons["truncated_tar"] == 1  # from workers
+
+
+@pytest.mark.parametrize("key, then", [
+    ("data.train", "and train on OUT"),
+    ("data.val", "and give data.val=OUT"),
+    ("eval.retrieval", "and give eval.retrieval=OUT"),
+    ("--data", "and evaluate OUT (--data OUT)"),
+])
+def test_the_prep_hint_for_images_says_what_to_do_with_the_shards_where_they_are_read(
+        tmp_path, key, then):
+    """An image folder or file given as shards: convert it with prep, then use the shards where
+    this option reads them (every option's hint said "and train on OUT")."""
+    (tmp_path / "photos").mkdir()
+    (tmp_path / "photos" / "cat.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 600)
+    with pytest.raises((ConfigError, ShardsNotFoundError)) as folder:
+        check_spec(key, str(tmp_path / "photos"))
+    assert str(folder.value).endswith(then), str(folder.value)
+    with pytest.raises(ConfigError) as file:
+        check_spec(key, str(tmp_path / "photos" / "cat.png"))
+    assert str(file.value).endswith(then), str(file.value)

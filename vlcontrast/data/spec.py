@@ -155,7 +155,7 @@ def expand_member(member: str, key: str = "data.train", split: str = DEFAULT_SPL
     for url in urls:
         if not is_tar_file(url):
             raise ShardSpecError(f"{key} pattern {member!r} matches {url!r}, which is not a tar "
-                                 f"shard{_file_hint(url)}")
+                                 f"shard{_file_hint(url, key)}")
     return urls
 
 
@@ -183,14 +183,25 @@ def is_tar_file(path: str) -> bool:
     return stored == sum(block[:148]) + 256 + sum(block[156:])
 
 
-def _file_hint(path: str) -> str:
+def _then(key: str) -> str:
+    """What to do with the shards ``vlcontrast prep`` makes, said for the option that read the
+    data: train on them (``data.train``), evaluate them (a command's ``--data``), or name them
+    there (``data.val=OUT``, ``eval.retrieval=OUT``)."""
+    if not key or key.startswith("data.train"):
+        return "train on OUT"
+    if key.startswith("-"):
+        return f"evaluate OUT ({key} OUT)"
+    return f"give {key}=OUT"
+
+
+def _file_hint(path: str, key: str = "") -> str:
     lower = path.lower()
     if lower.endswith(IMAGE_FILE_EXTENSIONS):
         return (": for a folder of images with caption files run `vlcontrast prep folder DIR OUT`"
-                " and train on OUT")
+                f" and {_then(key)}")
     if lower.endswith(TABLE_FILE_EXTENSIONS):
         return (": for a table of image paths or URLs and captions run `vlcontrast prep csv "
-                "FILE OUT --image-key COLUMN --caption-key COLUMN` and train on OUT")
+                f"FILE OUT --image-key COLUMN --caption-key COLUMN` and {_then(key)}")
     return ": name webdataset shards (.tar), e.g. /data/shards/{00000..00099}.tar"
 
 
@@ -229,10 +240,10 @@ def _directory_hint(directory: str, key: str = "") -> str:
     if images:
         return (f"; it holds images ({images}+ found): convert them with `vlcontrast prep folder "
                 f"{directory} OUT` (captions from .txt/.json sidecars, class folders or file "
-                "names) and train on OUT")
+                f"names) and {_then(key)}")
     if tables:
         return ("; it holds a table: convert it with `vlcontrast prep csv FILE OUT "
-                "--image-key COLUMN --caption-key COLUMN` and train on OUT")
+                f"--image-key COLUMN --caption-key COLUMN` and {_then(key)}")
     return ""
 
 

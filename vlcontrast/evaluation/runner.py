@@ -499,18 +499,11 @@ def check_checkpoint(path, what: str = "--checkpoint") -> Path:
 
 
 def check_retrieval_data(key: str, spec: str) -> list[str]:
-    """:func:`~vlcontrast.data.spec.check_spec` of retrieval data, its hints said for evaluation:
-    images converted with ``vlcontrast prep`` are then evaluated, not trained on."""
+    """:func:`~vlcontrast.data.spec.check_spec` of retrieval data (its hints name ``key``: images
+    converted with ``vlcontrast prep`` are then evaluated, not trained on)."""
     from vlcontrast.data.spec import check_spec
 
-    try:
-        return check_spec(key, spec)
-    except ConfigError as error:
-        text = str(error)
-        if " and train on OUT" not in text:
-            raise
-        raise type(error)(text.replace(" and train on OUT", f" and evaluate OUT ({key} OUT)")
-                          ) from None
+    return check_spec(key, spec)
 
 
 def _load(checkpoint, device):
