@@ -38,6 +38,7 @@ from pathlib import Path
 from vlcontrast.checkpoints import EXPORT_CONFIG_FILE, EXPORT_WEIGHTS_FILE
 from vlcontrast.data.samples import TRAINING_ALPHA
 from vlcontrast.errors import ConfigError
+from vlcontrast.outputs import replace_dir
 
 WEIGHTS_NAME = EXPORT_WEIGHTS_FILE
 FORMATS = ("open_clip", "transformers")
@@ -164,7 +165,7 @@ def export_model(checkpoint, out_dir, format: str = "open_clip", overwrite: bool
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    _move_into_place(staging, out)
+    replace_dir(staging, out)
     return {key: str(out / Path(value).relative_to(staging))
             if isinstance(value, str) and Path(value).is_relative_to(staging) else value
             for key, value in result.items()}
@@ -199,16 +200,6 @@ def is_vlcontrast_export(folder: Path) -> bool:
         if isinstance(config, dict) and isinstance(config.get("vlcontrast"), dict):
             return True
     return False
-
-
-def _move_into_place(staging: Path, out: Path) -> None:
-    """``staging`` becomes ``out``; an earlier ``out`` is removed only once the new one is in."""
-    old = out.parent / f".{out.name}.replaced"
-    shutil.rmtree(old, ignore_errors=True)
-    if out.exists():
-        out.rename(old)
-    staging.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 ALPHA_NOTE = """## Transparency
