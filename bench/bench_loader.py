@@ -325,11 +325,13 @@ def main(argv=None) -> None:
     written = Path(args.out)
 
     def write() -> None:
-        """The report and its raw numbers, rewritten after every measurement: a run stopped by a
-        time limit keeps every row it finished."""
+        """The report and its raw numbers, rewritten after every measurement, each file replaced
+        whole: a run stopped by a time limit, even mid-write, keeps every row it finished."""
+        from bench.gpu_check.report import write_atomic
+
         written.parent.mkdir(parents=True, exist_ok=True)
-        written.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-        written.write_text(render(result, args))
+        write_atomic(written.with_suffix(".json"), json.dumps(result, indent=2) + "\n")
+        write_atomic(written, render(result, args))
 
     for workers in args.workers:
         seconds: dict[str, list[float]] = {name: [] for name in builders}
