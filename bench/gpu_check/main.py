@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     state["group"] = "setup"
     info = jobs.run("info", {"kind": "info"}, timeout_s=300)
     report.info.update({k: v for k, v in info.items()
-                        if k in ("device_name", "torch", "deepspeed", "open_clip", "python",
+                        if k in ("device_name", "torch", "torchvision", "deepspeed", "open_clip", "python",
                                  "ds_accelerator")})
     if info.get("error"):
         report.add("setup", "versions", "fail", info["error"])

@@ -79,7 +79,8 @@ class Report:
         info = self.info
         lines = ["# vlcontrast GPU check", "",
                  f"Mode: {'reduced (CPU)' if info.get('reduced') else 'full'}; device: "
-                 f"{info.get('device_name')}; torch {info.get('torch')}, DeepSpeed "
+                 f"{info.get('device_name')}; torch {info.get('torch')}, torchvision "
+                 f"{info.get('torchvision')}, DeepSpeed "
                  f"{info.get('deepspeed')}, open_clip {info.get('open_clip')}, Python "
                  f"{info.get('python')}. Total {info.get('total_s', 0):.0f} s.", "",
                  "## Groups", "", self.group_table(), "",

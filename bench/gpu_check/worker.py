@@ -62,6 +62,7 @@ def job_info(job: dict) -> dict:
     import deepspeed
     import open_clip
     import torch
+    import torchvision
     from deepspeed.accelerator import get_accelerator
 
     if job["device"] == "cuda":
@@ -69,7 +70,8 @@ def job_info(job: dict) -> dict:
                 f"{torch.version.cuda}")
     else:
         name = f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
-    return {"device_name": name, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+    return {"device_name": name, "torch": torch.__version__,
+            "torchvision": torchvision.__version__, "deepspeed": deepspeed.__version__,
             "open_clip": open_clip.__version__, "python": platform.python_version(),
             "ds_accelerator": get_accelerator().device_name()}
 

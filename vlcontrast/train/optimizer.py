@@ -49,7 +49,8 @@ class FiniteCheckedAdamW(torch.optim.AdamW):
 
     def step(self, closure=None, grad_norm: torch.Tensor | None = None):
         """``grad_norm``: the gradients' global norm when the caller has it (the clip computed
-        it): non-finite exactly when some gradient is, so it spares a second pass."""
+        it): non-finite when some gradient is, so it spares a second pass. (Past ~1.8e19 its float32
+        square overflows and a finite gradient skips the step too: a step that diverged anyway.)"""
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
         if not grads:
             self.found_inf = None  # nothing was checked: no stale flag from an earlier step
