@@ -143,16 +143,76 @@ def open_clip_loader(pattern: str, preprocess, tokenizer, batch_size: int, worke
                            tokenizer=tokenizer).dataloader
 
 
-def time_batches(loader, batches: int) -> float:
+class OutOfBatches(SystemExit):
+    """A loader's epoch ended before the batches a measurement needs: one line, exit 1."""
+
+    def __init__(self, name: str, got: int, wanted: int, batch_size: int):
+        super().__init__(
+            f"bench_loader: {name} ended its epoch after {got} batches of {batch_size}, "
+            f"{wanted} were needed; lower --batches or give more samples (--samples when the "
+            "shards are generated)")
+
+
+def next_batch(iterator, name: str, got: int, wanted: int, batch_size: int):
+    try:
+        return next(iterator)
+    except StopIteration:
+        raise OutOfBatches(name, got, wanted, batch_size) from None
+
+
+def time_batches(loader, batches: int, name: str = "the loader", batch_size: int = 0) -> float:
     """Seconds for ``batches`` batches after the first (worker start and buffer fill excluded)."""
     iterator = iter(loader)
-    next(iterator)
+    next_batch(iterator, name, 0, batches + 1, batch_size)
     start = time.perf_counter()
-    for _ in range(batches):
-        next(iterator)
+    for got in range(batches):
+        next_batch(iterator, name, got + 1, batches + 1, batch_size)
     elapsed = time.perf_counter() - start
     del iterator
     return elapsed
+
+
+def check_args(args, parser) -> None:
+    """One line (``parser.error``, exit 2) for what would fail only after the loaders were timed:
+    a CUDA device this machine lacks, a step model whose image size is not ``--image-size``, a
+    loader list that ``--transform eval`` leaves empty."""
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this machine has no CUDA device "
+                     "(torch.cuda.is_available() is False); run on the GPU host or drop --device")
+    if args.step:
+        import open_clip
+
+        from vlcontrast.models import PACKAGE_CONFIG_DIR
+
+        open_clip.add_model_config(PACKAGE_CONFIG_DIR)
+        config = open_clip.get_model_config(args.step)
+        if config is None:
+            parser.error(f"--step {args.step}: not an open_clip model name "
+                         "(open_clip.list_models() names them)")
+        size = config.get("vision_cfg", {}).get("image_size")
+        size = size[0] if isinstance(size, (list, tuple)) else size
+        if size is not None and size != args.image_size:
+            parser.error(f"--step {args.step} takes {size}-px images, --image-size is "
+                         f"{args.image_size}; add --image-size {size}")
+    if args.transform == "eval" and "vlcontrast-gpu" in args.loaders:
+        if set(args.loaders) == {"vlcontrast-gpu"}:
+            parser.error("--transform eval: vlcontrast-gpu has no evaluation path "
+                         "(data.decode=gpu needs data.augment); add another loader or use "
+                         "--transform train")
+        print("bench_loader: --transform eval leaves vlcontrast-gpu out (the GPU path is the "
+              "training transform's)", file=sys.stderr)
+
+
+def check_epoch(pattern: str, args, parser) -> None:
+    """Enough samples for the batches each measurement takes (a necessary bound: a loader that
+    splits shards across workers may still end earlier, which ``OutOfBatches`` says)."""
+    needed = args.batches + (3 if args.step else 1)
+    held = sample_count(pattern)
+    if needed * args.batch_size > held:
+        parser.error(f"--batches {args.batches}: a measurement reads {needed} batches of "
+                     f"{args.batch_size} = {needed * args.batch_size:,} samples, the shards in "
+                     f"{args.shards} hold {held:,}; lower --batches or --batch-size, or give more "
+                     "samples")
 
 
 class Step:
@@ -202,7 +262,8 @@ class Step:
         self.sync()
         return (time.perf_counter() - start) / steps
 
-    def fed(self, loader, batch_transform, steps: int) -> float:
+    def fed(self, loader, batch_transform, steps: int, name: str = "the loader",
+            batch_size: int = 0) -> float:
         """Seconds per step, each batch from ``loader`` through a DeviceFeed, in the training
         loop's order: the step is launched with the batch handed over, then the next batch is
         prepared on the side stream while it computes."""
@@ -214,13 +275,20 @@ class Step:
         # open_clip's loader yields [images, texts]; the feed moves named batches.
         iterator = (b if hasattr(b, "_fields") else Batch(b[0], b[1], torch.zeros(len(b[1])))
                     for b in loader)
-        ahead = feed.prepare([next(iterator)])
+        wanted, got = steps + 3, 0
+
+        def take():
+            nonlocal got
+            got += 1
+            return next_batch(iterator, name, got - 1, wanted, batch_size)
+
+        ahead = feed.prepare([take()])
 
         def one_step():
             nonlocal ahead
             ready = feed.hand_over(ahead)
             self(ready[0].images, ready[0].texts)
-            ahead = feed.prepare([next(iterator)])
+            ahead = feed.prepare([take()])
 
         for _ in range(2):  # warm-up
             one_step()
@@ -261,6 +329,7 @@ def main(argv=None) -> None:
                         help="open_clip's training (random) or evaluation transform")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "loader.md"))
     args = parser.parse_args(argv)
+    check_args(args, parser)
 
     import open_clip
     import webdataset
@@ -272,6 +341,7 @@ def main(argv=None) -> None:
     directory = ensure_shards(Path(args.shards), args.samples, args.shard_size,
                               args.source_image_size)
     pattern = shard_pattern(directory)
+    check_epoch(pattern, args, parser)
     preprocess = open_clip.image_transform(args.image_size, is_train=args.transform == "train")
     tokenizer = open_clip.get_tokenizer(args.model)
     loaders = [n for n in args.loaders if args.transform == "train" or n != "vlcontrast-gpu"]
@@ -339,7 +409,8 @@ def main(argv=None) -> None:
         for repeat in range(args.repeats):
             order = names if repeat % 2 == 0 else names[::-1]
             for name in order:
-                seconds[name].append(time_batches(timed_loader(name, workers), args.batches))
+                seconds[name].append(time_batches(timed_loader(name, workers), args.batches,
+                                                  name, args.batch_size))
                 print(f"workers={workers} repeat={repeat} {name}: "
                       f"{args.batches * args.batch_size / seconds[name][-1]:.0f} samples/s",
                       flush=True)
@@ -361,7 +432,8 @@ def main(argv=None) -> None:
                 if name not in halves and name != "open_clip":
                     continue
                 loader = builders[name](pattern, preprocess, tokenizer, args.batch_size, workers)
-                per_step = step.fed(loader, halves.get(name), args.batches)
+                per_step = step.fed(loader, halves.get(name), args.batches, name,
+                                    args.batch_size)
                 result["step"]["fed"].append({"loader": name, "workers": workers,
                                               "seconds_per_step": per_step})
                 print(f"fed by {name}, {workers} workers: {per_step * 1e3:.1f} ms/step",

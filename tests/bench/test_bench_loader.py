@@ -26,11 +26,11 @@ def test_rows_are_written_as_they_are_measured_and_survive_a_stop(tmp_path, monk
     fed_calls = []
     real_fed = bench_loader.Step.fed
 
-    def fed_then_stop(self, loader, batch_transform, steps):
+    def fed_then_stop(self, loader, batch_transform, steps, *named):
         if len(fed_calls) == 2:  # the third fed row: the device call's time limit strikes here
             raise KeyboardInterrupt
         fed_calls.append(1)
-        return real_fed(self, loader, batch_transform, steps)
+        return real_fed(self, loader, batch_transform, steps, *named)
 
     monkeypatch.setattr(bench_loader.Step, "fed", fed_then_stop)
     with pytest.raises(KeyboardInterrupt):
@@ -80,3 +80,44 @@ def test_a_row_still_being_measured_is_left_out_of_the_table(tmp_path):
     markdown = bench_loader.render(result, Args)
     assert "alone 62.5 ms (128 samples/s, MFU 0.5%)" in markdown  # 8 / 0.0625 x 4e10 / 1e15
     assert "| vlcontrast | 8 | 125.0 | 64 | 0.50 | 0.3% |" in markdown
+
+
+def refusal(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as stop:
+        bench_loader.main(argv)
+    assert stop.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    return lines[-1]
+
+
+def test_what_would_fail_after_the_loaders_were_timed_is_refused_first(tmp_path, capsys,
+                                                                       monkeypatch):
+    shards, out = tmp_path / "shards", tmp_path / "out" / "loader.md"
+    base = ["--shards", str(shards), "--out", str(out), "--workers", "1", "--repeats", "1"]
+    # a step model whose input size is not the transform's (was a tensor-size traceback at the end)
+    line = refusal(capsys, base + ["--step", "vlc-micro", "--image-size", "48"])
+    assert "--step vlc-micro takes 32-px images, --image-size is 48; add --image-size 32" in line
+    assert "--step nonesuch: not an open_clip model name" in refusal(
+        capsys, base + ["--step", "nonesuch"])
+    # --transform eval has no GPU path: a list of only that loader measured nothing (exit 0 before)
+    assert "vlcontrast-gpu has no evaluation path" in refusal(
+        capsys, base + ["--transform", "eval", "--loaders", "vlcontrast-gpu"])
+    # CUDA asked for on a machine without it (was torch's multi-line traceback)
+    monkeypatch.setattr(bench_loader.torch.cuda, "is_available", lambda: False)
+    assert "--device cuda: this machine has no CUDA device" in refusal(
+        capsys, base + ["--device", "cuda"])
+    assert not shards.exists() and not out.exists()  # refused before shards or rows were written
+
+    # more batches than the shards hold (was a bare StopIteration after the first loader started)
+    write_shards(shards, 64, 32, shard_size=32)
+    line = refusal(capsys, base + ["--batch-size", "8", "--batches", "10", "--image-size", "32"])
+    assert "--batches 10: a measurement reads 11 batches of 8 = 88 samples" in line
+    assert "hold 64; lower --batches" in line and not out.exists()
+
+
+def test_a_loader_that_ends_early_is_named_in_one_line():
+    with pytest.raises(SystemExit) as stop:
+        bench_loader.time_batches(iter([1, 2, 3]), 5, "open_clip", 8)
+    assert str(stop.value) == ("bench_loader: open_clip ended its epoch after 3 batches of 8, 6 "
+                               "were needed; lower --batches or give more samples (--samples when "
+                               "the shards are generated)")
