@@ -275,6 +275,26 @@ def test_warnings_keep_one_format_before_and_after_a_library_logs_through_the_ro
                                              "vlcontrast: warning: after 3"], done.stderr
 
 
+def test_deepspeed_warnings_take_the_same_one_line_format():
+    """DeepSpeed's logger printed on stdout in its own format past the CLI's
+    (``[time] [WARNING] [base_optimizer.py:343:...] MPU is not provided ...`` on a resume)."""
+    import subprocess
+    import sys
+
+    script = ("from vlcontrast.cli import main\n"
+              "main(['config'])\n"
+              "from vlcontrast.train.engine import deepspeed_logs_as_lines\n"
+              "deepspeed_logs_as_lines()\n"
+              "from deepspeed.utils import logger\n"
+              "logger.warning('MPU is not provided')\n"
+              "logger.info('not shown')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines()[-1] == "deepspeed: warning: MPU is not provided", done.stderr
+    assert "MPU" not in done.stdout and "not shown" not in done.stdout + done.stderr
+
+
 @pytest.mark.parametrize("nproc", ["0", "-1"])
 def test_train_refuses_fewer_than_one_process(capsys, nproc):
     """--nproc 0 and -1 ran as one process without a word."""

@@ -70,7 +70,7 @@ class WarningLines(logging.Formatter):
     ``warning: ...`` for the root logger's (open_clip logs there)."""
 
     def format(self, record: logging.LogRecord) -> str:
-        who = "" if record.name == "root" else f"{record.name.split('.')[0]}: "
+        who = "" if record.name == "root" else f"{record.name.split('.')[0].lower()}: "
         line = f"{who}{record.levelname.lower()}: {record.getMessage()}"
         return line + (f"\n{self.formatException(record.exc_info)}" if record.exc_info else "")
 

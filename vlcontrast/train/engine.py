@@ -184,6 +184,23 @@ def quiet_deepspeed_collectives() -> None:
                             module=r"torch\.distributed\.")
 
 
+def deepspeed_logs_as_lines() -> None:
+    """DeepSpeed's logger has its own handler (stdout, ``[time] [WARNING] [file:line:func] ...``)
+    and does not propagate, so its warnings skip the one-line format of every other warning.
+    Where the root logger has handlers (the CLI's, a test runner's), DeepSpeed's records go there
+    instead (``deepspeed: warning: ...``); a program without them keeps DeepSpeed's own output."""
+    import logging
+
+    from deepspeed.utils.logging import logger
+
+    if not logging.getLogger().handlers:
+        return
+    for handler in list(logger.handlers):
+        if type(handler) is logging.StreamHandler:  # DeepSpeed's own console handler
+            logger.removeHandler(handler)
+    logger.propagate = True
+
+
 def model_device(model: torch.nn.Module) -> torch.device:
     """The device the model's parameters live on (the loop moves the model there first)."""
     return next(model.parameters()).device
@@ -243,6 +260,7 @@ def build_engine(model: torch.nn.Module, *, optim: OptimConfig, train: TrainConf
     import deepspeed as deepspeed_lib
 
     quiet_deepspeed_collectives()
+    deepspeed_logs_as_lines()
     # ZeRO 0 without DeepSpeed's mixed-precision optimizers: the client optimizer sees the
     # gradients unchecked (amp_bf16 keeps fp32 parameters and uses no DeepSpeed optimizer wrapper).
     plain = deepspeed.zero_stage == 0 and not Precision(train.precision).master_copy
