@@ -86,18 +86,22 @@ def test_problems_are_counted_and_unreadable_shard_fails(shards, tmp_path):
     assert report["examples"]["missing_caption"] == [first[7]["__key__"]]
     assert bad["duplicate_key"] == 1
     assert report["examples"]["duplicate_key"] == [str(int(first[0]["__key__"]))]
-    assert [u["shard"] for u in report["unreadable_shards"]] == ["00002.tar"]
-    assert 0 < report["unreadable_shards"][0]["samples_read"] < 30
+    # A cut shard is truncated, as training calls it (not unreadable); the rows sizes.json
+    # promises beyond the cut are the loader's missing_samples, which fail the bad fraction.
+    assert report["unreadable_shards"] == []
+    [truncated] = report["truncated_shards"]
+    assert truncated["shard"] == "00002.tar" and 0 < truncated["samples"] < 30
+    assert report["missing_samples"] == 30 - truncated["samples"]
     assert {m["shard"] for m in report["size_mismatches"]} == {"00001.tar", "00002.tar"}
     assert report["shards"]["00000.tar"]["bad_samples"]["undecodable_image"] == 1
-    assert not report["ok"] and "FAILED" in report["summary"]
-    assert json.loads(report_path.read_text())["unreadable_shards"] == report["unreadable_shards"]
+    assert not report["ok"] and not report["trainable"] and "WOULD NOT TRAIN" in report["summary"]
+    assert json.loads(report_path.read_text())["truncated_shards"] == report["truncated_shards"]
 
     # The script exits non-zero with a summary line.
     result = subprocess.run([sys.executable, str(ROOT / "data_prep" / "check_shards.py"), str(shards),
                              "--no-progress"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1, result.stderr
-    assert "UNREADABLE" in result.stderr and "00002.tar" in result.stderr
+    assert "WOULD NOT TRAIN" in result.stderr and "00002.tar" in result.stderr
 
 
 def test_truncation_at_a_block_boundary_is_caught(shards):
@@ -107,10 +111,54 @@ def test_truncation_at_a_block_boundary_is_caught(shards):
     # A file that stops exactly where a header should start: tarfile itself ends quietly there.
     path.write_bytes(path.read_bytes()[:cut])
     report = check_shards(shards, progress=False, workers=2)
-    assert [u["shard"] for u in report["unreadable_shards"]] == ["00001.tar"]
+    assert report["unreadable_shards"] == []
     # Two whole samples precede the cut; the last one before a cut is never trusted.
-    assert report["unreadable_shards"][0]["samples_read"] == 1
+    assert report["truncated_shards"] == [{"shard": "00001.tar", "samples": 1}]
     assert report["shards"]["00000.tar"]["error"] is None
+
+
+def _bare(shards: Path) -> Path:
+    """The shards alone: no sizes.json, manifest.json or *_stats.json (training counts them)."""
+    for name in ["sizes.json", "manifest.json", *(p.name for p in shards.glob("*_stats.json"))]:
+        (shards / name).unlink()
+    return shards
+
+
+def test_truncated_shard_counts_its_complete_samples_as_training_does(shards, caplog):
+    """A shard cut in the middle is truncated, not unreadable: its complete samples are counted
+    (the number the trainer's header count uses), it is named with a warning, and it does not
+    fail the check, since training uses it."""
+    import logging
+
+    from vlcontrast import cli
+    from vlcontrast.config import DataConfig
+    from vlcontrast.data.sources import resolve_shard_set
+
+    shards = _bare(shards)
+    path = shards / "00001.tar"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with caplog.at_level(logging.WARNING):
+        training = resolve_shard_set(DataConfig(train=str(shards)))
+    used = training.sizes[1]
+    assert 0 < used < 30 and "00001.tar ends before its end-of-archive block" in caplog.text
+
+    report = check_shards(shards, progress=False)
+    assert report["unreadable_shards"] == [] and report["missing_samples"] == 0
+    assert report["truncated_shards"] == [{"shard": "00001.tar", "samples": used}]
+    assert report["shards"]["00001.tar"]["truncated"] and report["num_samples"] == 30 + 30 + used
+    assert report["trainable"] and not report["ok"]
+    assert "1 truncated shards" in report["summary"] and "00001.tar" in report["summary"]
+    assert "UNREADABLE" not in report["summary"]
+    assert cli.main(["prep", "check", str(shards), "--no-progress", "--workers", "1",
+                     "--report", str(shards.parent / "r.json")]) == 0
+
+
+def test_garbage_shard_stays_unreadable(shards):
+    (shards / "00001.tar").write_bytes(bytes(range(256)) * 400)  # not a tar from byte 0
+    report = check_shards(_bare(shards), progress=False)
+    assert [u["shard"] for u in report["unreadable_shards"]] == ["00001.tar"]
+    assert report["truncated_shards"] == [] and not report["trainable"]
+    assert "UNREADABLE" in report["summary"] and "FAILED" in report["summary"]
 
 
 def test_missing_shard_listed_in_sizes_json(shards):

@@ -383,6 +383,41 @@ def test_config_refuses_decode_gpu_without_augmentation_or_with_the_cache():
     assert load_config(None, ["train.steps=1", "data.decode=gpu"]).data.decode == "gpu"
 
 
+JITTER = {"color_jitter_prob": 0.5, "color_jitter": [0.4, 0.4, 0.4, 0.1]}
+
+
+@pytest.mark.parametrize("augment, key", [(JITTER, "color_jitter_prob"),
+                                          ({"gray_scale_prob": 0.2}, "gray_scale_prob"),
+                                          ({"use_timm": True}, "use_timm")])
+def test_model_augment_the_gpu_does_not_apply_is_refused_from_the_config_alone(augment, key):
+    """No model, no device: the augment options are judged with the cache_mb/augment checks
+    (the train loop runs them before build_model), in one line naming the key and the fix."""
+    from vlcontrast.data.gpu_decode import check_gpu_decode_config
+
+    for check in (lambda: check_gpu_decode_config(DataConfig(decode="gpu"), augment),
+                  lambda: check_gpu_decode(DataConfig(decode="gpu"), "cuda", augment=augment)):
+        with pytest.raises(ConfigError, match=rf"data.decode=gpu.*model.augment.{key}") as error:
+            check()
+        message = str(error.value)
+        assert "\n" not in message and "set data.decode=cpu or drop" in message
+    check_gpu_decode_config(DataConfig(decode="gpu"), {"scale": [0.5, 1.0]})  # a crop: fine
+    check_gpu_decode_config(DataConfig(decode="gpu"), {})
+    check_gpu_decode(DataConfig(decode="gpu"), "cuda", augment={"scale": [0.5, 1.0]})
+
+
+def test_config_command_refuses_decode_gpu_with_colour_jitter(capsys):
+    from vlcontrast import cli
+
+    base = ["config", "train.steps=1", "data.decode=gpu"]
+    assert cli.main(base + ["model.augment={color_jitter_prob: 0.5, "
+                            "color_jitter: [0.4, 0.4, 0.4, 0.1]}"]) == 2
+    err = capsys.readouterr().err
+    assert "would not train" in err and "model.augment.color_jitter_prob" in err
+    assert "data.decode=cpu" in err and len(err.strip().splitlines()) == 1
+    assert cli.main(base + ["model.augment={scale: [0.5, 1.0]}"]) == 0
+    assert cli.main(["config", "train.steps=1", "model.augment={gray_scale_prob: 0.2}"]) == 0
+
+
 def test_each_samples_crop_is_the_same_with_any_number_of_workers_and_after_resume(tmp_path):
     pattern = _shards(tmp_path, ["jpg"] * 16)
     gpu = GpuDecodeTransform(train_transform(flip=0.5))

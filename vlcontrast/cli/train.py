@@ -98,6 +98,10 @@ def run_config(args) -> int:
             print()
         try:
             config.check()
+            if config.data.decode == "gpu":  # what needs no device: data.*, model.augment
+                from vlcontrast.data.gpu_decode import check_gpu_decode_config
+
+                check_gpu_decode_config(config.data, config.model.augment)
         except ConfigError as error:
             print(f"vlcontrast: error: this config would not train: {error}", file=sys.stderr)
             return 2

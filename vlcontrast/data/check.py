@@ -7,13 +7,23 @@ skips (``missing_image``, ``undecodable_image``, ``decompression_bomb``, ``missi
 ``caption_not_utf8``, ``empty_caption``, ``no_sample_id``, ``sample_id_out_of_range``), plus
 ``duplicate_key`` (a key seen twice in one shard, or an id in two shards of one directory) and
 ``invalid_json``, which no reader skips. Shard-level findings: shards listed in ``sizes.json`` but
-absent, counts that disagree with ``sizes.json``, and truncated or unreadable shards. The one class
-of the loader the check cannot see is ``transform_error`` (it depends on the model's transform).
+absent, counts that disagree with ``sizes.json``, truncated shards and unreadable shards. The one
+class of the loader the check cannot see is ``transform_error`` (it depends on the model's
+transform).
+
+A shard that ends early is judged as training judges it, by the same header count
+(:func:`.counting.count_shard`, which :func:`.sources.resolve_shard_set` uses): one that merely
+stops before its end-of-archive block is *truncated* -- its complete samples are counted and used,
+with the trainer's warning -- while one whose headers are damaged (not a tar at all, garbage) is
+*unreadable*. Where the sizes training would use (``sizes.json``, ``manifest.json``, img2dataset
+``*_stats.json``) list more rows than a shard delivers, the shortfall is counted as
+``missing_samples`` and enters the bad-sample fraction, as it does in the training loader.
 
 The input is any shard spec of :mod:`.spec` (a directory, a pattern, a comma list, ...). The
 report is JSON (``DIR/check_report.json`` when a directory was given; ``--json`` prints it);
 ``vlcontrast prep check`` exits 1 when the shards would not train: a shard is unreadable, or more
-than ``--max-bad-fraction`` of the samples would be skipped (``trainable`` in the report).
+than ``--max-bad-fraction`` of the samples would be skipped or missing (``trainable`` in the
+report); a truncated shard alone does not fail the check.
 """
 
 from __future__ import annotations
@@ -33,9 +43,11 @@ from vlcontrast.errors import DataPrepError
 from .samples import (CHECK_ONLY_REASONS, CONTENT_REASONS, DEFAULT_MAX_IMAGE_PIXELS,
                       DEFAULT_MEMBERS, ID_REASONS, IdRule, Members, check_member_keys, count,
                       inspect_sample, read_json, read_sample_id)
+from .counting import count_shard
 from .shards import read_manifest, read_sizes
+from .sources import warn_incomplete, directory_sizes
 from .spec import expand_spec
-from .tar_reader import read_shard
+from .tar_reader import PIPE_PREFIX, read_shard
 
 MAX_EXAMPLES = 10
 DEFAULT_MAX_BAD_FRACTION = 0.05
@@ -60,7 +72,8 @@ def check_shard(path: str, decode_images: bool = True, id_space: int = 0,
     usable id are problems when ``require_ids`` or ``id_space`` (the loader's rule)."""
     result: dict[str, Any] = {"shard": os.path.basename(path), "path": path, "samples": 0,
                               "non_numeric_ids": 0,
-                              "error": None, "bad_samples": {kind: 0 for kind in PROBLEMS},
+                              "error": None, "truncated": None,
+                              "bad_samples": {kind: 0 for kind in PROBLEMS},
                               "examples": {kind: [] for kind in PROBLEMS}, "ids": []}
 
     def problem(kind: str, key: str) -> None:
@@ -93,7 +106,16 @@ def check_shard(path: str, decode_images: bool = True, id_space: int = 0,
             result["non_numeric_ids"] += 1
             result.setdefault("example_key", key)
     if events:
-        result["error"] = f"unreadable after {result['samples']} samples: " + "; ".join(errors)
+        # The trainer's judgement of a shard that ends early (sources.resolve_shard_set): a file
+        # that merely stops before its end-of-archive block is truncated, and its complete
+        # samples are used; damaged headers make it unreadable. pipe: shards cannot be counted
+        # ahead, so any early end stays unreadable.
+        found = None if path.startswith(PIPE_PREFIX) else count_shard(path)
+        if found is not None and not found.complete and found.error is None:
+            result["truncated"] = found
+        else:
+            result["error"] = f"unreadable after {result['samples']} samples: " + \
+                "; ".join(errors)
     return result
 
 
@@ -139,6 +161,10 @@ def check_shards(dir_or_pattern: str | os.PathLike, report_path: str | os.PathLi
     directories = list(dict.fromkeys(os.path.dirname(os.path.abspath(p)) for p in paths
                                      if not p.startswith("pipe:")))
     sizes = {os.path.join(d, name): n for d in directories for name, n in read_sizes(d).items()}
+    # The sizes training would take (sizes.json, else manifest.json, else *_stats.json): rows they
+    # promise but a shard lacks are the loader's missing_samples.
+    promised = {os.path.join(d, name): n for d in directories
+                for name, n in directory_sizes(d).items()}
     spaces = {d: _id_space(d) for d in directories}
 
     bar = None
@@ -197,23 +223,36 @@ def check_shards(dir_or_pattern: str | os.PathLike, report_path: str | os.PathLi
     report["max_id"] = max(all_ids) if all_ids else None
     report["unreadable_shards"] = [{"shard": r["shard"], "error": r["error"],
                                     "samples_read": r["samples"]} for r in results if r["error"]]
+    report["truncated_shards"] = [{"shard": r["shard"], "samples": r["samples"]}
+                                  for r in results if r["truncated"]]
+    for r in results:
+        if r["truncated"]:
+            warn_incomplete(r["path"], r["truncated"])  # the trainer's own warning
+    missing = {r["shard"]: promised[os.path.abspath(r["path"])] - r["samples"] for r in results
+               if not r["error"] and promised.get(os.path.abspath(r["path"]), 0) > r["samples"]}
+    report["missing_samples"] = sum(missing.values())
     listed = {r["path"]: sizes.get(os.path.abspath(r["path"])) for r in results}
     report["size_mismatches"] = [
         {"shard": r["shard"], "sizes_json": listed[r["path"]], "found": r["samples"]}
         for r in results if listed[r["path"]] not in (None, r["samples"])]
     report["examples"] = examples
     report["shards"] = {r["shard"]: {"samples": r["samples"], "error": r["error"],
+                                     "truncated": bool(r["truncated"]),
+                                     "missing_samples": missing.get(r["shard"], 0),
                                      "bad_samples": {k: v for k, v in r["bad_samples"].items()
                                                      if v}} for r in results}
     report["ok"] = (not report["unreadable_shards"] and not report["size_mismatches"]
-                    and not any(bad.values()))
+                    and not report["truncated_shards"] and not any(bad.values()))
     non_numeric = sum(r["non_numeric_ids"] for r in results)
     report["ids"] = {"numeric": report["num_samples"] - non_numeric, "non_numeric": non_numeric,
                      "required": bool(require_ids or any(spaces.values())),
                      "example_non_numeric": next((r["example_key"] for r in results
                                                   if r.get("example_key")), None)}
-    skipped_total = sum(v for k, v in bad.items() if k not in CHECK_ONLY_REASONS)
-    fraction = skipped_total / report["num_samples"] if report["num_samples"] else 1.0
+    # The loader's bad-sample rate (samples.bad_rate_error): missing rows count as bad ones.
+    skipped_total = sum(v for k, v in bad.items() if k not in CHECK_ONLY_REASONS) + \
+        report["missing_samples"]
+    fraction = (skipped_total / (report["num_samples"] + report["missing_samples"])
+                if report["num_samples"] else 1.0)
     report["bad_fraction"] = round(fraction, 6)
     report["max_bad_fraction"] = max_bad_fraction
     report["trainable"] = (not report["unreadable_shards"] and report["num_samples"] > 0
@@ -244,8 +283,15 @@ def summarize(report: dict[str, Any]) -> str:
     for kind, n in report["bad_samples"].items():
         if n:
             parts.append(f"{n} {kind}")
+    if report.get("missing_samples"):
+        parts.append(f"{report['missing_samples']} missing_samples (listed in the shards' sizes, "
+                     "not in the shards)")
     if report["size_mismatches"]:
         parts.append(f"{len(report['size_mismatches'])} shards disagree with sizes.json")
+    truncated = report.get("truncated_shards") or []
+    if truncated:
+        names = ", ".join(f"{t['shard']}: {t['samples']}" for t in truncated[:5])
+        parts.append(f"{len(truncated)} truncated shards, their complete samples used ({names})")
     if report["unreadable_shards"]:
         names = ", ".join(u["shard"] for u in report["unreadable_shards"][:5])
         parts.append(f"{len(report['unreadable_shards'])} UNREADABLE shards ({names})")
@@ -254,7 +300,7 @@ def summarize(report: dict[str, Any]) -> str:
         verdict = "ok" if report["ok"] else "readable, with problems"
     if not report.get("trainable", True) and not report["unreadable_shards"]:
         verdict = (f"WOULD NOT TRAIN ({report.get('bad_fraction', 1.0):.1%} of samples skipped "
-                   f"> --max-bad-fraction={report.get('max_bad_fraction', 0):.1%})")
+                   f"or missing > --max-bad-fraction={report.get('max_bad_fraction', 0):.1%})")
     ids = report.get("ids") or {}
     if ids.get("non_numeric") and not ids.get("required"):
         parts.append(f"{ids['non_numeric']} non-numeric keys (fine unless the loss needs ids: "

@@ -344,12 +344,19 @@ class GpuBatchTransform:
         self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
 
 
-def check_gpu_decode(data_cfg: Any, device) -> None:
-    """One-line errors for ``data.decode=gpu`` where it cannot work, before anything heavy."""
+def check_gpu_decode(data_cfg: Any, device, augment: dict | None = None) -> None:
+    """One-line errors for ``data.decode=gpu`` where it cannot work, before anything heavy: the
+    device, then :func:`check_gpu_decode_config` (``augment``: ``model.augment``)."""
     device = torch.device(device) if device is not None else None
     if device is None or device.type != "cuda":
         raise ConfigError(f"data.decode=gpu: the training device is {device}, not CUDA "
                           "(nvJPEG decodes on the GPU only): set data.decode=cpu")
+    check_gpu_decode_config(data_cfg, augment)
+
+
+def check_gpu_decode_config(data_cfg: Any, augment: dict | None = None) -> None:
+    """The checks of ``data.decode=gpu`` that need only the config (no device, no model):
+    ``data.augment``, ``data.cache_mb`` and ``model.augment`` (:func:`check_gpu_augment`)."""
     if not data_cfg.augment:
         raise ConfigError("data.decode=gpu applies the random training transform; with "
                           "data.augment=false set data.decode=cpu")
@@ -357,8 +364,40 @@ def check_gpu_decode(data_cfg: Any, device) -> None:
         raise ConfigError(f"data.decode=gpu with data.cache_mb={data_cfg.cache_mb}: the cache "
                           "keeps decoded images, which the GPU path never has: set "
                           "data.cache_mb=0 or data.decode=cpu")
+    check_gpu_augment(augment)
+
+
+_CROP_ONLY = ("scale", "ratio")
+"""``model.augment`` keys that only shape the random crop (which the GPU path applies)."""
+
+
+def check_gpu_augment(augment: dict | None) -> None:
+    """``model.augment`` under ``data.decode=gpu``, from the config alone: open_clip's training
+    transform for these options is built (cheap: no model, no weights) and judged by
+    :meth:`GpuPlan.from_transform`, the rule the loader applies to the model's own transform
+    later, so there is one rule. A one-line ConfigError names the options and the fix."""
+    if not augment:
+        return
+    import open_clip
+
+    from vlcontrast.models import augment_applied
+
+    with augment_applied():
+        transform = open_clip.image_transform(224, is_train=True, aug_cfg=dict(augment))
+    try:
+        GpuPlan.from_transform(transform)
+    except ConfigError:
+        keys = [k for k, v in augment.items() if k not in _CROP_ONLY and v] or list(augment)
+        named = ", ".join(f"model.augment.{k}={augment[k]!r}" for k in keys)
+        raise ConfigError(
+            f"data.decode=gpu with {named}: the GPU applies only open_clip's plain training "
+            "transform (random resized crop, flip, normalise); colour jitter, grey-scale and "
+            "timm's pipeline (use_timm) need the CPU: set data.decode=cpu or drop "
+            f"{'this option' if len(keys) == 1 else 'these options'} from model.augment"
+        ) from None
 
 
 __all__ = ["EncodedImages", "EncodedSample", "FALLBACK_REASONS", "GpuBatchTransform",
-           "GpuDecodeTransform", "GpuPlan", "SeededResizedCrop", "check_gpu_decode",
+           "GpuDecodeTransform", "GpuPlan", "SeededResizedCrop", "check_gpu_augment",
+           "check_gpu_decode", "check_gpu_decode_config",
            "collate_images", "decode_jpegs", "gpu_can_resize", "probe_jpeg"]

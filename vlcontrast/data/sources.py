@@ -100,7 +100,7 @@ _WARNED: set[str] = set()
 """Shards already warned about in this process (the shard set is resolved more than once)."""
 
 
-def _warn_incomplete(url: str, found) -> None:
+def warn_incomplete(url: str, found) -> None:
     """One warning per shard and process for a shard whose headers stop early: what is used of
     it, and where to look (``vlcontrast prep check`` lists every such shard)."""
     if url in _WARNED:
@@ -161,7 +161,7 @@ def resolve_shard_set(data_cfg: Any, *, needs_sample_ids: bool = False,
             if sizes[i] is None:
                 sizes[i] = found.rows
             if not found.complete:
-                _warn_incomplete(urls[i], found)
+                warn_incomplete(urls[i], found)
     if needs_sample_ids:
         for i, found in counts.items():
             if found.non_numeric:

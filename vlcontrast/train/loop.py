@@ -107,7 +107,8 @@ def _train(config: RunConfig, stop: StopSignal, env) -> dict[str, Any]:
     resume_from = preflight(config, evaluator)
     device, dtype = env.device, precision.parameter_dtype
     if config.data.decode == "gpu":
-        check_gpu_decode(config.data, device)  # before the model: a one-line error
+        # before the model: a one-line error (model.augment judged from the config alone)
+        check_gpu_decode(config.data, device, augment=config.model.augment)
     needs_ids = (build_loss(config.loss.name, id_space=1, **config.loss.options).needs_sample_ids
                  or bool(config.distill.teacher_features))  # stored teacher rows: by sample id
     shard_set = check_ids_available(config.data, needs_ids, who=f"loss={config.loss.name}")
