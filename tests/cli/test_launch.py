@@ -91,12 +91,94 @@ def test_the_exit_code_is_the_rank_s(monkeypatch, capsys):
     assert capsys.readouterr().err == "vlcontrast: error: data.train='x': no shards\n"
 
 
-def test_a_failure_that_is_not_ours_keeps_torchrun_s_report_and_log(monkeypatch, agent_log):
-    fake_torchrun(monkeypatch, {}, {1: -11})
-    with pytest.raises(ChildFailedError):
-        launch.launch_local(2, [])
-    assert agent_log == ["Sending process 1234 closing signal SIGTERM",
-                         "failed (exitcode: 1) local_rank: 1 (pid: 1235) of binary: python"]
+def killed_rank_1(monkeypatch):
+    """torchrun after rank 1 was SIGKILLed: the agent stops rank 0 (SIGTERM) and raises, the
+    killed rank first, both stamped with the same second (no error file)."""
+    def run(arguments):
+        log = logging.getLogger(AGENT_LOG)
+        log.warning("Sending process 1000 closing signal SIGTERM")
+        log.error("failed (exitcode: -9) local_rank: 1 (pid: 1001) of binary: python")
+        failures = {rank: ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=code,
+                                         error_file="<N/A>") for rank, code in ((1, -9), (0, -15))}
+        for process_failure in failures.values():
+            process_failure.timestamp = 1_700_000_000
+        raise ChildFailedError("vlcontrast.cli", failures)
+
+    monkeypatch.setattr(torchrun, "run", run)
+
+
+def test_a_killed_rank_ends_as_one_line_naming_it_and_the_resume(monkeypatch, capsys, agent_log,
+                                                                 tmp_path):
+    """A rank killed (or crashed without a vlcontrast error): the ranks' own output stays, the
+    launcher adds one line through the command line's error path: no traceback of its own, no
+    torchrun report ("Root Cause" box) or agent lines, and the checkpoint a resume would take (a
+    114-line wall ending in the launcher's ChildFailedError traceback, before)."""
+    from vlcontrast import cli
+
+    killed_rank_1(monkeypatch)
+    run = tmp_path / "run"
+    arguments = ["train", "--nproc", "2", "data.train=x", "model.name=vlc-micro", "train.steps=4",
+                 f"output_dir={run}"]
+    assert cli.main(arguments) == 1
+    assert capsys.readouterr().err == (
+        "vlcontrast: error: train --nproc 2: rank 1 was killed by signal 9 (SIGKILL) and the run "
+        "stopped (the ranks' output is above); no checkpoint was written yet "
+        f"({run / 'checkpoints'} holds none): train.resume=latest starts it again from step 0\n")
+    assert agent_log == []
+
+    step = run / "checkpoints" / "step_00000008"
+    step.mkdir(parents=True)
+    from vlcontrast import checkpoints
+
+    (step / checkpoints.COMPLETE_MARKER).write_text("")
+    (run / "checkpoints" / checkpoints.LATEST).write_text(step.name)
+    assert cli.main(arguments) == 1
+    err = capsys.readouterr().err
+    assert err.endswith("; train.resume=latest continues from the last checkpoint, "
+                        f"{step}\n") and err.count("\n") == 1
+
+    # --debug: the launcher's traceback and torchrun's report and log lines, then the line.
+    monkeypatch.setenv(failure.DEBUG_VARIABLE, "1")
+    assert cli.main(arguments) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "Root Cause" in err and "ChildFailedError" in err
+    assert err.endswith(f"continues from the last checkpoint, {step}\n")
+    assert len(agent_log) == 2
+
+
+def test_the_first_failure_is_torchrun_s_unless_a_killed_rank_shares_its_second():
+    def failed(*codes, stamps=None):
+        failures = {}
+        for rank, code in codes:
+            failures[rank] = ProcessFailure(local_rank=rank, pid=rank, exitcode=code,
+                                            error_file="<N/A>")
+            failures[rank].timestamp = (stamps or {}).get(rank, 100)
+        return ChildFailedError("vlcontrast.cli", failures)
+
+    # Rank 0 failed in the collective with the rank killed in the same second: the killed one.
+    rank, first = launch.first_failure(failed((0, 1), (1, -9)))
+    assert (rank, first.exitcode) == (1, -9)
+    # torchrun's earliest otherwise; a crash (exit code 1) that torchrun saw first is the cause.
+    assert launch.first_failure(failed((0, -9), (1, 1), stamps={0: 101}))[0] == 1
+    assert launch.first_failure(failed((1, 1), (0, -15)))[0] == 1
+    assert launch.how_it_ended(failed((1, 1)).failures[1]) == "exited with code 1"
+    assert launch.signal_words(15) == "signal 15 (SIGTERM)" and launch.signal_words(99) == (
+        "signal 99")
+
+
+def test_the_resume_words_follow_what_the_checkpoints_folder_holds(tmp_path):
+    run = tmp_path / "run"
+    assert launch.resume_words([f"output_dir={run}"]).startswith("no checkpoint was written yet")
+    (run / "checkpoints" / "step_00000002").mkdir(parents=True)  # a write that never finished
+    assert launch.resume_words([f"output_dir={run}"]) == (
+        f"{run / 'checkpoints'} holds no complete checkpoint (step_00000002 ...): move its "
+        "folders aside and run again from step 0")
+    config = tmp_path / "c.yaml"
+    config.write_text(f"output_dir: {tmp_path / 'other'}\n")
+    assert str(tmp_path / "other" / "checkpoints") in launch.resume_words(["--config", str(config)])
+    # A configuration that cannot be read again: the line says less, and still ends.
+    assert launch.resume_words(["--config", str(tmp_path / "gone.yaml")]) == (
+        "train.resume=latest continues from the last checkpoint written, if any")
 
 
 def test_debug_keeps_torchrun_s_report(monkeypatch, agent_log):
@@ -174,7 +256,47 @@ def test_two_ranks_with_a_full_disk_on_one_end_as_one_line(tiny_data, tmp_path):
     assert "is full: free space there" in line and line.endswith("[reported by rank 1]")
 
 
-def test_a_signal_to_the_launcher_ends_as_the_ranks_stop_did(monkeypatch, capsys, agent_log):
+RANK_1_KILLED_AT_STEP_4 = """
+import os, signal
+if os.environ.get("RANK") == "1":
+    from vlcontrast import checkpoints
+    real_save = checkpoints.save_file
+    def save_file(obj, path):
+        if path.parent.name == "step_00000004.tmp":
+            os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer would
+        real_save(obj, path)
+    checkpoints.save_file = save_file
+"""
+
+
+@pytest.mark.slow
+def test_two_ranks_one_killed_end_as_one_line_after_the_ranks_output(tiny_data, tmp_path):
+    """Real ranks under torchrun; rank 1 is SIGKILLed while it writes the checkpoint of step 4.
+    Rank 0's own output stays; the launcher adds one line naming rank 1, the signal and the
+    checkpoint of step 2 (a traceback of the launcher's and torchrun's report, before)."""
+    from tests.train.helpers import process_env, tiny_overrides
+
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(RANK_1_KILLED_AT_STEP_4)
+    run = tmp_path / "run"
+    overrides = tiny_overrides(tiny_data, run, train__steps=6, checkpoint__every=2,
+                               train__dist_timeout_s=60)
+    env = process_env(PYTHONPATH=f"{REPO}{os.pathsep}{tmp_path / 'site'}")
+    done = subprocess.run([sys.executable, "-m", "vlcontrast.cli", "train", "--nproc", "2",
+                           *overrides], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=400)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "launch.py" not in done.stderr and "Root Cause" not in done.stderr
+    assert "closing signal" not in done.stderr and "failed (exitcode" not in done.stderr
+    last = done.stderr.splitlines()[-1]
+    assert last == ("vlcontrast: error: train --nproc 2: rank 1 was killed by signal 9 (SIGKILL) "
+                    "and the run stopped (the ranks' output is above); train.resume=latest "
+                    f"continues from the last checkpoint, {run / 'checkpoints' / 'step_00000002'}")
+    assert sum(line.startswith("vlcontrast: error:") for line in done.stderr.splitlines()) == 1
+
+
+def test_a_signal_to_the_launcher_ends_as_the_ranks_stop_did(monkeypatch, capsys, agent_log,
+                                                              tmp_path):
     """SIGTERM to ``train --nproc N``: torchrun passes it on, the ranks checkpoint and stop, and
     torchrun then raises SignalException in the launcher (a 30-line traceback, exit 1, before)."""
     import signal
@@ -193,17 +315,19 @@ def test_a_signal_to_the_launcher_ends_as_the_ranks_stop_did(monkeypatch, capsys
 
     monkeypatch.setattr(torchrun, "run", stopped)
     assert launch.launch_local(2, ["train.steps=300"]) == 0
-    assert capsys.readouterr().err == ("vlcontrast: train --nproc 2: Process 4242 got signal: 15 "
-                                       "was passed to the ranks, which stopped\n")
+    # torchrun's exception text ("Process 4242 got signal: 15") was pasted mid-sentence, before.
+    assert capsys.readouterr().err == ("vlcontrast: train --nproc 2: signal 15 (SIGTERM) passed to "
+                                       "the ranks, which stopped at step 20 with a checkpoint\n")
     assert agent_log == []
 
     # Rank 1 died without a vlcontrast error (a killed loader worker's traceback): exit 0 before.
     monkeypatch.setattr(torchrun, "run", lambda arguments: stopped(arguments, ranks=(0,)))
-    assert launch.launch_local(2, []) == 1
+    run = tmp_path / "run"
+    assert launch.launch_local(2, [f"output_dir={run}"]) == 1
     assert capsys.readouterr().err == (
-        "vlcontrast: error: train --nproc 2: Process 4242 got signal: 15 was passed to the ranks, "
-        "and rank(s) 1 did not stop with a checkpoint (their output is above); "
-        "train.resume=latest continues from the last checkpoint written\n")
+        "vlcontrast: error: train --nproc 2: signal 15 (SIGTERM) passed to the ranks, and rank(s) "
+        "1 did not stop with a checkpoint (their output is above); no checkpoint was written yet "
+        f"({run / 'checkpoints'} holds none): train.resume=latest starts it again from step 0\n")
 
     def failed_meanwhile(arguments):
         folder = Path(os.environ[failure.RANK_ERRORS_VARIABLE])

@@ -49,3 +49,57 @@ def test_sogclr_and_fastclip_runs_plot_their_objective_not_the_flat_surrogate(tm
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("\n".join(json.dumps({"kind": "train", **r}) for r in records))
     assert plot_loss_curve(metrics, tmp_path / "curve.png")
+
+
+def test_a_resumed_run_s_curve_does_not_double_back(tmp_path, monkeypatch):
+    """Killed after step 10 and resumed from the checkpoint of step 8: metrics.jsonl keeps the
+    killed attempt's records of steps 9 and 10 (nothing written is lost), and the resumed run logs
+    them again. The report's curves follow the run as it stands: steps in order, each once, with
+    the resumed values (they went 1..10, 9, 10, 11, 12 with the stale values, before)."""
+    import matplotlib.figure
+
+    rows = [{"kind": "train", "step": s, "loss": 5.0 - 0.1 * s, "logit_scale": 14.0}
+            for s in range(1, 11)]
+    rows += [{"kind": "eval", "step": 10, "zeroshot/top1": 0.9},  # the killed attempt's
+             {"kind": "event", "step": 8, "resumed_from": "RUN/checkpoints/step_00000008"}]
+    rows += [{"kind": "train", "step": s, "loss": 1.0 - 0.01 * s, "logit_scale": 15.0}
+             for s in range(9, 13)]
+    rows += [{"kind": "eval", "step": 12, "zeroshot/top1": 0.3}]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    drawn = []
+    real_savefig = matplotlib.figure.Figure.savefig
+
+    def savefig(figure, *args, **kwargs):
+        drawn.append([(list(line.get_xdata()), list(line.get_ydata()))
+                      for axes in figure.axes for line in axes.get_lines()])
+        return real_savefig(figure, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    assert plot_loss_curve(metrics, tmp_path / "curve.png")
+    (loss_steps, losses), (scale_steps, scales), (eval_steps, evals) = drawn[0]
+    assert loss_steps == scale_steps == list(range(1, 13))
+    assert losses[8:] == [1.0 - 0.01 * s for s in range(9, 13)]
+    assert scales == [14.0] * 8 + [15.0] * 4
+    assert (eval_steps, evals) == ([12], [0.3])
+
+
+def test_the_records_a_resume_superseded_are_dropped_for_every_reader(tmp_path):
+    """One rule (vlcontrast.train.metrics.as_resumed) for the run's report and a study cell's
+    result: at each resumed_from event, the earlier records of later steps go; events stay."""
+    from vlcontrast.train.metrics import as_resumed, read_metrics, read_run_metrics
+
+    rows = [{"kind": "train", "step": s} for s in (1, 2, 3, 4)]
+    rows += [{"kind": "event", "step": 4, "stopped": "signal 15"},
+             {"kind": "event", "step": 2, "resumed_from": "step_2"}]
+    rows += [{"kind": "train", "step": s} for s in (3, 4, 5)]
+    rows += [{"kind": "event", "step": 4, "resumed_from": "step_4"},
+             {"kind": "train", "step": 5}]
+    assert [(r["kind"], r["step"]) for r in as_resumed(rows)] == [
+        ("train", 1), ("train", 2), ("event", 4), ("event", 2), ("train", 3), ("train", 4),
+        ("event", 4), ("train", 5)]
+    assert as_resumed(rows[:4]) == rows[:4]  # never resumed: as it is
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"kind": "tr')
+    assert read_run_metrics(metrics) == as_resumed(read_metrics(metrics))
+    assert read_metrics(metrics) == rows  # the file itself keeps everything

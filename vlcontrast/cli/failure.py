@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -102,13 +103,16 @@ def _leave_for_launcher(folder: Path, line: str, error: BaseException) -> bool:
 
 def record_stopped(stop: BaseException) -> None:
     """A rank launched by ``train --nproc`` stopped on request with its checkpoint written: it
-    says so in the launcher's folder, which counts the ranks that did (:func:`stopped_ranks`)."""
+    says so, with its step, in the launcher's folder, which counts the ranks that did
+    (:func:`stopped_ranks`, :func:`stopped_steps`)."""
     folder = os.environ.get(RANK_ERRORS_VARIABLE)
     if not folder or "RANK" not in os.environ:
         return
+    step = re.search(r"\bat step (\d+)\b", str(stop))  # StopRequested: "stopped by ... at step N"
     try:
         path = Path(folder) / f"stopped_{int(os.environ['RANK']):05d}.json"
-        path.write_text(json.dumps({"line": f"vlcontrast: {stop}"}))
+        path.write_text(json.dumps({"line": f"vlcontrast: {stop}",
+                                    "step": int(step.group(1)) if step else None}))
     except (OSError, ValueError):
         pass  # the launcher then reports this rank as not stopped: the safe side
 
@@ -122,6 +126,19 @@ def stopped_ranks(folder: Path) -> set[int]:
         except ValueError:
             continue
     return ranks
+
+
+def stopped_steps(folder: Path) -> dict[int, int | None]:
+    """The global ranks that stopped on request -> the step they stopped at (None where their
+    record does not say, or cannot be read)."""
+    steps: dict[int, int | None] = {}
+    for rank in stopped_ranks(folder):
+        try:
+            step = json.loads((Path(folder) / f"stopped_{rank:05d}.json").read_text()).get("step")
+            steps[rank] = int(step) if step is not None else None
+        except (OSError, ValueError, TypeError, AttributeError):
+            steps[rank] = None
+    return steps
 
 
 def rank_lines(folder: Path) -> dict[int, tuple[str, int]]:

@@ -2,20 +2,27 @@
 
 torchrun runs in this process (its own entry point, ``torch.distributed.run.run``, so rendezvous,
 signal forwarding and the stop of the other ranks are torchrun's). Left alone it reports a failed
-rank with a log line per rank and a framed report with a traceback of its own; when the ranks
-failed with vlcontrast errors, which they leave in a folder instead of printing
+rank with a log line per rank and a framed report with a traceback of its own (the framed "Root
+Cause" report is the message of its ChildFailedError, printed only with that traceback). When the
+ranks failed with vlcontrast errors, which they leave in a folder instead of printing
 (:mod:`vlcontrast.cli.failure`), the launcher prints one of their lines instead. Any other failure
-(a crash, a traceback) gets torchrun's full report, as without this launcher.
+(a rank killed, or one that crashed with a traceback of its own, which stays on the rank's stderr
+above) ends as one line too, through the command line's error path (:class:`RankFailed`): the
+first rank that failed, how, and whether ``train.resume=latest`` has a checkpoint to continue
+from. ``--debug`` (``VLCONTRAST_DEBUG=1``) shows torchrun's log lines and report as well.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal as signals
 import sys
 import tempfile
+from pathlib import Path
 
 from vlcontrast.cli import failure
+from vlcontrast.errors import VlcontrastError
 
 TORCHRUN_LOGGERS = "torch.distributed.elastic"
 """torchrun's agent: it logs each failed and each stopped rank at WARNING and above."""
@@ -54,6 +61,97 @@ class HeldBack(logging.Filter):
         self.records.clear()
 
 
+class RankFailed(VlcontrastError, RuntimeError):
+    """A rank of ``train --nproc`` ended without a vlcontrast error of its own (killed by a signal,
+    or a crash whose traceback the rank printed): the command line prints it as one line (exit 1),
+    its traceback and torchrun's report only with ``--debug``."""
+
+
+def signal_words(number: int) -> str:
+    """``signal 15 (SIGTERM)``; ``signal 99`` for a number without a name."""
+    try:
+        return f"signal {int(number)} ({signals.Signals(number).name})"
+    except ValueError:
+        return f"signal {int(number)}"
+
+
+def first_failure(failed) -> tuple[int, object]:
+    """The rank whose failure came first, and its ``ProcessFailure``.
+
+    torchrun's own choice (``get_first_failure``: the earliest timestamp) is kept, except that a
+    failure without an error file is stamped with the second torchrun saw it, and the ranks it then
+    stopped itself (SIGTERM) or that failed in a collective with the dead one can share that
+    second: among those, a rank killed by another signal (SIGKILL: the out-of-memory killer, a
+    user) is the cause."""
+    rank, first = failed.get_first_failure()
+    if first.exitcode < 0 and first.exitcode != -signals.SIGTERM:
+        return rank, first
+    for other_rank, other in failed.failures.items():
+        if (other.timestamp == first.timestamp and other.exitcode < 0
+                and other.exitcode != -signals.SIGTERM):
+            return other_rank, other
+    return rank, first
+
+
+def how_it_ended(process_failure) -> str:
+    if process_failure.exitcode < 0:
+        return f"was killed by {signal_words(-process_failure.exitcode)}"
+    return f"exited with code {process_failure.exitcode}"
+
+
+def checkpoints_folder(train_arguments: list[str]) -> Path | None:
+    """``output_dir/checkpoints`` of the run the arguments describe (the configuration is read
+    again, unchecked: it was checked before the launch); None when it cannot be told."""
+    from vlcontrast.config import load_config
+
+    arguments = list(train_arguments)
+    path = None
+    if "--config" in arguments:
+        at = arguments.index("--config")
+        path = arguments[at + 1] if at + 1 < len(arguments) else None
+        del arguments[at:at + 2]
+    try:
+        return Path(load_config(path, arguments, check=False).output_dir) / "checkpoints"
+    except Exception:  # noqa: BLE001 - the line then says less, never fails itself
+        return None
+
+
+def resume_words(train_arguments: list[str]) -> str:
+    """What ``train.resume=latest`` would continue from, as the end of a line."""
+    from vlcontrast import checkpoints
+
+    root = checkpoints_folder(train_arguments)
+    if root is None:
+        return "train.resume=latest continues from the last checkpoint written, if any"
+    try:
+        complete, every = checkpoints.complete_checkpoints(root)
+        found = checkpoints.latest_checkpoint(root) or (complete[-1] if complete else None)
+    except OSError:
+        return "train.resume=latest continues from the last checkpoint written, if any"
+    if found is not None:
+        return f"train.resume=latest continues from the last checkpoint, {found}"
+    if every:  # a resume refuses these (checkpoints.find_resume)
+        return (f"{root} holds no complete checkpoint ({every[-1].name} ...): move its folders "
+                "aside and run again from step 0")
+    return (f"no checkpoint was written yet ({root} holds none): train.resume=latest starts it "
+            "again from step 0")
+
+
+def failed_line(nproc: int, failed, train_arguments: list[str]) -> str:
+    """The line of a run whose ranks failed without a vlcontrast error of their own."""
+    rank, process_failure = first_failure(failed)
+    return (f"train --nproc {nproc}: rank {rank} {how_it_ended(process_failure)} and the run "
+            f"stopped (the ranks' output is above); {resume_words(train_arguments)}")
+
+
+def stopped_words(folder: Path) -> str:
+    """`` at step N`` where the ranks said at which step they stopped (they agree on one)."""
+    steps = set(failure.stopped_steps(folder).values()) - {None}
+    if len(steps) == 1:
+        return f" at step {steps.pop()}"
+    return ""
+
+
 def torchrun_arguments(nproc: int, train_arguments: list[str]) -> list[str]:
     return ["--standalone", f"--nproc_per_node={nproc}", "-m", "vlcontrast.cli", "train",
             *train_arguments]
@@ -85,17 +183,23 @@ def launch_local(nproc: int, train_arguments: list[str]) -> int:
         os.environ[failure.RANK_ERRORS_VARIABLE] = folder  # the ranks inherit it
         try:
             torchrun.run(arguments)
-        except ChildFailedError:
+        except ChildFailedError as failed:
             lines = failure.rank_lines(folder)
-            if not lines or failure.debug_requested():
+            if failure.debug_requested():
                 held.release()
-                raise
+                if lines:
+                    raise
+            if not lines:
+                # Killed, or crashed with its own traceback (on its stderr, above): one line, and
+                # no traceback or framed report of the launcher's (--debug shows them).
+                raise RankFailed(failed_line(nproc, failed, train_arguments)) from failed
             # Every rank raises a collective's error alike (the others add "reported by rank R"),
             # so the lowest rank's line stands for the run.
             line, code = lines[min(lines)]
             print(line, file=sys.stderr, flush=True)
             return code
         except SignalException as signal:
+            passed = f"{signal_words(signal.sigval)} passed to the ranks"
             # SIGTERM/SIGINT to the launcher (a scheduler's notice): torchrun forwarded it, and
             # the ranks stopped at an agreed step with a checkpoint, as a single process does (exit
             # 0, rank 0's stop line); a rank that failed meanwhile left its line.
@@ -109,13 +213,13 @@ def launch_local(nproc: int, train_arguments: list[str]) -> int:
                 return code
             missing = sorted(set(range(nproc)) - failure.stopped_ranks(folder))
             if missing:  # killed, or failed with an error that is not vlcontrast's (above)
-                print(f"vlcontrast: error: train --nproc {nproc}: {signal} was passed to the "
-                      f"ranks, and rank(s) {', '.join(map(str, missing))} did not stop with a "
-                      "checkpoint (their output is above); train.resume=latest continues from "
-                      "the last checkpoint written", file=sys.stderr, flush=True)
+                print(f"vlcontrast: error: train --nproc {nproc}: {passed}, and rank(s) "
+                      f"{', '.join(map(str, missing))} did not stop with a checkpoint (their "
+                      f"output is above); {resume_words(train_arguments)}", file=sys.stderr,
+                      flush=True)
                 return 1
-            print(f"vlcontrast: train --nproc {nproc}: {signal} was passed to the ranks, which "
-                  "stopped", file=sys.stderr, flush=True)
+            print(f"vlcontrast: train --nproc {nproc}: {passed}, which stopped"
+                  f"{stopped_words(Path(folder))} with a checkpoint", file=sys.stderr, flush=True)
             return 0
         except BaseException:
             held.release()

@@ -38,7 +38,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
-from vlcontrast.train.metrics import read_metrics
+from vlcontrast.train.metrics import read_metrics, read_run_metrics
 
 from .config import StudyConfig
 from .grid import Cell, pretrain_command, pretrain_dir
@@ -77,22 +77,9 @@ def _with_mean_recall(values: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def _as_resumed(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The records of the run as it stands: a resumed run logs again the steps after its
-    checkpoint that the stopped attempt had logged already, so at each ``resumed_from`` event the
-    earlier records of later steps are dropped (a run never resumed is left as it is)."""
-    out: list[dict[str, Any]] = []
-    for record in records:
-        if record.get("kind") == "event" and "resumed_from" in record:
-            step = int(record.get("step", 0))
-            out = [r for r in out if r.get("kind") == "event" or int(r.get("step", 0)) <= step]
-        out.append(record)
-    return out
-
-
 def summarise_run(run_dir: Path, global_batch: int) -> dict[str, Any]:
     """Last and best evaluation, evaluation curve and thinned loss curve of a finished run."""
-    records = _as_resumed(read_metrics(run_dir / "metrics.jsonl"))
+    records = read_run_metrics(run_dir / "metrics.jsonl")
     final = json.loads((run_dir / "results.json").read_text())["metrics"]
     curve_by_step: dict[int, dict[str, Any]] = {}
     for record in records:

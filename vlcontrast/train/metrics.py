@@ -86,3 +86,32 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return records
+
+
+def as_resumed(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records of the run as it stands, for whatever summarises a metrics.jsonl (the run's
+    report, a study cell's result). A resumed run (``train.resume=latest``) logs again the steps
+    after its checkpoint that the stopped or killed attempt had logged already, and the file keeps
+    both (nothing written is lost); so at each ``resumed_from`` event the earlier records of later
+    steps are superseded and dropped here, events excepted. A run never resumed is left as it is,
+    and the records keep their order."""
+    out: list[dict[str, Any]] = []
+    for record in records:
+        if record.get("kind") == "event" and "resumed_from" in record:
+            step = _step(record)
+            out = [r for r in out if r.get("kind") == "event" or _step(r) <= step]
+        out.append(record)
+    return out
+
+
+def _step(record: dict[str, Any]) -> int:
+    try:
+        return int(record.get("step", 0))
+    except (TypeError, ValueError):
+        return 0
+
+
+def read_run_metrics(path: Path) -> list[dict[str, Any]]:
+    """:func:`read_metrics` of a run's metrics.jsonl with the records a resume superseded dropped
+    (:func:`as_resumed`): what a report or summary of the run reads."""
+    return as_resumed(read_metrics(path))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from vlcontrast.train.metrics import read_metrics
+from vlcontrast.train.metrics import read_run_metrics
 
 
 def results_table(results: dict[str, Any], title: str = "metric") -> str:
@@ -27,7 +27,11 @@ def curve_key(records: list[dict[str, Any]]) -> str:
 
 
 def plot_loss_curve(metrics_path: Path, out_png: Path) -> bool:
-    records = [r for r in read_metrics(metrics_path) if r.get("kind") == "train" and "loss" in r]
+    """The training curve (and the evaluations on it) of the run as it stands: a resumed run's
+    records that its resume superseded are left out (:func:`read_run_metrics`), so the curve does
+    not double back over the steps it logged twice."""
+    everything = read_run_metrics(metrics_path)
+    records = [r for r in everything if r.get("kind") == "train" and "loss" in r]
     if not records:
         return False
     import matplotlib
@@ -47,7 +51,7 @@ def plot_loss_curve(metrics_path: Path, out_png: Path) -> bool:
     axes[1].set_xlabel("optimizer step")
     axes[1].set_ylabel("logit scale (1/tau)")
     axes[1].grid(alpha=0.3)
-    evals = [r for r in read_metrics(metrics_path) if r.get("kind") == "eval"]
+    evals = [r for r in everything if r.get("kind") == "eval"]
     if evals:
         ax = axes[0].twinx()
         for key, color in (("zeroshot/top1", "tab:green"), ("retrieval/text_to_image_R@1", "tab:red")):
