@@ -103,3 +103,40 @@ def test_the_records_a_resume_superseded_are_dropped_for_every_reader(tmp_path):
     metrics.write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"kind": "tr')
     assert read_run_metrics(metrics) == as_resumed(read_metrics(metrics))
     assert read_metrics(metrics) == rows  # the file itself keeps everything
+
+
+def test_a_fresh_start_sets_an_earlier_start_s_records_aside(tmp_path, caplog):
+    """A start killed before its first checkpoint left steps 5 and 10 in metrics.jsonl; a new start
+    in the folder appended its steps 1, 2, ... after them (and TensorBoard drew both as one)."""
+    from vlcontrast.config import LoggingConfig
+    from vlcontrast.train.metrics import MetricsLogger, read_metrics
+
+    run = tmp_path / "run"
+    run.mkdir()
+    old = '{"kind": "train", "step": 5, "loss": 9.0}\n{"kind": "train", "step": 10, "loss": 8.0}\n'
+    (run / "metrics.jsonl").write_text(old)
+    (run / "tensorboard").mkdir()
+    (run / "tensorboard" / "events.out.tfevents.1").write_bytes(b"old")
+    logging = LoggingConfig(tensorboard=False, wandb=False)
+
+    resumed = MetricsLogger(run, logging, enabled=True, fresh=False)  # a resume appends
+    resumed.log(11, {"loss": 7.0})
+    resumed.close()
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [5, 10, 11]
+
+    with caplog.at_level("WARNING"):
+        fresh = MetricsLogger(run, logging, enabled=True, fresh=True)
+        fresh.log(1, {"loss": 10.0})
+        fresh.close()
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1]
+    aside = sorted(p.name for p in run.iterdir() if ".earlier-" in p.name)
+    assert len(aside) == 2 and aside[0].startswith("metrics.earlier-") \
+        and aside[1].startswith("tensorboard.earlier-")
+    assert [r["step"] for r in read_metrics(run / aside[0])] == [5, 10, 11]  # nothing lost
+    assert (run / aside[1] / "events.out.tfevents.1").read_bytes() == b"old"
+    assert "earlier start that wrote no checkpoint" in caplog.text and aside[0] in caplog.text
+
+    # another fresh start the same second: a second name, never an overwrite
+    fresh = MetricsLogger(run, logging, enabled=True, fresh=True)
+    fresh.close()
+    assert len([p for p in run.iterdir() if p.name.startswith("metrics.earlier-")]) == 2

@@ -455,7 +455,7 @@ def _step_logger(config: RunConfig, env, total_steps: int, precision: Precision,
     from vlcontrast.models.flops import peak_flops, train_flops_per_sample
 
     metrics = MetricsLogger(Path(config.output_dir), config.logging, enabled=env.rank == 0,
-                            config=to_dict(config))
+                            config=to_dict(config), fresh=resumed_at == 0)
     flops = peak = None
     if env.device.type == "cuda":
         flops = train_flops_per_sample(model_config or {})

@@ -23,11 +23,42 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def set_aside_earlier_start(run_dir: Path) -> list[Path]:
+    """``metrics.jsonl`` and ``tensorboard/`` of an earlier start in ``run_dir`` renamed to
+    ``metrics.earlier-STAMP.jsonl`` and ``tensorboard.earlier-STAMP``, with a warning, so a new
+    start's steps 1, 2, ... do not follow the old ones in one file or one TensorBoard curve.
+    Returns the new names (none when there was nothing)."""
+    import logging as logs
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    moved = []
+    for name, aside in (("metrics.jsonl", f"metrics.earlier-{stamp}.jsonl"),
+                        ("tensorboard", f"tensorboard.earlier-{stamp}")):
+        path = run_dir / name
+        held = path.is_dir() and any(path.iterdir()) or path.is_file() and path.stat().st_size
+        if held:
+            target = run_dir / aside
+            suffix = 1
+            while target.exists():
+                target = run_dir / f"{aside}.{suffix}"
+                suffix += 1
+            path.rename(target)
+            moved.append(target)
+    if moved:
+        logs.getLogger(__name__).warning(
+            "%s held the records of an earlier start that wrote no checkpoint: moved to %s; "
+            "this run starts again from step 0", run_dir, " and ".join(p.name for p in moved))
+    return moved
+
+
 class MetricsLogger:
     def __init__(self, run_dir: Path, logging: LoggingConfig, *, enabled: bool,
-                 config: dict | None = None):
+                 config: dict | None = None, fresh: bool = False):
         """``logging``: the run's ``logging`` section; ``config``: the resolved run config as a
-        plain dict, for Weights & Biases."""
+        plain dict, for Weights & Biases. ``fresh``: the run starts at step 0, so records already
+        in ``run_dir`` are an earlier start's that wrote no checkpoint (the preflight refuses a
+        fresh start over checkpoints): they are moved aside (:func:`set_aside_earlier_start`),
+        never appended to or deleted."""
         self.enabled = enabled
         tensorboard, wandb, wandb_project = logging.tensorboard, logging.wandb, logging.wandb_project
         self.path = run_dir / "metrics.jsonl"
@@ -35,6 +66,8 @@ class MetricsLogger:
         self._wandb = None
         if not enabled:
             return
+        if fresh:
+            set_aside_earlier_start(run_dir)
         self._file = open(self.path, "a", buffering=1)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
