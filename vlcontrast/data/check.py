@@ -6,8 +6,12 @@ evaluation, so its counts use the same names and mean the same samples: every cl
 skips (``missing_image``, ``undecodable_image``, ``decompression_bomb``, ``missing_caption``,
 ``caption_not_utf8``, ``empty_caption``, ``no_sample_id``, ``sample_id_out_of_range``), plus
 ``duplicate_key`` (a key seen twice in one shard, or an id in two shards of one directory) and
-``invalid_json``, which no reader skips. Shard-level findings: shards listed in ``sizes.json`` but
-absent, counts that disagree with ``sizes.json``, truncated shards and unreadable shards. The one
+``invalid_json``, which no reader skips. Shard-level findings: shards a directory's size source
+(``sizes.json``, ``manifest.json``, ``*_stats.json``) lists but that are absent (training reads the
+shards present, with a warning: they fail ``ok``, not ``trainable``), counts that disagree with
+``sizes.json``, truncated shards, unreadable shards, and a folder an unfinished ``vlcontrast prep``
+run is writing (training refuses it: not ``trainable``). When most samples lack the image or the
+caption member, the summary names the members they have and the key that reads them. The one
 class of the loader the check cannot see is ``transform_error`` (it depends on the model's
 transform).
 
@@ -42,11 +46,12 @@ from vlcontrast.errors import DataPrepError
 
 from .samples import (CHECK_ONLY_REASONS, CONTENT_REASONS, DEFAULT_MAX_IMAGE_PIXELS,
                       DEFAULT_MEMBERS, ID_REASONS, IdRule, Members, check_member_keys, count,
-                      inspect_sample, read_json, read_sample_id)
+                      find_image, inspect_sample, read_caption, read_json, read_sample_id)
 from .counting import count_shard
-from .shards import read_manifest, read_sizes
-from .sources import warn_incomplete, directory_sizes
-from .spec import expand_spec
+from .shards import read_manifest, read_sizes, unfinished_prep
+from .sources import (directory_sizes, missing_listed_shards, missing_shards_line,
+                      warn_incomplete, whole_directories)
+from .spec import IMAGE_FILE_EXTENSIONS, expand_spec
 from .tar_reader import PIPE_PREFIX, read_shard
 
 MAX_EXAMPLES = 10
@@ -65,6 +70,82 @@ def _id_space(directory: str) -> int:
         return 0
 
 
+KEY_REASONS = {"missing_caption": "caption", "missing_image": "image"}
+"""The per-sample reasons that mean no member matches ``data.caption_key``/``data.image_key``."""
+SNIFF_SAMPLES = 8
+"""Samples the training preflight reads (from the first local shards) to check the member keys."""
+
+
+def key_hint(key: str, members: dict[str, bytes], reason: str) -> dict[str, Any]:
+    """What a sample that is ``missing_caption``/``missing_image`` holds instead: ``found`` (its
+    members, and for a caption a ``.json``'s caption field) and ``setting``, the key that would
+    read it (``json:caption``, ``gif``), or None. A caption field is looked for as ``prep
+    folder`` reads a ``.json`` sidecar (its ``SIDECAR_KEYS``, first present wins)."""
+    from .prep.folder import SIDECAR_KEYS
+
+    names = ", ".join("." + ext for ext in sorted(members)) or "no members"
+    found = f"sample {key!r} has {names}"
+    setting = None
+    if reason == "missing_caption":
+        meta = read_json(members)
+        if isinstance(meta, dict):
+            field = next((f for f in SIDECAR_KEYS
+                          if read_caption(members, (f"json:{f}",)) not in
+                          ("missing_caption", "empty_caption", "caption_not_utf8")), None)
+            if field is not None:
+                found += f"; its .json has {field!r}"
+                setting = f"json:{field}"
+        if setting is None:
+            setting = next((ext for ext in SIDECAR_KEYS if ext in members), None)
+    elif reason == "missing_image":
+        extensions = tuple(e.lstrip(".") for e in IMAGE_FILE_EXTENSIONS)
+        setting = next((ext for ext in sorted(members) if ext in extensions), None)
+    return {"key": key, "found": found, "setting": setting}
+
+
+def key_fix(reason: str, hint: dict[str, Any] | None, option: str) -> str:
+    """``set data.caption_key=json:caption`` (``option``: ``data.caption_key``, or the check's
+    ``--caption-key``), or what to set it to when no member looks right."""
+    if hint and hint.get("setting"):
+        return f"set {option}={hint['setting']}"
+    if reason == "missing_caption":
+        return (f"set {option} to the member holding the caption (txt, or json:FIELD for a "
+                "field of the .json)")
+    return f"set {option} to the image member's extension (e.g. jpg;png)"
+
+
+def sniff_member_keys(urls: list[str], keys: Members, key: str = "data.train",
+                      samples: int = SNIFF_SAMPLES) -> str | None:
+    """The training preflight's look at the first ``samples`` samples of the first local shards
+    (``pipe:`` and missing shards are passed over; an unreadable shard just ends the look): when
+    none of them has a member matching ``data.image_key`` or ``data.caption_key``, the one-line
+    error naming the shard, the members found and the setting to use; else None."""
+    seen = 0
+    lacking = {"missing_image": 0, "missing_caption": 0}
+    first: dict[str, tuple[str, dict[str, Any]]] = {}
+    for url in urls:
+        if seen >= samples:
+            break
+        if url.startswith(PIPE_PREFIX) or not os.path.isfile(url):
+            continue
+        for _, row_key, members in read_shard(url, take=samples - seen, exact=False):
+            seen += 1
+            checks = {"missing_image": find_image(members, keys.image) is None,
+                      "missing_caption": read_caption(members, keys.caption) == "missing_caption"}
+            for reason, missing in checks.items():
+                if missing:
+                    lacking[reason] += 1
+                    first.setdefault(reason, (url, key_hint(row_key, members, reason)))
+    for reason, option, value in (("missing_image", "data.image_key", ";".join(keys.image)),
+                                  ("missing_caption", "data.caption_key",
+                                   ";".join(keys.caption))):
+        if seen and lacking[reason] == seen:
+            url, hint = first[reason]
+            return (f"{key}: none of the first {seen} samples of {url!r} has a member matching "
+                    f"{option}={value!r} ({hint['found']}): {key_fix(reason, hint, option)}")
+    return None
+
+
 def check_shard(path: str, decode_images: bool = True, id_space: int = 0,
                 max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, require_ids: bool = True,
                 keys: Members = DEFAULT_MEMBERS) -> dict[str, Any]:
@@ -74,7 +155,8 @@ def check_shard(path: str, decode_images: bool = True, id_space: int = 0,
                               "non_numeric_ids": 0,
                               "error": None, "truncated": None,
                               "bad_samples": {kind: 0 for kind in PROBLEMS},
-                              "examples": {kind: [] for kind in PROBLEMS}, "ids": []}
+                              "examples": {kind: [] for kind in PROBLEMS}, "ids": [],
+                              "key_hints": {}}
 
     def problem(kind: str, key: str) -> None:
         count(result["bad_samples"], kind)
@@ -99,6 +181,8 @@ def check_shard(path: str, decode_images: bool = True, id_space: int = 0,
                                 decode_image=decode_images, keys=keys)
         if isinstance(sample, str):
             problem(sample, key)
+            if sample in KEY_REASONS and sample not in result["key_hints"]:
+                result["key_hints"][sample] = key_hint(key, members, sample)
         sample_id = read_sample_id(key, members, IdRule())  # for duplicates, whatever else failed
         if not isinstance(sample_id, str):
             result["ids"].append(sample_id)
@@ -123,14 +207,20 @@ def _check_job(job: tuple) -> dict[str, Any]:
     return check_shard(*job)
 
 
-def _resolve(spec: str) -> list[str]:
-    """Shards of the spec; for a directory also those its ``sizes.json`` lists (a missing one is
-    reported, not an error)."""
+def _resolve(spec: str) -> tuple[list[str], list[dict[str, Any]]]:
+    """Shards of the spec, and for each folder it names as a directory the shards its size source
+    (``sizes.json``, else ``manifest.json``, else img2dataset's ``*_stats.json``, as training
+    reads them) lists with samples but that are not there: training reads the shards present."""
     paths = expand_spec(spec, "prep check")
-    if os.path.isdir(spec):
-        listed = [os.path.join(spec, name) for name in read_sizes(spec)]
-        paths = sorted(set(paths) | set(listed))
-    return paths
+    missing = []
+    for directory in whole_directories(spec, "prep check"):
+        found = missing_listed_shards(directory)
+        if found:
+            missing.append({"directory": directory, "line": missing_shards_line(directory, found),
+                            "shards": [{"shard": name, "path": os.path.join(directory, name),
+                                        "listed_in": where, "samples": n}
+                                       for name, n, where in found]})
+    return paths, missing
 
 
 def check_shards(dir_or_pattern: str | os.PathLike, report_path: str | os.PathLike | None = None,
@@ -157,9 +247,10 @@ def check_shards(dir_or_pattern: str | os.PathLike, report_path: str | os.PathLi
     keys = Members.parse(image_key, caption_key)
     start = time.perf_counter()
     spec = str(dir_or_pattern)
-    paths = _resolve(spec)
+    paths, missing_shards = _resolve(spec)
     directories = list(dict.fromkeys(os.path.dirname(os.path.abspath(p)) for p in paths
                                      if not p.startswith("pipe:")))
+    unfinished = [line for line in map(unfinished_prep, directories) if line]
     sizes = {os.path.join(d, name): n for d in directories for name, n in read_sizes(d).items()}
     # The sizes training would take (sizes.json, else manifest.json, else *_stats.json): rows they
     # promise but a shard lacks are the loader's missing_samples.
@@ -231,6 +322,17 @@ def check_shards(dir_or_pattern: str | os.PathLike, report_path: str | os.PathLi
     missing = {r["shard"]: promised[os.path.abspath(r["path"])] - r["samples"] for r in results
                if not r["error"] and promised.get(os.path.abspath(r["path"]), 0) > r["samples"]}
     report["missing_samples"] = sum(missing.values())
+    # Shards the sizes list but that are not there: training reads the shards present (with a
+    # warning, sources.warn_missing_shards), so they fail ``ok`` but not ``trainable``.
+    report["missing_shards"] = [shard for folder in missing_shards for shard in folder["shards"]]
+    report["missing_shards_lines"] = [folder["line"] for folder in missing_shards]
+    # A prep folder|csv|wds run that has not finished: training refuses it (train.preflight).
+    report["unfinished_prep"] = unfinished
+    hints: dict[str, dict[str, Any]] = {}
+    for r in results:
+        for reason, hint in r["key_hints"].items():
+            hints.setdefault(reason, hint)
+    report["key_hints"] = hints
     listed = {r["path"]: sizes.get(os.path.abspath(r["path"])) for r in results}
     report["size_mismatches"] = [
         {"shard": r["shard"], "sizes_json": listed[r["path"]], "found": r["samples"]}
@@ -242,7 +344,8 @@ def check_shards(dir_or_pattern: str | os.PathLike, report_path: str | os.PathLi
                                      "bad_samples": {k: v for k, v in r["bad_samples"].items()
                                                      if v}} for r in results}
     report["ok"] = (not report["unreadable_shards"] and not report["size_mismatches"]
-                    and not report["truncated_shards"] and not any(bad.values()))
+                    and not report["truncated_shards"] and not any(bad.values())
+                    and not report["missing_shards"] and not unfinished)
     non_numeric = sum(r["non_numeric_ids"] for r in results)
     report["ids"] = {"numeric": report["num_samples"] - non_numeric, "non_numeric": non_numeric,
                      "required": bool(require_ids or any(spaces.values())),
@@ -256,7 +359,7 @@ def check_shards(dir_or_pattern: str | os.PathLike, report_path: str | os.PathLi
     report["bad_fraction"] = round(fraction, 6)
     report["max_bad_fraction"] = max_bad_fraction
     report["trainable"] = (not report["unreadable_shards"] and report["num_samples"] > 0
-                           and fraction <= max_bad_fraction)
+                           and fraction <= max_bad_fraction and not unfinished)
     if non_numeric and not report["ids"]["required"]:
         report["ids"]["note"] = (
             f"{non_numeric} keys are not numeric: fine for losses without per-sample state; a "
@@ -288,6 +391,8 @@ def summarize(report: dict[str, Any]) -> str:
                      "not in the shards)")
     if report["size_mismatches"]:
         parts.append(f"{len(report['size_mismatches'])} shards disagree with sizes.json")
+    for line in report.get("missing_shards_lines") or []:
+        parts.append(f"MISSING shards: {line}; training uses the shards that are there")
     truncated = report.get("truncated_shards") or []
     if truncated:
         names = ", ".join(f"{t['shard']}: {t['samples']}" for t in truncated[:5])
@@ -305,4 +410,27 @@ def summarize(report: dict[str, Any]) -> str:
     if ids.get("non_numeric") and not ids.get("required"):
         parts.append(f"{ids['non_numeric']} non-numeric keys (fine unless the loss needs ids: "
                      "then `vlcontrast prep wds`)")
+    hint = key_hint_line(report)
+    if hint:
+        parts.append(hint)
+    if report.get("unfinished_prep"):
+        verdict = "UNFINISHED PREP: " + "; ".join(report["unfinished_prep"])
     return f"check: {verdict}: " + ", ".join(parts)
+
+
+def key_hint_line(report: dict[str, Any]) -> str:
+    """When most samples are ``missing_caption``/``missing_image``: what they hold and the
+    setting that reads them (``--caption-key json:caption``, ``data.caption_key`` in training);
+    else an empty string."""
+    bad = report.get("bad_samples") or {}
+    samples = report.get("num_samples") or 0
+    for reason, what in KEY_REASONS.items():
+        if samples and bad.get(reason, 0) * 2 > samples:
+            hint = (report.get("key_hints") or {}).get(reason)
+            fix = key_fix(reason, hint, f"--{what}-key")
+            setting = (f" (data.{what}_key={hint['setting']} in training)"
+                       if hint and hint.get("setting") else "")
+            found = f" ({hint['found']})" if hint else ""
+            return (f"most samples have no member matching --{what}-key{found}: "
+                    f"{fix}{setting}")
+    return ""

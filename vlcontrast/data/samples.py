@@ -406,7 +406,9 @@ def bad_rate_error(bad: dict[str, int], examined: int, max_bad_fraction: float, 
                    max_image_pixels: int | None = None) -> LoaderError | None:
     """The error to raise when the bad-sample rate exceeds the limit, else None; with
     ``max_image_pixels`` (``data.max_image_pixels``) it ends in :func:`pixels_hint` when images
-    were skipped as ``decompression_bomb``."""
+    were skipped as ``decompression_bomb``; when most are ``missing_caption``/``missing_image`` it
+    names ``data.caption_key``/``data.image_key`` instead. Counts are per read (a worker short of
+    good samples reads rows again), which the error says where most samples were bad."""
     bad_total = sum(bad.get(r, 0) for r in SAMPLE_REASONS)
     denominator = examined + bad.get("missing_samples", 0)
     if denominator <= 0 or bad_total / denominator <= max_bad_fraction:
@@ -418,8 +420,25 @@ def bad_rate_error(bad: dict[str, int], examined: int, max_bad_fraction: float, 
             f"numeric sample id; reasons {detail}. Re-key the shards with `vlcontrast prep wds "
             "SHARDS OUT` (dense ids; a loss without per-sample state needs none), or set "
             "data.id_space to cover the ids")
+    # A worker left short of good samples reads rows again (plan.spare_segments goes around the
+    # shards once more), so where nearly everything is bad a sample can be counted twice.
+    reads = ("; counted per read: a worker short of good samples reads the shards again, so "
+             "one sample can count more than once" if bad_total * 2 > denominator else "")
+    missing_key = next((option for reason, option in (("missing_caption", "data.caption_key"),
+                                                      ("missing_image", "data.image_key"))
+                        if bad.get(reason, 0) * 2 > bad_total), None)
+    if missing_key is not None:
+        example = ("data.caption_key=json:caption when the captions are in the .json"
+                   if missing_key == "data.caption_key" else "data.image_key=gif for .gif images")
+        return LoaderError(
+            f"{where}: {bad_total} of {denominator} samples were bad "
+            f"({bad_total / denominator:.1%} > data.max_bad_fraction={max_bad_fraction:.1%}"
+            f"{reads}); "
+            f"reasons {detail}. Most have no member matching {missing_key}: set it to the member "
+            f"that holds it (e.g. {example}; `vlcontrast prep check SHARDS` names the members "
+            "the samples have)")
     return LoaderError(
         f"{where}: {bad_total} of {denominator} samples were bad ({bad_total / denominator:.1%} > "
-        f"data.max_bad_fraction={max_bad_fraction:.1%}); reasons {detail}. The shards look "
+        f"data.max_bad_fraction={max_bad_fraction:.1%}{reads}); reasons {detail}. The shards look "
         "damaged or are not image/caption webdataset shards; fix them or raise "
         "data.max_bad_fraction" + pixels_hint(bad, max_image_pixels, "data.max_image_pixels"))

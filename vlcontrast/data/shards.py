@@ -22,6 +22,10 @@ from .spec import expand_spec
 
 SIZES_FILE = "sizes.json"
 MANIFEST_FILE = "manifest.json"
+PREP_STATE_FILE = "_prep_state.json"
+"""The local converters' record of finished shards (``vlcontrast.data.prep.writer.STATE_FILE``):
+written when a ``prep folder|csv|wds`` run starts and after each shard; ``manifest.json`` is
+written only once every shard is done. The state without a manifest is an unfinished prep."""
 
 
 def _shard_directory(path: str | os.PathLike) -> Path:
@@ -107,3 +111,24 @@ def _write_json(path: Path, payload: Any) -> Path:
         f.write("\n")
     os.replace(tmp, path)
     return path
+
+
+def unfinished_prep(directory: str | os.PathLike) -> str | None:
+    """For a directory holding the state of a ``vlcontrast prep folder|csv|wds`` run that has not
+    finished (still running, or stopped: :data:`PREP_STATE_FILE` without ``manifest.json``), the
+    line that says so and how to finish it; else None (a finished prep, or shards no prep
+    wrote)."""
+    directory = Path(directory)
+    state_path = directory / PREP_STATE_FILE
+    if not state_path.is_file() or (directory / MANIFEST_FILE).is_file():
+        return None
+    try:
+        with open(state_path) as f:
+            done = json.load(f).get("shards") or {}
+        finished = sum(1 for stats in done.values() if int(stats.get("written", 0)) > 0)
+        what = f"{finished} shard{'s' if finished != 1 else ''} finished so far"
+    except (OSError, ValueError, AttributeError, TypeError):
+        what = "its progress unreadable"
+    return (f"{str(directory)!r} is an unfinished `vlcontrast prep` output ({what}, recorded in "
+            f"{PREP_STATE_FILE}; no {MANIFEST_FILE} yet): the prep is still running or was "
+            "stopped; run the same prep command again to finish it (it resumes where it stopped)")

@@ -55,19 +55,22 @@ class ShardSet:
         return hashlib.sha1(json.dumps(rows).encode()).hexdigest()[:16]
 
 
-def directory_sizes(directory: str) -> dict[str, int]:
-    """Rows per shard basename: sizes.json, else manifest.json, else img2dataset's
-    ``<shard>_stats.json`` (``successes``)."""
+def listed_sizes(directory: str) -> tuple[dict[str, int], dict[str, str]]:
+    """Rows per shard basename from the first size source a directory has -- ``sizes.json``,
+    else ``manifest.json``, else img2dataset's ``<shard>_stats.json`` (``successes``) -- and,
+    per shard, the file that lists it."""
     sizes = shard_meta.read_sizes(directory)
     if sizes:
-        return sizes
+        return sizes, {name: shard_meta.SIZES_FILE for name in sizes}
     try:
         shards = shard_meta.read_manifest(directory).get("shards")
     except FileNotFoundError:
         shards = None
     if isinstance(shards, dict):
-        return {name: int(n) for name, n in shards.items()}
-    stats = {}
+        return ({name: int(n) for name, n in shards.items()},
+                {name: shard_meta.MANIFEST_FILE for name in shards})
+    stats: dict[str, int] = {}
+    where: dict[str, str] = {}
     for path in glob.glob(os.path.join(glob.escape(directory), "*_stats.json")):
         name = os.path.basename(path)[: -len("_stats.json")] + ".tar"
         try:
@@ -75,7 +78,47 @@ def directory_sizes(directory: str) -> dict[str, int]:
                 stats[name] = int(json.load(f)["successes"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
-    return stats
+        where[name] = os.path.basename(path)
+    return stats, where
+
+
+def directory_sizes(directory: str) -> dict[str, int]:
+    """Rows per shard basename: sizes.json, else manifest.json, else img2dataset's
+    ``<shard>_stats.json`` (``successes``)."""
+    return listed_sizes(directory)[0]
+
+
+def missing_listed_shards(directory: str) -> list[tuple[str, int, str]]:
+    """``(shard, rows, listing file)`` of each shard the directory's size source lists with rows
+    but that is not there (a shard deleted or never copied)."""
+    sizes, where = listed_sizes(directory)
+    return [(name, n, where[name]) for name, n in sorted(sizes.items())
+            if n > 0 and not os.path.exists(os.path.join(directory, name))]
+
+
+def whole_directories(spec: str, key: str) -> list[str]:
+    """The shard folders a spec names as directories (not by pattern): the folders whose listed
+    shards all belong to the spec, so a listed shard that is absent is missing from it."""
+    from .spec import expand_member, split_members
+
+    folders: list[str] = []
+    for source in parse_spec(spec, key):
+        for member in split_members(source.pattern):
+            if not member.startswith(PIPE_PREFIX) and os.path.isdir(member):
+                folders.extend(os.path.dirname(os.path.abspath(url))
+                               for url in expand_member(member, key))
+    return list(dict.fromkeys(folders))
+
+
+def missing_shards_line(directory: str, missing: list[tuple[str, int, str]]) -> str:
+    """``00004_stats.json in DIR lists 1 shard that is not there (00004.tar: 9 samples)``."""
+    sources = list(dict.fromkeys(where for _, _, where in missing))
+    named = ", ".join(f"{name}: {n} samples" for name, n, _ in missing[:5]) + (
+        f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+    return (f"{', '.join(sources[:3])}{' ...' if len(sources) > 3 else ''} in {directory!r} "
+            f"list{'s' if len(sources) == 1 else ''} {len(missing)} shard"
+            f"{'s' if len(missing) != 1 else ''} that {'is' if len(missing) == 1 else 'are'} not "
+            f"there ({named})")
 
 
 def directory_id_space(directory: str) -> int | None:
@@ -118,6 +161,17 @@ def warn_incomplete(url: str, found) -> None:
                        "%d complete samples are used", url, found.rows)
 
 
+def warn_missing_shards(directory: str, missing: list[tuple[str, int, str]]) -> None:
+    """One warning per folder and process: shards its sizes list that are not there; training
+    reads the shards present (``vlcontrast prep check`` reports the same, failing ``ok``)."""
+    if not missing or ("missing:" + directory) in _WARNED:
+        return
+    _WARNED.add("missing:" + directory)
+    logger.warning("data: %s: training uses the shards that are there, without those %d "
+                   "samples (copy the missing shards back to train on them)",
+                   missing_shards_line(directory, missing), sum(n for _, n, _ in missing))
+
+
 def resolve_shard_set(data_cfg: Any, *, needs_sample_ids: bool = False,
                       who: str = "the loss") -> ShardSet:
     """Expand ``data.train``, find shard sizes and the id space; fail fast naming the problem.
@@ -142,6 +196,9 @@ def resolve_shard_set(data_cfg: Any, *, needs_sample_ids: bool = False,
                          if directory is not None else None)
             weights.append(source.weight)
             directories.append(directory)
+
+    for directory in whole_directories(data_cfg.train, "data.train"):
+        warn_missing_shards(directory, missing_listed_shards(directory))
 
     explicit_space = int(getattr(data_cfg, "id_space", 0) or 0)
     distinct = list(dict.fromkeys(directories))

@@ -11,7 +11,9 @@ Local files are opened seekable, so rows before a requested range cost one heade
 
 A shard that ends without tar's end-of-archive block is *truncated*: Python's ``tarfile`` ends
 quietly when a file stops at (or inside) a header, so the reader checks for the block itself. The
-last row before a cut may be missing members and is never delivered.
+last row before a cut may be missing members and is never delivered. An empty archive (nothing
+but the end-of-archive zero blocks: what img2dataset writes for a shard whose every download
+failed) is a whole shard of 0 rows.
 """
 
 from __future__ import annotations
@@ -105,13 +107,15 @@ def tar_entries(fileobj, *, stream: bool = True) -> Iterator[dict]:
     archive without its end-of-archive block (before the last row is closed)."""
     archive = tarfile.open(fileobj=fileobj, mode="r|*" if stream else "r:*",
                            tarinfo=_EndAwareTarInfo)
-    archive.vlc_end_seen = False
+    # No reset here: ``tarfile.open`` has already read the first header, which for an empty
+    # archive (img2dataset's shard whose every download failed, ``tarfile.open(mode="w")`` with
+    # nothing added: only zero blocks) is the end-of-archive block itself.
     for info in archive:
         if info.isreg():
             yield {"fname": info.name,
                    "data": lambda info=info: archive.extractfile(info).read()}
         archive.members = []  # do not keep every TarInfo of the shard alive
-    if not archive.vlc_end_seen:
+    if not getattr(archive, "vlc_end_seen", False):
         raise TruncatedShard(f"no end-of-archive block after byte {archive.offset}")
     yield {}
 

@@ -20,15 +20,37 @@ from vlcontrast.outputs import cannot_write
 
 
 def check_training_data(data: DataConfig) -> None:
-    """``data.train`` is set and ``data.train``/``data.val`` parse as shard specs (reads no shard)."""
-    from vlcontrast.data.spec import check_spec
+    """``data.train`` is set; ``data.train``/``data.val`` parse as shard specs and name no folder
+    an unfinished ``vlcontrast prep`` run is still writing; the first few samples of the training
+    shards have members matching ``data.image_key`` and ``data.caption_key`` (a look at the
+    first local shard, no more: ``vlcontrast prep check`` reads them all)."""
+    import os
+
+    from vlcontrast.data.check import sniff_member_keys
+    from vlcontrast.data.samples import Members
+    from vlcontrast.data.shards import unfinished_prep
+    from vlcontrast.data.spec import PIPE_PREFIX, check_spec
 
     if not data.train:
         raise ConfigError("data.train='': set the training shards "
                           "(e.g. data/synthetic/train/{00000..00019}.tar)")
+    train_urls: list[str] = []
     for key, spec in (("data.train", data.train), ("data.val", data.val)):
-        if spec:
-            check_spec(key, spec)
+        if not spec:
+            continue
+        urls = check_spec(key, spec)
+        if key == "data.train":
+            train_urls = urls
+        folders = dict.fromkeys(os.path.dirname(os.path.abspath(url)) for url in urls
+                                if not url.startswith(PIPE_PREFIX))
+        for folder in folders:
+            line = unfinished_prep(folder)
+            if line:
+                raise ConfigError(f"{key}={spec!r}: {line}, then train")
+    keys = Members.parse(getattr(data, "image_key", ""), getattr(data, "caption_key", ""))
+    error = sniff_member_keys(train_urls, keys, "data.train")
+    if error:
+        raise ConfigError(error)
 
 
 def check_model_name(model) -> None:

@@ -1,0 +1,62 @@
+"""The preflight refuses training data that could only fail later: the folder of an unfinished
+``vlcontrast prep`` run, and shards with no member matching ``data.caption_key``/``image_key``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vlcontrast.errors import ConfigError
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    from vlcontrast.train import loop
+
+    def build_model(*args, **kwargs):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(loop, "build_model", build_model)
+    return loop
+
+
+def test_an_unfinished_prep_folder_is_refused_before_the_model_is_built(synthetic_data, tmp_path,
+                                                                        no_model):
+    from tests.data.helpers import make_shards
+    from tests.train.helpers import tiny_config
+    from vlcontrast.data.shards import PREP_STATE_FILE
+
+    partial = tmp_path / "partial"
+    make_shards(partial, [40], metadata=False)
+    (partial / PREP_STATE_FILE).write_text(json.dumps({"fingerprint": "f", "shards": {
+        "00000.tar": {"shard": "00000.tar", "written": 40, "skipped": {}, "examples": {}}}}))
+    config = tiny_config(synthetic_data, tmp_path / "run")
+    config.data.train = str(partial)
+    with pytest.raises(ConfigError, match=(
+            rf"^data\.train='{partial}': '{partial}' is an unfinished `vlcontrast prep` output "
+            r"\(1 shard finished so far, .*run the same prep command again to finish it .*"
+            r"then train$")):
+        no_model.train(config)
+
+    (partial / "manifest.json").write_text(json.dumps({"shards": {"00000.tar": 40}}))
+    with pytest.raises(AssertionError, match="the model was built"):  # finished: trains
+        no_model.train(config)
+
+
+def test_captions_under_another_member_are_named_before_the_model_is_built(synthetic_data,
+                                                                          tmp_path, no_model):
+    from tests.data.test_shard_edges import _json_caption_shards
+    from tests.train.helpers import tiny_config
+
+    _json_caption_shards(tmp_path / "s")
+    config = tiny_config(synthetic_data, tmp_path / "run")
+    config.data.train = str(tmp_path / "s")
+    with pytest.raises(ConfigError, match=(
+            r"^data\.train: none of the first 8 samples of '.*00000\.tar' has a member matching "
+            r"data\.caption_key='txt' \(sample '000000000' has \.jpg, \.json; its \.json has "
+            r"'caption'\): set data\.caption_key=json:caption$")):
+        no_model.train(config)
+    config.data.caption_key = "json:caption"
+    with pytest.raises(AssertionError, match="the model was built"):
+        no_model.train(config)
