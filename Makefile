@@ -59,8 +59,10 @@ gpu-check: setup
 study: setup
 	$(BIN)/vlcontrast study --config configs/study/default.yaml
 
+# The CPU benchmarks behind docs/benchmarks.md, with the commands the page quotes (hours in all):
+# make bench BENCH_ARGS=--list (commands and durations), BENCH_ARGS="--only retrieval".
 bench: setup
-	$(BIN)/python bench/run_all.py
+	$(BIN)/python bench/run_all.py $(BENCH_ARGS)
 
 clean:
 	rm -rf runs data/synthetic .pytest_cache

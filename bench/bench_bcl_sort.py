@@ -28,6 +28,14 @@ sys.path.insert(0, str(ROOT))
 from vlcontrast.losses.bcl import _argsort_rows, _sort_rows_  # noqa: E402
 
 
+def _provenance(packages: tuple[str, ...] = ()) -> str:
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from bench import provenance
+
+    return provenance.line(packages)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=1024)
@@ -62,6 +70,7 @@ def main() -> None:
     lines = ["# BCL row sorts on one block of logits", "",
              f"- machine: {platform.machine()}, {torch.get_num_threads()} torch threads; "
              f"torch {torch.__version__}, numpy {np.__version__}",
+             f"- {_provenance(('numpy',))}",
              "- command: `" + " ".join(["python bench/bench_bcl_sort.py", *sys.argv[1:]]) + "`",
              f"- float32 block {args.rows} x {args.cols}; best of {args.rounds} rounds "
              "(alternating order)", "",

@@ -17,11 +17,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: bench/ is on the path, the repository root not
+    sys.path.insert(0, str(ROOT))
+
+from bench import provenance  # noqa: E402
 
 STUDENT, TEACHER = "vlc-rn-micro", "vlc-rn-tiny-32"
 
@@ -61,6 +69,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2,
                         help="the arms run round-robin this many times; each keeps its best round "
                         "(a shared machine's neighbours slow some rounds down)")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the temporary folder (data, teacher, runs; about 230 MB) and "
+                        "print its path; by default it is removed, also on failure")
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
@@ -71,47 +82,55 @@ def main() -> None:
     from vlcontrast.models import build_model
 
     root = Path(tempfile.mkdtemp(prefix="bench-distill-"))
-    write_synthetic(root / "data", train=args.samples, val=64, zeroshot_per_class=1, seed=0,
-                    image_size=32, shard_size=1024, workers=1, progress=False)
-    torch.manual_seed(0)
-    weights = root / "teacher.pt"
-    torch.save(build_model(ModelConfig(name=TEACHER)).model.state_dict(), weights)
-    start = time.perf_counter()
-    write_teacher_features(str(root / "data" / "train"), root / "features.pt", teacher=TEACHER,
-                           pretrained=str(weights), augmentations=0)
-    prep_seconds = time.perf_counter() - start
-    online = {"distill.teacher": TEACHER, "distill.teacher_pretrained": weights}
-    offline = {"distill.teacher_features": root / "features.pt"}
-    arms = {
-        "student alone": {},
-        "online logits": {**online, "distill.kind": "logits"},
-        "online features": {**online, "distill.kind": "features", "distill.projection": "true"},
-        "online interactive": {**online, "distill.kind": "interactive",
-                               "distill.projection": "true"},
-        "offline logits": {**offline, "distill.kind": "logits"},
-        "offline interactive": {**offline, "distill.kind": "interactive",
-                                "distill.projection": "true"},
-    }
-    results: dict[str, dict] = {}
-    for round_ in range(args.rounds):
-        for name, extra in arms.items():
-            measured = _run(root, f"{name.replace(' ', '-')}-{round_}", args.steps, args.batch,
-                            extra)
-            if name not in results or measured["samples_per_s"] > results[name]["samples_per_s"]:
-                results[name] = measured
-    base = results["student alone"]["samples_per_s"]
-    student, teacher = _parameters(STUDENT), _parameters(TEACHER)
-    print(f"student {STUDENT} {student / 1e6:.2f} M parameters, teacher {TEACHER} "
-          f"{teacher / 1e6:.2f} M ({teacher / student:.1f}x); batch {args.batch}, "
-          f"{args.steps} steps, {args.threads} threads, best of {args.rounds} rounds; prep "
-          f"teacher over {args.samples} samples: {prep_seconds:.1f} s\n")
-    print("| arm | samples/s | vs alone | data+teacher ms | loss ms | step total ms |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name, values in results.items():
-        total = sum(v for k, v in values.items() if k.startswith("time/")) * 1e3
-        print(f"| {name} | {values['samples_per_s']:.0f} | {values['samples_per_s'] / base:.2f} | "
-              f"{values.get('time/data', 0) * 1e3:.1f} | {values.get('time/loss', 0) * 1e3:.1f} | "
-              f"{total:.1f} |")
+    try:
+        write_synthetic(root / "data", train=args.samples, val=64, zeroshot_per_class=1, seed=0,
+                        image_size=32, shard_size=1024, workers=1, progress=False)
+        torch.manual_seed(0)
+        weights = root / "teacher.pt"
+        torch.save(build_model(ModelConfig(name=TEACHER)).model.state_dict(), weights)
+        start = time.perf_counter()
+        write_teacher_features(str(root / "data" / "train"), root / "features.pt", teacher=TEACHER,
+                               pretrained=str(weights), augmentations=0)
+        prep_seconds = time.perf_counter() - start
+        online = {"distill.teacher": TEACHER, "distill.teacher_pretrained": weights}
+        offline = {"distill.teacher_features": root / "features.pt"}
+        arms = {
+            "student alone": {},
+            "online logits": {**online, "distill.kind": "logits"},
+            "online features": {**online, "distill.kind": "features", "distill.projection": "true"},
+            "online interactive": {**online, "distill.kind": "interactive",
+                                   "distill.projection": "true"},
+            "offline logits": {**offline, "distill.kind": "logits"},
+            "offline interactive": {**offline, "distill.kind": "interactive",
+                                    "distill.projection": "true"},
+        }
+        results: dict[str, dict] = {}
+        for round_ in range(args.rounds):
+            for name, extra in arms.items():
+                measured = _run(root, f"{name.replace(' ', '-')}-{round_}", args.steps, args.batch,
+                                extra)
+                if name not in results or measured["samples_per_s"] > results[name]["samples_per_s"]:
+                    results[name] = measured
+        base = results["student alone"]["samples_per_s"]
+        student, teacher = _parameters(STUDENT), _parameters(TEACHER)
+        print(f"student {STUDENT} {student / 1e6:.2f} M parameters, teacher {TEACHER} "
+              f"{teacher / 1e6:.2f} M ({teacher / student:.1f}x); batch {args.batch}, "
+              f"{args.steps} steps, {args.threads} threads, best of {args.rounds} rounds; prep "
+              f"teacher over {args.samples} samples: {prep_seconds:.1f} s\n")
+        print("| arm | samples/s | vs alone | data+teacher ms | loss ms | step total ms |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for name, values in results.items():
+            total = sum(v for k, v in values.items() if k.startswith("time/")) * 1e3
+            print(f"| {name} | {values['samples_per_s']:.0f} | {values['samples_per_s'] / base:.2f} | "
+                  f"{values.get('time/data', 0) * 1e3:.1f} | {values.get('time/loss', 0) * 1e3:.1f} | "
+                  f"{total:.1f} |")
+
+        print(f"\n{provenance.line(('deepspeed', 'open_clip_torch'))}")
+    finally:
+        if args.keep:
+            print(f"kept {root} (--keep)")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -304,7 +304,7 @@ class Step:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shards", default="data/bench_loader",
+    parser.add_argument("--shards", default=str(ROOT / "data" / "bench_loader"),
                         help="directory of shards (built with write_synthetic if it has none)")
     parser.add_argument("--samples", type=int, default=8000)
     parser.add_argument("--shard-size", type=int, default=1000)

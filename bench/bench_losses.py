@@ -178,6 +178,14 @@ def combine(runs: list[dict]) -> dict:
             "spread": max(r["seconds"] for r in good) / fastest["seconds"]}
 
 
+def _provenance(packages: tuple[str, ...] = ()) -> str:
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from bench import provenance
+
+    return provenance.line(packages)
+
+
 def render(results: list[dict], args: argparse.Namespace, torch_version: str) -> str:
     by_key = {(r["loss"], r["mode"], r["size"]): r for r in results}
     lines = [
@@ -186,6 +194,7 @@ def render(results: list[dict], args: argparse.Namespace, torch_version: str) ->
         f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
         f"{args.threads} torch threads, {platform.platform()}; CPU only",
         f"- torch {torch_version}, python {platform.python_version()}",
+        f"- {_provenance()}",
         f"- command: `python bench/bench_losses.py {' '.join(sys.argv[1:])}`".replace(" `", " `"),
         f"- fp32, D = {args.dim}, single process; chunked mode uses `loss.chunk_size = "
         f"{args.chunk_size}` rows; time = fastest of {args.repeats} runs (or more, until "

@@ -5,7 +5,9 @@ Normalize) on one JPEG-decoded image of 1.25x the side, next to the same transfo
 crop by :func:`vlcontrast.data.transforms.split_normalization` (uint8 out), whose normalisation then
 runs once per batch on the device. Also times that per-batch normalisation here on the CPU (its
 GPU cost is not measured here) and gives the bytes each image adds to the host-to-device copy.
-Milliseconds per image, best of ``--rounds``; results go to ``bench/results/normalize.md``.
+Milliseconds per image, best of ``--rounds``; results go to ``bench/results/normalize.md`` (under
+the repository root, whatever the working directory). The batch normalisation's per-image cost is
+timed on a batch of ``--batch`` (256) and shrinks at smaller batches (about 6x at 32, 224 px).
 
     python bench/bench_normalize_on_device.py
 """
@@ -23,7 +25,12 @@ import open_clip
 import torch
 from PIL import Image
 
-from vlcontrast.data.transforms import split_normalization
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: bench/ is on the path, the repository root not
+    sys.path.insert(0, str(ROOT))
+
+from bench import provenance  # noqa: E402
+from vlcontrast.data.transforms import split_normalization  # noqa: E402
 
 
 def _best_ms(fn, calls: int, rounds: int) -> float:
@@ -42,7 +49,7 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=200, help="calls per timing")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--out", default="bench/results/normalize.md")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "normalize.md"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = []
@@ -63,8 +70,12 @@ def main() -> None:
         ms_batch = _best_ms(lambda: normalizer(shipped, cpu, torch.float32), 5, args.rounds) / args.batch
         rows.append((size, ms_full, ms_split, ms_batch, 3 * size * size * 4, 3 * size * size))
     lines = [f"Command: `{' '.join([Path(sys.executable).name] + sys.argv)}`", "",
+             f"Provenance: {provenance.line(('open_clip_torch', 'pillow'))}; 1 torch thread, "
+             f"batch normalisation timed on a batch of {args.batch} (the per-image figure "
+             "shrinks with smaller batches)", "",
              "| image side | open_clip transform (ms/image) | uint8 transform (ms/image) | ratio | "
-             "batch normalisation on this CPU (ms/image) | bytes to copy: float32 / uint8 |",
+             f"batch normalisation on this CPU, batch {args.batch} (ms/image) | "
+             "bytes to copy: float32 / uint8 |",
              "|---:|---:|---:|---:|---:|---|"]
     for size, ms_full, ms_split, ms_batch, b_full, b_split in rows:
         lines.append(f"| {size} | {ms_full:.3f} | {ms_split:.3f} | {ms_split / ms_full:.2f}× | "

@@ -27,6 +27,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _provenance(packages: tuple[str, ...] = ()) -> str:
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from bench import provenance
+
+    return provenance.line(packages)
+
+
 def _init_single_process_group() -> None:
     import torch.distributed as dist
 
@@ -132,6 +140,8 @@ def main(argv: list[str] | None = None) -> None:
              f"Machine: {platform.processor() or platform.machine()}, CPU flags: {_cpu_flags()}; "
              f"torch {torch.__version__}, {args.threads} thread(s), batch {args.batch_size}, "
              f"{args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up steps.",
+             "",
+             f"Provenance: {_provenance(('deepspeed',))}.",
              "",
              "| model | precision | step (ms, fastest round) | spread | fp32 / this |",
              "|---|---|---|---|---|"]

@@ -230,11 +230,20 @@ def _fmt_range(values: list[float]) -> str:
     return f"{statistics.median(values):.0f} ({min(values):.0f}–{max(values):.0f})"
 
 
+def _provenance(packages: tuple[str, ...] = ()) -> str:
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from bench import provenance
+
+    return provenance.line(packages)
+
+
 def build_report(args, runs: dict, versions: dict, command: str) -> str:
     lines = ["# End-to-end training throughput: vlcontrast vs open_clip", "",
              f"Command: `{command}`", "",
              f"Machine: {versions['cpu']}; {versions['os']}. Python {versions['python']}, torch "
              f"{versions['torch']}, DeepSpeed {versions['deepspeed']}, open_clip {versions['open_clip']}.",
+             "", f"Provenance: {_provenance(('deepspeed', 'open_clip_torch'))}.",
              "",
              f"Setup: model `{args.model}` ({args.image_size} px), {args.steps} steps of "
              f"{args.batch_size} samples per process, fp32, {args.workers} data worker(s) per "

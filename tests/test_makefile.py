@@ -59,3 +59,10 @@ def test_gpu_check_target_runs_the_check_module():
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "-m bench.gpu_check --out runs/gpu_check --only matrix,syncs" in proc.stdout
+
+
+def test_bench_target_runs_run_all_with_its_arguments():
+    proc = subprocess.run(["make", "-n", "bench", "BENCH_ARGS=--only retrieval"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "bench/run_all.py --only retrieval" in proc.stdout

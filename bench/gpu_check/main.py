@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -137,6 +138,16 @@ def main(argv: list[str] | None = None) -> int:
     reduced = args.reduced or not torch.cuda.is_available()
     if reduced:
         choose_cpu_accelerator()
+    out = Path(args.out).resolve()
+    if args.plan:  # print and exit: write nothing under --out (the model configs go to a temp dir)
+        with tempfile.TemporaryDirectory(prefix="gpu-check-plan-") as scratch:
+            return _run(args, reduced, out, started, started_monotonic, Path(scratch))
+    out.mkdir(parents=True, exist_ok=True)
+    return _run(args, reduced, out, started, started_monotonic, out)
+
+
+def _run(args, reduced: bool, out: Path, started: float, started_monotonic: float,
+         configs_dir: Path) -> int:
     from bench.gpu_check import groups as checks
     from bench.gpu_check.jobs import JobRunner
     from bench.gpu_check.plan import (disk_budget, estimate_seconds, human_s, needs_shards,
@@ -144,9 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.gpu_check.report import GroupTime, Report
     from bench.gpu_check.shards import write_shards
 
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    settings = settings_for(reduced, out, workers=args.workers or None)
+    settings = settings_for(reduced, configs_dir, workers=args.workers or None)
     if args.cases:
         settings.matrix_cases = split(args.cases)
     if args.throughput_batch:
@@ -165,9 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     precisions = checks.precisions()
     estimates = {g: step_estimate(args) if g == "step"
                  else estimate_seconds(g, precisions, families) for g in args.groups}
+    where = ("GPU estimates for the full check on one H100, not for this reduced CPU run"
+             if reduced else "estimates on one H100")
     print(f"[gpu-check] {'reduced (CPU)' if reduced else 'full (CUDA)'}; groups in order: "
-          + ", ".join(f"{g} (~{human_s(estimates[g])} on one H100)" for g in args.groups)
-          + f"; total ~{human_s(sum(estimates.values()))}"
+          + ", ".join(f"{g} (~{human_s(estimates[g])})" for g in args.groups)
+          + f"; total ~{human_s(sum(estimates.values()))} ({where})"
           + (f"; time limit {args.time_limit:.0f} s" if args.time_limit else ""), flush=True)
     budget = disk_budget(settings, args.groups, out, shards=shards)
     print(f"[gpu-check] {budget.line(out)}", flush=True)

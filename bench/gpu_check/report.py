@@ -63,7 +63,9 @@ class Report:
         self.add(section, case, status, detail, time.perf_counter() - start)
 
     def group_table(self) -> str:
-        lines = ["| group | estimate on one H100 | wall here | rows (pass/fail/skip) |",
+        header = ("GPU estimate (one H100; not for this CPU run)" if self.info.get("reduced")
+                  else "estimate on one H100")
+        lines = [f"| group | {header} | wall here | rows (pass/fail/skip) |",
                  "|---|---:|---:|---|"]
         for g in self.groups:
             rows = [r for r in self.rows if r.section == g.group]

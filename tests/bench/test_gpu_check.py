@@ -375,7 +375,7 @@ def test_reduced_check_runs_end_to_end_on_cpu(tmp_path):
     assert not list((out / "runs").rglob("checkpoints")), "checkpoints left after their checks"
     markdown = (out / "gpu_check.md").read_text()
     assert "| group | case | status | detail | s |" in markdown
-    assert "| group | estimate on one H100 | wall here |" in markdown
+    assert "| group | GPU estimate (one H100; not for this CPU run) | wall here |" in markdown
     assert "| syncs | per step | skip |" in markdown
     assert markdown in proc.stdout
 
@@ -850,15 +850,20 @@ def test_the_commit_falls_back_to_a_digest_of_the_sources_without_git(tmp_path):
 def test_the_header_estimates_the_step_group_that_is_asked_for(tmp_path, capsys):
     """--step-models, --step-arms, --step-batches and --step-profile change what the step group
     runs, so its estimate too."""
+    out = tmp_path / "out"
     rc = gpu_check_main(["--reduced", "--only", "step", "--step-models", "ViT-B-32",
-                         "--step-profile", "3", "--plan", "--out", str(tmp_path)])
+                         "--step-profile", "3", "--plan", "--out", str(out)])
     assert rc == 0
     wanted = plan.human_s(plan.step_seconds(("ViT-B-32",), profile=True))
-    assert f"step (~{wanted} on one H100)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"step (~{wanted})" in printed
+    # Reduced (CPU) mode: the estimates are labelled as the GPU's, not this run's.
+    assert "GPU estimates for the full check on one H100, not for this reduced CPU run" in printed
     gpu_check_main(["--reduced", "--only", "step", "--step-models", "ViT-B-32", "--step-batches",
-                    "512", "--plan", "--out", str(tmp_path)])
+                    "512", "--plan", "--out", str(out)])
     wanted = plan.human_s(plan.step_seconds(("ViT-B-32",), batches=(512,)))
-    assert f"step (~{wanted} on one H100)" in capsys.readouterr().out
+    assert f"step (~{wanted})" in capsys.readouterr().out
+    assert not out.exists(), "--plan (print the plan and exit) wrote under --out"
 
 
 def test_the_cuda_tests_log_is_with_the_job_logs(tmp_path):
