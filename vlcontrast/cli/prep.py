@@ -223,35 +223,21 @@ def run_prep(args) -> int:
         print(json.dumps(stats, indent=2))
         return 0
     if args.what in ("folder", "csv", "wds"):
+        try:
+            report = _run_converter(args)
+        except KeyboardInterrupt as stop:
+            # Ctrl-C: the finished shards are kept and recorded (the writer stopped its workers
+            # and removed the unfinished .tmp files); one line says so, no traceback.
+            from vlcontrast.data.prep.writer import PrepInterrupted
+
+            if isinstance(stop, PrepInterrupted):
+                print(str(stop), file=sys.stderr)
+            else:  # before the first shard (listing, counting, checking the inputs)
+                print(f"prep {args.what}: interrupted before writing shards; run the same "
+                      "command again to start", file=sys.stderr)
+            return 130  # the shell's status for a command ended by SIGINT
         from vlcontrast.data.prep.writer import REPORT_FILE, summary
 
-        common = dict(workers=args.workers, overwrite=args.overwrite, progress=not args.no_progress)
-        if args.what == "folder":
-            from vlcontrast.data.prep.folder import prepare_folder
-
-            report = prepare_folder(args.dir, args.out, caption_from=args.caption_from,
-                                    templates=args.template, caption_template=args.caption_template,
-                                    strip_author=not args.keep_author, image_size=args.image_size,
-                                    resize_mode=args.resize_mode,
-                                    encode_quality=args.encode_quality,
-                                    shard_size=args.shard_size,
-                                    max_image_pixels=args.max_image_pixels,
-                                    val_fraction=args.val_fraction, **common)
-        elif args.what == "csv":
-            from vlcontrast.data.prep.table import prepare_table
-
-            report = prepare_table(args.file, args.out, image_key=args.image_key,
-                                   caption_key=args.caption_key, sep=args.sep,
-                                   image_size=args.image_size, resize_mode=args.resize_mode,
-                                   encode_quality=args.encode_quality,
-                                   shard_size=args.shard_size,
-                                   max_image_pixels=args.max_image_pixels,
-                                   val_fraction=args.val_fraction, **common)
-        else:
-            from vlcontrast.data.prep.wds import prepare_wds
-
-            report = prepare_wds(args.shards, args.out, caption_key=args.caption_key,
-                                 image_key=args.image_key, decode=not args.no_decode, **common)
         # One line per shard set (the report is OUT/prep_report.json); --json prints it.
         parts = report if set(report) == {"train", "val"} else {"": report}  # --val-fraction
         if args.json:
@@ -264,6 +250,38 @@ def run_prep(args) -> int:
                       f"{Path(part['out_dir']) / REPORT_FILE})")
         return 0
     raise AssertionError(f"prep {args.what}: no handler")  # argparse lists every choice
+
+
+def _run_converter(args) -> dict:
+    """``prep folder|csv|wds``: the report (``{"train": ..., "val": ...}`` with --val-fraction)."""
+    common = dict(workers=args.workers, overwrite=args.overwrite, progress=not args.no_progress)
+    if args.what == "folder":
+        from vlcontrast.data.prep.folder import prepare_folder
+
+        report = prepare_folder(args.dir, args.out, caption_from=args.caption_from,
+                                templates=args.template, caption_template=args.caption_template,
+                                strip_author=not args.keep_author, image_size=args.image_size,
+                                resize_mode=args.resize_mode,
+                                encode_quality=args.encode_quality,
+                                shard_size=args.shard_size,
+                                max_image_pixels=args.max_image_pixels,
+                                val_fraction=args.val_fraction, **common)
+    elif args.what == "csv":
+        from vlcontrast.data.prep.table import prepare_table
+
+        report = prepare_table(args.file, args.out, image_key=args.image_key,
+                               caption_key=args.caption_key, sep=args.sep,
+                               image_size=args.image_size, resize_mode=args.resize_mode,
+                               encode_quality=args.encode_quality,
+                               shard_size=args.shard_size,
+                               max_image_pixels=args.max_image_pixels,
+                               val_fraction=args.val_fraction, **common)
+    else:
+        from vlcontrast.data.prep.wds import prepare_wds
+
+        report = prepare_wds(args.shards, args.out, caption_key=args.caption_key,
+                             image_key=args.image_key, decode=not args.no_decode, **common)
+    return report
 
 
 def _run_prep_check(args) -> int:

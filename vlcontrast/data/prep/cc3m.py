@@ -10,6 +10,15 @@ Google ships Conceptual Captions as header-less ``caption<TAB>url`` files
 
 Re-running the same command resumes: img2dataset's incremental mode skips every shard that already
 has its ``_stats.json``, and the parquet conversion is reused while the TSV is unchanged.
+
+img2dataset runs in a child process of its own process group: Ctrl-C (SIGINT to the terminal's
+process group) or SIGTERM reaches this process, which passes SIGINT on to that group, waits
+:data:`STOP_GRACE_S` and then kills what is left. An interrupted download raises
+:class:`DownloadInterrupted` (exit status 130, after one line on stderr) and writes no manifest:
+the earlier ``manifest.json``/``sizes.json`` are only moved aside during the download and are put
+back. A download that got (almost) nothing raises :class:`DownloadFailed` (exit status 1) naming
+the top error and its likely cause; when the first finished shard got nothing and failed with
+network errors (no DNS, connection refused), the download is stopped there.
 Settings and numbers: ``docs/data.md``.
 """
 
@@ -20,11 +29,13 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from vlcontrast.errors import DataPrepError
+from vlcontrast.errors import DataPrepError, VlcontrastError
 
 from ..naming import key_stride, shard_name
 from ..shards import MANIFEST_FILE, SIZES_FILE, build_manifest, write_manifest, write_sizes
@@ -49,6 +60,42 @@ RESIZE_MODES = ("no", "border", "keep_ratio", "keep_ratio_largest", "center_crop
 _STATS_FILE = re.compile(r"^(\d+)_stats\.json$")
 _URL = re.compile(r"^https?://", re.IGNORECASE)
 _CHECK_LINES = 100
+_ASIDE = "_aside"
+_FAILED_SUFFIX = ".failed"
+
+STOP_GRACE_S = 30.0
+"""Seconds img2dataset gets to stop after SIGINT before its processes are killed."""
+MIN_SUCCESS_RATE = 0.01
+"""A download whose shards of this run got fewer than this fraction of their URLs is a failure."""
+_NETWORK_ERRORS = (
+    ("no_dns", re.compile(r"Name or service not known|Temporary failure in name resolution|"
+                          r"nodename nor servname|getaddrinfo failed|No address associated",
+                          re.IGNORECASE),
+     "the host names do not resolve: this machine seems to have no network or DNS (or these "
+     "hosts are blocked); connect it (or set https_proxy/http_proxy if it must use a proxy)"),
+    ("unreachable", re.compile(r"Connection refused|Network is unreachable|No route to host|"
+                               r"Tunnel connection failed|ProxyError|Cannot connect to proxy",
+                               re.IGNORECASE),
+     "the hosts cannot be reached: a firewall, or a proxy is needed (set https_proxy/http_proxy)"),
+)
+_TIMEOUT_HINT = ("the hosts do not answer in time: blocked hosts or a slow link; retry later or "
+                 "raise --timeout")
+
+
+class DownloadInterrupted(SystemExit):
+    """Ctrl-C (or SIGTERM) during the download: exit status 130. The finished shards are kept,
+    no manifest is written (an earlier one is put back); ``message`` says how to continue."""
+
+    def __init__(self, message: str, code: int = 130):
+        super().__init__(code)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class DownloadFailed(VlcontrastError, RuntimeError):
+    """The download ran but got (almost) nothing, or img2dataset itself failed: exit status 1."""
 
 
 def check_tsv(tsv: str | os.PathLike, lines: int = _CHECK_LINES) -> dict[str, Any]:
@@ -144,25 +191,44 @@ def _convert_to_parquet(tsv: Path, layout: dict[str, Any], input_dir: Path) -> d
 
 
 def _set_aside_json(out: Path) -> list[tuple[Path, Path]]:
-    """Move non-stats ``*.json`` files out of img2dataset's way.
+    """Move (rename) non-stats ``*.json`` files into ``OUT/_aside`` out of img2dataset's way.
 
     img2dataset's incremental mode takes ``int(name.split("_")[0])`` of *every* ``OUT/*.json`` to
-    find finished shards, so ``sizes.json`` or a check report there makes a re-run crash.
-    ``sizes.json``/``manifest.json`` are rewritten afterwards; other files are put back.
+    find finished shards, so ``sizes.json`` or a check report there makes a re-run crash. Nothing
+    is deleted: :func:`_put_back` returns them (``sizes.json``/``manifest.json`` only when the
+    download did not complete; a complete one writes new ones). Files still in ``_aside`` from a
+    run that was killed are taken over (put back with this run's).
     """
     moved: list[tuple[Path, Path]] = []
-    aside = out / "_aside"
+    aside = out / _ASIDE
+    if aside.is_dir():
+        for target in sorted(aside.iterdir()):
+            original = out / target.name
+            if target.is_file() and not original.exists():
+                moved.append((target, original))
     for path in sorted(out.glob("*.json")):
         if _STATS_FILE.match(path.name):
-            continue
-        if path.name in (SIZES_FILE, MANIFEST_FILE):
-            path.unlink()
             continue
         aside.mkdir(exist_ok=True)
         target = aside / path.name
         os.replace(path, target)
         moved.append((target, path))
     return moved
+
+
+def _put_back(out: Path, moved: list[tuple[Path, Path]], *, replaced: bool) -> None:
+    """Return the files :func:`_set_aside_json` moved; with ``replaced`` (new ``sizes.json`` and
+    ``manifest.json`` were written) the earlier two are dropped instead."""
+    for target, original in moved:
+        if not target.exists():
+            continue
+        if replaced and original.name in (SIZES_FILE, MANIFEST_FILE):
+            target.unlink()
+        else:
+            os.replace(target, original)
+    aside = out / _ASIDE
+    if aside.is_dir() and not any(aside.iterdir()):
+        aside.rmdir()
 
 
 def _finished_shards(out: Path) -> dict[int, dict[str, Any]]:
@@ -178,8 +244,144 @@ def _finished_shards(out: Path) -> dict[int, dict[str, Any]]:
 def _remove_shards(out: Path) -> None:
     for path in out.iterdir():
         stem = path.name.split(".")[0].split("_")[0]
-        if stem.isdigit() and (path.suffix in (".tar", ".parquet") or _STATS_FILE.match(path.name)):
+        if stem.isdigit() and (path.suffix in (".tar", ".parquet") or _STATS_FILE.match(path.name)
+                               or _STATS_FILE.match(path.name.removesuffix(_FAILED_SUFFIX))):
             path.unlink()
+
+
+def _remove_unfinished(out: Path) -> list[str]:
+    """Shard files (``.tar``, ``.parquet``) without a ``_stats.json``: what an interrupted
+    img2dataset was writing. A re-run writes them again from the start."""
+    finished = set(_finished_shards(out))
+    removed = []
+    for path in sorted(out.iterdir()):
+        stem = path.name.split(".")[0]
+        if stem.isdigit() and path.suffix in (".tar", ".parquet") and int(stem) not in finished:
+            path.unlink()
+            removed.append(path.name)
+    return removed
+
+
+def _network_hint(message: str) -> str | None:
+    for _, pattern, hint in _NETWORK_ERRORS:
+        if pattern.search(message):
+            return hint
+    return None
+
+
+def _likely_cause(message: str) -> str:
+    hint = _network_hint(message)
+    if hint:
+        return hint
+    if re.search(r"timed out|timeout", message, re.IGNORECASE):
+        return _TIMEOUT_HINT
+    return ("check a few of the URLs by hand (the shards' *_stats.json list every error); "
+            "if they work in a browser, retry later")
+
+
+def _top_errors(stats: list[dict[str, Any]]) -> dict[str, int]:
+    errors: dict[str, int] = {}
+    for shard in stats:
+        for message, n in (shard.get("status_dict") or {}).items():
+            if message != "success":
+                errors[message] = errors.get(message, 0) + int(n)
+    return dict(sorted(errors.items(), key=lambda kv: -kv[1])[:10])
+
+
+def _img2dataset_child() -> None:
+    """The child process: ``img2dataset.download(**json from stdin)``; exit 130 when
+    img2dataset's own SIGINT handler ends it (that handler calls ``sys.exit(0)``)."""
+    options = json.load(sys.stdin)
+    os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+    import img2dataset
+
+    try:
+        img2dataset.download(**options)
+    except SystemExit:
+        sys.stdout.flush()
+        os._exit(130)
+
+
+def _signal_group(proc: subprocess.Popen, signum: int) -> None:
+    try:
+        os.killpg(proc.pid, signum)
+    except (ProcessLookupError, PermissionError):
+        try:
+            proc.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+
+def _run_img2dataset(options: dict[str, Any], out: Path, done_before: set[int]
+                     ) -> tuple[str, dict[str, Any] | None]:
+    """Run img2dataset in a child process group. Returns ``("done", None)``,
+    ``("interrupted", None)``, or ``("network", stats)`` when the first shard finished in this run
+    got nothing with network errors (the download is then stopped)."""
+    root = str(Path(__file__).resolve().parents[3])  # the folder holding the package
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (root, env.get("PYTHONPATH")) if x)
+    env.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+    group = ({"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True})
+    received: list[int] = []
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        received.append(signum)
+        _signal_group(proc, signal.SIGINT)
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c",
+         "from vlcontrast.data.prep.cc3m import _img2dataset_child; _img2dataset_child()"],
+        stdin=subprocess.PIPE, env=env, **group)
+    previous: dict[int, Any] = {}
+    try:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            try:
+                previous[signum] = signal.signal(signum, on_signal)
+            except ValueError:  # not the main thread: the caller handles signals
+                break
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps(options).encode())
+        proc.stdin.close()
+        stop_at: float | None = None
+        network: dict[str, Any] | None = None
+        watch = True
+        while True:
+            try:
+                proc.wait(timeout=0.25)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if (received or network) and stop_at is None:
+                stop_at = time.monotonic() + STOP_GRACE_S
+            if stop_at is not None and time.monotonic() > stop_at:
+                _signal_group(proc, signal.SIGKILL)
+            if watch and not received and network is None:
+                new = {i: s for i, s in _finished_shards(out).items() if i not in done_before}
+                if any(int(s.get("successes", 0)) > 0 for s in new.values()):
+                    watch = False
+                elif new:
+                    first = new[min(new)]
+                    top = next(iter(_top_errors([first])), "")
+                    if _network_hint(top):
+                        network = first
+                        _signal_group(proc, signal.SIGINT)
+                    else:
+                        watch = False
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if proc.poll() is None:  # an error in this process: do not leave the download running
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+    if network is not None:
+        return "network", network
+    if received or proc.returncode == 130 or proc.returncode == -signal.SIGINT:
+        return "interrupted", None
+    if proc.returncode != 0:
+        raise DownloadFailed(f"img2dataset stopped with exit status {proc.returncode} (its "
+                             f"messages are above); the finished shards in {str(out)!r} are "
+                             "kept: re-run the same command to continue")
+    return "done", None
 
 
 def prepare_cc3m(tsv: str | os.PathLike, out_dir: str | os.PathLike, *,
@@ -191,13 +393,21 @@ def prepare_cc3m(tsv: str | os.PathLike, out_dir: str | os.PathLike, *,
                  encode_quality: int = CC3M_SETTINGS["encode_quality"],
                  user_agent_token: str | None = CC3M_SETTINGS["user_agent_token"],
                  disallowed_header_directives: list[str] | None = None,
-                 incremental: bool = True) -> dict[str, Any]:
+                 incremental: bool = True, command: str = "prep cc3m",
+                 manifest_extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Download a CC3M TSV into webdataset shards in ``out_dir``; returns the manifest plus run info.
 
     ``processes``/``threads``: img2dataset download processes and threads per process.
     ``incremental=False`` deletes earlier shards of ``out_dir`` first (the parquet is kept).
     The returned dict is ``manifest.json`` plus ``shards_done_before`` (finished shards found at
     start), ``shards_written`` (finished in this call), ``incomplete_shards`` and ``seconds``.
+    ``command`` names the caller in messages; ``manifest_extra`` adds manifest fields (its
+    ``source`` replaces ``"img2dataset"``).
+
+    Raises :class:`DownloadInterrupted` on Ctrl-C/SIGTERM (no manifest written, the earlier one
+    put back) and :class:`DownloadFailed` when the shards of this run got under
+    :data:`MIN_SUCCESS_RATE` of their URLs, or the first of them got nothing with network errors
+    (the download then stops there); the finished shards are kept either way.
     """
     processes = processes or os.cpu_count() or 1
     if resize_mode not in RESIZE_MODES:
@@ -211,10 +421,11 @@ def prepare_cc3m(tsv: str | os.PathLike, out_dir: str | os.PathLike, *,
     tsv = Path(tsv)
     layout = check_tsv(tsv)  # before anything is created or downloaded
 
-    # img2dataset imports albumentations, which otherwise asks PyPI for a newer version on import.
-    os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
-    import img2dataset
+    import importlib.util
 
+    if importlib.util.find_spec("img2dataset") is None:
+        raise DataPrepError(f"{command}: img2dataset is not installed; pip install "
+                            "'vlcontrast[prep]'")
     start = time.perf_counter()
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -222,71 +433,94 @@ def prepare_cc3m(tsv: str | os.PathLike, out_dir: str | os.PathLike, *,
     if not incremental:
         _remove_shards(out)
     done_before = set(_finished_shards(out))
-    moved = _set_aside_json(out)
-    previous_sigint = signal.getsignal(signal.SIGINT)
-    try:
-        img2dataset.download(
-            url_list=str(out / "_input" / "cc3m.parquet"),
-            input_format="parquet",
-            url_col="url",
-            caption_col="caption",
-            output_format="webdataset",
-            output_folder=str(out),
-            processes_count=processes,
-            thread_count=threads,
-            image_size=image_size,
-            resize_mode=resize_mode,
-            encode_quality=encode_quality,
-            encode_format=CC3M_SETTINGS["encode_format"],
-            number_sample_per_shard=number_sample_per_shard,
-            timeout=timeout,
-            retries=retries,
-            user_agent_token=user_agent_token,
-            disallowed_header_directives=disallowed_header_directives,
-            enable_wandb=False,
-            distributor="multiprocessing",
-            incremental_mode="incremental",
-            oom_shard_count=5,
-        )
-    finally:
-        # img2dataset installs a SIGINT handler that exits with status 0; put ours back.
-        try:
-            signal.signal(signal.SIGINT, previous_sigint)
-        except ValueError:  # not the main thread
-            pass
-        for target, original in moved:
-            os.replace(target, original)
-        if (out / "_aside").is_dir() and not any((out / "_aside").iterdir()):
-            (out / "_aside").rmdir()
-
-    finished = _finished_shards(out)
-    expected = -(-source["rows"] // number_sample_per_shard)
-    incomplete = [shard_name(i) for i in range(expected) if i not in finished]
-    sizes = {shard_name(i): int(stats["successes"]) for i, stats in finished.items()}
-    totals = {k: sum(int(s.get(k, 0)) for s in finished.values())
-              for k in ("count", "successes", "failed_to_download", "failed_to_resize")}
-    errors: dict[str, int] = {}
-    for stats in finished.values():
-        for message, n in (stats.get("status_dict") or {}).items():
-            if message != "success":
-                errors[message] = errors.get(message, 0) + int(n)
-    manifest = build_manifest(
-        sizes, stride=key_stride(number_sample_per_shard), source="img2dataset",
-        tsv=str(tsv.resolve()), tsv_rows=source["rows"], tsv_skipped_rows=source["skipped_rows"],
-        attempted=totals["count"], failed_to_download=totals["failed_to_download"],
-        failed_to_resize=totals["failed_to_resize"],
-        success_rate=round(totals["successes"] / totals["count"], 4) if totals["count"] else 0.0,
-        top_errors=dict(sorted(errors.items(), key=lambda kv: -kv[1])[:10]),
-        incomplete_shards=incomplete,
-        settings={"image_size": image_size, "resize_mode": resize_mode,
-                  "encode_quality": encode_quality, "number_sample_per_shard": number_sample_per_shard,
-                  "timeout": timeout, "retries": retries, "user_agent_token": user_agent_token,
-                  "img2dataset": getattr(img2dataset, "__version__", _img2dataset_version())},
+    options = dict(
+        url_list=str(out / "_input" / "cc3m.parquet"),
+        input_format="parquet",
+        url_col="url",
+        caption_col="caption",
+        output_format="webdataset",
+        output_folder=str(out),
+        processes_count=processes,
+        thread_count=threads,
+        image_size=image_size,
+        resize_mode=resize_mode,
+        encode_quality=encode_quality,
+        encode_format=CC3M_SETTINGS["encode_format"],
+        number_sample_per_shard=number_sample_per_shard,
+        timeout=timeout,
+        retries=retries,
+        user_agent_token=user_agent_token,
+        disallowed_header_directives=disallowed_header_directives,
+        enable_wandb=False,
+        distributor="multiprocessing",
+        incremental_mode="incremental",
+        oom_shard_count=5,
     )
-    if sizes:
-        write_sizes(out, sizes)
-    write_manifest(out, manifest)
-    shutil.rmtree(out / "_tmp", ignore_errors=True)
+    again = f"re-run the same command to continue (finished shards in {str(out)!r} are skipped)"
+    moved = _set_aside_json(out)
+    replaced = False
+    try:
+        outcome, network = _run_img2dataset(options, out, done_before)
+        if outcome == "interrupted":
+            _remove_unfinished(out)
+            kept = len(_finished_shards(out))
+            message = (f"{command}: interrupted; {kept} finished shards are kept and no manifest "
+                       f"was written; {again}")
+            print(message, file=sys.stderr, flush=True)
+            raise DownloadInterrupted(message)
+        finished = _finished_shards(out)
+        new = {i: s for i, s in finished.items() if i not in done_before}
+        attempted = sum(int(s.get("count", 0)) for s in new.values())
+        successes = sum(int(s.get("successes", 0)) for s in new.values())
+        if network is not None or (attempted and successes < MIN_SUCCESS_RATE * attempted):
+            _remove_unfinished(out)
+            for i, stats in new.items():  # a re-run downloads these again
+                if int(stats.get("successes", 0)) == 0:
+                    name = out / f"{shard_name(i).split('.')[0]}_stats.json"
+                    os.replace(name, name.with_name(name.name + _FAILED_SUFFIX))
+            top = next(iter(_top_errors(list(new.values()))), "no status recorded")
+            count = sum(_top_errors(list(new.values())).values())
+            if network is not None:
+                what = (f"stopped after the first shard: all {int(network.get('count', 0))} URLs "
+                        "failed")
+            else:
+                what = (f"{successes} of {attempted} URLs downloaded (under "
+                        f"{MIN_SUCCESS_RATE:.0%})")
+            raise DownloadFailed(
+                f"{command}: {what}; top error {top!r} ({count} times): {_likely_cause(top)}; "
+                f"no manifest was written; once fixed, re-run the same command (the shards in "
+                f"{str(out)!r} that got images are kept, the others are tried again)")
+        incomplete = [shard_name(i) for i in range(-(-source["rows"] // number_sample_per_shard))
+                      if i not in finished]
+        sizes = {shard_name(i): int(stats["successes"]) for i, stats in finished.items()}
+        totals = {k: sum(int(s.get(k, 0)) for s in finished.values())
+                  for k in ("count", "successes", "failed_to_download", "failed_to_resize")}
+        extra = dict(manifest_extra or {})
+        manifest = build_manifest(
+            sizes, stride=key_stride(number_sample_per_shard),
+            source=extra.pop("source", "img2dataset"),
+            tsv=str(tsv.resolve()), tsv_rows=source["rows"],
+            tsv_skipped_rows=source["skipped_rows"],
+            attempted=totals["count"], failed_to_download=totals["failed_to_download"],
+            failed_to_resize=totals["failed_to_resize"],
+            success_rate=(round(totals["successes"] / totals["count"], 4) if totals["count"]
+                          else 0.0),
+            top_errors=_top_errors(list(finished.values())),
+            incomplete_shards=incomplete,
+            **extra,
+            settings={"image_size": image_size, "resize_mode": resize_mode,
+                      "encode_quality": encode_quality,
+                      "number_sample_per_shard": number_sample_per_shard,
+                      "timeout": timeout, "retries": retries, "user_agent_token": user_agent_token,
+                      "img2dataset": _img2dataset_version()},
+        )
+        if sizes:
+            write_sizes(out, sizes)
+        write_manifest(out, manifest)
+        replaced = True
+    finally:
+        _put_back(out, moved, replaced=replaced)
+        shutil.rmtree(out / "_tmp", ignore_errors=True)
     return {**manifest, "out_dir": str(out), "shards_done_before": len(done_before),
             "shards_written": len(set(finished) - done_before),
             "seconds": round(time.perf_counter() - start, 2)}

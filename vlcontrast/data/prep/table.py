@@ -11,7 +11,8 @@ table's folder) or http(s) URLs.
   with its resume and statistics.
 
 The separator defaults to ``,`` for ``.csv`` and to a tab otherwise (open_clip's default);
-``--sep`` overrides it. Rows with an empty image or caption cell are skipped and counted. A
+``--sep`` overrides it. JSON lines (``.jsonl``/``.ndjson``, or any file whose first line is a JSON
+object: one object per line, its keys are the columns) and ``.parquet`` files are read too. Rows with an empty image or caption cell are skipped and counted. A
 missing column, a table mixing URLs and paths, or an empty table is an error naming the file
 and the line before any image is read.
 """
@@ -19,6 +20,7 @@ and the line before any image is read.
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
 import sys
@@ -28,15 +30,46 @@ from typing import Any, Iterator
 from vlcontrast.errors import DataPrepError
 
 from .writer import (DEFAULT_IMAGE_SIZE, DEFAULT_QUALITY, MAX_EXAMPLES, MAX_IMAGE_PIXELS,
-                     ShardJob, Skip, check_image_options, check_val_fraction, encode_image,
-                     fingerprint, prepare_out, split_items, write_shards)
+                     REPORT_FILE, ShardJob, Skip, check_image_options, check_val_fraction,
+                     encode_image, fingerprint, prepare_out, split_items, write_shards)
 
 DEFAULT_SHARD_SIZE = 1000
 _URL = re.compile(r"^https?://", re.IGNORECASE)
 
 
+_JSONL_SUFFIXES = (".jsonl", ".ndjson")
+_TABLE_SUFFIXES = (".csv", ".tsv", ".tab", ".parquet", *_JSONL_SUFFIXES)
+
+
 def default_separator(path: Path) -> str:
     return "," if path.suffix.lower() == ".csv" else "\t"
+
+
+def table_format(path: Path) -> str:
+    """``"parquet"``, ``"jsonl"`` (by suffix, or a first line that is a JSON object) or
+    ``"csv"`` (any separator)."""
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        return "parquet"
+    if suffix in _JSONL_SUFFIXES:
+        return "jsonl"
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(1 << 20).strip()
+        if first.startswith(b"{") and isinstance(json.loads(first), dict):
+            return "jsonl"
+    except (OSError, ValueError):
+        pass
+    return "csv"
+
+
+def _cell(value: Any) -> list[str]:
+    """A JSON/parquet cell as text: a list gives one entry per element, None nothing."""
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _cell(v)]
+    return [str(value).strip()]
 
 
 def read_table(path: Path, image_key: str, caption_key: str, sep: str
@@ -44,7 +77,7 @@ def read_table(path: Path, image_key: str, caption_key: str, sep: str
     """Rows ``(line, image, caption)`` with both cells filled; skipped rows by reason."""
     command = "prep csv"
     if path.is_dir():
-        tables = sorted(p for p in path.iterdir() if p.suffix.lower() in (".csv", ".tsv", ".tab")
+        tables = sorted(p for p in path.iterdir() if p.suffix.lower() in _TABLE_SUFFIXES
                         and p.is_file())
         example = f", e.g. {str(tables[0])!r}" if tables else ""
         raise DataPrepError(f"{command}: {str(path)!r} is a folder; {command} takes a CSV/TSV "
@@ -52,6 +85,9 @@ def read_table(path: Path, image_key: str, caption_key: str, sep: str
                             f"`vlcontrast prep folder {path} OUT`)")
     if not path.is_file():
         raise DataPrepError(f"{command}: table {str(path)!r} does not exist")
+    kind = table_format(path)
+    if kind != "csv":
+        return _read_records(path, kind, image_key, caption_key)
     csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
     rows: list[tuple[int, str, str]] = []
     skipped: dict[str, int] = {}
@@ -92,6 +128,85 @@ def read_table(path: Path, image_key: str, caption_key: str, sep: str
         raise DataPrepError(f"{command}: {path} is not UTF-8 text ({err})") from None
     except csv.Error as err:
         raise DataPrepError(f"{command}: {path}: {err}") from None
+    if not rows:
+        raise DataPrepError(f"{command}: {path} has no row with both an image and a caption "
+                            f"(skipped {skipped})")
+    return rows, skipped, examples
+
+
+def _read_records(path: Path, kind: str, image_key: str, caption_key: str
+                  ) -> tuple[list[tuple[int, str, str]], dict[str, int], dict[str, list[str]]]:
+    """:func:`read_table` for JSON lines (line numbers) and parquet (row numbers from 1). A cell
+    holding a list of captions gives one row per caption (merged again per image)."""
+    command = "prep csv"
+    rows: list[tuple[int, str, str]] = []
+    skipped: dict[str, int] = {}
+    examples: dict[str, list[str]] = {}
+
+    def skip(reason: str, line: int) -> None:
+        skipped[reason] = skipped.get(reason, 0) + 1
+        if len(examples.setdefault(reason, [])) < MAX_EXAMPLES:
+            examples[reason].append(f"{path.name}:{line}")
+
+    def missing(columns: list[str], where: str) -> DataPrepError:
+        absent = next(k for k in (image_key, caption_key) if k not in columns)
+        return DataPrepError(f"{command}: {where} has no {'key' if kind == 'jsonl' else 'column'} "
+                             f"{absent!r}; its {'keys' if kind == 'jsonl' else 'columns'} are "
+                             f"{columns[:12]}: name them with --image-key and --caption-key")
+
+    def add(line: int, record: dict) -> None:
+        images, captions = _cell(record.get(image_key)), _cell(record.get(caption_key))
+        images = [i for i in images if i]
+        captions = [c for c in captions if c]
+        if not images:
+            skip("missing_image", line)
+        elif not captions:
+            skip("empty_caption", line)
+        else:
+            rows.extend((line, images[0], caption) for caption in captions)
+
+    if kind == "parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DataPrepError(f"{command}: reading {path.name} needs pyarrow (pip install "
+                                "pyarrow), or write the table as CSV/TSV/JSON lines") from None
+        try:
+            parquet = pq.ParquetFile(path)
+        except Exception as err:  # noqa: BLE001 - any unreadable file is one line
+            raise DataPrepError(f"{command}: {path} is not a readable parquet file ({err})") from None
+        columns = list(parquet.schema_arrow.names)
+        if image_key not in columns or caption_key not in columns:
+            raise missing(columns, str(path))
+        line = 0
+        for batch in parquet.iter_batches(columns=[image_key, caption_key]):
+            for record in batch.to_pylist():
+                line += 1
+                add(line, record)
+    else:
+        first_keys: list[str] | None = None
+        try:
+            with open(path, encoding="utf-8") as f:
+                for line, text in enumerate(f, start=1):
+                    if not text.strip():
+                        continue
+                    try:
+                        record = json.loads(text)
+                    except ValueError:
+                        record = None
+                    if not isinstance(record, dict):
+                        if first_keys is None:
+                            raise DataPrepError(f"{command}: {path}:{line} is not a JSON object "
+                                                "(JSON lines: one {...} object per line)")
+                        skip("invalid_json", line)
+                        continue
+                    if first_keys is None:
+                        first_keys = list(record)
+                        if image_key not in record or caption_key not in record:
+                            raise missing(first_keys, f"{path}:{line}")
+                    add(line, record)
+        except UnicodeDecodeError as err:
+            raise DataPrepError(f"{command}: {path} is not UTF-8 text ({err})") from None
     if not rows:
         raise DataPrepError(f"{command}: {path} has no row with both an image and a caption "
                             f"(skipped {skipped})")
@@ -150,7 +265,8 @@ def prepare_table(table: str | os.PathLike, out: str | os.PathLike, *, image_key
                                 "download first (without it), then split the shards' list")
         return _prepare_urls(path, out, rows, skipped, image_size=image_size,
                              resize_mode=resize_mode, encode_quality=encode_quality,
-                             overwrite=overwrite, **(url_options or {}))
+                             overwrite=overwrite, examples=examples, image_key=image_key,
+                             caption_key=caption_key, **(url_options or {}))
 
     base = path.resolve().parent
     merged: dict[str, tuple[list[str], int]] = {}
@@ -198,8 +314,16 @@ def _write_table_shards(path: Path, out: Path, items: list, rows: list, settings
 
 def _prepare_urls(path: Path, out: str | os.PathLike, rows: list[tuple[int, str, str]],
                   skipped: dict[str, int], *, image_size: int, resize_mode: str,
-                  encode_quality: int, overwrite: bool, **options: Any) -> dict[str, Any]:
-    """URL rows -> a header-less ``caption<TAB>url`` list -> ``prep cc3m``'s img2dataset path."""
+                  encode_quality: int, overwrite: bool, examples: dict[str, list[str]] | None = None,
+                  image_key: str = "filepath", caption_key: str = "title",
+                  **options: Any) -> dict[str, Any]:
+    """URL rows -> a header-less ``caption<TAB>url`` list -> ``prep cc3m``'s img2dataset path.
+
+    The manifest says ``source: "csv"`` (``downloader: "img2dataset"``) and names the table;
+    ``skipped`` counts the table's skipped rows and the failed downloads by reason, and
+    ``OUT/prep_report.json`` is written as by the other converters."""
+    from vlcontrast.data.shards import write_manifest
+
     from .cc3m import prepare_cc3m
 
     out_path = Path(out)
@@ -210,10 +334,29 @@ def _prepare_urls(path: Path, out: str | os.PathLike, rows: list[tuple[int, str,
         listing.write_text(text, encoding="utf-8")  # unchanged: keep its mtime (resume)
     if resize_mode not in ("keep_ratio", "keep_ratio_largest", "center_crop", "no"):
         raise DataPrepError(f"prep csv: --resize-mode={resize_mode!r} is not an img2dataset mode")
+    table_rows = len(rows) + sum(skipped.values())
     report = prepare_cc3m(listing, out_path, image_size=image_size, resize_mode=resize_mode,
-                          encode_quality=encode_quality, incremental=not overwrite, **options)
-    report["table_skipped"] = skipped
-    return report
+                          encode_quality=encode_quality, incremental=not overwrite,
+                          command="prep csv",
+                          manifest_extra={"source": "csv", "downloader": "img2dataset",
+                                          "table": str(path.resolve()), "table_rows": table_rows,
+                                          "image_key": image_key, "caption_key": caption_key},
+                          **options)
+    failed = {reason: int(report.get(reason, 0))
+              for reason in ("failed_to_download", "failed_to_resize") if report.get(reason)}
+    all_skipped = dict(sorted({**skipped, **failed}.items()))
+    keys = ("out_dir", "shards_done_before", "shards_written", "seconds")
+    manifest = {k: v for k, v in report.items() if k not in keys}
+    manifest.update(inputs=table_rows, skipped=all_skipped, table_skipped=skipped)
+    write_manifest(out_path, manifest)
+    seconds = report["seconds"]
+    full = {**manifest, "examples": dict(examples or {}),
+            **{k: report[k] for k in keys},
+            "samples_per_second": round(report["num_samples"] / seconds, 1) if seconds else 0.0}
+    tmp = out_path / (REPORT_FILE + ".tmp")
+    tmp.write_text(json.dumps(full, indent=2) + "\n")
+    os.replace(tmp, out_path / REPORT_FILE)
+    return full
 
 
 def _separator_hint(header: list[str], sep: str) -> str:

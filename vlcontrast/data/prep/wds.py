@@ -14,7 +14,9 @@ paths), or that come without ``sizes.json``, or whose captions live in another m
   ``.json`` as ``captions``; an integer ``.cls`` is copied.
 
 Samples the loader would skip (no image, no caption, an undecodable image) are skipped and
-counted; a truncated or unreadable input shard is counted and its readable samples kept.
+counted in the manifest's ``skipped`` (so ``inputs`` = ``num_samples`` + the skips); a truncated or
+unreadable input shard is counted in ``shard_events`` (an event of a shard, not a sample) and its
+readable samples kept.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from vlcontrast.errors import DataPrepError
 from ..naming import key_stride
 from ..samples import Members, check_member_keys, find_image, inspect_sample, read_json
 from ..spec import PIPE_PREFIX, expand_spec
-from ..tar_reader import read_shard
-from .writer import ShardJob, Skip, fingerprint, prepare_out, write_shards
+from ..tar_reader import SHARD_EVENTS, read_shard
+from .writer import ShardEvent, ShardJob, Skip, fingerprint, prepare_out, write_shards
 
 PIPE_STRIDE = 100_000
 """Key stride when input shards are ``pipe:`` commands (their sizes are not known beforehand)."""
@@ -67,8 +69,9 @@ def _produce(job: ShardJob) -> Iterator[Any]:
         produced += 1
         yield out
     for event, n in counts.items():
+        kind = ShardEvent if event in SHARD_EVENTS else Skip  # a shard's event is no input
         for _ in range(n):
-            yield Skip(event, f"{name}: {'; '.join(errors)[:200]}")
+            yield kind(event, f"{name}: {'; '.join(errors)[:200]}")
 
 
 def prepare_wds(shards: str, out: str | os.PathLike, *, caption_key: str = "txt",
@@ -94,13 +97,14 @@ def prepare_wds(shards: str, out: str | os.PathLike, *, caption_key: str = "txt"
     stride = PIPE_STRIDE if len(local) < len(urls) else key_stride(longest)
     settings = {"image_key": image_key, "caption_key": caption_key, "decode": decode,
                 "stride": stride}
-    jobs = [ShardJob(i, [url], settings) for i, url in enumerate(urls)]
+    rows = dict(zip(local, (c.rows for c in counted)))
+    jobs = [ShardJob(i, [url], settings, inputs=rows.get(url)) for i, url in enumerate(urls)]
     stamps = [(u, os.path.getsize(u), os.path.getmtime(u)) if not u.startswith(PIPE_PREFIX)
               else (u,) for u in urls]
     digest = fingerprint("wds", settings, stamps)
     out_path = prepare_out(out, digest, overwrite=overwrite, command=command)
     return write_shards(out_path, jobs, _produce, digest=digest, source="wds", workers=workers,
-                        progress=progress, stride=stride,
+                        progress=progress, stride=stride, unit="sample",
                         inputs=sum(c.rows for c in counted) if len(local) == len(urls) else None,
                         input_shards=len(urls), input_spec=shards,
                         settings={"image_key": image_key, "caption_key": caption_key,

@@ -4,15 +4,23 @@ A converter cuts its input into *jobs*, one per output shard, and gives a module
 that turns a job into samples. :func:`write_shards` then:
 
 * writes ``OUT/00000.tar`` ... in parallel worker processes (each shard goes to ``.tmp`` and is
-  renamed when complete, so a shard file is always whole), with progress over shards (a bar on
-  a terminal, plain lines in a log);
+  renamed when complete, so a shard file is always whole), with progress over the inputs (images
+  or samples; the finished shards beside them), a bar on a terminal, plain lines in a log;
+* on Ctrl-C (SIGINT, to the process or its group) stops the workers, removes the unfinished
+  ``.tmp`` files and raises :class:`PrepInterrupted` (finished shards are kept and recorded, so
+  the same command continues);
 * keys every written sample img2dataset-style (``make_key(shard, row, stride)``: dense within a
   shard, skipped inputs take no key) and puts the key into the sample's ``.json``;
 * records each finished shard in ``OUT/_prep_state.json`` together with a fingerprint of the
   inputs and settings: re-running the same command skips the finished shards (resume); a
   different input or setting in a directory holding shards is an error unless ``overwrite``;
 * counts every skipped input by reason (with a few examples) and writes ``sizes.json`` and
-  ``manifest.json`` (:mod:`vlcontrast.data.shards`) with the counts in the manifest.
+  ``manifest.json`` (:mod:`vlcontrast.data.shards`) with the counts in the manifest: ``inputs``
+  = ``num_samples`` + the sum of ``skipped``. Events of a whole input shard (``prep wds``: a
+  truncated or unreadable input shard, :class:`ShardEvent`) are not inputs and go to
+  ``shard_events`` instead;
+* a fresh write (``overwrite``, or any shard written) removes what was derived from the earlier
+  shards: ``prep check``'s ``check_report.json`` (see :data:`DERIVED_FILES`).
 
 Images are re-encoded by :func:`encode_image`: like img2dataset's ``keep_ratio`` (the shorter
 side scaled to ``image_size``, aspect kept), transparent images composited on white (as
@@ -26,7 +34,10 @@ import io
 import json
 import multiprocessing
 import os
+import re
+import signal
 import sys
+import threading
 import tarfile
 import time
 import warnings
@@ -38,6 +49,7 @@ from vlcontrast.errors import DataPrepError
 
 from ..naming import key_stride, list_shards, make_key, shard_name
 from ..samples import to_rgb
+from ..tar_reader import SHARD_EVENTS
 from ..shards import (MANIFEST_FILE, SIZES_FILE, _write_json, build_manifest, write_manifest,
                       write_sizes)
 
@@ -48,6 +60,16 @@ RESIZE_MODES = ("keep_ratio", "keep_ratio_largest", "center_crop", "no")
 DEFAULT_IMAGE_SIZE = 256
 DEFAULT_QUALITY = 95
 MAX_IMAGE_PIXELS = 89_478_485
+CHECK_REPORT_FILE = "check_report.json"
+"""``prep check``'s default report (vlcontrast.data.check.REPORT_FILE)."""
+DERIVED_FILES = (CHECK_REPORT_FILE,)
+"""Files other commands write into OUT about its shards: stale once the shards change, so a
+fresh write removes them."""
+CLASS_FILES = ("classnames.txt", "zeroshot_classification_templates.txt")
+"""What ``prep folder --caption-from class`` writes beside its shards (removed by ``overwrite``
+only when the earlier manifest says that run wrote them)."""
+_LEFTOVER = re.compile(r"^\d{5,}(\.tar\.tmp|_stats\.json|\.parquet)$")
+"""An unfinished shard (``.tmp``) and img2dataset's per-shard files, removed with the shards."""
 
 Sample = dict[str, Any]
 """Members of one output sample: ``{"jpg": bytes, "txt": str, "json": dict, ...}``."""
@@ -59,6 +81,9 @@ class ShardJob:
     index: int
     items: list
     settings: dict = field(default_factory=dict)
+    inputs: int | None = -1
+    """Inputs this shard reads, for the progress: -1 (default) for ``len(items)``; ``None`` when
+    not known beforehand (``prep wds`` from ``pipe:`` commands)."""
 
 
 @dataclass
@@ -66,6 +91,26 @@ class Skip:
     """An input that was not written, with its reason and a name for the report."""
     reason: str
     where: str
+
+
+@dataclass
+class ShardEvent:
+    """Something that happened to a whole input shard (``truncated_tar``, ``unreadable_shard``):
+    counted in the manifest's ``shard_events``, not among the skipped inputs."""
+    reason: str
+    where: str
+
+
+class PrepInterrupted(KeyboardInterrupt):
+    """Ctrl-C while :func:`write_shards` ran: the finished shards are kept and recorded."""
+
+    def __init__(self, out: Path, done: int, total: int):
+        super().__init__(out, done, total)
+        self.out, self.done, self.total = out, done, total
+
+    def __str__(self) -> str:
+        return (f"prep: interrupted after {self.done} of {self.total} shards (kept in "
+                f"{self.out}); run the same command again to continue")
 
 
 # ---- images --------------------------------------------------------------------------------
@@ -138,6 +183,23 @@ def check_image_options(image_size: int, resize_mode: str, quality: int,
 # ---- writing -------------------------------------------------------------------------------
 
 
+_tick: Callable[[], None] | None = None
+"""Called once per input done (written or skipped): the progress channel of :func:`_write_one`."""
+
+
+def _init_worker(counter: Any) -> None:
+    """Pool worker: leave Ctrl-C to the parent (which stops the pool: no traceback per worker)
+    and count inputs done into the shared ``counter``."""
+    global _tick
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def tick() -> None:
+        with counter.get_lock():
+            counter.value += 1
+
+    _tick = tick
+
+
 def _write_one(args: tuple) -> dict[str, Any]:
     """Worker: write one shard; returns its stats. Never raises for a bad input."""
     out, job, produce, stride = args
@@ -145,13 +207,17 @@ def _write_one(args: tuple) -> dict[str, Any]:
     tmp = path.with_name(path.name + ".tmp")
     written = 0
     skipped: dict[str, int] = {}
+    events: dict[str, int] = {}
     examples: dict[str, list[str]] = {}
     with tarfile.open(tmp, "w") as tar:
         for sample in produce(job):
-            if isinstance(sample, Skip):
-                skipped[sample.reason] = skipped.get(sample.reason, 0) + 1
+            if isinstance(sample, (Skip, ShardEvent)):
+                counts = events if isinstance(sample, ShardEvent) else skipped
+                counts[sample.reason] = counts.get(sample.reason, 0) + 1
                 if len(examples.setdefault(sample.reason, [])) < MAX_EXAMPLES:
                     examples[sample.reason].append(sample.where)
+                if _tick is not None and isinstance(sample, Skip):
+                    _tick()
                 continue
             key = make_key(job.index, written, stride)
             meta = dict(sample.get("json") or {})
@@ -171,8 +237,11 @@ def _write_one(args: tuple) -> dict[str, Any]:
                 info.mode = 0o444
                 tar.addfile(info, io.BytesIO(data))
             written += 1
+            if _tick is not None:
+                _tick()
     os.replace(tmp, path)
-    return {"shard": path.name, "written": written, "skipped": skipped, "examples": examples}
+    return {"shard": path.name, "written": written, "skipped": skipped, "events": events,
+            "examples": examples}
 
 
 def fingerprint(*parts: Any) -> str:
@@ -200,11 +269,7 @@ def prepare_out(out: str | os.PathLike, digest: str, *, overwrite: bool, command
     state = _read_state(out)
     existing = list_shards(out)
     if overwrite:
-        for path in existing:
-            os.remove(path)
-        for name in (STATE_FILE, SIZES_FILE, MANIFEST_FILE, REPORT_FILE):
-            if (out / name).exists():
-                (out / name).unlink()
+        _remove_earlier_output(out, existing)
         return out
     if existing and state.get("fingerprint") != digest:
         raise DataPrepError(
@@ -213,9 +278,44 @@ def prepare_out(out: str | os.PathLike, digest: str, *, overwrite: bool, command
     return out
 
 
+def _remove_earlier_output(out: Path, shards: list[str]) -> None:
+    """``overwrite``: remove the shards and every file prep or ``prep check`` wrote about them;
+    files of other names are the user's and stay."""
+    try:
+        manifest = json.loads((out / MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+        manifest = {}
+    names = [STATE_FILE, SIZES_FILE, MANIFEST_FILE, REPORT_FILE, *DERIVED_FILES]
+    if isinstance(manifest, dict) and manifest.get("source") == "folder" and \
+            "classnames" in manifest:
+        names.extend(CLASS_FILES)
+    for path in shards:
+        os.remove(path)
+    names.extend(p.name for p in out.iterdir() if _LEFTOVER.match(p.name) and p.is_file())
+    for name in names:
+        if (out / name).is_file():
+            (out / name).unlink()
+
+
+def _job_inputs(job: ShardJob) -> int | None:
+    return len(job.items) if job.inputs == -1 else job.inputs
+
+
+def _remove_unrecorded(out: Path, jobs: list[ShardJob]) -> None:
+    """After an interrupt: the ``.tmp`` of each unfinished shard, and a shard a stopped worker
+    finished but the parent did not record (its counts are lost; the next run writes it again),
+    so the shards on disk are the recorded ones."""
+    for job in jobs:
+        for name in (shard_name(job.index) + ".tmp", shard_name(job.index)):
+            try:
+                (out / name).unlink()
+            except OSError:
+                pass
+
+
 def write_shards(out: Path, jobs: list[ShardJob], produce: Callable[[ShardJob], Iterable[Any]],
                  *, digest: str, source: str, workers: int | None = None, progress: bool = True,
-                 stride: int | None = None, inputs: int | None = None,
+                 stride: int | None = None, inputs: int | None = None, unit: str = "image",
                  skipped_before: dict[str, int] | None = None,
                  examples_before: dict[str, list[str]] | None = None,
                  **manifest_extra: Any) -> dict[str, Any]:
@@ -226,6 +326,11 @@ def write_shards(out: Path, jobs: list[ShardJob], produce: Callable[[ShardJob], 
     ``produce(job)`` yields a :data:`Sample` or a :class:`Skip` per input, in a deterministic
     order. ``stride``: key distance between shards (default from the largest job).
     ``skipped_before``/``examples_before``: inputs the converter dropped before making jobs.
+    ``unit``: what one input is called in the progress (``image``, ``sample``).
+
+    Ctrl-C raises :class:`PrepInterrupted` (a ``KeyboardInterrupt``) once the workers are stopped
+    and what they left unrecorded removed (:func:`_remove_unrecorded`); the recorded shards stay
+    (resume).
     """
     start = time.perf_counter()
     state = _read_state(out)
@@ -234,6 +339,10 @@ def write_shards(out: Path, jobs: list[ShardJob], produce: Callable[[ShardJob], 
             if (out / name).is_file() or stats["written"] == 0}  # empty shards are not kept
     stride = stride or key_stride(max([len(job.items) for job in jobs] + [1]))
     todo = [job for job in jobs if shard_name(job.index) not in done]
+    if todo:  # the shard set changes: what was derived from the earlier one is wrong now
+        for name in DERIVED_FILES:
+            if (out / name).is_file():
+                (out / name).unlink()
     state = {"fingerprint": digest, "shards": dict(done)}
     _write_json(out / STATE_FILE, state)
 
@@ -241,25 +350,79 @@ def write_shards(out: Path, jobs: list[ShardJob], produce: Callable[[ShardJob], 
     if progress:
         from vlcontrast.progress import Progress  # a bar on a terminal, plain lines in a log
 
-        bar = Progress(total=len(jobs), initial=len(jobs) - len(todo), unit="shard",
+        counts = [_job_inputs(job) for job in jobs]
+        total = None if None in counts else sum(counts)  # type: ignore[arg-type]
+        initial = sum(_job_inputs(job) or 0 for job in jobs if shard_name(job.index) in done)
+        bar = Progress(total=total, initial=initial, unit=unit,
                        desc=f"prep {source} -> {out}", stream=sys.stderr)
+
+        def show_shards() -> None:
+            bar.set_postfix(shards=f"{len(state['shards'])}/{len(jobs)}",
+                            written=sum(s["written"] for s in state["shards"].values()))
+
+        show_shards()
     workers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1))
     args = [(str(out), job, produce, stride) for job in todo]
     pool = None
-    if workers > 1 and len(todo) > 1:
-        method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-        pool = multiprocessing.get_context(method).Pool(workers)
-        results: Iterator[dict[str, Any]] = pool.imap_unordered(_write_one, args)
-    else:
-        results = map(_write_one, args)
+    counter = None
+    global _tick
     try:
-        for result in results:
+        if workers > 1 and len(todo) > 1:
+            method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+            context = multiprocessing.get_context(method)
+            counter = context.Value("q", 0)
+            # Workers ignore Ctrl-C from their start on (a forked one inherits it before its
+            # initializer runs); the parent stops them.
+            main = threading.current_thread() is threading.main_thread()
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+            try:
+                pool = context.Pool(workers, initializer=_init_worker, initargs=(counter,))
+            finally:
+                if main:
+                    signal.signal(signal.SIGINT, previous)
+            results: Iterator[dict[str, Any]] = pool.imap_unordered(_write_one, args)
+        else:
+            if bar is not None:
+                _tick = lambda: bar.update(1)  # noqa: E731 - in this process: straight to the bar
+            results = map(_write_one, args)
+        seen = 0
+        while True:
+            try:
+                result = (results.next(timeout=0.5)  # type: ignore[attr-defined]
+                          if pool is not None else next(results))
+            except multiprocessing.TimeoutError:
+                result = None
+            except StopIteration:
+                break
+            if counter is not None and bar is not None:
+                now = counter.value
+                bar.update(now - seen)
+                seen = now
+            if result is None:
+                continue
             state["shards"][result["shard"]] = result
             _write_json(out / STATE_FILE, state)
             if bar is not None:
-                bar.update(1)
-                bar.set_postfix(samples=sum(s["written"] for s in state["shards"].values()))
+                show_shards()
+    except KeyboardInterrupt:
+        with _no_interrupts():
+            if pool is not None:
+                pool.terminate()
+                pool.join()
+                pool = None
+            _remove_unrecorded(out, [job for job in todo
+                                     if shard_name(job.index) not in state["shards"]])
+            if bar is not None:
+                bar.close()
+        raise PrepInterrupted(out, len(state["shards"]), len(jobs)) from None
+    except BaseException:  # an error: stop the workers instead of waiting for every shard
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+            pool = None
+        raise
     finally:
+        _tick = None
         if pool is not None:
             pool.close()
             pool.join()
@@ -273,18 +436,24 @@ def write_shards(out: Path, jobs: list[ShardJob], produce: Callable[[ShardJob], 
             (out / name).unlink()
     skipped = dict(skipped_before or {})
     examples = {k: list(v) for k, v in (examples_before or {}).items()}
+    events: dict[str, int] = {}
     for s in sorted(shards.values(), key=lambda s: s["shard"]):
-        for reason, n in s["skipped"].items():
-            skipped[reason] = skipped.get(reason, 0) + n
+        for reason, n in [*s["skipped"].items(), *s.get("events", {}).items()]:
+            # (a state file of an earlier version counted shard events among the skips)
+            counts = events if reason in SHARD_EVENTS else skipped
+            counts[reason] = counts.get(reason, 0) + n
             room = MAX_EXAMPLES - len(examples.setdefault(reason, []))
             examples[reason].extend(s["examples"].get(reason, [])[:max(0, room)])
     if not sizes:
-        raise DataPrepError(f"prep {source}: every input was skipped ({skipped}); examples "
+        raise DataPrepError(f"prep {source}: every input was skipped ({skipped}"
+                            f"{f'; input shards: {events}' if events else ''}); examples "
                             f"{examples}: nothing to write to {str(out)!r}")
     manifest = build_manifest(sizes, stride=stride, source=source,
                               inputs=inputs if inputs is not None else
                               sum(sizes.values()) + sum(skipped.values()),
-                              skipped=dict(sorted(skipped.items())), **manifest_extra)
+                              skipped=dict(sorted(skipped.items())),
+                              **({"shard_events": dict(sorted(events.items()))} if events else {}),
+                              **manifest_extra)
     write_sizes(out, sizes)
     write_manifest(out, manifest)
     seconds = time.perf_counter() - start
@@ -304,9 +473,26 @@ def summary(report: dict[str, Any]) -> str:
     parts = [f"{report['num_samples']} samples in {report['num_shards']} shards"]
     if skipped:
         parts.append("skipped " + ", ".join(f"{n} {r}" for r, n in sorted(skipped.items())))
+    events = report.get("shard_events") or {}
+    if events:  # whole input shards, not inputs: outside the skips
+        parts.append("input shards: " + ", ".join(f"{n} {r}" for r, n in sorted(events.items())))
     if report.get("shards_done_before"):
         parts.append(f"{report['shards_done_before']} shards kept from an earlier run")
     return f"prep: {', '.join(parts)} -> {report['out_dir']} ({report['seconds']} s)"
+
+
+class _no_interrupts:
+    """A second Ctrl-C while the workers are stopped waits until they are (no traceback)."""
+
+    def __enter__(self):
+        self.main = threading.current_thread() is threading.main_thread()
+        if self.main:
+            self.previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return self
+
+    def __exit__(self, *exc_info):
+        if self.main:
+            signal.signal(signal.SIGINT, self.previous)
 
 
 def hash_fraction(relative_path: str) -> float:
