@@ -12,9 +12,10 @@ table's folder) or http(s) URLs.
 
 The separator defaults to ``,`` for ``.csv`` and to a tab otherwise (open_clip's default);
 ``--sep`` overrides it. JSON lines (``.jsonl``/``.ndjson``, or any file whose first line is a JSON
-object: one object per line, its keys are the columns) and ``.parquet`` files are read too. Rows with an empty image or caption cell are skipped and counted. A
-missing column, a table mixing URLs and paths, or an empty table is an error naming the file
-and the line before any image is read.
+object: one object per line, its keys are the columns) and ``.parquet`` files are read too. Rows
+with an empty image or caption cell are skipped and counted. A missing column, a table mixing
+URLs and paths, or an empty table is an error naming the file and the line before any image is
+read.
 """
 
 from __future__ import annotations
@@ -72,6 +73,20 @@ def _cell(value: Any) -> list[str]:
     return [str(value).strip()]
 
 
+class _Skips:
+    """Skipped rows by reason, with up to ``MAX_EXAMPLES`` ``table:line`` examples of each."""
+
+    def __init__(self, path: Path):
+        self.name = path.name
+        self.counts: dict[str, int] = {}
+        self.examples: dict[str, list[str]] = {}
+
+    def __call__(self, reason: str, line: int) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        if len(self.examples.setdefault(reason, [])) < MAX_EXAMPLES:
+            self.examples[reason].append(f"{self.name}:{line}")
+
+
 def read_table(path: Path, image_key: str, caption_key: str, sep: str
                ) -> tuple[list[tuple[int, str, str]], dict[str, int], dict[str, list[str]]]:
     """Rows ``(line, image, caption)`` with both cells filled; skipped rows by reason."""
@@ -86,18 +101,20 @@ def read_table(path: Path, image_key: str, caption_key: str, sep: str
     if not path.is_file():
         raise DataPrepError(f"{command}: table {str(path)!r} does not exist")
     kind = table_format(path)
-    if kind != "csv":
-        return _read_records(path, kind, image_key, caption_key)
+    skip = _Skips(path)
+    rows = (_read_csv(path, image_key, caption_key, sep, skip) if kind == "csv" else
+            _read_records(path, kind, image_key, caption_key, skip))
+    if not rows:
+        raise DataPrepError(f"{command}: {path} has no row with both an image and a caption "
+                            f"(skipped {skip.counts})")
+    return rows, skip.counts, skip.examples
+
+
+def _read_csv(path: Path, image_key: str, caption_key: str, sep: str, skip: _Skips
+              ) -> list[tuple[int, str, str]]:
+    command = "prep csv"
     csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
     rows: list[tuple[int, str, str]] = []
-    skipped: dict[str, int] = {}
-    examples: dict[str, list[str]] = {}
-
-    def skip(reason: str, line: int) -> None:
-        skipped[reason] = skipped.get(reason, 0) + 1
-        if len(examples.setdefault(reason, [])) < MAX_EXAMPLES:
-            examples[reason].append(f"{path.name}:{line}")
-
     try:
         with open(path, newline="", encoding="utf-8") as f:
             reader = csv.reader(f, delimiter=sep)
@@ -128,25 +145,15 @@ def read_table(path: Path, image_key: str, caption_key: str, sep: str
         raise DataPrepError(f"{command}: {path} is not UTF-8 text ({err})") from None
     except csv.Error as err:
         raise DataPrepError(f"{command}: {path}: {err}") from None
-    if not rows:
-        raise DataPrepError(f"{command}: {path} has no row with both an image and a caption "
-                            f"(skipped {skipped})")
-    return rows, skipped, examples
+    return rows
 
 
-def _read_records(path: Path, kind: str, image_key: str, caption_key: str
-                  ) -> tuple[list[tuple[int, str, str]], dict[str, int], dict[str, list[str]]]:
+def _read_records(path: Path, kind: str, image_key: str, caption_key: str, skip: _Skips
+                  ) -> list[tuple[int, str, str]]:
     """:func:`read_table` for JSON lines (line numbers) and parquet (row numbers from 1). A cell
     holding a list of captions gives one row per caption (merged again per image)."""
     command = "prep csv"
     rows: list[tuple[int, str, str]] = []
-    skipped: dict[str, int] = {}
-    examples: dict[str, list[str]] = {}
-
-    def skip(reason: str, line: int) -> None:
-        skipped[reason] = skipped.get(reason, 0) + 1
-        if len(examples.setdefault(reason, [])) < MAX_EXAMPLES:
-            examples[reason].append(f"{path.name}:{line}")
 
     def missing(columns: list[str], where: str) -> DataPrepError:
         absent = next(k for k in (image_key, caption_key) if k not in columns)
@@ -207,10 +214,7 @@ def _read_records(path: Path, kind: str, image_key: str, caption_key: str
                     add(line, record)
         except UnicodeDecodeError as err:
             raise DataPrepError(f"{command}: {path} is not UTF-8 text ({err})") from None
-    if not rows:
-        raise DataPrepError(f"{command}: {path} has no row with both an image and a caption "
-                            f"(skipped {skipped})")
-    return rows, skipped, examples
+    return rows
 
 
 def _produce(job: ShardJob) -> Iterator[Any]:
