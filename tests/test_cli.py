@@ -275,6 +275,30 @@ def test_warnings_keep_one_format_before_and_after_a_library_logs_through_the_ro
                                              "vlcontrast: warning: after 3"], done.stderr
 
 
+def test_ctrl_c_ends_a_command_as_one_line_with_the_shell_s_status(capsys, monkeypatch):
+    """A KeyboardInterrupt in a command without a stop of its own printed Python's traceback."""
+    from vlcontrast.cli import eval as eval_cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eval_cli, "run_eval", interrupted)  # the parser is built in main()
+    monkeypatch.delenv("VLCONTRAST_DEBUG", raising=False)
+    argv = ["eval", "retrieval", "--checkpoint", "m", "--data", "d"]
+    assert cli.main(argv) == 130
+    assert capsys.readouterr().err == "vlcontrast: eval retrieval: interrupted (Ctrl-C)\n"
+    from vlcontrast.cli import train as train_cli
+
+    monkeypatch.setattr(train_cli, "run_train", interrupted)
+    assert cli.main(["train", "--config", "c.yaml"]) == 130
+    assert capsys.readouterr().err.startswith(
+        "vlcontrast: train: interrupted (Ctrl-C); train.resume=latest continues from the last "
+        "checkpoint")
+    monkeypatch.setenv("VLCONTRAST_DEBUG", "1")  # --debug keeps the traceback
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(argv)
+
+
 def test_deepspeed_warnings_take_the_same_one_line_format():
     """DeepSpeed's logger printed on stdout in its own format past the CLI's
     (``[time] [WARNING] [base_optimizer.py:343:...] MPU is not provided ...`` on a resume)."""

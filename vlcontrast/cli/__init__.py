@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
 from vlcontrast.cli import diagnose, eval, export, failure, inference, prep, study, train
 
@@ -94,6 +95,15 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[failure.DEBUG_VARIABLE] = "1"  # launched ranks inherit it
     try:
         return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C where a command has no stop of its own: one line
+        if failure.debug_requested():
+            raise
+        command = " ".join(str(part) for part in (args.command, getattr(args, "what", None))
+                           if part)
+        hint = ("; train.resume=latest continues from the last checkpoint (SIGTERM or SIGUSR1 "
+                "stops a run with a checkpoint first)" if args.command == "train" else "")
+        print(f"vlcontrast: {command}: interrupted (Ctrl-C){hint}", file=sys.stderr)
+        return 130  # the shell's status for a command ended by SIGINT
     except BrokenPipeError:  # a reader that stopped reading (vlcontrast config | head -1)
         from vlcontrast.evaluation.runner import close_stdout
 
