@@ -56,3 +56,23 @@ def test_fp32_matches_float64_at_scale_100(name):
                             logit_bias=torch.tensor(-10.0, dtype=dtype), step=2)["loss"])
               for dtype in (torch.float64, torch.float32)]
     assert values[1] == pytest.approx(values[0], rel=1e-4, abs=1e-3)
+
+
+@pytest.mark.parametrize("name", ["infonce", "dcl", "debiased", "hcl", "balanced"])
+def test_16_bit_features_take_the_positive_from_the_rounded_matrix(name):
+    """With bf16 features the logit matrix is rounded to bf16 (spacing 0.5 near 100) while the
+    positive was computed in float32, so L_ii in a row's logsumexp was not the L_ii subtracted:
+    InfoNCE of perfectly aligned pairs came out at -0.129 (below its bound of 0)."""
+    from vlcontrast.losses import build_loss
+
+    generator = torch.Generator().manual_seed(0)
+    features = torch.nn.functional.normalize(
+        torch.randn(7, 8, generator=generator, dtype=torch.float64), dim=1).bfloat16()
+    exact = build_loss(name)(features.double(), features.double(), torch.tensor(100.0,
+                             dtype=torch.float64))["loss"]
+    rounded = build_loss(name)(features, features, torch.tensor(100.0))["loss"]
+    if name == "infonce":
+        assert rounded >= 0.0
+    # each row's statistic and its positive see the same rounded numbers: the loss is within
+    # the matrix's rounding of the exact value on the same (bf16) inputs
+    assert abs(float(rounded) - float(exact)) < 0.05, (float(rounded), float(exact))

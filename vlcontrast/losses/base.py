@@ -297,8 +297,12 @@ class ContrastiveLoss(nn.Module):
         state = self.prepare(batch)
         # L_ii is the same number in both directions: computed once, from the local pairs (the
         # gathered copies of this rank's rows are the same values; other ranks never use them).
+        # 16-bit features: each direction's logit matrix is rounded to their dtype, so each
+        # direction takes its L_ii from its own rounded matrix entry (score_rows), the number its
+        # rows' statistic saw (else InfoNCE could fall below 0 by the rounding).
         dtype = row_dtype(batch.image.dtype)
-        positive = scale * (batch.image.to(dtype) * batch.text.to(dtype)).sum(1)
+        positive = (scale * (batch.image * batch.text).sum(1) if dtype == batch.image.dtype
+                    else None)
         terms = []
         for direction in self.directions:
             anchors, candidates = batch.anchors_and_candidates(direction)
@@ -360,11 +364,14 @@ class ContrastiveLoss(nn.Module):
 
 
 def _positive_logits(scaled: Tensor, candidates: Tensor, first_positive: int) -> Tensor:
-    """``L[i, first_positive + i]`` from the features (in the row dtype)."""
+    """``L[i, first_positive + i]`` from the features (in the row dtype), rounded as the logit
+    matrix ``scaled @ candidates.T`` is (to 16 bits for 16-bit features), so a row's positive is
+    the number its statistic saw in the matrix."""
     dtype = row_dtype(scaled.dtype)
     # The positives are consecutive columns: a slice, whose backward is cheap.
     paired = candidates.narrow(0, first_positive, scaled.shape[0])
-    return (scaled.to(dtype) * paired.to(dtype)).sum(1)
+    positive = (scaled.to(dtype) * paired.to(dtype)).sum(1)
+    return positive if dtype == scaled.dtype else positive.to(scaled.dtype).to(dtype)
 
 
 class _ChunkedStatistic(torch.autograd.Function):
