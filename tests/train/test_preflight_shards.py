@@ -60,3 +60,35 @@ def test_captions_under_another_member_are_named_before_the_model_is_built(synth
     config.data.caption_key = "json:caption"
     with pytest.raises(AssertionError, match="the model was built"):
         no_model.train(config)
+
+
+def test_a_step_of_one_pair_is_refused_before_the_model_and_never_suggested(synthetic_data,
+                                                                           tmp_path, no_model):
+    """data.batch_size=1 on one process built the model and died at the first step with the
+    loss's traceback ("needs a global batch of at least 2"); the too-small-data error even
+    suggested it ("set data.batch_size to at most 1")."""
+    from types import SimpleNamespace
+
+    from tests.train.helpers import tiny_config
+    from vlcontrast.data.sources import check_batch_fits
+    from vlcontrast.errors import DataLayoutError
+
+    config = tiny_config(synthetic_data, tmp_path / "run")
+    config.data.batch_size = 1
+    with pytest.raises(DataLayoutError, match=(
+            r"^data\.batch_size=1 x 1 rank\(s\) x train\.accum_steps=1 gives a contrastive loss 1 "
+            r"pair per step; it needs at least 2 .*set data\.batch_size to 2 or more$")):
+        no_model.train(config)
+    config.train.accum_steps = 2  # the loss sees the accumulated batch: two pairs
+    with pytest.raises(AssertionError, match="the model was built"):
+        no_model.train(config)
+
+    data = SimpleNamespace(batch_size=4, train="d")
+    one = SimpleNamespace(num_samples=1, urls=["d/00000.tar"])
+    with pytest.raises(DataLayoutError, match=r"fewer than one global batch \(4 x 1 ranks = 4\); "
+                       r"train on more data \(a contrastive step needs at least 2 pairs\)$"):
+        check_batch_fits(data, one, 1, accum_steps=1)
+    three = SimpleNamespace(num_samples=3, urls=["d/00000.tar"])
+    with pytest.raises(DataLayoutError, match=r"set data\.batch_size to at most 3, or train"):
+        check_batch_fits(data, three, 1, accum_steps=1)
+    check_batch_fits(SimpleNamespace(batch_size=1, train="d"), three, 2, accum_steps=1)  # 2 ranks

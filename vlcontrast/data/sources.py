@@ -287,19 +287,30 @@ def resolve_shard_set(data_cfg: Any, *, needs_sample_ids: bool = False,
                     num_samples, id_space, ids_required=id_space > 0)
 
 
-def check_batch_fits(data_cfg: Any, shard_set: ShardSet, world_size: int) -> None:
+def check_batch_fits(data_cfg: Any, shard_set: ShardSet, world_size: int,
+                     accum_steps: int | None = None) -> None:
     """An epoch of ``shard_set`` holds at least one global batch (``data.batch_size`` x
-    ``world_size``); a one-line :class:`DataLayoutError` names the largest batch that fits."""
+    ``world_size``); with ``accum_steps`` (the trainer's preflight), a step's contrastive batch
+    (that x ``accum_steps``: the loss sees the accumulated batch whole) also holds the two pairs
+    every loss needs. A one-line :class:`DataLayoutError` names the batch that fits, never one
+    below two pairs."""
     global_batch = data_cfg.batch_size * world_size
+    if accum_steps is not None and global_batch * accum_steps < 2:
+        raise DataLayoutError(
+            f"data.batch_size={data_cfg.batch_size} x {world_size} rank(s) x train.accum_steps="
+            f"{accum_steps} gives a contrastive loss 1 pair per step; it needs at least 2 (its "
+            "negatives are the other pairs): set data.batch_size to 2 or more")
     if shard_set.num_samples == 0:
         raise DataLayoutError(f"data.train={data_cfg.train!r}: no complete sample in its "
                               f"{len(shard_set.urls)} shards; `vlcontrast prep check` says why")
     if shard_set.num_samples < global_batch:
-        most = max(1, shard_set.num_samples // world_size)
+        most = shard_set.num_samples // world_size
+        fix = (f"set data.batch_size to at most {most}, or train on more data"
+               if most * world_size * (accum_steps or 1) >= 2 else
+               "train on more data (a contrastive step needs at least 2 pairs)")
         raise DataLayoutError(f"data: {shard_set.num_samples} samples per epoch are fewer than one "
                               f"global batch ({data_cfg.batch_size} x {world_size} ranks = "
-                              f"{global_batch}); set data.batch_size to at most {most}, or "
-                              "train on more data")
+                              f"{global_batch}); {fix}")
 
 
 def check_ids_available(data_cfg: Any, needs_sample_ids: bool, who: str = "the loss"

@@ -112,7 +112,8 @@ def _train(config: RunConfig, stop: StopSignal, env) -> dict[str, Any]:
     needs_ids = (build_loss(config.loss.name, id_space=1, **config.loss.options).needs_sample_ids
                  or bool(config.distill.teacher_features))  # stored teacher rows: by sample id
     shard_set = check_ids_available(config.data, needs_ids, who=f"loss={config.loss.name}")
-    check_batch_fits(config.data, shard_set, env.world_size)  # before the model, too
+    check_batch_fits(config.data, shard_set, env.world_size,  # before the model, too
+                     config.train.accum_steps)
     run_dir, config_yaml = Path(config.output_dir), yaml.safe_dump(to_dict(config), sort_keys=False)
     _configure_process(config.seed, env)
 
