@@ -86,7 +86,7 @@ def test_embed_shards_skip_over_the_limit_with_a_hint(trained, tmp_path, capsys)
             "--out", str(out), "--workers", "0", "--no-progress", "--overwrite"]
     code, _, err = run_cli(capsys, *args, "--max-image-pixels", "100")
     assert code == 0, err
-    assert (f"vlcontrast embed: skipped unreadable images (decompression_bomb: 1)"
+    assert (f"vlcontrast embed: skipped 1 of 3 samples (decompression_bomb: 1)"
             f"{HINT.format(limit=100)}\n") in err
     assert (tmp_path / "emb.npy.ids.txt").read_text().split() == ["000000000", "000000002"]
 

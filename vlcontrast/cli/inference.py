@@ -167,15 +167,18 @@ def run_embed(args) -> int:
 
 
 def skipped_line(embeddings, limit: int = 3) -> str:
-    """``skipped 1 of 6 images (undecodable_image: 1): a.png`` (the first ``limit`` named; shards'
-    samples have no file to name), ending in the ``--max-image-pixels`` hint after decompression
+    """``skipped 1 of 6 images (undecodable_image: 1): a.png`` (the first ``limit`` named), or for
+    shards, whose samples have no file to name, ``skipped 3 of 9 samples (missing_image: 3); input
+    shards: 1 truncated_tar``; ending in the ``--max-image-pixels`` hint after decompression
     bombs."""
-    from vlcontrast.data.samples import pixels_hint, skipped_summary
+    from vlcontrast.data.samples import skipped_summary, split_shard_events
 
     pixels = getattr(embeddings, "max_image_pixels", None)
-    if not embeddings.skipped:
-        why = ", ".join(f"{reason}: {n}" for reason, n in sorted(embeddings.reasons.items()))
-        return f"skipped unreadable images ({why}){pixels_hint(embeddings.reasons, pixels)}"
+    if not embeddings.skipped:  # shards: counted per reason, not named
+        samples, _ = split_shard_events(embeddings.reasons)
+        skipped = sum(samples.values())
+        return skipped_summary(skipped, len(embeddings.ids) + skipped, embeddings.reasons,
+                               max_image_pixels=pixels, noun="samples")
     return skipped_summary(len(embeddings.skipped), len(embeddings.ids) + len(embeddings.skipped),
                            embeddings.reasons, embeddings.skipped, limit, max_image_pixels=pixels)
 

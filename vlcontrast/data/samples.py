@@ -283,13 +283,32 @@ def skipped_summary(skipped: int, total: int, reasons: dict[str, int],
                     noun: str = "images") -> str:
     """The line the commands print for skipped images: ``skipped 2 of 10 images
     (undecodable_image: 2): a.png, b.jpg`` (the first ``limit`` of ``names``, when given), ending
-    in :func:`pixels_hint` when ``max_image_pixels`` is given."""
-    why = ", ".join(f"{reason}: {n}" for reason, n in sorted(reasons.items()))
+    in :func:`pixels_hint` when ``max_image_pixels`` is given. Shard events among ``reasons``
+    (:data:`SHARD_EVENTS`: whole input shards, not samples) are listed apart, after the samples:
+    ``...; input shards: 1 truncated_tar``, so the reasons in parentheses sum to ``skipped``."""
+    samples, events = split_shard_events(reasons)
+    why = ", ".join(f"{reason}: {n}" for reason, n in sorted(samples.items()))
     shown = ", ".join(str(name) for name in names[:limit])
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
     return (f"skipped {skipped} of {total} {noun}" + (f" ({why})" if why else "")
             + (f": {shown}{more}" if shown else "")
+            + (f"; {shard_events_text(events)}" if events else "")
             + pixels_hint(reasons, max_image_pixels, option))
+
+
+def split_shard_events(reasons: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+    """``reasons`` -> (per-sample reasons, shard events): the counts of skipped samples, which sum
+    to the samples skipped, apart from the events of whole shards (:data:`SHARD_EVENTS`)."""
+    samples = {r: n for r, n in reasons.items() if r not in SHARD_EVENTS}
+    events = {r: n for r, n in reasons.items() if r in SHARD_EVENTS}
+    return samples, events
+
+
+def shard_events_text(events: dict[str, int]) -> str:
+    """``input shards: 2 truncated_tar`` (as ``vlcontrast prep`` words them), or ``""``."""
+    if not events:
+        return ""
+    return "input shards: " + ", ".join(f"{n} {r}" for r, n in sorted(events.items()))
 
 
 def decode_image(image_bytes: bytes, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,

@@ -12,7 +12,9 @@ retrieval`` all accept the same text::
   glob characters (``/d/*.tar``, sorted matches).
 * ``DIRECTORY``: CLIP_benchmark's webdataset layout (``DIR/<split>/nshards.txt`` with
   ``0.tar`` ... beside it, or a split folder holding ``nshards.txt`` itself), else its numbered
-  shards (``00000.tar`` ..., by index), else every ``*.tar`` in it (sorted).
+  shards (``00000.tar`` ..., by index), else every ``*.tar`` in it (sorted). Compressed shards
+  (``.tar.gz``, ``.tgz``, ...) in it are not included: a warning (once per directory) names them
+  and how to include them (name them: ``DIR,DIR/{a,b}.tar.gz``).
 * ``pipe:COMMAND``: a shell command writing the tar to stdout, brace-expanded
   (``pipe:aws s3 cp s3://b/{00000..00099}.tar -``). A member starting with ``pipe:`` runs to the
   end of its source, so a command may contain commas.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import glob
 import itertools
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -35,6 +38,8 @@ import braceexpand
 
 from vlcontrast.errors import ShardsNotFoundError, ShardSpecError
 from .naming import list_shards
+
+logger = logging.getLogger(__name__)
 
 PIPE_PREFIX = "pipe:"
 CLIP_BENCHMARK_COUNT_FILE = "nshards.txt"
@@ -121,13 +126,65 @@ def expand_directory(directory: str, split: str = DEFAULT_SPLIT) -> list[str]:
     return sorted(glob.glob(os.path.join(glob.escape(str(folder)), "*.tar")))
 
 
+COMPRESSED_TAR_NAMES = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz")
+"""Compressed shards: read when named, left out when their directory is named."""
+_WARNED_DIRECTORIES: set[str] = set()
+
+
+def compressed_shards(directory: str) -> list[str]:
+    """Names of the compressed tar files directly in ``directory`` (sorted): what naming the
+    directory leaves out."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted(name for name in names if name.lower().endswith(COMPRESSED_TAR_NAMES)
+                  and os.path.isfile(os.path.join(directory, name)))
+
+
+def _compressed_text(names: list[str], limit: int = 3) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    noun = "shard" if len(names) == 1 else "shards"
+    return f"{len(names)} compressed {noun} ({', '.join(names[:limit])}{more})"
+
+
+def _compressed_spec(directory: str, names: list[str]) -> str:
+    """A spec naming ``names`` in ``directory``: a brace list when they share a suffix."""
+    suffixes = {next(s for s in COMPRESSED_TAR_NAMES if n.lower().endswith(s)) for n in names}
+    if len(names) > 1 and len(suffixes) == 1:
+        suffix = suffixes.pop()
+        stems = [n[:-len(suffix)] for n in names]
+        if not any(ch in stem for stem in stems for ch in "{},"):
+            return os.path.join(directory, "{" + ",".join(stems) + "}" + names[0][-len(suffix):])
+    return ",".join(os.path.join(directory, n) for n in names)
+
+
+def warn_compressed(directory: str, names: list[str], key: str = "data.train") -> None:
+    """One warning per directory and process: the compressed shards a directory leaves out,
+    and the spec that includes them."""
+    where = os.path.realpath(directory)
+    if where in _WARNED_DIRECTORIES:
+        return
+    _WARNED_DIRECTORIES.add(where)
+    logger.warning("%s: directory %r also holds %s, left out: a directory means its *.tar "
+                   "files; to include the compressed ones, name them too, e.g. %r", key, directory,
+                   _compressed_text(names), f"{directory},{_compressed_spec(directory, names)}")
+
+
 def expand_member(member: str, key: str = "data.train", split: str = DEFAULT_SPLIT) -> list[str]:
     """Shard URLs of one member, checked to exist when local (see the module docstring)."""
     if member.startswith(PIPE_PREFIX):
         return list(braceexpand.braceexpand(member))
     if os.path.isdir(member):
         urls = expand_directory(member, split)
+        compressed = compressed_shards(member)
         if not urls:
+            if compressed:
+                raise ShardsNotFoundError(
+                    f"{key}: directory {member!r} holds no .tar shards (a directory means its "
+                    f"*.tar files) but {_compressed_text(compressed)}: to read those, name the "
+                    f"files, "
+                    f"e.g. {_compressed_spec(member, compressed)!r}")
             raise ShardsNotFoundError(
                 f"{key}: directory {member!r} holds no .tar shards (numbered 00000.tar ..., any "
                 f"*.tar, or CLIP_benchmark's {split}/{CLIP_BENCHMARK_COUNT_FILE})"
@@ -248,8 +305,18 @@ def _directory_hint(directory: str, key: str = "") -> str:
 
 
 def expand_source(pattern: str, key: str = "data.train", split: str = DEFAULT_SPLIT) -> list[str]:
-    """Shard URLs of one source (its comma list of members, in order)."""
-    return [url for member in split_members(pattern) for url in expand_member(member, key, split)]
+    """Shard URLs of one source (its comma list of members, in order). A directory member with
+    compressed shards that the source does not name otherwise gets :func:`warn_compressed`."""
+    members = split_members(pattern)
+    urls = [url for member in members for url in expand_member(member, key, split)]
+    named = {os.path.realpath(url) for url in urls if not url.startswith(PIPE_PREFIX)}
+    for member in members:
+        if not member.startswith(PIPE_PREFIX) and os.path.isdir(member):
+            left_out = [name for name in compressed_shards(member)
+                        if os.path.realpath(os.path.join(member, name)) not in named]
+            if left_out:
+                warn_compressed(member, left_out, key)
+    return urls
 
 
 def expand_spec(spec: str, key: str = "data.train", split: str = DEFAULT_SPLIT) -> list[str]:

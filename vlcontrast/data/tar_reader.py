@@ -124,6 +124,19 @@ def _count(counts: dict[str, int], reason: str, n: int = 1) -> None:
     counts[reason] = counts.get(reason, 0) + n
 
 
+def _one_line(url: str, err: BaseException) -> str:
+    """An error of a shard read in one line: ``empty file (0 bytes)`` for a file of no bytes,
+    else the exception's first line (tarfile lists every compression it tried, one a line)."""
+    if not url.startswith(PIPE_PREFIX):
+        try:
+            if os.path.getsize(url) == 0:
+                return "empty file (0 bytes)"
+        except OSError:
+            pass
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0].rstrip(':') if text else ''}".rstrip(": ")
+
+
 def read_shard(url: str, *, skip: int = 0, take: int | None = None,
                counts: dict[str, int] | None = None, exact: bool = True,
                errors: list[str] | None = None) -> Iterator[Row]:
@@ -165,7 +178,7 @@ def read_shard(url: str, *, skip: int = 0, take: int | None = None,
         finished = True
     except _READ_ERRORS as err:
         logger.debug("shard %s ended early after %d rows: %r", url, delivered, err)
-        errors.append(f"truncated or corrupt after {delivered} rows: {type(err).__name__}: {err}")
+        errors.append(f"truncated or corrupt after {delivered} rows: {_one_line(url, err)}")
         _count(counts, "truncated_tar")
         broken = True
     finally:

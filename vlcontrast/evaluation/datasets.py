@@ -227,6 +227,17 @@ def plan_reading(num_shards: int, rank: int, world: int, worker: int, workers: i
     return ReadPlan(tuple(range(num_shards)), slots, slot)
 
 
+def warn_shard_event(url: str, events: dict[str, int], rows: int, errors: Sequence[str]) -> None:
+    """The training loader's warning for a shard that ends early or cannot be read
+    (:func:`vlcontrast.data.sources.warn_incomplete`: once per shard and process, same words)."""
+    from types import SimpleNamespace
+
+    from vlcontrast.data.sources import warn_incomplete
+
+    error = (errors[0] if errors else "cannot be read") if "unreadable_shard" in events else None
+    warn_incomplete(url, SimpleNamespace(error=error, rows=rows))
+
+
 class TarEvalDataset(IterableDataset):
     """Yields ``(key, decoded)`` for this rank's part of the shards; ``decoded`` is the reason
     string when the sample is skipped. Shard events (a truncated or unreadable shard) come as
@@ -251,13 +262,17 @@ class TarEvalDataset(IterableDataset):
             if limit == 0:
                 continue
             events: dict[str, int] = {}
+            errors: list[str] = []
+            rows = 0
             for row, key, files in read_shard(self.shards[shard_id], take=limit, exact=False,
-                                              counts=events):
+                                              counts=events, errors=errors):
                 if counter % plan.stride == plan.offset:
                     yield (shard_id << ROW_BITS) + row, self.decode(key, files)
                 counter += 1
+                rows += 1
+            if events:
+                warn_shard_event(self.shards[shard_id], events, rows, errors)
             for event, n in events.items():
-                logger.warning("evaluation shard %s: %s", self.shards[shard_id], event)
                 for _ in range(n):
                     yield None, event
 
@@ -721,8 +736,10 @@ class FolderEvalDataset(Dataset):
         try:
             with open(path, "rb") as handle:
                 image_bytes = handle.read()
-        except OSError:
-            return index, "undecodable_image"
+        except FileNotFoundError:  # gone, or a dangling link: as the converters name it
+            return index, "missing_image_file"
+        except OSError:  # no permission, a folder, an I/O error
+            return index, "unreadable_file"
         image = transformed_image(image_bytes, self.preprocess, self.max_image_pixels,
                                   self.alpha)
         if isinstance(image, str):

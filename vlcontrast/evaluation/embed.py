@@ -25,8 +25,10 @@ from vlcontrast.distributed import all_gather_variable, get_rank, get_world_size
 from vlcontrast.progress import Progress
 
 _END = object()
-READ_REASONS = CONTENT_REASONS + LABEL_REASONS + SHARD_REASONS
-"""Why the evaluation readers skip an image (counted over ranks by name)."""
+READ_REASONS = CONTENT_REASONS + LABEL_REASONS + SHARD_REASONS + ("missing_image_file",
+                                                                   "unreadable_file")
+"""Why the evaluation readers skip an image (counted over ranks by name); the last two are an
+image folder's files that are missing (a dangling link) or cannot be read."""
 
 
 def unwrap_model(model):

@@ -524,15 +524,29 @@ def _report_alpha(task: str, metrics: dict, alpha: str) -> None:
               file=sys.stderr, flush=True)
 
 
+def _skip_record(report: dict) -> dict:
+    """The record's ``skipped_reasons`` (skipped samples per reason, summing to
+    ``metrics.num_skipped``) and ``shard_events`` (events of whole input shards, such as
+    ``truncated_tar``), each only when not empty."""
+    from vlcontrast.data.samples import split_shard_events
+
+    samples, events = split_shard_events(report.get("reasons", {}))
+    return {**({"skipped_reasons": dict(sorted(samples.items()))} if samples else {}),
+            **({"shard_events": dict(sorted(events.items()))} if events else {})}
+
+
 def _report_skipped(task: str, metrics: dict, report: dict, max_image_pixels: int,
                     noun: str = "images") -> None:
-    """``vlcontrast eval TASK: skipped 2 of 10 images (...)`` on stderr (rank 0), when any were."""
+    """``vlcontrast eval TASK: skipped 2 of 10 images (...)`` on stderr (rank 0), when any were
+    or an input shard had an event (``...; input shards: 1 truncated_tar``, apart from the
+    samples)."""
     import sys
 
-    from vlcontrast.data.samples import skipped_summary
+    from vlcontrast.data.samples import skipped_summary, split_shard_events
 
     skipped = metrics["num_skipped"]
-    if skipped and get_rank() == 0:
+    _, events = split_shard_events(report.get("reasons", {}))
+    if (skipped or events) and get_rank() == 0:
         line = skipped_summary(skipped, metrics["num_images"] + skipped,
                                report.get("reasons", {}), report.get("skipped", []),
                                max_image_pixels=max_image_pixels, noun=noun)
@@ -573,7 +587,8 @@ def run_retrieval_cli(checkpoint, data, out=None, batch_size: int = 256, workers
     _report_skipped("retrieval", metrics, report, max_image_pixels, noun="samples")
     return _write_record("retrieval", folder, bundle, data, metrics, out,
                          {"num_texts": metrics["num_texts"], "batch_size": batch_size,
-                          "max_samples": max_samples, "alpha": alpha}, overwrite)
+                          "max_samples": max_samples, "alpha": alpha, **_skip_record(report)},
+                         overwrite)
 
 
 def run_zeroshot_cli(checkpoint, data, out=None, classnames=None, templates=None,
@@ -607,7 +622,8 @@ def run_zeroshot_cli(checkpoint, data, out=None, classnames=None, templates=None
                                              count=len(resolved.classnames)),
                           "templates": dict(resolved.templates_from,
                                             count=len(resolved.templates)),
-                          "batch_size": batch_size, "alpha": alpha}, overwrite)
+                          "batch_size": batch_size, "alpha": alpha, **_skip_record(report)},
+                         overwrite)
 
 
 COMPARISON_COLUMNS = {

@@ -321,7 +321,8 @@ def write_shards(out: Path, jobs: list[ShardJob], produce: Callable[[ShardJob], 
                  **manifest_extra: Any) -> dict[str, Any]:
     """Write the shards of ``jobs`` (resuming), then ``sizes.json`` and ``manifest.json``; return
     the report (the manifest plus ``skipped`` by reason, ``examples``, ``shards_done_before``,
-    ``shards_written``, ``seconds``, ``samples_per_second``).
+    ``shards_written``, ``seconds``, ``samples_per_second``; the two shard counts count shard
+    files, so a job whose every input was skipped, which leaves none, is in neither).
 
     ``produce(job)`` yields a :data:`Sample` or a :class:`Skip` per input, in a deterministic
     order. ``stride``: key distance between shards (default from the largest job).
@@ -459,8 +460,11 @@ def write_shards(out: Path, jobs: list[ShardJob], produce: Callable[[ShardJob], 
     seconds = time.perf_counter() - start
     written_now = sum(shards[job_name]["written"] for job_name in
                       (shard_name(job.index) for job in todo) if job_name in shards)
+    # Shards that hold samples (an input shard whose every sample was skipped leaves no file)
+    kept_before = sum(1 for stats in done.values() if stats["written"] > 0)
+    written = sum(1 for job in todo if shards.get(shard_name(job.index), {}).get("written", 0) > 0)
     report = {**manifest, "examples": examples, "out_dir": str(out),
-              "shards_done_before": len(done), "shards_written": len(todo),
+              "shards_done_before": kept_before, "shards_written": written,
               "seconds": round(seconds, 2),
               "samples_per_second": round(written_now / seconds, 1) if seconds > 0 else 0.0}
     _write_json(out / REPORT_FILE, report)
