@@ -4,7 +4,8 @@ Loader workers do I/O and cheap parsing only. For each usable sample whose image
 can take (:func:`probe_jpeg`: baseline or progressive, RGB or grey, whole), a worker reads the
 header for the size, draws the crop box and flip from the sample's augmentation key
 (:func:`~vlcontrast.data.crops.draw_crop`, the draws the CPU path makes) and ships the encoded
-bytes. Every other image (PNG, WebP, CMYK or cut-off JPEGs) is decoded and cropped on the CPU in
+bytes. Every other image (PNG, WebP, CMYK or cut-off JPEGs, JPEGs with an EXIF orientation other
+than 1, which the CPU path turns upright) is decoded and cropped on the CPU in
 the worker, as ``data.decode=cpu`` would, and shipped as uint8 at the final size; it is counted
 by reason in the loader's fallback statistics (:data:`FALLBACK_REASONS`).
 
@@ -32,15 +33,18 @@ from torchvision import transforms as T
 
 from vlcontrast.errors import ConfigError
 from .crops import SeededResizedCrop, seeded_call, with_shared_crop
-from .samples import open_image
+from .samples import exif_orientation, open_image
 from .transforms import BatchNormalizer, split_normalization
 
 logger = logging.getLogger(__name__)
 
-FALLBACK_REASONS = ("not_jpeg", "jpeg_cpu_only", "downscale_too_large", "gpu_decode_failed")
+FALLBACK_REASONS = ("not_jpeg", "jpeg_cpu_only", "exif_orientation", "downscale_too_large",
+                    "gpu_decode_failed")
 """Why an image of ``data.decode=gpu`` was decoded on the CPU: not a JPEG (PNG, WebP); a JPEG the
-GPU path does not take (CMYK, no end-of-image marker, unreadable header); a crop shrunk more than
-the GPU's antialiased resize can take (:func:`gpu_can_resize`); nvJPEG failed on it."""
+GPU path does not take (CMYK, no end-of-image marker, unreadable header); a JPEG whose EXIF
+orientation is not 1 (nvJPEG gives the stored pixels; the CPU path turns them upright,
+:func:`~vlcontrast.data.samples.upright`); a crop shrunk more than the GPU's antialiased resize
+can take (:func:`gpu_can_resize`); nvJPEG failed on it."""
 
 _AA_SHARED_BYTES = 48 * 1024 * 0.9
 """The antialiased ``interpolate`` kernel on CUDA keeps its filter weights in shared memory: at
@@ -55,7 +59,8 @@ _GPU_MODES = ("RGB", "L")
 def probe_jpeg(data: bytes, max_image_pixels: int) -> tuple[int, int] | str:
     """``(width, height)`` of a JPEG the GPU path takes, read from its header; otherwise
     ``decompression_bomb`` (a skip reason) or the fallback reason (``not_jpeg``,
-    ``jpeg_cpu_only``)."""
+    ``jpeg_cpu_only``, ``exif_orientation``: an EXIF orientation other than 1, read from the
+    APP1 segment PIL parsed with the header, so that the CPU path turns it upright)."""
     if not data.startswith(_JPEG_START):
         return "not_jpeg"
     try:
@@ -64,6 +69,7 @@ def probe_jpeg(data: bytes, max_image_pixels: int) -> tuple[int, int] | str:
             image = Image.open(io.BytesIO(data))
             width, height = image.size
             mode, kind = image.mode, image.format
+            orientation = exif_orientation(image)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         return "decompression_bomb"
     except Exception:  # noqa: BLE001 - the CPU path decides whether it is decodable at all
@@ -73,6 +79,8 @@ def probe_jpeg(data: bytes, max_image_pixels: int) -> tuple[int, int] | str:
     # A file cut short decodes on the CPU (PIL raises) but may give nvJPEG's partial output.
     if kind != "JPEG" or mode not in _GPU_MODES or not data.rstrip(b"\0").endswith(_JPEG_END):
         return "jpeg_cpu_only"
+    if orientation != 1:
+        return "exif_orientation"
     return width, height
 
 

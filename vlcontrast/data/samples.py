@@ -214,10 +214,51 @@ def read_sample_id(key: str, members: dict[str, bytes], rule: IdRule) -> int | s
     return sample_id
 
 
+EXIF_ORIENTATION = 0x0112
+"""The EXIF tag that says how a camera's stored pixels must be turned to stand upright."""
+_EXIF_FORMATS = frozenset({"JPEG", "MPO", "TIFF", "WEBP", "PNG"})
+"""The formats that carry EXIF (PIL's ``info["exif"]``; TIFF in its own tags)."""
+_EXIF_INFO_KEYS = ("exif", "xmp", "XML:com.adobe.xmp", "Raw profile type exif")
+"""Where PIL's ``getexif`` finds an orientation (EXIF, or XMP's ``tiff:Orientation``)."""
+_ORIENTATIONS = frozenset(range(2, 9))
+"""The orientations that move pixels (1 is upright; other values are ignored, as PIL does)."""
+
+
+def exif_orientation(image: Image.Image) -> int:
+    """The EXIF orientation (2-8) of an opened image, else 1, read from its header without
+    decoding pixels; only a JPEG/MPO/TIFF/WebP/PNG file that carries EXIF (or XMP) metadata is
+    parsed, and malformed metadata counts as 1 (the pixels as stored). A PNG's ``eXIf`` chunk may
+    follow its pixels: PIL only sees it once the image is loaded (as :func:`upright` does)."""
+    if image.format not in _EXIF_FORMATS:
+        return 1  # also any image made in memory (a convert, a crop): no second rotation
+    if image.format != "TIFF" and not any(k in image.info for k in _EXIF_INFO_KEYS):
+        return 1
+    try:
+        orientation = image.getexif().get(EXIF_ORIENTATION, 1)
+    except Exception:  # noqa: BLE001 - unreadable metadata: the pixels as stored
+        return 1
+    return orientation if orientation in _ORIENTATIONS else 1
+
+
+def upright(image: Image.Image) -> Image.Image:
+    """The image turned/flipped as its EXIF orientation says (:func:`exif_orientation`,
+    ``ImageOps.exif_transpose``, which also drops the tag); the same image, loaded, when there is
+    nothing to do. The first step of :func:`to_rgb`."""
+    image.load()
+    if exif_orientation(image) == 1:
+        return image
+    from PIL import ImageOps
+
+    return ImageOps.exif_transpose(image)
+
+
 def to_rgb(image: Image.Image) -> Image.Image:
-    """RGB, with any transparency (RGBA, LA, palette transparency) composited on white and 16-bit
-    grey scaled to 8 bits: the one rule of the converters and of every reader, so that a
-    transparent PNG looks the same in training, evaluation, ``classify`` and ``embed``."""
+    """RGB, upright (the EXIF orientation applied, :func:`upright`), with any transparency (RGBA,
+    LA, palette transparency) composited on white and 16-bit grey scaled to 8 bits: the one rule
+    of the converters and of every reader, so that a transparent PNG or a phone photo shot
+    sideways looks the same in training (either decode path), evaluation, ``classify``,
+    ``embed`` and ``vlcontrast.load``'s preprocess as after ``vlcontrast prep folder``."""
+    image = upright(image)
     if image.mode == "P" and "transparency" in image.info:
         image = image.convert("RGBA")
     if image.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
@@ -314,7 +355,8 @@ def shard_events_text(events: dict[str, int]) -> str:
 def decode_image(image_bytes: bytes, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
                  alpha: str = TRAINING_ALPHA) -> tuple[Image.Image, bool] | str:
     """``(RGB image, whether it had transparency)`` under the rule ``alpha``
-    (:data:`ALPHA_RULES`), or the reason it cannot be used (as :func:`open_image`)."""
+    (:data:`ALPHA_RULES`), upright under either rule (:func:`upright`), or the reason it cannot
+    be used (as :func:`open_image`)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -328,7 +370,8 @@ def decode_image(image_bytes: bytes, max_image_pixels: int = DEFAULT_MAX_IMAGE_P
             # decides that, and "drop" must not.
             warnings.filterwarnings("ignore", message="Palette images with Transparency")
             transparent = has_transparency(image)
-            return (to_rgb(image) if alpha == "white" else image.convert("RGB")), transparent
+            return (to_rgb(image) if alpha == "white" else upright(image).convert("RGB")), \
+                transparent
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         return "decompression_bomb"
     except Exception:  # noqa: BLE001 - PIL raises many types for broken files
@@ -337,9 +380,9 @@ def decode_image(image_bytes: bytes, max_image_pixels: int = DEFAULT_MAX_IMAGE_P
 
 def open_image(image_bytes: bytes, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
                ) -> Image.Image | str:
-    """The decoded RGB image (transparency on white, :func:`to_rgb`), or ``decompression_bomb`` /
-    ``undecodable_image``. The pixel count is read from the header, before anything is
-    decoded."""
+    """The decoded RGB image (upright, transparency on white: :func:`to_rgb`), or
+    ``decompression_bomb`` / ``undecodable_image``. The pixel count is read from the header,
+    before anything is decoded."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)

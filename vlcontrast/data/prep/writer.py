@@ -124,7 +124,7 @@ def encode_image(data: bytes, *, image_size: int = DEFAULT_IMAGE_SIZE,
     ``keep_ratio_largest``: longer side; ``center_crop``: shorter side then a centred square;
     ``no``: size kept. Alpha (RGBA, LA, palette transparency) is composited on white. Images
     with more than ``max_pixels`` pixels (read from the header) are ``decompression_bomb``."""
-    from PIL import Image, ImageOps
+    from PIL import Image
 
     try:
         with warnings.catch_warnings():
@@ -144,7 +144,7 @@ def encode_image(data: bytes, *, image_size: int = DEFAULT_IMAGE_SIZE,
                     image.draft("RGB", (int(image.width * scale) + 1,
                                         int(image.height * scale) + 1))
             image.load()
-            image = to_rgb(ImageOps.exif_transpose(image))
+            image = to_rgb(image)  # upright (EXIF orientation), transparency on white
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         return "decompression_bomb"
     except Exception:  # noqa: BLE001 - PIL raises many types for broken files
