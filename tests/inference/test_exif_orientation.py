@@ -40,3 +40,23 @@ def test_embed_and_classify_read_files_upright(tmp_path):
                                               alpha=alpha)
             images = next(iter(loader.loader))[0]
             assert tuple(images.shape) == (1, 3, size[1], size[0]), (name, alpha)
+
+
+def test_classify_s_figure_shows_the_photo_as_the_model_saw_it(tmp_path):
+    """The grid opened the file itself and drew a photo shot sideways as stored."""
+    import matplotlib.pyplot as plt
+    import torch
+
+    from vlcontrast.inference.classify import Classification, draw_classification
+
+    write_jpeg(tmp_path / "tagged.jpg", 6)
+    result = Classification(labels=["a", "b"], templates=["{}"], paths=[tmp_path / "tagged.jpg"],
+                            kept=[0], top_labels=torch.tensor([[0, 1]]),
+                            top_probs=torch.tensor([[0.6, 0.4]]),
+                            probs=torch.tensor([[0.6, 0.4]]), skipped=[], reasons={})
+    figure = draw_classification(result)
+    try:
+        drawn = figure.axes[0].get_images()[0].get_array()
+        assert drawn.shape[:2] == (UPRIGHT[1], UPRIGHT[0])
+    finally:
+        plt.close(figure)

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from vlcontrast.data.samples import DEFAULT_MAX_IMAGE_PIXELS
+from vlcontrast.data.samples import DEFAULT_MAX_IMAGE_PIXELS, to_rgb
 from vlcontrast.errors import ConfigError
 
 DEFAULT_TEMPLATES = ("itap of a {c}.", "a bad photo of the {c}.", "a origami {c}.",
@@ -233,9 +233,7 @@ def draw_classification(result: Classification, *, limit: int = 12, columns: int
         axis.axis("off")
     for axis, (index, classes, probs) in zip(axes.flat, shown):
         with Image.open(result.paths[index]) as image:
-            image = image.convert("RGBA")
-            background = Image.new("RGBA", image.size, "white")
-            axis.imshow(Image.alpha_composite(background, image).convert("RGB"))
+            axis.imshow(to_rgb(image))  # as the model saw it: upright, transparency on white
         lines = [f"{result.labels[int(c)]} {float(p):.0%}" for c, p in
                  list(zip(classes, probs))[:top]]
         axis.set_title("\n".join(lines), fontsize=9, loc="left")
