@@ -397,11 +397,11 @@ def main(argv=None) -> None:
     def write() -> None:
         """The report and its raw numbers, rewritten after every measurement, each file replaced
         whole: a run stopped by a time limit, even mid-write, keeps every row it finished."""
-        from bench.gpu_check.report import write_atomic
+        from vlcontrast.outputs import write_text_atomic
 
         written.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(written.with_suffix(".json"), json.dumps(result, indent=2) + "\n")
-        write_atomic(written, render(result, args))
+        write_text_atomic(written.with_suffix(".json"), json.dumps(result, indent=2) + "\n")
+        write_text_atomic(written, render(result, args))
 
     for workers in args.workers:
         seconds: dict[str, list[float]] = {name: [] for name in builders}

@@ -478,10 +478,10 @@ def write_result(out: Path, stamp: str, result: dict) -> None:
     """``step_<stamp>.json`` and ``step.md``, each replaced in one step: the run is cut at any row
     by a device call's time limit (its process group killed), and a half-written JSON would lose
     every row before it."""
-    from bench.gpu_check.report import write_atomic
+    from vlcontrast.outputs import write_text_atomic
 
-    write_atomic(out / f"step_{stamp}.json", json.dumps(result, indent=2))
-    write_atomic(out / "step.md", table(result) + "\n")
+    write_text_atomic(out / f"step_{stamp}.json", json.dumps(result, indent=2))
+    write_text_atomic(out / "step.md", table(result) + "\n")
 
 
 def main(argv=None) -> int:

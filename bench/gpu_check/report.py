@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+from vlcontrast.outputs import write_text_atomic
 
 
 @dataclass
@@ -103,21 +103,8 @@ class Report:
 
     def write(self, out: Path) -> None:
         out.mkdir(parents=True, exist_ok=True)
-        write_atomic(out / "gpu_check.md", self.markdown())
-        write_atomic(out / "gpu_check.json", json.dumps(self.to_json(), indent=2))
-        write_atomic(out / "tracebacks.txt", "\n\n".join(self.tracebacks))
+        write_text_atomic(out / "gpu_check.md", self.markdown())
+        write_text_atomic(out / "gpu_check.json", json.dumps(self.to_json(), indent=2))
+        write_text_atomic(out / "tracebacks.txt", "\n\n".join(self.tracebacks))
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """``path`` replaced in one step (a temporary file beside it, then ``os.replace``): a process
-    killed mid-write (a device call's time limit, the stop handler writing the report while a row
-    is being written) leaves the previous complete file, never half of one."""
-    path = Path(path)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(handle)
-    os.chmod(temporary, 0o644)  # mkstemp's 0600 would follow the report into the results
-    try:
-        Path(temporary).write_text(text)
-        os.replace(temporary, path)
-    finally:
-        Path(temporary).unlink(missing_ok=True)

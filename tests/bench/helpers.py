@@ -126,3 +126,15 @@ def third_party_imports() -> dict[str, set[str]]:
     return {name: files for name, files in imported_names(paths).items()
             if name not in sys.stdlib_module_names and name not in local
             and name not in OPTIONAL_IMPORTS and name != "__future__"}
+
+
+def kill_writes_before_the_rename(monkeypatch) -> None:
+    """Every whole-file write (``vlcontrast.outputs.write_text_atomic``) is cut after its
+    temporary file was written and before it replaces the target: a device call's time limit
+    striking mid-write. A plain ``write_text`` would not be stopped, and would change the file."""
+    from vlcontrast import outputs
+
+    def killed(*args, **kwargs):
+        raise OSError("killed mid-write")
+
+    monkeypatch.setattr(outputs.os, "replace", killed)

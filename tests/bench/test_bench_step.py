@@ -228,12 +228,9 @@ def test_the_step_json_is_replaced_in_one_step(tmp_path, monkeypatch):
     write_result(tmp_path, "x", result)
     before = (tmp_path / "step_x.json").read_text()
 
-    def cut(self, text, *args, **kwargs):
-        with open(self, "w") as handle:
-            handle.write(text[:10])
-        raise OSError("killed mid-write")
+    from tests.bench.helpers import kill_writes_before_the_rename
 
-    monkeypatch.setattr(Path, "write_text", cut)
+    kill_writes_before_the_rename(monkeypatch)
     with pytest.raises(OSError):
         write_result(tmp_path, "x", {**result, "rows": result["rows"] * 2})
     monkeypatch.undo()

@@ -22,7 +22,8 @@ from bench.bench_step import ARMS, FEEDS
 from bench.gpu_check import GROUPS, groups, plan
 from bench.gpu_check.main import main as gpu_check_main
 from bench.gpu_check.shards import write_shards
-from tests.bench.helpers import REPO, clean_env, cuda_host_env, deepspeed_imports, run_gpu_check
+from tests.bench.helpers import (REPO, clean_env, cuda_host_env, deepspeed_imports,
+                                 kill_writes_before_the_rename, run_gpu_check)
 
 
 def test_the_check_is_not_in_the_package():
@@ -1102,12 +1103,7 @@ def test_a_report_write_cut_midway_leaves_the_previous_report(tmp_path, monkeypa
     report.add("memory", "dcl 32k", "pass", "first", 10.0)
     before = {name: (tmp_path / name).read_text() for name in ("gpu_check.json", "gpu_check.md")}
 
-    def cut(self, text, *args, **kwargs):
-        with open(self, "w") as handle:
-            handle.write(text[:10])
-        raise OSError("killed mid-write")
-
-    monkeypatch.setattr(Path, "write_text", cut)
+    kill_writes_before_the_rename(monkeypatch)
     with pytest.raises(OSError):
         report.add("memory", "dcl 64k", "pass", "second", 10.0)
     monkeypatch.undo()

@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterable, Iterator
 from vlcontrast.errors import DataPrepError
 
 from ..naming import key_stride, list_shards, make_key, shard_name
-from ..samples import to_rgb
+from ..samples import shard_events_text, to_rgb
 from ..tar_reader import SHARD_EVENTS
 from ..shards import (MANIFEST_FILE, SIZES_FILE, _write_json, build_manifest, write_manifest,
                       write_sizes)
@@ -479,7 +479,7 @@ def summary(report: dict[str, Any]) -> str:
         parts.append("skipped " + ", ".join(f"{n} {r}" for r, n in sorted(skipped.items())))
     events = report.get("shard_events") or {}
     if events:  # whole input shards, not inputs: outside the skips
-        parts.append("input shards: " + ", ".join(f"{n} {r}" for r, n in sorted(events.items())))
+        parts.append(shard_events_text(events))
     if report.get("shards_done_before"):
         parts.append(f"{report['shards_done_before']} shards kept from an earlier run")
     return f"prep: {', '.join(parts)} -> {report['out_dir']} ({report['seconds']} s)"
