@@ -1,5 +1,6 @@
 """docs/architecture.md stays true of the tree: its module table lists every module of the package
-and nothing else, its dotted names resolve, and the documents it links exist."""
+and nothing else, its dotted names resolve, the documents it links exist, and its lines about the
+loss registry name and count the losses ``vlcontrast.losses.LOSSES`` holds."""
 
 from __future__ import annotations
 
@@ -161,3 +162,33 @@ def test_checkpoint_files_in_the_doc_are_the_ones_the_checkpointer_writes(name):
     source = (PACKAGE / "train" / "checkpoint.py").read_text()
     assert name in source, f"train/checkpoint.py no longer writes {name!r}; update the doc"
     assert name in DOC.read_text()
+
+
+NUMBER_WORDS = dict(enumerate(
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+    "fifteen sixteen seventeen eighteen nineteen twenty".split()))
+
+
+def test_loss_registry_line_names_every_registered_loss():
+    """The contract's ``LOSSES: dict[...]  # names`` line names exactly the losses of
+    ``vlcontrast.losses.LOSSES``: a loss registered without it fails here."""
+    from vlcontrast.losses import LOSSES
+
+    contract = re.search(r"^LOSSES: dict\[.*?#(.*)$", DOC.read_text(), re.M)
+    assert contract, "docs/architecture.md: no 'LOSSES: dict[...]  # names' line"
+    listed = contract.group(1).split()
+    assert len(listed) == len(set(listed)), f"the LOSSES line names a loss twice: {listed}"
+    assert sorted(listed) == sorted(LOSSES), (
+        f"the LOSSES line of docs/architecture.md names {sorted(listed)}; the registry holds "
+        f"{sorted(LOSSES)}")
+
+
+def test_loss_registry_drawing_counts_the_registered_losses():
+    """The drawing's "LOSSES: the N shipped classes" says how many ``LOSSES`` holds."""
+    from vlcontrast.losses import LOSSES
+
+    count = re.search(r"LOSSES: the (\w+) shipped classes", DOC.read_text())
+    assert count, "docs/architecture.md: no 'LOSSES: the N shipped classes' line"
+    assert count.group(1) == NUMBER_WORDS[len(LOSSES)], (
+        f"docs/architecture.md counts {count.group(1)!r} shipped losses; the registry holds "
+        f"{len(LOSSES)} ({NUMBER_WORDS[len(LOSSES)]})")

@@ -1,18 +1,28 @@
-"""The loss study: a grid of short training runs (loss x global batch size x seed) and its report.
+"""The loss studies: cells of short training runs, run in stages, and their reports.
+
+Two layouts share one engine. The grid (study v1) trains loss x global batch size x seed at a
+fixed learning-rate rule. The staged study (study v2, a config with ``datasets:``) prepares its
+datasets and starting checkpoints, sweeps each loss setting's learning rate and options on the
+validation split, commits the choice, and trains the chosen settings at the final seeds on the
+test split.
 
 ``vlcontrast study --config configs/study/<name>.yaml [key=value ...]`` reads a
-:class:`StudyConfig`, makes the dataset if it is missing, runs every unfinished cell as its own
-training subprocess, stores one small result file per finished cell, and writes the report
-(CSV, tables with confidence intervals and paired comparisons, plots).
-See ``docs/loss-study.md``, ``docs/loss-study-v2.md`` and ``docs/study-gpu.md``.
+:class:`StudyConfig`, makes what the cells need when it is missing (datasets, starting
+checkpoints), runs every unfinished cell as its own training process, stores one small result
+file per finished cell, and writes the report (CSV, tables with confidence intervals and paired
+comparisons, plots). See ``docs/loss-study.md``, ``docs/loss-study-v2.md`` and
+``docs/study-gpu.md``.
 
 Modules: :mod:`.engine` (the stages, the one cell loop, the single-cell entry point),
-:mod:`.config` (the study's typed config), :mod:`.design` (the staged layout's cells: datasets,
-arms, sweeps, finals) and :mod:`.grid` (the grid layout's cells, study v1), :mod:`.cells`
-(running a training, its result file), :mod:`.v2` (starts, the tuning choice, reruns, the plan),
-:mod:`.budget` (machine-time estimates, CPU model and measured GPU step times), :mod:`.stats`
-(t intervals, paired t, Holm-Bonferroni, detectable difference), :mod:`.report` and
-:mod:`.report_v2` (the two layouts' reports), :mod:`.findings` (generated doc blocks).
+:mod:`.config` (the study's typed config), :mod:`.paths` (where its relative paths point),
+:mod:`.design` (the staged layout's cells: datasets, arms, sweeps, finals) and :mod:`.grid` (the
+grid layout's cells, study v1), :mod:`.cells` (running a training, its result file),
+:mod:`.warm` (cells forked from a server that imported the trainer once), :mod:`.v2` (starts,
+the tuning choice, reruns, the plan), :mod:`.splits` (the clip-art corpus's train/val/test
+split), :mod:`.budget` (machine-time estimates, CPU model and measured GPU step times),
+:mod:`.stats` (t intervals, paired t, Holm-Bonferroni, detectable difference), :mod:`.report`
+and :mod:`.report_v2` (the two layouts' reports), :mod:`.findings` and :mod:`.caveats`
+(generated doc blocks).
 """
 
 from .cells import ensure_pretrained, read_result, result_path, summarise_run
