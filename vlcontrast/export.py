@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from vlcontrast.checkpoints import EXPORT_CONFIG_FILE, EXPORT_WEIGHTS_FILE
@@ -70,7 +71,7 @@ def current_umask() -> int:
     return mask
 
 
-def _load(checkpoint, what: str = "--checkpoint"):
+def _load(checkpoint, what: str = "checkpoint"):
     from vlcontrast.checkpoints import resolve_weights
     from vlcontrast.models import load_model_from_checkpoint
 
@@ -78,12 +79,28 @@ def _load(checkpoint, what: str = "--checkpoint"):
     return folder, load_model_from_checkpoint(folder, device="cpu")
 
 
-def export_open_clip(checkpoint, out_dir, what: str = "--checkpoint") -> dict:
-    """Write CKPT (run dir -> latest, or a checkpoint dir) as an open_clip model in ``out_dir``.
+def export_open_clip(checkpoint, out_dir, overwrite: bool = False) -> dict:
+    """Write CKPT (run dir -> latest, or a checkpoint dir) as an open_clip model in ``out_dir``,
+    which must be new or empty; ``overwrite=True`` replaces an earlier vlcontrast export there.
+    The export is written beside ``out_dir`` and moved in when complete (:func:`export_model`).
 
     Returns ``{"checkpoint", "model_name", "model_config", "open_clip_config", "weights",
     "readme"}`` (paths as strings).
     """
+    return _export(_write_open_clip, checkpoint, out_dir, overwrite, PYTHON_NAMES)
+
+
+def export_transformers(checkpoint, out_dir, overwrite: bool = False) -> dict:
+    """Write CKPT as a transformers ``CLIPModel`` directory in ``out_dir`` (new or empty, or with
+    ``overwrite=True`` an earlier vlcontrast export, replaced whole as by
+    :func:`export_open_clip`); a one-line :class:`ConfigError` naming the part that has no
+    ``CLIPModel`` counterpart, before anything is written. Returns ``{"checkpoint",
+    "model_name", "config", "weights", "readme"}``."""
+    return _export(_write_transformers, checkpoint, out_dir, overwrite, PYTHON_NAMES)
+
+
+def _write_open_clip(checkpoint, out_dir, what: str) -> dict:
+    """The files of an open_clip export, written into ``out_dir`` (the staging folder)."""
     folder, bundle = _load(checkpoint, what)
     meta = bundle.model_config
     model_cfg = dict(meta["model_cfg"])
@@ -113,10 +130,8 @@ def export_open_clip(checkpoint, out_dir, what: str = "--checkpoint") -> dict:
             "weights": str(weights), "readme": str(readme)}
 
 
-def export_transformers(checkpoint, out_dir, what: str = "--checkpoint") -> dict:
-    """Write CKPT as a transformers ``CLIPModel`` directory in ``out_dir``; a one-line
-    :class:`ConfigError` naming the part that has no ``CLIPModel`` counterpart, before anything
-    is written. Returns ``{"checkpoint", "model_name", "config", "weights", "readme"}``."""
+def _write_transformers(checkpoint, out_dir, what: str) -> dict:
+    """The files of a transformers export, written into ``out_dir`` (the staging folder)."""
     from vlcontrast.models import transformers_clip as mapping
 
     folder, bundle = _load(checkpoint, what)
@@ -146,22 +161,49 @@ def export_transformers(checkpoint, out_dir, what: str = "--checkpoint") -> dict
             "readme": str(readme)}
 
 
+@dataclass(frozen=True)
+class Names:
+    """How export's errors name its inputs: the checkpoint, the output folder and the switch
+    that replaces an earlier export (command-line flags, or the Python parameters)."""
+    checkpoint: str
+    out: str
+    overwrite: str
+
+    def out_named(self, out: Path) -> str:
+        """``export OUT 'x'`` on the command line, ``out_dir='x'`` in Python."""
+        return (f"{self.out}={str(out)!r}" if self.out.isidentifier()
+                else f"{self.out} {str(out)!r}")
+
+
+PYTHON_NAMES = Names("checkpoint", "out_dir", "overwrite=True")
+CLI_NAMES = Names("--checkpoint", "export OUT", "--overwrite")
+
+
 def export_model(checkpoint, out_dir, format: str = "open_clip", overwrite: bool = False,
                  what: str = "--checkpoint") -> dict:
     """``vlcontrast export``: :func:`export_open_clip` or :func:`export_transformers` into
     ``out_dir``, which must be new or empty; ``overwrite`` replaces an earlier vlcontrast export
     there. The export is written beside ``out_dir`` and moved in when complete, so a failed
-    export leaves nothing half-written and an earlier export intact. ``what`` names the
-    checkpoint's option in errors."""
+    export leaves nothing half-written and an earlier export intact. Errors name the command
+    line's flags; ``what`` names the checkpoint's."""
     if format not in FORMATS:
         raise ConfigError(f"--format {format!r}: use one of {', '.join(FORMATS)}")
-    exporter = export_open_clip if format == "open_clip" else export_transformers
+    write = _write_open_clip if format == "open_clip" else _write_transformers
+    names = Names(what, CLI_NAMES.out, CLI_NAMES.overwrite)
+    return _export(write, checkpoint, out_dir, overwrite, names)
+
+
+def _export(write, checkpoint, out_dir, overwrite: bool, names: Names) -> dict:
+    """The one way an export reaches ``out_dir``: :func:`check_export_target` before the
+    checkpoint is read, ``write`` into a staging folder beside it, moved in whole when complete
+    (:func:`vlcontrast.outputs.replace_dir`); a failure leaves no staging folder and an earlier
+    export intact. The result's paths name the files in ``out_dir``."""
     out = Path(out_dir)
-    check_export_target(out, overwrite)
+    check_export_target(out, overwrite, names)
     staging = out.parent / f".{out.name}.exporting"
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        result = exporter(checkpoint, staging, what)
+        result = write(checkpoint, staging, names.checkpoint)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -171,21 +213,27 @@ def export_model(checkpoint, out_dir, format: str = "open_clip", overwrite: bool
             for key, value in result.items()}
 
 
-def check_export_target(out: Path, overwrite: bool) -> None:
-    """``out`` is new, empty, or (with ``overwrite``) an earlier vlcontrast export; a one-line
-    ConfigError otherwise, before the checkpoint is read."""
+def check_export_target(out: Path, overwrite: bool, names: Names = CLI_NAMES) -> None:
+    """``out`` is a folder this process can write, new, empty, or (with ``overwrite``) an
+    earlier vlcontrast export; a one-line ConfigError otherwise, naming ``names``' options,
+    before the checkpoint is read."""
+    from vlcontrast.outputs import writable_dir
+
+    out = Path(out)
+    named = names.out_named(out)
     if out.exists() and not out.is_dir():
-        raise ConfigError(f"export OUT {str(out)!r}: a file; name a folder")
+        raise ConfigError(f"{named}: a file; name a folder")
+    writable_dir(out, names.out)
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if not held:
         return
     shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
     if not overwrite:
-        raise ConfigError(f"export OUT {str(out)!r}: not empty ({shown}); name a new folder, or "
-                          "add --overwrite to replace an earlier vlcontrast export there")
+        raise ConfigError(f"{named}: not empty ({shown}); name a new folder, or add "
+                          f"{names.overwrite} to replace an earlier vlcontrast export there")
     if not is_vlcontrast_export(out):
-        raise ConfigError(f"export OUT {str(out)!r}: holds files that are not a vlcontrast export "
-                          f"({shown}), which --overwrite would delete; name a new folder")
+        raise ConfigError(f"{named}: holds files that are not a vlcontrast export ({shown}), "
+                          f"which {names.overwrite} would delete; name a new folder")
 
 
 def is_vlcontrast_export(folder: Path) -> bool:

@@ -41,11 +41,14 @@ def heavy(monkeypatch):
     class Heavy:
         allow = False
         calls: list = []
+        progress: list = []
 
-    def run(settings):
+    def run(settings, progress=True, flags=False):
+        assert flags, "the command line's errors name its flags"
         if not Heavy.allow:
             raise AssertionError("the diagnostic started")
         Heavy.calls.append(settings)
+        Heavy.progress.append(progress)
         return {"rows": [], "seconds": 0.0}
 
     def load(*args, **kwargs):
@@ -78,7 +81,8 @@ def test_the_library_refuses_an_earlier_result_before_loading_the_model(tmp_path
 
     out = tmp_path / "out"
     write_earlier_result(out)
-    with pytest.raises(ConfigError, match=r"exists \(gradient-bias of .*add --overwrite"):
+    with pytest.raises(ConfigError, match=r"^out='.*' exists \(gradient-bias of .*add "
+                                          r"overwrite=True to replace it"):
         run_gradient_bias(GradientBiasSettings(checkpoint="no-such-run", data="x", out=str(out)))
 
 
@@ -145,7 +149,8 @@ def test_gradient_bias_help_shows_the_defaults(capsys, monkeypatch):
     text = " ".join(capsys.readouterr().out.split())
     for default in ("(default: runs/diagnose/gradient-bias)", "(default: 4096)",
                     "(default: 16,32,64,128,256,512,1024)", "(default: auto)",
-                    "(default: infonce,dcl,dclw,decl,debiased,siglip)", "(default: 0)"):
+                    "(default: infonce,dcl,dclw,decl,debiased,siglip,sogclr,fastclip)",
+                    "(default: 0)"):
         assert default in text, default
     assert "--overwrite" in text
 
@@ -154,3 +159,70 @@ def test_lock_image_without_the_parameter_gradient_is_refused(tmp_path, heavy, c
     assert main(args_for(tmp_path / "out", "--lock-image", "--no-parameters")) == 2
     err = error_line(capsys)
     assert err.startswith("vlcontrast: error: --lock-image has no effect with --no-parameters"), err
+
+
+def test_python_and_the_command_line_share_one_default_loss_set(tmp_path, heavy):
+    """The CLI measured six losses by default, Python eight (DEFAULT_LOSSES): the same diagnosis
+    cost more and gave more rows from Python. Both now take DEFAULT_LOSSES."""
+    from vlcontrast.diagnose import DEFAULT_LOSSES, GradientBiasSettings
+
+    heavy.allow = True
+    assert main(args_for(tmp_path / "out")) == 0
+    assert heavy.calls[-1].losses == DEFAULT_LOSSES
+    assert GradientBiasSettings(checkpoint="run", data="data").losses == DEFAULT_LOSSES
+    assert {"sogclr", "fastclip"} <= set(DEFAULT_LOSSES)
+
+
+def test_no_progress_reaches_the_diagnostic(tmp_path, heavy):
+    heavy.allow = True
+    assert main(args_for(tmp_path / "a")) == 0
+    assert main(args_for(tmp_path / "b", "--no-progress")) == 0
+    assert heavy.progress == [True, False]
+
+
+@pytest.mark.parametrize("option, message", [
+    ("decl.gamma=1.5", "--option decl.gamma=1.5: must be in (0, 1]"),
+    ("decl.gamm=0.5", "--option decl.gamm=0.5: loss 'decl' has no option(s) ['gamm']; valid "
+                      "options: "),
+    ("sogclr.recipe=fast_clip", "--option sogclr.recipe=fast_clip sets gamma by data epoch"),
+])
+def test_a_bad_loss_option_is_named_by_its_flag_before_the_diagnostic(tmp_path, heavy, capsys,
+                                                                       option, message):
+    loss = option.split(".")[0]
+    assert main(args_for(tmp_path / "out", "--losses", f"infonce,{loss}", "--option",
+                         option)) == 2
+    err = error_line(capsys)
+    assert err.startswith(f"vlcontrast: error: {message}"), err
+    assert main(args_for(tmp_path / "out", "--option", "hcl.beta=0.5")) == 2
+    assert error_line(capsys).startswith(
+        "vlcontrast: error: --option given for ['hcl'], which are not in --losses ")
+
+
+def test_the_library_names_the_settings_fields_not_the_flags(tmp_path, heavy):
+    """run_gradient_bias is called from Python: its errors name GradientBiasSettings' fields."""
+    from vlcontrast.diagnose.estimators import expand_losses
+    from vlcontrast.diagnose.gradient_bias import GradientBiasSettings, run_gradient_bias
+
+    def refused(settings, pattern):
+        with pytest.raises(ConfigError, match=pattern) as err:
+            run_gradient_bias(settings)
+        assert "--" not in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+    base = dict(checkpoint="no-such-run", data="x", out=str(tmp_path / "out"))
+    refused(GradientBiasSettings(**base, num_samples=1), r"^num_samples must be >= 2, got 1$")
+    refused(GradientBiasSettings(**base, num_samples=16, batch_sizes=(4, 17)),
+            r"^batch_sizes: 17 is outside \[2, num_samples=16\]$")
+    refused(GradientBiasSettings(**base, lock_image=True, parameters=False),
+            r"^lock_image=True has no effect with parameters=False")
+    refused(GradientBiasSettings(**base, workers=-1), r"^workers must be >= 0, got -1$")
+    with pytest.raises(FileNotFoundError, match=r"^checkpoint 'no-such-run': no such folder"):
+        run_gradient_bias(GradientBiasSettings(**base))
+    with pytest.raises(ConfigError, match=r"^losses: unknown loss 'nope'"):
+        expand_losses(["nope"], 8, chunk_size=0)
+    with pytest.raises(ConfigError, match=r"^loss_options given for \['decl'\], which are not "
+                                          r"in losses \['infonce'\]"):
+        expand_losses(["infonce"], 8, chunk_size=0, options={"decl": {"gamma": 0.5}})
+    # The command line's wording is the same check, named by the flags.
+    with pytest.raises(ConfigError, match=r"^--batch-sizes: 17 is outside \[2, "
+                                          r"--num-samples=16\]$"):
+        GradientBiasSettings(**base, num_samples=16, batch_sizes=(4, 17)).validate(flags=True)

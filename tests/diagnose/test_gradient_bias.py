@@ -152,7 +152,7 @@ def test_batch_sizes_outside_the_data_are_rejected():
         estimate_cell(infonce, features, 9, replicates=2)
     with pytest.raises(ValueError, match="unknown loss 'nope'"):
         expand_losses(["nope"], 8, chunk_size=0)
-    with pytest.raises(ValueError, match="not in --losses"):
+    with pytest.raises(ValueError, match="not in losses"):
         expand_losses(["infonce"], 8, chunk_size=0, options={"decl": {"gamma": 0.5}})
 
 

@@ -129,7 +129,7 @@ def test_write_embeddings_refuses_unless_overwrite(tmp_path):
 
     out = tmp_path / "e.npy"
     before = earlier(out)
-    with pytest.raises(ConfigError, match="exists .*add --overwrite"):
+    with pytest.raises(ConfigError, match=r"^out='.*' exists .*add overwrite=True to replace"):
         write_embeddings(Embeddings(np.ones((1, 4), np.float32), ["x"]), out)
     assert snapshot(tmp_path) == before
     write_embeddings(Embeddings(np.ones((1, 4), np.float32), ["x"]), out, overwrite=True)

@@ -97,7 +97,7 @@ def wait_for(predicate, timeout: float, procs=(), what: str = "condition") -> No
 def read_metrics(run_dir: Path, kind: str | None = None) -> list[dict]:
     from vlcontrast.train.metrics import read_metrics as read
 
-    records = read(Path(run_dir) / "metrics.jsonl")
+    records = read(Path(run_dir) / "metrics.jsonl", missing_ok=True)
     return [r for r in records if kind is None or r.get("kind") == kind]
 
 

@@ -8,6 +8,8 @@ from vlcontrast.cli.environment import prepare_environment
 
 
 def register(sub) -> None:
+    from vlcontrast.diagnose.estimators import DEFAULT_LOSSES
+
     diagnose = sub.add_parser("diagnose", help="measure what the losses do (docs/diagnose.md)")
     # Not required=True: argparse would say "required: what"; bare_diagnose names the choices.
     diagnose_sub = diagnose.add_subparsers(dest="what", metavar="{gradient-bias}")
@@ -21,7 +23,7 @@ def register(sub) -> None:
     bias.add_argument("--overwrite", action="store_true",
                       help="replace an earlier gradient-bias result in --out (a folder holding "
                       "anything else is still refused)")
-    bias.add_argument("--losses", default="infonce,dcl,dclw,decl,debiased,siglip",
+    bias.add_argument("--losses", default=",".join(DEFAULT_LOSSES),
                       help="losses to measure, comma-separated (default: %(default)s)")
     bias.add_argument("--batch-sizes", default="16,32,64,128,256,512,1024",
                       help="batch sizes B, comma-separated (default: %(default)s)")
@@ -55,6 +57,8 @@ def register(sub) -> None:
                       "(default: %(default)s)")
     bias.add_argument("--workers", type=int, default=0,
                       help="loader workers reading the samples (default: %(default)s)")
+    bias.add_argument("--no-progress", action="store_true",
+                      help="no progress bar or progress lines")
     bias.set_defaults(func=run_diagnose)
 
     def bare_diagnose(args) -> int:
@@ -93,9 +97,13 @@ def run_diagnose(args) -> int:
             parameter_batches=args.parameter_batches, chunk_size=args.chunk_size,
             loss_options=options, seed=args.seed, device=args.device, workers=args.workers,
             overwrite=args.overwrite)
-        settings.validate()
+        settings.validate(flags=True)
         check_out(settings.out, settings.overwrite)  # an earlier result may be hours of work
-        report = diagnose.run_gradient_bias(settings)
+        # The losses and their --option values, named as given, before the checkpoint is read.
+        diagnose.expand_losses(settings.losses, settings.num_samples, settings.chunk_size,
+                               settings.loss_options, flags=True)
+        report = diagnose.run_gradient_bias(settings, progress=not args.no_progress,
+                                            flags=True)
     except ValueError as err:
         print(f"vlcontrast: error: {err}", file=sys.stderr)
         return 2

@@ -63,10 +63,8 @@ def export_arguments(args) -> tuple[str, str, str]:
 def run_export(args) -> int:
     from vlcontrast.export import export_model
 
-    from vlcontrast.outputs import writable_dir
-
     format, checkpoint, out = export_arguments(args)
-    writable_dir(out, "export OUT")  # before the checkpoint is read
+    # export_model checks OUT (writable; new, empty or an earlier export) before reading RUN.
     what = "--checkpoint" if args.checkpoint else "export RUN"
     print(json.dumps(export_model(checkpoint, out, format, overwrite=args.overwrite, what=what),
                      indent=2))

@@ -66,7 +66,7 @@ def run_classify(args) -> int:
     from vlcontrast.evaluation.datasets import read_templates
     from vlcontrast.inference import (DEFAULT_TEMPLATES, classify, find_images,
                                       format_classification, parse_labels, resolve_device)
-    from vlcontrast.inference.classify import check_figure
+    from vlcontrast.inference.classify import check_figure, check_top_k
     from vlcontrast.data.samples import alpha_summary
     from vlcontrast.inference.images import skipped_summary
 
@@ -75,8 +75,7 @@ def run_classify(args) -> int:
     labels = parse_labels(args.labels, args.labels_file)
     templates = (read_templates(args.templates, "--templates") if args.templates
                  else list(DEFAULT_TEMPLATES))
-    if args.top_k < 1:
-        raise ConfigError(f"--top-k {args.top_k}: must be at least 1")
+    check_top_k(args.top_k, "--top-k ")
     figure = check_figure(args.figure, overwrite=args.overwrite) if args.figure else None
     paths = find_images(args.images)
     if Path(args.checkpoint).is_file():  # run.yaml, model.pt: what to give instead, in one line
@@ -114,7 +113,7 @@ def run_embed(args) -> int:
     from vlcontrast.inference.embed import free_name
 
     check_counts(args)
-    out = check_output(args.out, args.overwrite)  # before the inputs are read
+    out = check_output(args.out, args.overwrite, "--out")  # before the inputs are read
     texts = paths = shards = None
     if args.texts:
         texts = read_texts(args.texts)
@@ -146,7 +145,8 @@ def run_embed(args) -> int:
     else:
         embeddings = embed_images(bundle.model, bundle.preprocess_val, paths=paths, shards=shards,
                                   workers=args.workers, alpha=args.alpha,
-                                  max_image_pixels=args.max_image_pixels, **common)
+                                  max_image_pixels=args.max_image_pixels, what="--images",
+                                  **common)
         from vlcontrast.data.samples import alpha_summary
 
         if embeddings.transparent or args.alpha != "white":
@@ -158,7 +158,7 @@ def run_embed(args) -> int:
         print(f"vlcontrast embed: --out {str(out)!r} was written by something else while this "
               f"embed ran; its files are kept and these results go to {str(target)!r}",
               file=sys.stderr)
-    written = write_embeddings(embeddings, target, overwrite=args.overwrite)
+    written = write_embeddings(embeddings, target, overwrite=args.overwrite, option="--out")
     if embeddings.reasons:
         print(f"vlcontrast embed: {skipped_line(embeddings)}", file=sys.stderr)
     print(f"vlcontrast embed: {embeddings.vectors.shape[0]} embeddings of dimension "

@@ -43,7 +43,9 @@ from torch.nn import functional as F
 
 from vlcontrast.losses import LOSSES, build_loss
 
-# The losses `--losses` accepts by default and the report rows each one expands to.
+# The losses measured by default, from Python and on the command line (`--losses`); each
+# expands to its report rows (docs/diagnose.md, "The rows"). hcl, bcl and balanced are measured
+# when named.
 DEFAULT_LOSSES = ("infonce", "dcl", "dclw", "decl", "debiased", "siglip", "sogclr", "fastclip")
 # Losses whose batch estimate reads a per-sample moving average (measured in its steady state).
 BUFFER_LOSSES = ("sogclr", "fastclip")
@@ -274,54 +276,105 @@ def full_log_means(features: Features, chunk_size: int, *,
     return torch.stack(columns, dim=1)
 
 
+FLAGS = {"parameters": "--no-parameters", "loss_options": "--option"}
+"""Settings whose command-line flag is not ``--`` and the field's name with hyphens."""
+
+
+def setting_name(field: str, flags: bool = False) -> str:
+    """How an error names a setting of the diagnostic: the command line's flag
+    (``--num-samples``, ``--option``) when ``flags``, else the field of
+    :class:`~vlcontrast.diagnose.GradientBiasSettings` (``num_samples``, ``loss_options``)."""
+    if not flags:
+        return field
+    return FLAGS.get(field, "--" + field.replace("_", "-"))
+
+
+def option_given(loss: str, key: str, value, flags: bool = False) -> str:
+    """A loss option as the user gave it: ``--option decl.gamma=0.5`` on the command line,
+    ``decl: gamma=0.5`` (the losses' own form) in Python."""
+    return f"--option {loss}.{key}={value}" if flags else f"{loss}: {key}={value!r}"
+
+
+def _build(name: str, given: dict, flags: bool, **arguments):
+    """:func:`vlcontrast.losses.build_loss`, its option errors naming the ``--option`` flags the
+    user gave (``flags``); in Python the loss's own one-line error stands."""
+    from vlcontrast.errors import ConfigError, LossOptionError
+
+    try:
+        return build_loss(name, **arguments)
+    except (ConfigError, TypeError) as error:
+        if not flags or not given:
+            raise
+        if isinstance(error, LossOptionError):
+            keys = [key for key in error.values if key in given] or list(given)
+            why = error.why
+        else:  # an unknown option, or a value of the wrong type: every option given is suspect
+            keys, why = list(given), str(error)
+        shown = ", ".join(option_given(name, key, given[key], True) for key in keys)
+        raise ConfigError(f"{shown}: {why}") from None
+
+
 def expand_losses(losses, size: int, chunk_size: int,
-                  options: dict[str, dict] | None = None) -> list[Estimator]:
-    """The estimators (report rows) of loss names: ``decl`` and ``siglip`` give several rows."""
+                  options: dict[str, dict] | None = None, *,
+                  flags: bool = False) -> list[Estimator]:
+    """The estimators (report rows) of loss names: ``decl`` and ``siglip`` give several rows.
+    Errors name the settings as :func:`setting_name` does (``flags``: the command line's)."""
+    from vlcontrast.errors import ConfigError
+
     options = options or {}
+    losses_name, options_name = setting_name("losses", flags), setting_name("loss_options", flags)
     unknown = sorted(set(options) - set(losses))
     if unknown:
-        raise ValueError(f"loss options given for {unknown}, which are not in --losses "
-                         f"{list(losses)}")
+        raise ConfigError(f"{options_name} given for {unknown}, which are not in {losses_name} "
+                          f"{list(losses)}; add them to {losses_name} or drop their options")
     estimators: list[Estimator] = []
     for name in losses:
         if name not in LOSSES:
-            raise ValueError(f"--losses: unknown loss {name!r}; valid losses: {sorted(LOSSES)}")
+            raise ConfigError(f"{losses_name}: unknown loss {name!r}; valid losses: "
+                              f"{sorted(LOSSES)}")
         own = dict(options.get(name, {}))
+        given = dict(own)
         if name == "decl":
             if own.get("u_mode", "mean") != "mean":
-                raise ValueError("decl: the diagnostic measures u_mode='mean' (U = 1/u)")
+                raise ConfigError(f"{option_given(name, 'u_mode', own['u_mode'], flags)}: the "
+                                  "diagnostic measures u_mode='mean' (U = 1/u)")
             for key in ("schedule", "estimator"):
                 own.pop(key, None)
-            live_1 = build_loss("decl", chunk_size=chunk_size, id_space=size, schedule="loss1",
-                                **own)
-            fixed = build_loss("decl", chunk_size=chunk_size, id_space=size, schedule="loss1",
-                               **{**own, "gamma": FIXED_BUFFER_GAMMA})
-            live_2 = build_loss("decl", chunk_size=chunk_size, id_space=size, schedule="loss2",
-                                **own)
+            live_1 = _build("decl", given, flags, chunk_size=chunk_size, id_space=size,
+                            schedule="loss1", **own)
+            fixed = _build("decl", given, flags, chunk_size=chunk_size, id_space=size,
+                           schedule="loss1", **{**own, "gamma": FIXED_BUFFER_GAMMA})
+            live_2 = _build("decl", given, flags, chunk_size=chunk_size, id_space=size,
+                            schedule="loss2", **own)
             estimators += [BufferEstimator("decl_loss1", live_1, fixed=False),
                            BufferEstimator("decl_loss1_fixed", fixed, fixed=True),
                            # loss_2 never reads the buffer: no warm-up needed.
                            Estimator("decl_loss2", live_2)]
         elif name in BUFFER_LOSSES:
             if own.get("recipe", "vlcontrast") == "fast_clip":
-                raise ValueError(
-                    f"{name}: recipe='fast_clip' sets gamma by data epoch (1 in the first), and "
-                    "the diagnostic measures the buffer at one constant gamma; drop the recipe "
-                    f"option and pass {name}.gamma (the recipe's value after its first epoch)")
+                gamma = f"--option {name}.gamma=..." if flags else f"{name}.gamma"
+                raise ConfigError(
+                    f"{option_given(name, 'recipe', own['recipe'], flags)} sets gamma by data "
+                    "epoch (1 in the first), and the diagnostic measures the buffer at one "
+                    f"constant gamma; drop the recipe option and pass {gamma} (the recipe's "
+                    "value after its first epoch)")
             if name == "fastclip":
                 for key in FASTCLIP_DROPPED:
                     own.pop(key, None)
                 own.update(FASTCLIP_FIXED_STATE)
-            estimators.append(BufferEstimator(name, build_loss(name, chunk_size=chunk_size,
-                                                               id_space=size, **own), fixed=False))
+            estimators.append(BufferEstimator(name, _build(name, given, flags,
+                                                           chunk_size=chunk_size, id_space=size,
+                                                           **own), fixed=False))
         elif name == "siglip":
-            estimators += [Estimator("siglip", build_loss(name, chunk_size=chunk_size, **own)),
+            estimators += [Estimator("siglip", _build(name, given, flags, chunk_size=chunk_size,
+                                                      **own)),
                            SigLIPRescaledEstimator("siglip_rescaled",
-                                                   build_loss(name, chunk_size=chunk_size, **own))]
+                                                   _build(name, given, flags,
+                                                          chunk_size=chunk_size, **own))]
         else:
-            loss = build_loss(name, chunk_size=chunk_size, id_space=size, **own)
+            loss = _build(name, given, flags, chunk_size=chunk_size, id_space=size, **own)
             if getattr(loss, "needs_momentum_features", False):
-                raise ValueError(f"{name}: losses that need momentum towers are not supported")
+                raise ConfigError(f"{losses_name}: {name} needs momentum towers, which the "
+                                  "diagnostic does not support; measure another loss")
             estimators.append(Estimator(name, loss))
     return estimators
-

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from vlcontrast.diagnose.estimators import (DEFAULT_LOSSES, SIGLIP_DEFAULT_BIAS, BufferEstimator,
-                                            Estimator, Features, expand_losses)
+                                            Estimator, Features, expand_losses, setting_name)
 from vlcontrast.diagnose.montecarlo import compare, estimate_cell, replicate_count, spread
 from vlcontrast.diagnose.pushback import TowerPushback, encode_pairs
 
@@ -71,40 +71,49 @@ class GradientBiasSettings:
     overwrite: bool = False
     """Replace an earlier gradient-bias result in ``out`` (anything else there is refused)."""
 
-    def validate(self) -> None:
+    def validate(self, flags: bool = False) -> None:
+        """A one-line ConfigError for a setting out of range, naming it as the command line does
+        (``--num-samples``) when ``flags``, else as this class's field (``num_samples``)."""
+        from vlcontrast.errors import ConfigError
+
+        def name(field: str) -> str:
+            return setting_name(field, flags)
+
         if self.num_samples < 2:
-            raise ValueError(f"--num-samples must be >= 2, got {self.num_samples}")
+            raise ConfigError(f"{name('num_samples')} must be >= 2, got {self.num_samples}")
         if not self.batch_sizes:
-            raise ValueError("--batch-sizes is empty")
+            raise ConfigError(f"{name('batch_sizes')} is empty")
         for size in self.batch_sizes:
             if not 2 <= size <= self.num_samples:
-                raise ValueError(f"--batch-sizes: {size} is outside [2, --num-samples="
-                                 f"{self.num_samples}]")
+                raise ConfigError(f"{name('batch_sizes')}: {size} is outside [2, "
+                                  f"{name('num_samples')}={self.num_samples}]")
         if not self.losses:
-            raise ValueError("--losses is empty")
+            raise ConfigError(f"{name('losses')} is empty")
         if self.lock_image and not self.parameters:
-            raise ValueError("--lock-image has no effect with --no-parameters (it restricts the "
-                             "parameter gradient, which --no-parameters skips); drop one of them")
-        for key, value, low in (("--batches-per-size", self.batches_per_size, 1),
-                                ("--min-replicates", self.min_replicates, 2),
-                                ("--parameter-groups", self.parameter_groups, 2),
-                                ("--parameter-batches", self.parameter_batches, 0),
-                                ("--chunk-size", self.chunk_size, 1),
-                                ("--workers", self.workers, 0)):
+            lock, skip = (("--lock-image", "--no-parameters") if flags else
+                          ("lock_image=True", "parameters=False"))
+            raise ConfigError(f"{lock} has no effect with {skip} (it restricts the parameter "
+                              f"gradient, which {skip} skips); drop one of them")
+        for field, low in (("batches_per_size", 1), ("min_replicates", 2),
+                           ("parameter_groups", 2), ("parameter_batches", 0),
+                           ("chunk_size", 1), ("workers", 0)):
+            value = getattr(self, field)
             if value < low:
-                raise ValueError(f"{key} must be >= {low}, got {value}")
+                raise ConfigError(f"{name(field)} must be >= {low}, got {value}")
 
 
 # ----------------------------------------------------------------------------------- the inputs
 
 
 def read_samples(data: str, preprocess, tokenizer, num_samples: int, *,
-                 workers: int = 0) -> tuple[Tensor, Tensor, int]:
+                 workers: int = 0, flags: bool = False) -> tuple[Tensor, Tensor, int]:
     """The first ``num_samples`` decodable pairs of ``data``: ``(images, tokens, skipped)``.
 
     Images go through ``preprocess`` (the validation transform); the text is each image's first
-    caption. Undecodable samples are skipped and counted.
+    caption. Undecodable samples are skipped and counted. Too few is a one-line ConfigError
+    naming the settings as :func:`~vlcontrast.diagnose.estimators.setting_name` does.
     """
+    from vlcontrast.errors import ConfigError
     from vlcontrast.evaluation.datasets import build_retrieval_loader
 
     loader = build_retrieval_loader(data, preprocess, batch_size=256, workers=workers)
@@ -117,8 +126,10 @@ def read_samples(data: str, preprocess, tokenizer, num_samples: int, *,
         if len(captions) >= num_samples:
             break
     if len(captions) < num_samples:
-        raise ValueError(f"--data {data!r}: only {len(captions)} decodable pairs ({skipped} "
-                         f"skipped), but --num-samples={num_samples}")
+        data_named = f"--data {data!r}" if flags else f"data={data!r}"
+        raise ConfigError(f"{data_named}: only {len(captions)} decodable pairs ({skipped} "
+                          f"skipped), but {setting_name('num_samples', flags)}={num_samples}; "
+                          f"give fewer samples or more data")
     return torch.cat(images)[:num_samples], tokenizer(captions[:num_samples]), skipped
 
 
@@ -200,32 +211,38 @@ def exact_numerics() -> dict[str, object]:
             "cudnn_benchmark": torch.backends.cudnn.benchmark}
 
 
-def run_gradient_bias(settings: GradientBiasSettings) -> dict:
-    """Run the diagnostic and write its report under ``settings.out``; returns the report."""
+def run_gradient_bias(settings: GradientBiasSettings, progress: bool = True, *,
+                      flags: bool = False) -> dict:
+    """Run the diagnostic and write its report under ``settings.out``; returns the report.
+    ``progress``: show the progress over the cells (a bar on a terminal, lines in a log).
+    The settings and the output folder are checked first, before the checkpoint and the data
+    are read: one-line ConfigErrors naming the settings' fields (``out='x' exists ...; add
+    overwrite=True``), or with ``flags`` the command line's (``--out``, ``--overwrite``)."""
     from vlcontrast.diagnose.report import check_out, write_report
     from vlcontrast.checkpoints import resolve_weights
     from vlcontrast.models import load_model_from_checkpoint
     from vlcontrast.progress import Progress
 
-    settings.validate()
-    check_out(settings.out, settings.overwrite)  # before the checkpoint and data are read
+    settings.validate(flags)
+    check_out(settings.out, settings.overwrite,  # before the checkpoint and data are read
+              option=setting_name("out", flags))
     device = settings.device
     if device in ("", "auto"):
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    folder = resolve_weights(settings.checkpoint)
+    folder = resolve_weights(settings.checkpoint, setting_name("checkpoint", flags))
     # Option and name errors surface here, before the checkpoint and data are read.
     expand_losses(settings.losses, settings.num_samples, settings.chunk_size,
-                  settings.loss_options)
+                  settings.loss_options, flags=flags)
     numerics = exact_numerics()  # before any model or feature is computed
     started = time.perf_counter()
     bundle = load_model_from_checkpoint(folder, device=device)
     model = bundle.model.eval()
     images, tokens, skipped = read_samples(settings.data, bundle.preprocess_val,
                                            bundle.tokenizer, settings.num_samples,
-                                           workers=settings.workers)
+                                           workers=settings.workers, flags=flags)
     features = compute_features(model, images, tokens, chunk_size=settings.chunk_size)
     estimators = expand_losses(settings.losses, settings.num_samples, settings.chunk_size,
-                               settings.loss_options)
+                               settings.loss_options, flags=flags)
     for estimator in estimators:
         estimator.loss.to(device)
     if settings.lock_image:
@@ -235,8 +252,8 @@ def run_gradient_bias(settings: GradientBiasSettings) -> dict:
     pushback = (TowerPushback(model, images, tokens, chunk_size=settings.chunk_size)
                 if settings.parameters else None)
     with Progress(len(estimators) * len(settings.batch_sizes), "gradient-bias",
-                  unit="cell") as progress:
-        rows = measure(estimators, features, settings, pushback, progress)
+                  unit="cell", disable=not progress) as bar:
+        rows = measure(estimators, features, settings, pushback, bar)
     report = {
         "settings": {**asdict(settings), "losses": list(settings.losses),
                      "batch_sizes": list(settings.batch_sizes), "device": device},

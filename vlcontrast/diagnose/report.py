@@ -126,15 +126,19 @@ def plot(rows: list[dict], path: Path, title: str = "") -> None:
 RESULT_KINDS = ("json", "csv", "md", "png")
 
 
-def check_out(out: str | Path, overwrite: bool = False) -> None:
+def check_out(out: str | Path, overwrite: bool = False, option: str = "--out") -> None:
     """``--out`` before any work starts: a new or empty folder, or (with ``overwrite``) the folder
     of an earlier gradient-bias result; a one-line ConfigError otherwise. An earlier result is
     named by its checkpoint, its rows and when it was written (its JSON, read once); a folder
     that holds anything else is refused even with ``overwrite`` (a run directory named by
-    mistake). Nothing is created."""
+    mistake). Nothing is created. ``option`` names the folder in the errors: ``--out`` on the
+    command line, else the settings' field ``out`` (and ``overwrite=True`` for
+    ``--overwrite``)."""
+    from vlcontrast.errors import ConfigError
     from vlcontrast.outputs import check_replaceable, made, writable_dir
 
-    folder = writable_dir(out, "--out")
+    cli = option.startswith("-")
+    folder = writable_dir(out, option)
     held = sorted(path.name for path in folder.iterdir()) if folder.is_dir() else []
     if not held:
         return
@@ -146,8 +150,14 @@ def check_out(out: str | Path, overwrite: bool = False) -> None:
         description, is_result = (f"gradient-bias of {str(report['checkpoint'])!r}, "
                                   f"{len(report['rows'])} rows, "
                                   f"{made(folder / 'gradient_bias.json')}"), True
-    check_replaceable(f"--out {str(out)!r}", description, kind="a gradient-bias result",
-                      is_kind=is_result, overwrite=overwrite, new="folder")
+    what = f"{option} {str(out)!r}" if cli else f"{option}={str(out)!r}"
+    try:
+        check_replaceable(what, description, kind="a gradient-bias result", is_kind=is_result,
+                          overwrite=overwrite, new="folder")
+    except ConfigError as error:  # the rule's wording names the flag; Python passes the field
+        if cli:
+            raise
+        raise ConfigError(str(error).replace("--overwrite", "overwrite=True")) from None
 
 
 def _read_report(path: Path) -> dict | None:

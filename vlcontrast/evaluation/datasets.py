@@ -525,18 +525,21 @@ def resolve_zeroshot_data(data_dir: str, classnames: str | Sequence[str] | None 
     ``classnames`` / ``templates`` are files (one per line, or a JSON list; templates use ``{c}``) or
     lists; given, they override what the layout implies. ``keys``: the options that named the
     folder, the class names and the templates (command-line flags, or config keys such as
-    ``eval.zeroshot``); every error is a one-line :class:`ConfigError` that starts with the one it
-    is about (a file the folder holds is named after the folder's key).
+    ``eval.zeroshot``, or the Python parameters ``data_dir``, ``classnames``, ``templates``); every
+    error is a one-line :class:`ConfigError` that starts with the one it is about (a file the
+    folder holds is named after the folder's key).
     """
     from open_clip import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES
 
     data_key, names_key, templates_key = keys
     root = Path(data_dir)
     folder = _named(data_key, data_dir)
-    # A config key may also be left empty: the folder's own files (or ImageNet's) are then used.
-    or_else = "" if data_key.startswith("-") else ", or leave it empty for the folder's own"
+    # A config key (eval.zeroshot) may also be left empty: the folder's own files (or
+    # ImageNet's) are then used. A flag or a Python parameter has no such empty form.
+    config_key = "." in data_key
+    or_else = ", or leave it empty for the folder's own" if config_key else ""
     if not root.is_dir():
-        leave = "" if data_key.startswith("-") else f", or leave {data_key} empty"
+        leave = f", or leave {data_key} empty" if config_key else ""
         raise ZeroShotDataError(f"{folder}: {'a file' if root.exists() else 'no such folder'}; "
                                 "give an ImageNet-style (class sub-folders) or CLIP_benchmark "
                                 f"folder (docs/evaluation.md){leave}")

@@ -28,7 +28,7 @@ DEFAULT_TEMPLATES = ("itap of a {c}.", "a bad photo of the {c}.", "a origami {c}
 def parse_labels(labels: str | None = None, labels_file: str | os.PathLike | None = None
                  ) -> list[str]:
     """The class labels from ``--labels "cat,dog"`` or ``--labels-file`` (one per line, or a JSON
-    list); one-line errors for none, both, or a duplicate."""
+    list); one-line errors for none, both, or what :func:`check_labels` refuses."""
     from vlcontrast.evaluation.datasets import check_list_file, read_list_file
 
     if labels and labels_file:
@@ -39,15 +39,34 @@ def parse_labels(labels: str | None = None, labels_file: str | os.PathLike | Non
     else:
         names = [part.strip() for part in (labels or "").split(",") if part.strip()]
         source = "--labels"
+    return check_labels(names, source,
+                        example='--labels "cat,dog,car" or --labels-file labels.txt')
+
+
+def check_labels(names: Sequence[str], source: str = "labels",
+                 example: str = "labels=['cat', 'dog', 'car']") -> list[str]:
+    """The labels of one classification, the one check of the command line (:func:`parse_labels`)
+    and of :func:`classify`: at least two (one label would get every image with probability 1)
+    and each once, case-insensitively (the tokenizer lowercases, so ``cat`` and ``Cat`` would
+    split one label's probability in two). ``source`` names where they came from in the errors
+    (``--labels``; ``labels``, the Python parameter), ``example`` shows what to give."""
+    names = list(names)
     if len(names) < 2:
-        raise ConfigError(f"{source}: {len(names)} label(s); zero-shot classification needs at least "
-                          "two, e.g. --labels \"cat,dog,car\" or --labels-file labels.txt")
+        raise ConfigError(f"{source}: {len(names)} label(s); zero-shot classification needs at "
+                          f"least two, e.g. {example}")
     seen: set[str] = set()
     for name in names:
         if name.lower() in seen:
             raise ConfigError(f"{source}: label {name!r} is given twice; give each label once")
         seen.add(name.lower())
     return names
+
+
+def check_top_k(top_k: int, what: str = "top_k=") -> int:
+    """``top_k`` (labels shown per image) of at least 1; ``what`` names it (``--top-k ``)."""
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ConfigError(f"{what}{top_k!r}: must be at least 1")
+    return top_k
 
 
 @dataclass
@@ -85,27 +104,41 @@ class Classification:
 
 
 @torch.no_grad()
-def classify(model, preprocess, tokenizer, paths: Sequence[Path], labels: Sequence[str], *,
-             templates: Sequence[str] = DEFAULT_TEMPLATES, top_k: int = 5, device="cpu",
-             batch_size: int = 64, workers: int = 0, progress: bool = True,
-             alpha: str = "white", max_image_pixels: int | None = None) -> Classification:
-    """Classify the images at ``paths`` among ``labels`` (see the module docstring); ``alpha``:
-    the transparency rule (:data:`~vlcontrast.data.samples.ALPHA_RULES`); images of more than
-    ``max_image_pixels`` pixels (None: PIL's limit) are skipped as ``decompression_bomb``."""
+def classify(model, preprocess, tokenizer, paths: Sequence[str | os.PathLike],
+             labels: Sequence[str], *, templates: Sequence[str] = DEFAULT_TEMPLATES,
+             top_k: int = 5, device: str | torch.device | None = None, batch_size: int = 64,
+             workers: int = 0, progress: bool = True, alpha: str = "white",
+             max_image_pixels: int | None = None) -> Classification:
+    """Classify the images at ``paths`` (files: :func:`~vlcontrast.inference.find_images` expands
+    folders) among ``labels`` (a list of at least two, each once) with the prompts ``templates``
+    (each with ``{c}``); see the module docstring. ``device``: None computes on the model's own
+    device. ``alpha``: the transparency rule (:data:`~vlcontrast.data.samples.ALPHA_RULES`);
+    images of more than ``max_image_pixels`` pixels (None: PIL's limit) are skipped as
+    ``decompression_bomb``. Every argument is checked before any image is read: a one-line
+    :class:`ConfigError` naming the parameter."""
     from vlcontrast.data.samples import check_alpha
 
     from vlcontrast.evaluation.datasets import check_templates
     from vlcontrast.evaluation.embed import unwrap_model
     from vlcontrast.evaluation.zeroshot import build_zeroshot_classifier
-    from vlcontrast.inference.images import embed_image_files, skipped_summary
+    from vlcontrast.inference.images import (check_count, check_image_paths, embed_image_files,
+                                             given_list, shown, skipped_summary)
+    from vlcontrast.inference.model import model_device
 
-    templates = check_templates(list(templates), "--templates")
-    alpha = check_alpha(alpha)
-    if top_k < 1:
-        raise ConfigError(f"--top-k {top_k}: must be at least 1")
+    paths = check_image_paths(paths)
+    labels = check_labels(given_list(labels, "labels", "labels", "['cat', 'dog', 'car']"))
+    templates = given_list(templates, "templates", "prompts with {c}", "['a photo of a {c}.']")
+    templates = check_templates(templates, f"templates={shown(templates)}")
+    alpha = check_alpha(alpha, "alpha")
+    check_top_k(top_k)
+    check_count(batch_size, "batch_size", 1)
+    check_count(workers, "workers", 0)
+    if max_image_pixels is not None:
+        check_count(max_image_pixels, "max_image_pixels", 1)
     model = unwrap_model(model)
+    device = model_device(model, device)
     model.eval()
-    classifier = build_zeroshot_classifier(model, tokenizer, list(labels), templates,
+    classifier = build_zeroshot_classifier(model, tokenizer, labels, templates,
                                            device=device, batch_size=batch_size)
     images = embed_image_files(model, preprocess, paths, device=device, batch_size=batch_size,
                                workers=workers, progress=progress, alpha=alpha,

@@ -34,38 +34,53 @@ def ids_path(out: str | os.PathLike) -> Path:
     return Path(f"{out}.ids.txt")
 
 
-def check_output(out: str | os.PathLike, overwrite: bool = False) -> Path:
-    """``--out`` checked before any work: a known format, pyarrow present for parquet, and no
-    file of an earlier embed under its names unless ``overwrite`` (:func:`check_existing`)."""
+def _flag(option: str) -> str:
+    """How ``--overwrite`` is named where ``option`` names the output: the command line's flag,
+    or the Python parameter ``overwrite=True``."""
+    return "--overwrite" if option.startswith("-") else "overwrite=True"
+
+
+def _named(option: str, value) -> str:
+    """``--out 'x.npy'`` on the command line, ``out='x.npy'`` for the Python parameter."""
+    return f"{option} {str(value)!r}" if option.startswith("-") else f"{option}={str(value)!r}"
+
+
+def check_output(out: str | os.PathLike, overwrite: bool = False, option: str = "out") -> Path:
+    """The output checked before any work: a known format, pyarrow present for parquet, and no
+    file of an earlier embed under its names unless ``overwrite`` (:func:`check_existing`).
+    ``option`` names it in the errors: ``--out`` on the command line, else the Python parameter
+    ``out`` (and ``overwrite=True`` for ``--overwrite``)."""
     out = Path(out)
+    named = _named(option, out)
     if out.suffix.lower() not in FORMATS:
-        raise ConfigError(f"--out {str(out)!r}: unknown format {out.suffix or '(none)'!r}; end it "
+        raise ConfigError(f"{named}: unknown format {out.suffix or '(none)'!r}; end it "
                           "in .npy (with OUT.ids.txt beside it) or .parquet")
     if out.suffix.lower() == ".parquet" and importlib.util.find_spec("pyarrow") is None:
-        raise ConfigError(f"--out {str(out)!r}: writing parquet needs pyarrow; pip install pyarrow "
+        raise ConfigError(f"{named}: writing parquet needs pyarrow; pip install pyarrow "
                           "(or write .npy)")
     if out.is_dir():
-        raise ConfigError(f"--out {str(out)!r} is a directory; name a file")
+        raise ConfigError(f"{named} is a directory; name a file")
     from vlcontrast.outputs import writable_file
 
-    writable_file(out, "--out")
+    writable_file(out, option)
     if out.suffix.lower() == ".npy":
-        writable_file(ids_path(out), "--out's ids file")
-    check_existing(out, overwrite)
+        writable_file(ids_path(out), f"{option}'s ids file")
+    check_existing(out, overwrite, option)
     return out
 
 
-def check_existing(out: Path, overwrite: bool = False) -> None:
+def check_existing(out: Path, overwrite: bool = False, option: str = "out") -> None:
     """Files of ``out`` that exist already (``FILE.npy``, its ids file, even without the
     ``.npy``; or ``FILE.parquet``): a one-line ConfigError saying what they hold, unless
-    ``overwrite`` and they are what embed writes. Reads headers only, never the rows."""
-    from vlcontrast.outputs import check_replaceable, made
+    ``overwrite`` and they are what embed writes. Reads headers only, never the rows.
+    ``option``: as for :func:`check_output`."""
+    from vlcontrast.outputs import made
 
     sidecar = ids_path(out) if out.suffix.lower() == ".npy" else None
     found = [path for path in (out, sidecar) if path is not None and path.is_file()]
     if not found:
         return
-    what, parts, is_kind = f"--out {str(out)!r}", [], True
+    what, parts, is_kind = _named(option, out), [], True
     if out.is_file():
         describe = _describe_npy if out.suffix.lower() == ".npy" else _describe_parquet
         is_kind, held = describe(out)
@@ -80,7 +95,21 @@ def check_existing(out: Path, overwrite: bool = False) -> None:
         is_kind = is_kind and ok
     check_replaceable(what, f"{', '.join(parts)}, {made(found[0])}",
                       kind="a file vlcontrast embed writes", is_kind=is_kind,
-                      overwrite=overwrite, noun="it" if len(found) == 1 else "them")
+                      overwrite=overwrite, noun="it" if len(found) == 1 else "them",
+                      flag=_flag(option))
+
+
+def check_replaceable(what: str, held: str, *, flag: str = "--overwrite", **rule) -> None:
+    """:func:`vlcontrast.outputs.check_replaceable` (the one rule for an existing output), its
+    error naming ``flag`` (``overwrite=True`` in the Python API) where it says ``--overwrite``."""
+    from vlcontrast.outputs import check_replaceable as check
+
+    try:
+        check(what, held, **rule)
+    except ConfigError as error:
+        if flag == "--overwrite":
+            raise
+        raise ConfigError(str(error).replace("--overwrite", flag)) from None
 
 
 def _describe_npy(path: Path) -> tuple[bool, str]:
@@ -142,12 +171,21 @@ def read_texts(path: str | os.PathLike) -> list[str]:
 
 
 @torch.no_grad()
-def embed_texts(model, tokenizer, texts: Sequence[str], *, device="cpu", batch_size: int = 256,
+def embed_texts(model, tokenizer, texts: Sequence[str], *,
+                device: str | torch.device | None = None, batch_size: int = 256,
                 progress: bool = True) -> Embeddings:
-    """Encode ``texts`` in batches; ids are the texts themselves."""
+    """Encode ``texts`` (a list of strings) in batches; ids are the texts themselves. ``device``:
+    None computes on the model's own device."""
     from vlcontrast.evaluation.embed import encode_in_lockstep, encode_texts, unwrap_model
+    from vlcontrast.inference.images import check_count, given_list
+    from vlcontrast.inference.model import model_device
 
+    texts = given_list(texts, "texts", "texts", "['a cat', 'a dog']")
+    if not texts:
+        raise ConfigError("texts=[]: no texts; give a list of texts, e.g. texts=['a cat', 'a dog']")
+    check_count(batch_size, "batch_size", 1)
     model = unwrap_model(model)
+    device = model_device(model, device)
     batches = (texts[i:i + batch_size] for i in range(0, len(texts), batch_size))
     parts = [encode_texts(model, tokenizer(list(batch)), device).cpu()
              for batch in encode_in_lockstep(batches, device, progress=progress,
@@ -157,22 +195,39 @@ def embed_texts(model, tokenizer, texts: Sequence[str], *, device="cpu", batch_s
 
 
 @torch.no_grad()
-def embed_images(model, preprocess, *, paths: Sequence[Path] | None = None, shards=None,
-                 device="cpu", batch_size: int = 256, workers: int = 0,
-                 progress: bool = True, alpha: str = "white",
-                 max_image_pixels: int | None = None) -> Embeddings:
-    """Encode image files (ids: their paths, in the given order) or the images of webdataset
-    shards in the one shard grammar (ids: the samples' keys, in shard order then position in the
-    shard, whatever ``workers``). Unreadable images are skipped and counted, as are images of
-    more than ``max_image_pixels`` pixels (None: PIL's limit); transparency follows the rule
-    ``alpha`` (:data:`~vlcontrast.data.samples.ALPHA_RULES`)."""
+def embed_images(model, preprocess, *, paths: Sequence[str | os.PathLike] | None = None,
+                 shards=None, device: str | torch.device | None = None, batch_size: int = 256,
+                 workers: int = 0, progress: bool = True, alpha: str = "white",
+                 max_image_pixels: int | None = None, what: str | None = None) -> Embeddings:
+    """Encode image files (``paths``, a list of files: :func:`~vlcontrast.inference.find_images`
+    expands folders; ids: the paths, in the given order) or the images of webdataset ``shards``
+    in the one shard grammar (ids: the samples' keys, in shard order then position in the shard,
+    whatever ``workers``): exactly one of the two. Unreadable images are skipped and counted, as
+    are images of more than ``max_image_pixels`` pixels (None: PIL's limit); transparency follows
+    the rule ``alpha`` (:data:`~vlcontrast.data.samples.ALPHA_RULES`). ``device``: None computes
+    on the model's own device. ``what``: how errors about the images name them (None: the
+    Python parameter, ``paths`` or ``shards``; ``--images`` on the command line)."""
     from vlcontrast.data.samples import DEFAULT_MAX_IMAGE_PIXELS, check_alpha, pixels_hint
     from vlcontrast.evaluation.embed import unwrap_model
+    from vlcontrast.inference.images import check_count, check_image_paths
+    from vlcontrast.inference.model import model_device
 
-    alpha = check_alpha(alpha)
+    if (paths is None) == (shards is None):
+        given = "both" if paths is not None else "neither"
+        raise ConfigError(f"embed_images: {given} of paths= and shards= given; give exactly one "
+                          "of them (paths=find_images(['photos']) for image files and folders, "
+                          "shards='data/val' for webdataset shards)")
+    alpha = check_alpha(alpha, "alpha")
+    check_count(batch_size, "batch_size", 1)
+    check_count(workers, "workers", 0)
+    if max_image_pixels is not None:
+        check_count(max_image_pixels, "max_image_pixels", 1)
     pixels = max_image_pixels or DEFAULT_MAX_IMAGE_PIXELS
+    if paths is not None:
+        paths = check_image_paths(paths, what or "paths")
 
     model = unwrap_model(model)
+    device = model_device(model, device)
     if paths is not None:
         from vlcontrast.inference.images import embed_image_files
 
@@ -180,7 +235,7 @@ def embed_images(model, preprocess, *, paths: Sequence[Path] | None = None, shar
                                   workers=workers, progress=progress, alpha=alpha,
                                   max_image_pixels=pixels)
         if not found.kept:
-            raise ConfigError(f"--images: none of the {len(paths)} images could be read "
+            raise ConfigError(f"{what or 'paths'}: none of the {len(paths)} images could be read "
                               f"({found.reasons}); check the files"
                               f"{pixels_hint(found.reasons, pixels)}")
         return Embeddings(found.features.numpy(), [str(paths[i]) for i in found.kept],
@@ -188,11 +243,11 @@ def embed_images(model, preprocess, *, paths: Sequence[Path] | None = None, shar
                           found.transparent, pixels)
     return _embed_shard_images(model, preprocess, shards, device=device, batch_size=batch_size,
                                workers=workers, progress=progress, alpha=alpha,
-                               max_image_pixels=pixels)
+                               max_image_pixels=pixels, what=what or "shards")
 
 
 def _embed_shard_images(model, preprocess, shards, *, device, batch_size, workers,
-                        progress, alpha, max_image_pixels) -> Embeddings:
+                        progress, alpha, max_image_pixels, what: str = "shards") -> Embeddings:
     from vlcontrast.data.samples import pixels_hint
     from vlcontrast.evaluation.datasets import build_image_shards_loader
     from vlcontrast.evaluation.embed import encode_images, encode_in_lockstep, model_dtype
@@ -212,7 +267,7 @@ def _embed_shard_images(model, preprocess, shards, *, device, batch_size, worker
             ids.extend(keys)
             order.append(positions)  # (shard index, row in shard) as one number
     if not parts:
-        raise ConfigError(f"--images {loader.name!r}: no readable image in these shards "
+        raise ConfigError(f"{_named(what, loader.name)}: no readable image in these shards "
                           f"({reasons}); check them with `vlcontrast prep check`"
                           f"{pixels_hint(reasons, max_image_pixels)}")
     # Loader workers hand batches over in turns: the rows go back to shard order at the end.
@@ -239,12 +294,13 @@ def free_name(out: str | os.PathLike) -> Path:
 
 
 def write_embeddings(embeddings: Embeddings, out: str | os.PathLike,
-                     overwrite: bool = False) -> list[Path]:
+                     overwrite: bool = False, *, option: str = "out") -> list[Path]:
     """Write ``.npy`` + ``OUT.ids.txt``, or ``.parquet``; each file goes to a temporary name in
     the same folder first and is renamed into place, so no half-written file is ever left under
     its name and an interrupted write leaves the earlier files whole. Existing files are refused
-    unless ``overwrite`` (:func:`check_output`). Returns the paths written."""
-    out = check_output(out, overwrite)
+    unless ``overwrite`` (:func:`check_output`; ``option`` names ``out`` in its errors). Returns
+    the paths written."""
+    out = check_output(out, overwrite, option)
     out.parent.mkdir(parents=True, exist_ok=True)
     vectors = np.ascontiguousarray(embeddings.vectors, dtype=np.float32)
     if len(embeddings.ids) != vectors.shape[0]:

@@ -55,6 +55,50 @@ def find_images(inputs: Sequence[str | os.PathLike], what: str = "IMAGES",
     return unique
 
 
+def shown(value, limit: int = 6) -> str:
+    """A value as an error names it: its ``repr``, long lists and strings cut short."""
+    import reprlib
+
+    short = reprlib.Repr()
+    short.maxlist = short.maxtuple = limit
+    short.maxstring = short.maxother = 60
+    return short.repr(list(value) if isinstance(value, tuple) else value)
+
+
+def given_list(value, name: str, noun: str, example: str) -> list:
+    """``value`` (any sequence but a string) as a list; a string is a one-line ConfigError naming
+    the Python parameter ``name`` (``labels``): iterating it would give its characters, one
+    "label" each. ``noun``: what the list holds, ``example``: a list to give instead."""
+    if isinstance(value, (str, bytes, os.PathLike)):
+        raise ConfigError(f"{name}={shown(value)}: a single {type(value).__name__}, not a list; "
+                          f"give a list of {noun}, e.g. {name}={example}")
+    return list(value)
+
+
+def check_count(value: int, name: str, least: int) -> int:
+    """``value`` when it is a whole number of at least ``least``; a one-line ConfigError naming
+    the Python parameter ``name`` (``batch_size``) otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ConfigError(f"{name}={shown(value)}: must be a whole number >= {least}")
+    return value
+
+
+def check_image_paths(paths, name: str = "paths") -> list:
+    """``paths`` of the Python API (``classify``, ``embed_images``) as a list of files: a string
+    or a folder among them is a one-line ConfigError naming ``name`` and :func:`find_images`,
+    which expands folders (a path that does not exist is left to the reader, which counts it as
+    ``missing_image_file``); the paths are kept as given (they become the ids)."""
+    listed = given_list(paths, name, "image files", "find_images(['photos'])")
+    if not listed:
+        raise ConfigError(f"{name}=[]: no images given; give image files, e.g. "
+                          f"{name}=find_images(['photos'])")
+    folders = [str(path) for path in listed if Path(path).is_dir()]
+    if folders:
+        raise ConfigError(f"{name}: {folders[0]!r} is a folder; give image files: expand folders "
+                          f"with vlcontrast.inference.find_images({[folders[0]]!r})")
+    return listed
+
+
 @dataclass
 class ImageFeatures:
     """Embeddings of the readable images among ``paths``; ``kept`` indexes ``paths``."""

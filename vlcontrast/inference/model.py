@@ -30,6 +30,15 @@ def resolve_device(device: str | torch.device | None = None,
     return chosen
 
 
+def model_device(model, device: str | torch.device | None = None) -> torch.device:
+    """The device an inference call computes on: ``None``, the model's own (where its parameters
+    are, as :func:`load` put them); else ``device`` checked by :func:`resolve_device`."""
+    if device is None:
+        parameter = next(model.parameters(), None)
+        return parameter.device if parameter is not None else torch.device("cpu")
+    return resolve_device(device)
+
+
 class WhiteBackground:
     """A transform that first flattens transparency on white (:func:`vlcontrast.data.samples.
     to_rgb`, the rule of the converters and of every reader) and then applies ``transform``:

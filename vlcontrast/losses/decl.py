@@ -156,11 +156,12 @@ class DeCLLoss(ContrastiveLoss):
             return 0.0
         if step is None:
             if self.training:
-                raise ValueError(f"decl: schedule {self.schedule!r} needs step= (the 1-based "
-                                 "optimizer step) in training mode")
+                raise ValueError(f"{self.name}: schedule {self.schedule!r} needs step= (the "
+                                 "1-based optimizer step) in training mode")
             return 0.0
         if step < 1:
-            raise ValueError(f"decl: step is 1-based, got {step}")
+            raise ValueError(f"{self.name}: step is 1-based (the optimizer step, starting at "
+                             f"1), got step={step}")
         if self.schedule == "alternate":
             return 1.0 if step % 2 == 1 else 0.0
         return min(1.0, self.lambda_c / step)
@@ -205,18 +206,23 @@ class DeCLLoss(ContrastiveLoss):
 
     def _global_ids(self, batch: PairBatch) -> Tensor:
         if batch.sample_ids is None:
-            raise ValueError("decl: estimator 'buffer' needs sample_ids (global dataset ids)")
+            raise ValueError(f"{self.name}: its per-sample buffer needs the batch's dataset ids: "
+                             "call the loss with sample_ids= (a [B] tensor of global sample "
+                             "ids, e.g. batch.sample_ids)")
         if self.id_space <= 0:
-            raise ValueError("decl: estimator 'buffer' needs id_space > 0 (the number of distinct "
-                             "sample ids): build_loss('decl', id_space=...)")
+            raise ValueError(f"{self.name}: its per-sample buffer needs id_space > 0 (the number "
+                             f"of distinct sample ids): build_loss({self.name!r}, "
+                             "id_space=loader.id_space)")
         local = batch.sample_ids.to(device=batch.image.device, dtype=torch.long).reshape(-1)
         if local.shape[0] != batch.local_size:
-            raise ValueError(f"decl: {local.shape[0]} sample_ids for {batch.local_size} pairs")
+            raise ValueError(f"{self.name}: {local.shape[0]} sample_ids for "
+                             f"{batch.local_size} pairs; give sample_ids= one id per pair")
         ids = gather_no_grad(local)
         # Checked on the device without making the host wait: on CPU this raises at once, on a
         # GPU it is a device-side assertion (an out-of-range index would be one anyway).
-        message = (f"decl: a sample id is outside the declared id space [0, {self.id_space}); "
-                   "was the loss built with the dataset's id_space?")
+        message = (f"{self.name}: a sample id is outside the declared id space "
+                   f"[0, {self.id_space}); build the loss with the dataset's id_space= "
+                   f"(build_loss({self.name!r}, id_space=loader.id_space))")
         try:
             torch._assert_async(((ids >= 0) & (ids < self.id_space)).all(), message)
         except RuntimeError as error:  # raised at once only where the host is the device (CPU)
@@ -278,11 +284,12 @@ class DeCLLoss(ContrastiveLoss):
     def momentum_log_means(self, batch: PairBatch) -> Tensor:
         """``log m_i`` of the local anchors from the EMA towers' features, ``[B_local, 2]``."""
         if batch.momentum_features is None:
-            raise ValueError("decl: estimator 'momentum' needs momentum_features=(image, text) "
-                             "from the EMA towers")
+            raise ValueError(f"{self.name}: estimator 'momentum' needs "
+                             "momentum_features=(image, text) from the EMA towers")
         image, text = batch.momentum_features
         if image.shape != batch.image.shape or text.shape != batch.text.shape:
-            raise ValueError("decl: momentum_features must have the shape of the features")
+            raise ValueError(f"{self.name}: momentum_features must have the shape of the "
+                             "features")
         all_image, all_text = gather_no_grad(image), gather_no_grad(text)
         scale = batch.logit_scale.detach()
         positives = batch.positives()

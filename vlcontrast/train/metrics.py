@@ -108,12 +108,37 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """Records of a metrics.jsonl; a torn last line (crash mid-write) is ignored."""
+METRICS_FILE = "metrics.jsonl"
+
+
+def metrics_file(path: str | os.PathLike, missing_ok: bool = False) -> Path:
+    """The ``metrics.jsonl`` that ``path`` names: the file itself, or a run directory's. A path
+    with no such file is a one-line ConfigError naming it and what to give, unless
+    ``missing_ok``."""
+    from vlcontrast.errors import ConfigError
+
+    given = Path(path)
+    file = given / METRICS_FILE if given.is_dir() else given
+    if file.is_file() or missing_ok:
+        return file
+    if given.is_dir():
+        raise ConfigError(f"{str(path)!r}: no {METRICS_FILE} in this folder; give a run "
+                          f"directory (its output_dir, where training writes {METRICS_FILE}) "
+                          "or the file itself")
+    raise ConfigError(f"{str(path)!r}: no such file or folder; give a run directory (its "
+                      f"output_dir) or its {METRICS_FILE}")
+
+
+def read_metrics(path: str | os.PathLike, missing_ok: bool = False) -> list[dict[str, Any]]:
+    """Records of a ``metrics.jsonl``, in the order written; ``path``: the file or a run
+    directory (its ``metrics.jsonl``). A torn last line (crash mid-write) is ignored. A missing
+    file is a one-line :class:`~vlcontrast.errors.ConfigError`, or no records with
+    ``missing_ok`` (a run that has not logged yet)."""
+    file = metrics_file(path, missing_ok)
     records = []
-    if not path.is_file():
+    if not file.is_file():
         return records
-    for line in path.read_text().splitlines():
+    for line in file.read_text().splitlines():
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
@@ -144,7 +169,9 @@ def _step(record: dict[str, Any]) -> int:
         return 0
 
 
-def read_run_metrics(path: Path) -> list[dict[str, Any]]:
-    """:func:`read_metrics` of a run's metrics.jsonl with the records a resume superseded dropped
-    (:func:`as_resumed`): what a report or summary of the run reads."""
-    return as_resumed(read_metrics(path))
+def read_run_metrics(path: str | os.PathLike, missing_ok: bool = False
+                     ) -> list[dict[str, Any]]:
+    """:func:`read_metrics` of a run's metrics.jsonl (``path``: the file or the run directory)
+    with the records a resume superseded dropped (:func:`as_resumed`): what a report or summary
+    of the run reads, and the records of the run as it stands."""
+    return as_resumed(read_metrics(path, missing_ok))

@@ -30,7 +30,7 @@ def plot_loss_curve(metrics_path: Path, out_png: Path) -> bool:
     """The training curve (and the evaluations on it) of the run as it stands: a resumed run's
     records that its resume superseded are left out (:func:`read_run_metrics`), so the curve does
     not double back over the steps it logged twice."""
-    everything = read_run_metrics(metrics_path)
+    everything = read_run_metrics(metrics_path, missing_ok=True)
     records = [r for r in everything if r.get("kind") == "train" and "loss" in r]
     if not records:
         return False
