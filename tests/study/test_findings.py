@@ -77,9 +77,22 @@ def test_findings_name_the_survivors_and_otherwise_say_no_detectable_difference(
     assert "B=1024" in steps_line and "Worse" not in steps_line
     # The +5-point effect's spread is tiny, so its detectable difference is under 1 point.
     assert "at most 1 point at B = 16" in steps_line
+    # 48 of the arm's 50 planned comparisons were not made here: they conclude nothing
+    assert "48 of the 50 comparisons of this arm are not tested (0 paired seeds; 2 needed)" \
+        in steps_line
+    # "no detectable difference" is said only where every planned comparison was tested
     text = findings(config, [], _family(config, {1024: noise}))
     steps_line = next(line for line in text.splitlines() if line.startswith("- arm `steps`"))
-    assert "None of the 50 comparisons survives Holm–Bonferroni: no detectable difference " \
+    assert "no detectable difference from infonce" not in steps_line
+    assert "None of the 1 testable comparisons survives Holm–Bonferroni: no detectable " \
+           "difference in them; the other 49 conclude nothing." in steps_line
+    from vlcontrast.study.design import batch_steps
+
+    one = load_study_config(CONFIG, ["comparisons=[[dcl, infonce]]"])  # 5 planned in the arm
+    sizes = {size: noise for (size, _), arms in batch_steps(one).items() if "steps" in arms}
+    text = findings(one, [], _family(one, sizes))
+    steps_line = next(line for line in text.splitlines() if line.startswith("- arm `steps`"))
+    assert "None of the 5 comparisons survives Holm–Bonferroni: no detectable difference " \
            "from infonce" in steps_line
 
 

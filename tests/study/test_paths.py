@@ -89,9 +89,12 @@ def _config(folder: Path, values: dict) -> Path:
 
 
 def _shards_study(**values) -> dict:
+    """The smallest staged study that can test something (a v2 study with no comparison or one
+    final seed is refused): two settings, two final seeds, one comparison."""
     return {"lr": 1e-3, "starts": {"count": 0}, "arms": {"steps": {"steps": 4}},
-            "settings": {"infonce": {"loss": "infonce"}},
-            "grid": {"losses": ["infonce"], "global_batch_sizes": [8], "seeds": [0]}, **values}
+            "settings": {"infonce": {"loss": "infonce"}, "dcl": {"loss": "dcl"}},
+            "grid": {"losses": ["infonce", "dcl"], "global_batch_sizes": [8], "seeds": [0, 1]},
+            "comparisons": [["dcl", "infonce"]], **values}
 
 
 def test_relative_paths_are_looked_up_beside_the_config_first_then_here(tmp_path, monkeypatch):

@@ -254,11 +254,8 @@ class StudyConfig:
         require(self.log_points >= 1, "log_points", self.log_points, "must be >= 1")
         require(0.5 <= self.confidence < 1.0, "confidence", self.confidence, "must be in [0.5, 1)")
         require(0.5 <= self.power < 1.0, "power", self.power, "must be in [0.5, 1)")
-        for pair in self.comparisons:
-            require(isinstance(pair, list) and len(pair) == 2 and pair[0] != pair[1]
-                    and all(name in self.grid.losses for name in pair), "comparisons", pair,
-                    f"each must be [candidate, baseline], two different losses of grid.losses "
-                    f"{self.grid.losses}")
+        if not self.datasets:  # v2: check_v2 checks them once grid.losses names known settings
+            check_comparisons(self)
         require(self.cell_timeout_s >= 1, "cell_timeout_s", self.cell_timeout_s, "must be >= 1")
         require(Path(self.base).is_file(), "base", self.base, "file does not exist")
         require(isinstance(self.overrides, list), "overrides", self.overrides, "must be a list")
@@ -403,9 +400,22 @@ def warmup_steps(config: StudyConfig, steps: int) -> int:
     return int(config.warmup_fraction * steps)
 
 
+def check_comparisons(config: StudyConfig) -> None:
+    """Each of ``comparisons`` is [candidate, baseline], two different names of ``grid.losses``.
+    Run after ``grid.losses`` itself is checked, so that an unknown name there is reported as
+    such, not as a comparison naming it."""
+    for pair in config.comparisons:
+        if not (isinstance(pair, list) and len(pair) == 2 and pair[0] != pair[1]
+                and all(name in config.grid.losses for name in pair)):
+            raise ConfigError(f"study comparisons={pair!r}: each must be [candidate, baseline], "
+                              f"two different losses of grid.losses {config.grid.losses}")
+
+
 def check_v2(config: StudyConfig) -> None:
     """The v2 sections: kinds, arms' step and warmup rules, settings' losses and options,
-    comparisons between settings."""
+    comparisons between settings (after the settings), and that the study can test something:
+    at least one planned comparison and at least two final seeds (a paired t test needs two
+    pairs). A study that can test nothing is refused before it spends any compute."""
     from vlcontrast.losses import LOSSES, loss_option_defaults
 
     def require(ok: bool, key: str, value: Any, why: str) -> None:
@@ -476,6 +486,27 @@ def check_v2(config: StudyConfig) -> None:
                     all_settings[name].warm_start, "a warm start needs starts.count >= 1")
 
     require(config.lr > 0, "lr", config.lr, "a v2 study sweeps factors of the lr rule; set lr")
+    check_comparisons(config)
+    require(bool(config.comparisons), "comparisons", config.comparisons,
+            "a v2 study tests only the comparisons listed here, so with none it can test nothing "
+            "and its report could conclude nothing; list the pre-registered pairs before the run, "
+            f"e.g. comparisons: [[{_example_pair(config.grid.losses)}]] (two different settings of "
+            f"grid.losses {config.grid.losses})")
+    seeds = sorted(set(config.grid.seeds))
+    require(len(seeds) >= 2, "grid.seeds", config.grid.seeds,
+            f"a paired test needs at least 2 final seeds and this study has {len(seeds)}, so it "
+            f"could test none of its comparisons; list 2 or more (e.g. grid.seeds=[{seeds[0]}, "
+            f"{seeds[0] + 1}]; the power section of docs/loss-study-v2.md sizes them)")
+
+
+def _example_pair(losses: list[str]) -> str:
+    """'dcl, infonce': a comparison for the refusal's example, from the study's own settings."""
+    others = [name for name in losses if name != "infonce"]
+    if "infonce" in losses and others:
+        return f"{others[0]}, infonce"
+    if len(losses) >= 2:
+        return f"{losses[1]}, {losses[0]}"
+    return "dcl, infonce"
 
 
 

@@ -10,8 +10,10 @@ compare. The blocks:
     how many final cells have finished, per dataset.
 ``findings``
     per dataset and arm: which pre-registered comparisons survive Holm–Bonferroni (with their
-    differences, intervals and adjusted p), "no detectable difference" where none does, the
-    smallest difference the study could have detected after the correction at each batch size,
+    differences, intervals and adjusted p), "no detectable difference" where none of those
+    tested does, what could not be tested and why ("not tested (N paired seeds; 2 needed)", "not
+    testable (zero variance across seeds)", no planned comparisons), the smallest difference the
+    study could have detected after the correction at each batch size (testable ones only),
     how many (setting, batch) cells learned beyond their starting checkpoint and how many ended
     below it. Last, the sensitivity analysis beside the pre-registered one: the same comparisons
     with the starting checkpoint as the unit of replication
@@ -43,9 +45,9 @@ from .design import batch_steps
 from .report import format_difference, format_p
 from .caveats import caveats
 from .report_v2 import (BASELINE, FinalResults, Tested, arm_sizes, final_results,
-                        gain_over_start, not_yet, planned_family_size, recommendation,
-                        tested_family_by_start)
-from .stats import minimum_detectable_difference
+                        gain_over_start, not_yet, planned_family_size,
+                        recommendation, seeds_text, tested_family_by_start, untested)
+from .stats import ZERO_VARIANCE, minimum_detectable_difference
 
 TARGET = 0.01
 """The issue's power target: a detectable difference of at most 1 point R@1 after the correction."""
@@ -64,20 +66,42 @@ def _arm_findings(config: StudyConfig, rows, family: list[Tested], dataset: str,
                   arm: str, partial: bool = False) -> list[str]:
     """The arm's sentences. ``partial``: final cells are still missing, so a comparison that was
     not made, or does not survive yet, concludes nothing ("no detectable difference" is said of
-    a finished study only)."""
+    a finished study only). A finished study says what was not tested and why: no planned
+    comparisons, fewer than 2 paired seeds ("not tested (N paired seeds; 2 needed)"), or paired
+    differences without spread ("not testable (zero variance across seeds)"); none of these
+    concludes anything, and none enters the detectable-difference sentence."""
     tested = [t for t in family if t.dataset == dataset and arm in t.arms]
+    testable = [t for t in tested if t.result.testable]
+    flat = [t for t in tested if not t.result.testable]
     sizes = [size for size, _ in arm_sizes(config, arm)]
     planned = len(config.comparisons) * len(sizes)
-    survivors = sorted((t for t in tested if t.survives),
+    survivors = sorted((t for t in testable if t.survives),
                        key=lambda t: (t.global_batch, -t.result.difference.mean))
     out = []
     if partial and not tested:
         return [f"None of the {planned} comparisons of this arm can be made yet (none has two "
                 "paired seeds): no conclusion."]
-    if len(tested) < planned:
+    if not planned:
+        out.append("Not tested (no planned comparisons: `comparisons` is empty): no conclusion.")
+    elif len(tested) < planned and partial:
         out.append(f"{len(tested)} of the {planned} comparisons of this arm have at least two "
-                   "paired seeds so far; the rest count as p = 1 in the correction"
-                   + (" and conclude nothing." if partial else "."))
+                   "paired seeds so far; the rest count as p = 1 in the correction and conclude "
+                   "nothing.")
+    elif len(tested) < planned:
+        missing = untested(config, rows, family, dataset, arm)
+        why = seeds_text([n for *_, n in missing])
+        out.append((f"Not tested ({why}): none of the {planned} planned comparisons of this arm "
+                    "has two paired seeds, so it draws no conclusion." if not tested else
+                    f"{len(missing)} of the {planned} comparisons of this arm are not tested "
+                    f"({why}): each counts as p = 1 in the correction and concludes nothing."))
+    if flat:
+        out.append(f"{len(flat)} comparison{'' if len(flat) == 1 else 's'} "
+                   f"{'is' if len(flat) == 1 else 'are'} not testable "
+                   f"({ZERO_VARIANCE}: the paired differences are the same at every seed, so "
+                   "the t test has no p-value): "
+                   + "; ".join(f"{t.candidate} − {t.baseline} at B={t.global_batch}" for t in flat)
+                   + f". {'It' if len(flat) == 1 else 'Each'} still counts in Holm's family of "
+                   f"{planned_family_size(config)} as p = 1 and concludes nothing.")
     if survivors:
         better = [t for t in survivors if t.result.difference.mean > 0]
         worse = [t for t in survivors if t.result.difference.mean < 0]
@@ -88,21 +112,31 @@ def _arm_findings(config: StudyConfig, rows, family: list[Tested], dataset: str,
             text += " Worse: " + "; ".join(map(_comparison_text, worse)) + "."
         out.append(text)
     elif partial:
-        out.append(f"None of the {len(tested)} made so far survives Holm–Bonferroni; with final "
-                   "cells still to run, that is no conclusion yet.")
-    else:
+        out.append(f"None of the {len(testable)} {'testable ' if flat else ''}made so far "
+                   "survives Holm–Bonferroni; with final cells still to run, that is no "
+                   "conclusion yet.")
+    elif not planned:
+        pass
+    elif not testable:
+        if flat:
+            out.append("No comparison of this arm could be tested: no conclusion.")
+    elif len(testable) == planned:
         out.append(f"None of the {planned} comparisons survives Holm–Bonferroni: no detectable "
                    f"difference from {BASELINE} at any batch size.")
+    else:
+        out.append(f"None of the {len(testable)} testable comparisons survives Holm–Bonferroni: "
+                   f"no detectable difference in them; the other {planned - len(testable)} "
+                   "conclude nothing.")
     detectable = []
     for size in sizes:
-        values = [t.detectable_holm for t in tested if t.global_batch == size
+        values = [t.detectable_holm for t in testable if t.global_batch == size
                   and t.detectable_holm == t.detectable_holm]
         if values:
             detectable.append((size, max(values)))
     if detectable:
         small = [size for size, value in detectable if value <= 0.01]
         text = (f"Smallest difference detectable after the correction ({100 * config.power:g}% "
-                "power, largest over the comparisons), in points: "
+                f"power, largest over the {'testable ' if flat else ''}comparisons), in points: "
                 + ", ".join(f"B={size}: {100 * value:.2f}" for size, value in detectable) + "; ")
         text += (f"at most 1 point at B = {', '.join(map(str, small))}." if small
                  else "above 1 point at every batch size.")
@@ -142,7 +176,7 @@ def _seed_note(config: StudyConfig, rows, dataset: str) -> str:
             counts[key] = counts.get(key, 0) + 1
     wanted = len(config.grid.seeds)
     if counts and min(counts.values()) >= wanted:
-        return f"{wanted} seeds per training"
+        return f"{wanted} seed{'' if wanted == 1 else 's'} per training"
     low, high = min(counts.values(), default=0), max(counts.values(), default=0)
     have = str(low) if low == high else f"{low} to {high}"
     return (f"**unfinished: {have} of {wanted} seeds per training so far; every number here "
@@ -155,10 +189,14 @@ def _by_start_text(config: StudyConfig, rows, partial: bool = False) -> str:
     family = tested_family_by_start(config, rows)
     planned = planned_family_size(config)
     survivors = [t for t in family if t.survives]
+    flat = [t for t in family if not t.result.testable]
     text = (f"**Sensitivity: the start as the unit.** Seeds that share a starting checkpoint share "
             f"its weights, so the {config.starts.count} starts per dataset are also read as the "
             f"replicates: each start's paired difference is the mean over its seeds, the t test "
             f"runs over the starts, Holm over the same {planned}. ")
+    if flat:
+        text += (f"{len(flat)} of them {'is' if len(flat) == 1 else 'are'} not testable (zero "
+                 "variance across starts: no p-value) and count as p = 1. ")
     if survivors:
         return text + (f"{len(survivors)} of {planned} comparisons survive: "
                        + "; ".join(f"{t.dataset}, " + _comparison_text(t) for t in survivors) + ".")
@@ -179,9 +217,11 @@ def findings(config: StudyConfig, rows, family: list[Tested], missing: int = 0) 
     """The ``findings`` block: a list per dataset and arm, then the sensitivity analysis with the
     start as the unit of replication (:mod:`vlcontrast.study.findings`). ``missing``: final
     cells not finished yet; while there are any, nothing is concluded from their absence."""
+    planned = planned_family_size(config)
     out = [f"Primary metric {config.primary_metric} on the test split, last evaluation, "
-           f"{100 * config.confidence:g}% intervals over the final seeds; Holm–Bonferroni over "
-           f"all {planned_family_size(config)} planned comparisons.", ""]
+           f"{100 * config.confidence:g}% intervals over the final seeds; "
+           + (f"Holm–Bonferroni over all {planned} planned comparisons." if planned else
+              "no planned comparisons (`comparisons` is empty): nothing is tested."), ""]
     if missing:
         out[-1:] = ["", f"**Partial: {missing} final cell(s) have not finished; no conclusion is "
                     "drawn from cells that have not run.**", ""]
@@ -222,7 +262,7 @@ def power(config: StudyConfig, family: list[Tested]) -> str:
     for dataset in config.datasets:
         for size, steps in batch_steps(config):
             group = [t for t in family if t.dataset == dataset and t.global_batch == size
-                     and t.steps == steps and t.result.difference.n >= 2]
+                     and t.steps == steps and t.result.testable]
             if not group:
                 continue
             sds = [t.result.difference.sd for t in group]
@@ -237,6 +277,12 @@ def power(config: StudyConfig, family: list[Tested]) -> str:
                 + (f"{100 * median(detectable):.1f} / {100 * max(detectable):.1f}"
                    if detectable else "-") + " | "
                 + " / ".join(str(n) if n is not None else f"> {MAX_SEEDS}" for n in needed) + " |")
+    flat = [t for t in family if not t.result.testable]
+    if flat:
+        out += ["", f"Left out: {len(flat)} not testable ({ZERO_VARIANCE}; no p-value, so no "
+                "spread to plan with): " + "; ".join(
+                    f"{t.dataset} {t.candidate} − {t.baseline} at B={t.global_batch}, {t.steps} "
+                    "steps" for t in flat) + "."]
     return "\n".join(out) + "\n"
 
 
@@ -256,7 +302,7 @@ def blocks(config: StudyConfig, rows, family: list[Tested], planned_cells: int) 
         # No recommendation from part of the seeds: a table is read without its footnotes.
         table = not_yet(len(rows), planned_cells)
     else:
-        table = recommendation(config, family)
+        table = recommendation(config, family, rows)
     return {"status": status(config, rows, planned_cells),
             "findings": findings(config, rows, family, max(0, planned_cells - len(rows))),
             "power": power(config, family), "caveats": caveats(config, rows, family),

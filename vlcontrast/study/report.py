@@ -26,7 +26,8 @@ from .config import StudyConfig
 from .grid import Cell
 from dataclasses import dataclass
 
-from .stats import PairedComparison, holm_adjust, mean_interval, minimum_detectable_difference, paired_comparison
+from .stats import (ZERO_VARIANCE, PairedComparison, holm_adjust, mean_interval,
+                    minimum_detectable_difference, paired_comparison)
 
 BASELINE = "infonce"
 REPORTED = (("mean_R@1", "Retrieval R@1, mean of both directions"),
@@ -255,7 +256,8 @@ def comparison_family(config: StudyConfig, rows: list[dict[str, Any]]) -> list[F
     return [FamilyComparison(metric, title, candidate, baseline, size, result, holm_p,
                              minimum_detectable_difference(result.difference.sd, result.difference.n,
                                                            config.confidence, config.power,
-                                                           tests=len(made)),
+                                                           tests=len(made))
+                             if result.testable else float("nan"),
                              len(made), alpha)
             for (metric, title, candidate, baseline, size, result), holm_p in zip(made, adjusted)]
 
@@ -270,6 +272,11 @@ def format_p(p: float) -> str:
     if p >= 0.001:
         return f"{p:.2g}" if p >= 0.01 else f"{p:.4f}".rstrip("0")
     return "<0.001"
+
+
+def untestable_text(result: PairedComparison) -> str:
+    """'not testable (zero variance across seeds)': a comparison the t test gave no p-value."""
+    return f"not testable ({result.untestable_reason})"
 
 
 def format_difference(result: PairedComparison) -> str:
@@ -303,8 +310,11 @@ def family_tables(config: StudyConfig, family: list[FamilyComparison]) -> list[s
             out += _table_header(sizes)
             for candidate in dict.fromkeys(c.candidate for c in entries):
                 by_size = {c.global_batch: c for c in entries if c.candidate == candidate}
-                cells = [f"{format_difference(c.result)}{' ' + c.mark if c.mark else ''} · Holm "
-                         f"{format_p(c.holm_p)}" if (c := by_size.get(s)) else "-" for s in sizes]
+                cells = [("-" if (c := by_size.get(s)) is None
+                          else f"{format_difference(c.result)} · {untestable_text(c.result)}"
+                          if not c.result.testable
+                          else f"{format_difference(c.result)}{' ' + c.mark if c.mark else ''} · "
+                          f"Holm {format_p(c.holm_p)}") for s in sizes]
                 out.append(f"| {candidate} | " + " | ".join(cells) + " |")
             out.append("")
     out += [f"#### Every comparison of the family\n",
@@ -319,15 +329,22 @@ def family_tables(config: StudyConfig, family: list[FamilyComparison]) -> list[s
             "detectable | detectable after Holm |",
             "|---|---|---:|---:|---|---:|---:|---|---:|---:|"]
     for c in family:
+        if c.result.testable:
+            tail = (f"{format_p(c.result.p_value)} | {format_p(c.holm_p)} | {c.mark or 'no'} | "
+                    f"{100 * c.result.detectable:.1f} | {100 * c.detectable_holm:.1f} |")
+        else:
+            tail = f"- | - | {untestable_text(c.result)} | - | - |"
         out.append(f"| {c.metric} | {c.candidate} − {c.baseline} | {c.global_batch} | "
-                   f"{c.result.difference.n} | {format_difference(c.result)} | {format_p(c.result.p_value)} | "
-                   f"{format_p(c.holm_p)} | {c.mark or 'no'} | {100 * c.result.detectable:.1f} | "
-                   f"{100 * c.detectable_holm:.1f} |")
+                   f"{c.result.difference.n} | {format_difference(c.result)} | " + tail)
     out.append("")
     survivors = [c for c in family if c.survives]
     nominal = [c for c in family if c.result.p_value < alpha]
+    untestable = [c for c in family if not c.result.testable]
     out.append(f"Nominally significant (raw p < {alpha:.2g}): {len(nominal)} of {m}; surviving "
-               f"Holm: {len(survivors)}.\n")
+               f"Holm: {len(survivors)}."
+               + (f" Not testable ({ZERO_VARIANCE}): {len(untestable)}; each still counts in "
+                  f"Holm's family of {m} as p = 1 and concludes nothing." if untestable else "")
+               + "\n")
     return out
 
 

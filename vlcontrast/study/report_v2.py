@@ -8,7 +8,8 @@
 * the tested family: every pre-registered comparison (``comparisons``) at every distinct
   (batch, steps) training of every dataset, paired t tests of the primary metric,
   Holm-Bonferroni over the **planned** family size (a comparison not made yet still counts, so
-  the correction cannot shrink while the study is unfinished);
+  the correction cannot shrink while the study is unfinished; one without spread has no p-value,
+  is "not testable (zero variance across seeds)" and counts as p = 1);
 * the smallest difference detectable after the correction, per dataset, arm and batch size;
 * figures: primary and secondary metric against batch size, one line per setting with its
   interval band, both arms side by side, one PNG per dataset; optionally the measured gradient
@@ -26,8 +27,9 @@ from typing import Any
 
 from .config import StudyConfig
 from .design import Cell2, batch_steps, final_cells
-from .report import format_difference, format_p
-from .stats import PairedComparison, holm_adjust, mean_interval, minimum_detectable_difference, paired_comparison
+from .report import format_difference, format_p, untestable_text
+from .stats import (ZERO_VARIANCE, PairedComparison, holm_adjust, mean_interval,
+                    minimum_detectable_difference, paired_comparison)
 
 TITLES = {"mean_R@1": "Retrieval R@1 (mean of both directions)", "zeroshot/top1": "Zero-shot top-1"}
 BASELINE = "infonce"
@@ -128,6 +130,50 @@ def planned_family_size(config: StudyConfig) -> int:
     return len(config.comparisons) * len(config.datasets) * len(batch_steps(config))
 
 
+def _detectable_holm(config: StudyConfig, tested: Tested, planned: int) -> float:
+    """The smallest difference detectable after Holm over ``planned``; nan for a comparison that
+    is not testable (no p-value: a test that cannot be made detects nothing, not "≥ 0")."""
+    if not tested.result.testable:
+        return float("nan")
+    return minimum_detectable_difference(tested.result.difference.sd, tested.result.difference.n,
+                                         config.confidence, config.power, tests=planned)
+
+
+def paired_seeds(config: StudyConfig, rows, dataset: str, arm: str, candidate: str,
+                 baseline: str, size: int) -> int:
+    """How many final seeds ``candidate`` and ``baseline`` share at ``size`` in ``arm`` (with the
+    primary metric): the pairs a comparison can use."""
+    data = values(rows, dataset, arm, config.primary_metric)
+    return len(set(data.get((candidate, size), {})) & set(data.get((baseline, size), {})))
+
+
+def seeds_text(seeds: list[int] | int) -> str:
+    """'1 paired seed; 2 needed' (or '0–1 paired seeds; 2 needed'): why planned comparisons
+    without two paired seeds are not tested."""
+    seeds = sorted(set([seeds] if isinstance(seeds, int) else seeds))
+    low, high = seeds[0], seeds[-1]
+    count = (f"{low} paired seed{'' if low == 1 else 's'}" if low == high
+             else f"{low}–{high} paired seeds")
+    return f"{count}; 2 needed"
+
+
+def not_tested_text(seeds: list[int] | int) -> str:
+    """'not tested (1 paired seed; 2 needed)'."""
+    return f"not tested ({seeds_text(seeds)})"
+
+
+def untested(config: StudyConfig, rows, family: list[Tested], dataset: str,
+             arm: str) -> list[tuple[str, str, int, int]]:
+    """The planned comparisons of ``dataset`` and ``arm`` that the family lacks (fewer than 2
+    paired seeds): (candidate, baseline, batch, paired seeds)."""
+    made = {(t.candidate, t.baseline, t.global_batch) for t in family
+            if t.dataset == dataset and arm in t.arms}
+    return [(candidate, baseline, size,
+             paired_seeds(config, rows, dataset, arm, candidate, baseline, size))
+            for size, _ in arm_sizes(config, arm) for candidate, baseline in config.comparisons
+            if (candidate, baseline, size) not in made]
+
+
 def tested_family(config: StudyConfig, rows) -> list[Tested]:
     """Every pre-registered comparison with at least 2 paired seeds, Holm-adjusted over the
     planned family size (missing comparisons count with p = 1)."""
@@ -149,9 +195,7 @@ def tested_family(config: StudyConfig, rows) -> list[Tested]:
     alpha = 1.0 - config.confidence
     for tested, holm_p in zip(made, adjusted):
         tested.holm_p, tested.alpha = holm_p, alpha
-        tested.detectable_holm = minimum_detectable_difference(
-            tested.result.difference.sd, tested.result.difference.n, config.confidence,
-            config.power, tests=planned)
+        tested.detectable_holm = _detectable_holm(config, tested, planned)
     return made
 
 
@@ -182,9 +226,7 @@ def tested_family_by_start(config: StudyConfig, rows) -> list[Tested]:
     adjusted = holm_adjust([t.result.p_value for t in made] + [1.0] * (planned - len(made)))
     for tested, holm_p in zip(made, adjusted):
         tested.holm_p, tested.alpha = holm_p, 1.0 - config.confidence
-        tested.detectable_holm = minimum_detectable_difference(
-            tested.result.difference.sd, tested.result.difference.n, config.confidence,
-            config.power, tests=planned)
+        tested.detectable_holm = _detectable_holm(config, tested, planned)
     return made
 
 
@@ -251,7 +293,11 @@ def learns_table(config, rows, dataset, arm) -> list[str]:
     return out + [""]
 
 
-def family_table(config, family: list[Tested], dataset: str, arm: str) -> list[str]:
+def family_table(config, family: list[Tested], dataset: str, arm: str, rows=None,
+                 complete: bool = False) -> list[str]:
+    """The pre-registered comparisons of one dataset and arm. ``complete``: every final cell has
+    run, so a comparison not made is "not tested (N paired seeds; 2 needed)" (``rows`` count
+    them) rather than "-" (not made yet)."""
     sizes = arm_sizes(config, arm)
     by = {(t.candidate, t.baseline, t.global_batch, t.steps): t for t in family
           if t.dataset == dataset and arm in t.arms}
@@ -263,44 +309,89 @@ def family_table(config, family: list[Tested], dataset: str, arm: str) -> list[s
         cells = []
         for size, steps in sizes:
             t = by.get((candidate, baseline, size, steps))
-            cells.append("-" if t is None else f"{format_difference(t.result)}"
-                         f"{' ' + t.mark if t.mark else ''} · Holm {format_p(t.holm_p)}")
+            if t is None:
+                cells.append(not_tested_text(paired_seeds(config, rows or [], dataset, arm,
+                                                          candidate, baseline, size))
+                             if complete else "-")
+            elif not t.result.testable:
+                cells.append(f"{format_difference(t.result)} · {untestable_text(t.result)}")
+            else:
+                cells.append(f"{format_difference(t.result)}{' ' + t.mark if t.mark else ''} · "
+                             f"Holm {format_p(t.holm_p)}")
         out.append(f"| {candidate} − {baseline} | " + " | ".join(cells) + " |")
     detect = []
     for size, steps in sizes:
         values_ = [t.detectable_holm for t in by.values() if t.global_batch == size
-                   and t.steps == steps and t.detectable_holm == t.detectable_holm]
+                   and t.steps == steps and t.result.testable
+                   and t.detectable_holm == t.detectable_holm]
         detect.append(f"{100 * max(values_):.2f}" if values_ else "-")
-    out.append("| *detectable after Holm (largest over the comparisons)* | "
-               + " | ".join(detect) + " |")
+    flat = any(not t.result.testable for t in by.values())
+    out.append(f"| *detectable after Holm (largest over the {'testable ' if flat else ''}"
+               "comparisons)* | " + " | ".join(detect) + " |")
+    if flat:
+        out += ["", f"*not testable ({ZERO_VARIANCE})*: the paired differences are the same at "
+                "every seed, so the t test has no p-value and the comparison concludes nothing; "
+                f"it still counts in Holm's family of {planned_family_size(config)} as p = 1 and "
+                "is left out of the detectable row."]
     return out + [""]
 
 
-def recommendation(config, family: list[Tested]) -> str:
+def _reasons_text(reasons: dict[str, str]) -> str:
+    """'zero variance across seeds' when every candidate has that reason, else
+    'dcl: zero variance across seeds; decl: 1 paired seed; 2 needed'."""
+    if len(set(reasons.values())) == 1:
+        return next(iter(reasons.values()))
+    return "; ".join(f"{candidate}: {why}" for candidate, why in reasons.items())
+
+
+def recommendation(config, family: list[Tested], rows=None) -> str:
     """One table: for each batch size, dataset and arm, the setting with the largest difference
-    over InfoNCE that survives Holm, else InfoNCE with "no detectable difference"."""
+    over InfoNCE that survives Holm, else InfoNCE with "no detectable difference" (over the
+    comparisons that were testable). A cell whose comparisons against InfoNCE could not be tested
+    says "not testable" and why: none planned, fewer than 2 paired seeds (``rows`` count them),
+    or zero variance across seeds; "not run" only where the design has no such training."""
     columns = [(d, a) for d in config.datasets for a in config.arms]
     sizes = config.grid.global_batch_sizes
+    planned = [c for c, b in config.comparisons if b == BASELINE]
     out = ["| batch | " + " | ".join(f"{d}, {a}" for d, a in columns) + " |",
            "|---:|" + "---|" * len(columns)]
     for size in sizes:
         cells = []
         for dataset, arm in columns:
-            against = [t for t in family if t.dataset == dataset and arm in t.arms
-                       and t.global_batch == size and t.baseline == BASELINE]
-            if not against:
+            if size not in dict(arm_sizes(config, arm)):
                 cells.append("not run")
                 continue
-            better = [t for t in against if t.survives and t.result.difference.mean > 0]
-            worse = sorted(t.candidate for t in against if t.survives and t.result.difference.mean < 0)
+            if not planned:
+                cells.append(f"not testable (no planned comparison against {BASELINE})")
+                continue
+            against = [t for t in family if t.dataset == dataset and arm in t.arms
+                       and t.global_batch == size and t.baseline == BASELINE]
+            testable = [t for t in against if t.result.testable]
+            reasons = {t.candidate: t.result.untestable_reason for t in against
+                       if not t.result.testable}
+            made = {t.candidate for t in against}
+            for candidate in planned:
+                if candidate not in made:
+                    seeds = paired_seeds(config, rows or [], dataset, arm, candidate, BASELINE,
+                                         size) if rows is not None else None
+                    reasons[candidate] = (seeds_text(seeds) if seeds is not None
+                                          else "fewer than 2 paired seeds")
+            if not testable:
+                cells.append(f"not testable ({_reasons_text(reasons)})")
+                continue
+            better = [t for t in testable if t.survives and t.result.difference.mean > 0]
+            worse = sorted(t.candidate for t in testable if t.survives
+                           and t.result.difference.mean < 0)
             if better:
                 best = max(better, key=lambda t: t.result.difference.mean)
                 text = f"**{best.candidate}** ({format_difference(best.result)})"
             else:
                 text = f"{BASELINE} (no detectable difference; detectable ≥ " \
-                       f"{100 * max(t.detectable_holm for t in against):.1f})"
+                       f"{100 * max(t.detectable_holm for t in testable):.1f})"
             if worse:
                 text += f"; avoid {', '.join(worse)}"
+            if reasons:
+                text += f"; not testable: {', '.join(reasons)} ({_reasons_text(reasons)})"
             cells.append(text)
         out.append(f"| {size} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
@@ -610,6 +701,24 @@ def partial_lines(results: FinalResults) -> list[str]:
     return [text + "\n"]
 
 
+def family_line(config: StudyConfig, family: list[Tested], planned: int, complete: bool) -> str:
+    """study.md's line on the tested family: made, not testable, not tested, Holm's size."""
+    if not planned:
+        return ("**Nothing is tested: no planned comparisons (`comparisons` is empty), so this "
+                "report draws no conclusion.**\n")
+    flat = [t for t in family if not t.result.testable]
+    text = (f"Tested family: {len(family)} of {planned} planned comparisons made; "
+            f"Holm–Bonferroni over all {planned} at α = {1 - config.confidence:.2g}.")
+    if flat:
+        text += (f" {len(flat)} of those made {'is' if len(flat) == 1 else 'are'} not testable "
+                 f"({ZERO_VARIANCE}: no p-value); {'it' if len(flat) == 1 else 'each'} counts in "
+                 "the family as p = 1 and concludes nothing.")
+    if complete and len(family) < planned:
+        text += (f" The other {planned - len(family)} are not tested (fewer than 2 paired seeds; "
+                 "2 needed): they count as p = 1 and conclude nothing.")
+    return text + "\n"
+
+
 def write_report_v2(config: StudyConfig, command: str = "",
                     results: FinalResults | None = None) -> str:
     """Tables, figures and CSVs in ``report_dir``, from the result files (or ``results``, read
@@ -624,9 +733,8 @@ def write_report_v2(config: StudyConfig, command: str = "",
     text = [f"# Loss study v2: {config.output_dir}\n"]
     if command:
         text.append(f"Made by `{command}` from the committed cells.\n")
-    text.append(f"Final cells finished: {len(rows)}. Tested family: {len(family)} of {planned} "
-                f"planned comparisons made; Holm–Bonferroni over all {planned} at α = "
-                f"{1 - config.confidence:.2g}.\n")
+    text.append(f"Final cells finished: {len(rows)}. "
+                + family_line(config, family, planned, results.complete))
     if not results.complete:
         text += partial_lines(results)
     for dataset in config.datasets:
@@ -642,7 +750,7 @@ def write_report_v2(config: StudyConfig, command: str = "",
                     text.append(f"{TITLES.get(metric, metric)} is left out: the starting "
                                 "checkpoints are at chance in it, so it cannot rank the losses.\n")
             text += learns_table(config, rows, dataset, arm)
-            text += family_table(config, family, dataset, arm)
+            text += family_table(config, family, dataset, arm, rows, results.complete)
     chosen = (read_selected(config) or {}).get("chosen", {})
     text.append("## Tuning\n\nEach setting's learning-rate sweep at its reference options "
                 "(validation split, sweep seeds); the filled point is the chosen factor.\n")
@@ -651,7 +759,7 @@ def write_report_v2(config: StudyConfig, command: str = "",
         if plot_sweeps(config, dataset, png, chosen):
             text.append(f"![lr sweeps, {dataset}]({png.name})\n")
         text += tuning_table(config, dataset, chosen)
-    table = (recommendation(config, family) if results.complete
+    table = (recommendation(config, family, rows) if results.complete
              else not_yet(len(rows), results.total))
     text += ["## Which loss at which batch size\n", table]
     for dataset in config.datasets:
@@ -670,12 +778,13 @@ def write_report_v2(config: StudyConfig, command: str = "",
         writer = csv.writer(handle)
         writer.writerow(["dataset", "arms", "candidate", "baseline", "global_batch", "steps", "n",
                          "mean_difference", "ci_low", "ci_high", "sd_difference", "p_value",
-                         "holm_p", "survives_holm", "detectable_holm", "family_size"])
+                         "holm_p", "survives_holm", "detectable_holm", "family_size", "status"])
         for t in family:
             d = t.result.difference
             writer.writerow([t.dataset, "+".join(t.arms), t.candidate, t.baseline, t.global_batch,
                              t.steps, d.n, d.mean, d.low, d.high, d.sd, t.result.p_value, t.holm_p,
-                             t.survives, t.detectable_holm, planned])
+                             t.survives, t.detectable_holm, planned,
+                             "tested" if t.result.testable else untestable_text(t.result)])
     with open(out / "study.csv", "w", newline="") as handle:
         fields = ["cell", "dataset", "setting", "global_batch", "steps", "seed", "start", "lr",
                   "wall_s", config.primary_metric, *config.secondary_metrics]

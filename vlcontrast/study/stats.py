@@ -116,10 +116,25 @@ class PairedComparison:
     """Mean of (candidate - baseline) over the paired seeds, with its t interval."""
     p_value: float
     """Two-sided paired t test (``scipy.stats.ttest_rel``); nan with fewer than 2 pairs or no
-    spread (:data:`NO_SPREAD`)."""
+    spread (:data:`NO_SPREAD`): then the comparison is not testable (:attr:`testable`)."""
     detectable: float
     """Smallest true difference the paired t test at this n detects with the requested power
-    (two-sided, alpha = 1 - confidence), from the observed SD of the differences."""
+    (two-sided, alpha = 1 - confidence), from the observed SD of the differences; nan when the
+    comparison is not testable (a test without a p-value detects nothing, not "≥ 0")."""
+
+    @property
+    def testable(self) -> bool:
+        """Whether the t test gave a p-value (at least 2 pairs whose differences vary)."""
+        return not math.isnan(self.p_value)
+
+    @property
+    def untestable_reason(self) -> str:
+        """Why the comparison is not testable, as the reports word it ('' when it is)."""
+        if self.testable:
+            return ""
+        if self.difference.n < 2:
+            return f"{self.difference.n} paired seed{'s' if self.difference.n != 1 else ''}; 2 needed"
+        return ZERO_VARIANCE
 
 
 def minimum_detectable_difference(sd: float, n: int, confidence: float = 0.95,
@@ -141,6 +156,10 @@ def minimum_detectable_difference(sd: float, n: int, confidence: float = 0.95,
     return (t_quantile(1.0 - alpha / 2.0, n - 1) + t_quantile(power, n - 1)) * sd / math.sqrt(n)
 
 
+ZERO_VARIANCE = "zero variance across seeds"
+"""Why a comparison whose paired differences are all equal is not testable (the reports' words:
+"not testable (zero variance across seeds)")."""
+
 NO_SPREAD = 1e-12
 """Differences whose SD is at most this are equal up to float rounding: the metrics are fractions
 counted over a fixed test set (R@1 over 1,000 pairs moves in steps of 0.0005), so two seeds can
@@ -161,8 +180,9 @@ def paired_comparison(candidate: list[float], baseline: list[float], confidence:
         p_value = float("nan")
     else:
         p_value = t_two_sided_p(interval.mean / (interval.sd / math.sqrt(n)), n - 1)
-    return PairedComparison(interval, p_value,
-                            minimum_detectable_difference(interval.sd, n, confidence, power))
+    detectable = (float("nan") if math.isnan(p_value)
+                  else minimum_detectable_difference(interval.sd, n, confidence, power))
+    return PairedComparison(interval, p_value, detectable)
 
 
 def holm_adjust(p_values: Sequence[float]) -> list[float]:
@@ -172,7 +192,9 @@ def holm_adjust(p_values: Sequence[float]) -> list[float]:
     ``max_{j <= k} min(1, (m - j + 1) p_(j))``: monotone in the raw p and capped at 1. A
     comparison survives the correction at level alpha exactly when its adjusted p is below
     alpha, which controls the family-wise error rate at alpha (Holm 1979). A NaN p-value (a
-    comparison without spread) still counts in ``m`` (conservative) and stays NaN.
+    comparison that is not testable: no spread, or fewer than 2 pairs) still counts in ``m`` and
+    stays NaN: the others' adjusted values are exactly those of the family with p = 1 in its
+    place (a p of 1 sorts last and changes no earlier step), so the family size stays honest.
     """
     m = len(p_values)
     order = sorted((p, i) for i, p in enumerate(p_values) if not math.isnan(p))
