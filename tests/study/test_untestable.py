@@ -235,3 +235,17 @@ def test_v1s_tables_mark_a_comparison_without_spread_not_testable(tmp_path):
     assert "| dcl | +0.0 [+0.0, +0.0] · not testable (zero variance across seeds) |" in table
     assert "Not testable (zero variance across seeds): 1; each still counts in Holm's family " \
            "of 2 as p = 1" in table
+
+
+def test_too_few_warmup_steps_names_the_keys_that_fix_it(tmp_path):
+    """An arm whose batch sizes get fewer warmup steps than ``min_warmup_steps`` is refused in
+    one line that names the three keys a user can change."""
+    path = _tiny(tmp_path, arms={"steps": {"steps": 6, "min_steps": 1, "min_warmup_steps": 1}},
+                 warmup_fraction=0.1)
+    with pytest.raises(ConfigError) as error:
+        load_study_config(path)
+    message = str(error.value)
+    assert "\n" not in message
+    assert "gets only 0 warmup steps" in message
+    for key in ("raise warmup_fraction", "arms.steps.steps", "lower arms.steps.min_warmup_steps"):
+        assert key in message, message

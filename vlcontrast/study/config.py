@@ -451,11 +451,14 @@ def check_v2(config: StudyConfig) -> None:
         for size in config.grid.global_batch_sizes:
             steps = arm_steps(arm, size)
             require(steps >= arm.min_steps, f"arms.{name}.min_steps", arm.min_steps,
-                    f"batch {size} gets only {steps} steps")
+                    f"batch {size} gets only {steps} steps; raise arms.{name}."
+                    f"{'steps' if arm.steps > 0 else 'samples'}, or lower arms.{name}.min_steps")
             require(warmup_steps(config, steps) >= arm.min_warmup_steps,
                     f"arms.{name}.min_warmup_steps", arm.min_warmup_steps,
                     f"batch {size} gets only {warmup_steps(config, steps)} warmup steps "
-                    f"(warmup_fraction {config.warmup_fraction})")
+                    f"(warmup_fraction {config.warmup_fraction}); raise warmup_fraction or "
+                    f"arms.{name}.{'steps' if arm.steps > 0 else 'samples'}, or lower "
+                    f"arms.{name}.min_warmup_steps")
     all_settings = settings(config)
     require(set(config.grid.losses) <= set(all_settings), "grid.losses", config.grid.losses,
             f"a v2 study lists setting names of settings: {sorted(all_settings)}")
