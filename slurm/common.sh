@@ -13,7 +13,9 @@
 #
 # Requeue. A run stopped by a signal (SIGUSR1 from --signal before the time limit, SIGTERM on
 # preemption) checkpoints, exits 0 and leaves RUN/preempted.json (vlcontrast.requeue): then the job
-# is requeued and resumes. A run that exits 0 without that marker finished (results.json) or
+# is requeued and resumes; a notice during a task's start-up is held and acted on after step 1, the
+# same way (one in the very first moments of a task ends it with exit 128+SIGUSR1: requeued too,
+# nothing was trained). A run that exits 0 without that marker finished (results.json) or
 # stopped at train.stop_at_step: not requeued. A failure (non-zero exit) is not requeued either.
 # "Finished" means this job wrote RUN/results.json: one left by an earlier run does not count.
 if [ -z "${SLURM_JOB_ID:-}" ] || [ -z "${SLURM_JOB_NODELIST:-}" ]; then
@@ -76,6 +78,19 @@ run_vlcontrast() {
   srun --kill-on-bad-exit=1 --cpus-per-task="$cpus" --cpu-bind="${VLC_CPU_BIND:-cores}" \
     "$PYTHON" -m vlcontrast.cli train --config "$config" "$@" ${extra[@]+"${extra[@]}"} train.resume=latest
   local rc=$?
+  # A notice while a task starts is held by `vlcontrast train` (the run stops after step 1 with a
+  # checkpoint and the marker, below), except in the first tenths of a second, before the command
+  # line installs its handler: SIGUSR1 then ends the task, and srun reports 128 + the signal.
+  # Nothing was trained: the job runs again like a stopped one.
+  if [ $rc -eq $((128 + $(kill -l USR1))) ]; then
+    if [ "${SLURM_RESTART_COUNT:-0}" -ge "$VLC_MAX_RESTARTS" ]; then
+      echo "vlcontrast: stopped by the time limit's notice (SIGUSR1) before step 1, after $VLC_MAX_RESTARTS requeues (VLC_MAX_RESTARTS); not requeueing"
+      return $rc
+    fi
+    echo "vlcontrast: stopped by the time limit's notice (SIGUSR1, exit $rc) while a task was starting, before step 1 (nothing trained, no checkpoint needed); requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID"
+    return 0
+  fi
   if [ $rc -ne 0 ]; then
     echo "vlcontrast: training failed (exit $rc); not requeueing"
     return $rc

@@ -64,6 +64,8 @@ elif mode == "signal":  # what vlcontrast.requeue writes after a signal stop
     (run_dir / "preempted.json").write_text("{}")
 elif mode == "fail":
     sys.exit(1)
+elif mode == "usr1-before-the-handler":  # a task that the notice ended as it started
+    sys.exit(128 + signal.SIGUSR1)
 elif mode in ("run", "run-and-signal", "run-and-term-group"):
     env = dict(os.environ, SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NTASKS="1")
     group = mode == "run-and-term-group"  # slurmstepd signals every process of the step
@@ -187,12 +189,19 @@ def test_a_preset_omp_num_threads_is_kept(fake_slurm, tmp_path):
 
 
 @pytest.mark.parametrize("mode, requeued, rc", [("signal", True, 0), ("success", False, 0),
-                                               ("stop_at_step", False, 0), ("fail", False, 1)])
+                                               ("stop_at_step", False, 0), ("fail", False, 1),
+                                               ("usr1-before-the-handler", True, 0)])
 def test_requeue_only_after_a_signal_stop(fake_slurm, tmp_path, mode, requeued, rc):
+    """... or after the notice ended a task in its first moments, before `vlcontrast train` held
+    it (srun: exit 128 + SIGUSR1; nothing was trained): "training failed (exit 138); not
+    requeueing" before, and the job ended."""
     config, run_dir = _config(tmp_path)
     proc, events = fake_slurm("slurm/train_1node.sbatch", config, run_dir, mode)
     assert proc.returncode == rc, proc.stdout + proc.stderr
     assert _requeues(events) == ([("requeue", "4242")] if requeued else [])
+    if mode == "usr1-before-the-handler":
+        assert ("stopped by the time limit's notice (SIGUSR1, exit 138) while a task was "
+                "starting, before step 1") in proc.stdout
 
 
 def test_a_stale_marker_does_not_requeue_a_finished_run(fake_slurm, tmp_path):

@@ -88,6 +88,19 @@ def fake_training(config, run_dir, command, **_):
         "retrieval/image_to_text_R@1": score}}))
     return {"status": "ok", "returncode": 0, "wall_s": 0.1, "command": command}
 
+if os.environ.get("FAKE_NOTICE_BEFORE_CELL"):  # the task's start-up, until a stop arrives
+    import time
+    from vlcontrast.study import cells
+    real_run_one = engine.run_one
+
+    def run_one(config, cell):
+        Path(os.environ["FAKE_NOTICE_BEFORE_CELL"]).write_text("")
+        deadline = time.time() + 60
+        while cells.stop_requested() is None and time.time() < deadline:
+            time.sleep(0.02)
+        return real_run_one(config, cell)
+
+    engine.run_one = run_one
 if os.environ.get("FAKE_TRAINER"):  # the real subprocess, with a stand-in trainer
     real_command = engine.cell_command_v2
     engine.cell_command_v2 = lambda config, cell: (
@@ -462,3 +475,32 @@ def test_a_time_limit_notice_checkpoints_the_cell_requeues_and_the_cell_resumes(
     assert [point[0] for point in result["loss_curve"]] == [8, 16, 24, 32]
     record = json.loads((run_dir / "study_cell.json").read_text())
     assert record["status"] == "ok" and record["attempts"] == 2
+
+
+def test_a_notice_while_the_task_starts_starts_no_cell_and_claims_no_checkpoint(fake_slurm,
+                                                                            tmp_path):
+    """SIGUSR1 to the array task while ``study --cell`` was still starting (importing): the
+    SIGTERM it passed on killed the process through the default action, and the task said "its
+    running cell checkpointed and stopped" of a cell that never started. Now the command line
+    holds the signal, starts no cell, says so, and the task's line claims no checkpoint."""
+    import signal
+
+    config = _study(tmp_path)
+    name = "web/sweep-lr/infonce-b8-n4-lr1-s100"
+    listed = tmp_path / "list.txt"
+    listed.write_text(name + "\n")
+    ready = tmp_path / "starting"
+    task = _task(tmp_path, config, listed, 0, FAKE_NOTICE_BEFORE_CELL=str(ready))
+    try:
+        _wait_for(ready.exists)
+    finally:
+        task.send_signal(signal.SIGUSR1)
+    out, err = task.communicate(timeout=300)
+    assert task.returncode == 0, err
+    assert (f"study: {name} not started: this task got signal {int(signal.SIGTERM)} (a stop); "
+            "it runs after the requeue") in err
+    assert "checkpointed and stopped" not in out and "requeueing job 4243" in out
+    assert "one that had not started runs then" in out
+    assert ("scontrol", ["requeue", "4243"]) in _events(tmp_path)
+    assert not (tmp_path / "out" / "cells" / name).exists()
+    assert not [e for e in _events(tmp_path) if e[0] == "train"]

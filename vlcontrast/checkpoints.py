@@ -23,7 +23,9 @@ from __future__ import annotations
 import errno
 import os
 import pickle
+import re
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -48,31 +50,153 @@ tensors only)."""
 
 LATEST = "latest"
 COMPLETE_MARKER = "trainer_state.pt"
+MODEL_FILES = (WEIGHTS_FILE, MODEL_CONFIG_FILE)
+"""What evaluation, export and every other reader of a trained model need of a checkpoint."""
 
 
-def resolve_checkpoint(path: str | Path, *, require: str = COMPLETE_MARKER) -> Path | None:
+def resolve_checkpoint(path: str | Path, *, require: str = COMPLETE_MARKER,
+                       usable: tuple[str, ...] = (), what: str = "", warn: bool = True,
+                       action: str = "using") -> Path | None:
     """The checkpoint directory ``path`` names, or None when it names none.
 
-    ``path`` may be a checkpoint directory itself, a ``checkpoints/`` directory (its ``latest``) or
-    a run directory (``checkpoints/latest``). A candidate counts only when it holds ``require``
-    (``trainer_state.pt`` for a resumable checkpoint, ``model.pt`` for weights to evaluate).
+    ``path`` may be a checkpoint directory itself (it counts when it holds ``require``:
+    ``trainer_state.pt`` for a resumable checkpoint, ``model.pt`` for weights to evaluate), a
+    ``checkpoints/`` directory or a run directory. Of a run, the checkpoint ``checkpoints/latest``
+    names when it holds ``require``; when ``latest`` is missing, empty, names a folder that is not
+    there or one without ``require`` (a damaged disk, a file removed by hand), the newest
+    ``step_*`` that holds ``require`` and every file of ``usable``, with a one-line warning (rank
+    0, once per process) naming what ``latest`` says and what is used: the policy of
+    ``train.resume=latest`` (:func:`find_resume`) for evaluation and export too. ``what`` names the
+    option in the warning (``--checkpoint 'runs/x'``), ``action`` what is done with it.
     """
     path = Path(path)
     if (path / require).is_file():
         return path
-    for folder in (path / "checkpoints", path):
-        latest = folder / LATEST
-        if latest.is_file():
-            target = folder / latest.read_text().strip()
-            if (target / require).is_file():
-                return target
+    folder = checkpoints_folder(path)
+    if folder is None:
+        return None
+    found, problem = latest_state(folder, require)
+    fallback = newest_with(folder, (require, *usable))
+    if found is not None:
+        lacking = [name for name in usable if not (found / name).is_file()]
+        if not lacking or fallback is None:  # none better: its reader names what it lacks
+            return found
+        problem = (f"{folder.name}/{LATEST} names {found.name!r}, which is incomplete (no "
+                   f"{' and no '.join(lacking)})")
+    if fallback is not None and warn:
+        _warn_once(f"{what or str(path)}: {problem}; {action} the newest "
+                   f"{'complete checkpoint' if not usable else _holding((require, *usable))}, "
+                   f"{fallback}")
+    return fallback
+
+
+def checkpoints_folder(path: str | Path) -> Path | None:
+    """The ``checkpoints/`` folder of a run directory ``path`` (or ``path`` itself when it is one:
+    it holds ``latest`` or ``step_*`` folders); None for any other folder."""
+    path = Path(path)
+    if (path / "checkpoints").is_dir():
+        return path / "checkpoints"
+    if path.is_dir() and ((path / LATEST).exists() or any(_step_folders(path))):
+        return path
     return None
 
 
+def latest_state(folder: Path, require: str = COMPLETE_MARKER) -> tuple[Path | None, str]:
+    """(the checkpoint ``folder/latest`` names when it holds ``require``, else None; what is
+    wrong with ``latest`` in words, ``checkpoints/latest is empty``, '' when nothing is)."""
+    latest = Path(folder) / LATEST
+    said = f"{Path(folder).name}/{LATEST}"
+    if not latest.is_file():
+        return None, f"{said} is missing"
+    try:
+        named = latest.read_text().strip()
+    except (OSError, UnicodeDecodeError) as err:
+        return None, f"{said} cannot be read ({type(err).__name__}: {err})"
+    if not named:
+        return None, f"{said} is empty"
+    target = Path(folder) / named
+    if "/" in named or named in (".", "..") or not target.is_dir():
+        return None, f"{said} names {named!r}, which does not exist"
+    if not (target / require).is_file():
+        return None, f"{said} names {named!r}, which is incomplete (no {require})"
+    return target, ""
+
+
+def _step_folders(folder: Path) -> list[Path]:
+    """The ``step_*`` checkpoint folders in ``folder``, oldest first (a ``.tmp`` folder of an
+    interrupted write is none)."""
+    return sorted(p for p in Path(folder).glob("step_*")
+                  if p.is_dir() and not p.name.endswith(".tmp"))
+
+
+def newest_with(folder: Path, files: tuple[str, ...], before: str = "") -> Path | None:
+    """The newest ``step_*`` folder in ``folder`` that holds every file of ``files`` (and, with
+    ``before``, sorts before that name), or None."""
+    found = [p for p in _step_folders(folder)
+             if all((p / name).is_file() for name in files) and (not before or p.name < before)]
+    return found[-1] if found else None
+
+
+def _holding(files: tuple[str, ...]) -> str:
+    return f"checkpoint that holds {' and '.join(files)}"
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """A warning on rank 0 (``RANK`` of a launcher, else this process), once per process: a
+    command resolves its checkpoint more than once (checked first, then loaded)."""
+    import logging
+
+    if message in _warned or os.environ.get("RANK", "0") not in ("", "0"):
+        return
+    _warned.add(message)
+    logging.getLogger(__name__).warning(message)
+
+
+def no_model_words(path: str | Path) -> str:
+    """Why a run directory (or ``checkpoints/`` folder) ``path`` gives no model, in words (what its
+    ``latest`` says and what its checkpoint folders lack), or '' when ``path`` is no run."""
+    folder = checkpoints_folder(path)
+    if folder is None:
+        return ""
+    _, problem = latest_state(folder, WEIGHTS_FILE)
+    every = _step_folders(folder)
+    if not every:
+        return f"{problem} and {folder.name}/ holds no checkpoint folder (step_*)"
+    span = every[-1].name if len(every) == 1 else f"{every[0].name} ... {every[-1].name}"
+    return (f"{problem}, and none of its {len(every)} checkpoint folder(s) ({span}) holds "
+            f"{' and '.join(MODEL_FILES)}")
+
+
+def incomplete_words(path: str | Path, files: tuple[str, ...] = MODEL_FILES) -> str:
+    """``an incomplete checkpoint (no model.pt); use the checkpoint before it, ...`` for a
+    ``step_*`` folder ``path`` without a file of ``files``; '' for any other folder."""
+    path = Path(path)
+    lacking = [name for name in files if not (path / name).is_file()]
+    if not path.name.startswith("step_") or not path.is_dir() or not lacking:
+        return ""
+    return f"an incomplete checkpoint (no {' and no '.join(lacking)}); {use_earlier(path, files)}"
+
+
+def use_earlier(path: str | Path, files: tuple[str, ...] = MODEL_FILES) -> str:
+    """The fix for a checkpoint ``path`` that is incomplete or damaged, for a reader of its
+    model: the checkpoint before it (holding ``files``), named, or what else to do."""
+    if not Path(path).name.startswith("step_"):
+        return "restore the file from a copy"
+    earlier = newest_with(Path(path).parent, files, before=Path(path).name)
+    if earlier is not None:
+        return f"use the checkpoint before it, {earlier}"
+    return "no checkpoint before it holds one: restore the file from a copy, or train again"
+
+
 def resolve_weights(path: str | Path, what: str = "--checkpoint") -> Path:
-    """A checkpoint directory with weights (``model.pt``) from a run directory (its latest), a
-    ``checkpoints/`` directory, or itself; raises ``FileNotFoundError`` naming ``what``."""
-    found = resolve_checkpoint(path, require=WEIGHTS_FILE)
+    """A checkpoint directory with weights (``model.pt``) from a run directory (its latest, or
+    the newest usable checkpoint with a warning: :func:`resolve_checkpoint`), a ``checkpoints/``
+    directory, or itself; raises ``FileNotFoundError`` naming ``what``."""
+    found = resolve_checkpoint(path, require=WEIGHTS_FILE, usable=(MODEL_CONFIG_FILE,),
+                               what=f"{what} {str(path)!r}")
     if found is None:
         forms = "a run directory or a checkpoint directory (RUN/checkpoints/step_*)"
         if Path(path).is_file():
@@ -87,10 +211,23 @@ def resolve_weights(path: str | Path, what: str = "--checkpoint") -> Path:
                                     f"CLIPModel directory, not a run; give {forms}"
                                     + (f", e.g. the one it was exported from: {what} "
                                        f"{source!r}" if source else ""))
+        _no_model(path, what, f"give another run or {forms.partition(' or ')[2]}")
         raise FileNotFoundError(f"{what} {str(path)!r}: no {WEIGHTS_FILE} there and no "
                                 "checkpoints/latest (expected a run directory or a checkpoint "
                                 "directory)")
     return found
+
+
+def _no_model(path: str | Path, what: str, give: str) -> None:
+    """Raise the one-line error of a run (what its ``latest`` says, what its checkpoints lack) or
+    of an incomplete checkpoint (the one before it) that gives no model; nothing for other
+    folders."""
+    words = no_model_words(path)
+    if words:
+        raise FileNotFoundError(f"{what} {str(path)!r}: {words}; {give}")
+    words = incomplete_words(path)
+    if words:
+        raise FileNotFoundError(f"{what} {str(path)!r}: {words}")
 
 
 def _exported_from(path: str | Path) -> str:
@@ -153,48 +290,46 @@ def read_weights(path: str | Path, device: str | torch.device = "cpu") -> dict[s
 
 def resolve_model_files(path: str | Path, what: str = "--checkpoint") -> Path:
     """The directory holding a model's weights: an export or a transformers ``CLIPModel``
-    directory as it is, else :func:`resolve_weights`
-    (run directory -> its latest checkpoint, a ``checkpoints/`` directory, a checkpoint); raises
-    ``FileNotFoundError`` naming ``what`` and the three accepted forms."""
+    directory as it is, else as :func:`resolve_weights` finds it
+    (run directory -> its latest checkpoint, or the newest usable one with a warning; a
+    ``checkpoints/`` directory; a checkpoint); raises ``FileNotFoundError`` naming ``what`` and
+    the accepted forms."""
     if is_export(path) or is_transformers_clip(path):
         return Path(path)
-    found = resolve_checkpoint(path, require=WEIGHTS_FILE)
+    found = resolve_checkpoint(path, require=WEIGHTS_FILE, usable=(MODEL_CONFIG_FILE,),
+                               what=f"{what} {str(path)!r}")
+    forms = ("a run directory, a checkpoint directory, a `vlcontrast export` directory or a "
+             "transformers CLIPModel directory")
     if found is None and Path(path).is_file():
         raise FileNotFoundError(f"{what} {str(path)!r}: a file, not a folder; give the folder "
-                                f"holding it: {what} {str(Path(path).parent)!r} (a run "
-                                "directory, a checkpoint directory, a `vlcontrast export` "
-                                "directory or a transformers CLIPModel directory)")
+                                f"holding it: {what} {str(Path(path).parent)!r} ({forms})")
     if found is None and not Path(path).exists():
-        raise FileNotFoundError(f"{what} {str(path)!r}: no such folder; give a run directory, a "
-                                "checkpoint directory, a `vlcontrast export` directory or a "
-                                "transformers CLIPModel directory")
+        raise FileNotFoundError(f"{what} {str(path)!r}: no such folder; give {forms}")
     if found is None:
+        _no_model(path, what, f"give another run, {forms.partition(', ')[2]}")
         raise FileNotFoundError(f"{what} {str(path)!r}: no {WEIGHTS_FILE}, no checkpoints/latest "
-                                f"and no {EXPORT_WEIGHTS_FILE} there (expected a run directory, a "
-                                "checkpoint directory, a `vlcontrast export` directory or a "
-                                "transformers CLIPModel directory)")
+                                f"and no {EXPORT_WEIGHTS_FILE} there (expected {forms})")
     return found
 
 
 def latest_checkpoint(root: Path) -> Path | None:
-    """The complete checkpoint ``root/latest`` names (``root`` is a ``checkpoints/`` directory)."""
-    if not (Path(root) / LATEST).is_file():
-        return None
-    return resolve_checkpoint(root)
+    """The complete checkpoint ``root/latest`` names (``root`` is a ``checkpoints/`` directory),
+    or None: no fallback (:func:`resolve_checkpoint` has that)."""
+    return latest_state(Path(root), COMPLETE_MARKER)[0]
 
 
 def complete_checkpoints(root: Path) -> tuple[list[Path], list[Path]]:
     """``(complete, every)`` ``step_*`` checkpoint directories under ``root``, oldest first (a
     ``.tmp`` folder of an interrupted write is neither)."""
-    every = sorted(p for p in Path(root).glob("step_*")
-                   if p.is_dir() and not p.name.endswith(".tmp"))
+    every = _step_folders(root)
     return [p for p in every if (p / COMPLETE_MARKER).is_file()], every
 
 
 def find_resume(resume: str, output_dir: Path, *, warn: bool = True) -> Path | None:
-    """The checkpoint directory named by ``train.resume``. ``latest``: the one
-    ``checkpoints/latest`` names; when that is missing or incomplete (a damaged disk, a file
-    removed by hand), the newest complete ``step_*``, with a warning unless ``warn`` is false;
+    """The checkpoint directory named by ``train.resume``. ``latest`` (or a run directory): the
+    one ``checkpoints/latest`` names; when that is missing, empty, dangling or incomplete (a
+    damaged disk, a file removed by hand), the newest complete ``step_*``, with a warning saying
+    which (unless ``warn`` is false);
     none when the run has no checkpoint (a fresh start). Checkpoint folders of which none is
     complete are an error, never a fresh start over them (its checkpoints would overwrite, and
     retention delete, theirs). A run resolves it once (``train()``'s preflight) and passes the
@@ -203,20 +338,17 @@ def find_resume(resume: str, output_dir: Path, *, warn: bool = True) -> Path | N
         return None
     if resume == "latest":
         root = Path(output_dir) / "checkpoints"
-        found = latest_checkpoint(root)
+        found, problem = latest_state(root, COMPLETE_MARKER)
         if found is not None:
             return found
         complete, every = complete_checkpoints(root)
-        named = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else ""
         if complete:
             if warn:
                 import logging
 
                 logging.getLogger(__name__).warning(
                     "train.resume=latest: %s; resuming from the newest complete checkpoint, %s",
-                    f"checkpoints/latest names {named!r}, which is incomplete (no "
-                    f"{COMPLETE_MARKER})" if named else "checkpoints/latest is missing",
-                    complete[-1].name)
+                    problem, complete[-1].name)
             return complete[-1]
         if every:
             raise ConfigError(f"train.resume=latest: {root} holds {len(every)} checkpoint "
@@ -224,7 +356,8 @@ def find_resume(resume: str, output_dir: Path, *, warn: bool = True) -> Path | N
                               f"{COMPLETE_MARKER}); nothing to resume from: move them aside, or "
                               "give another output_dir")
         return None
-    found = resolve_checkpoint(resume)
+    found = resolve_checkpoint(resume, what=f"train.resume={resume!r}", warn=warn,
+                               action="resuming from")
     if found is None:
         path = Path(resume)
         forms = ("give train.resume=latest (this output_dir's newest checkpoint), a run directory "
@@ -245,12 +378,10 @@ def find_resume(resume: str, output_dir: Path, *, warn: bool = True) -> Path | N
     return found
 
 
-def earlier_checkpoint(path: Path) -> Path | None:
-    """The newest complete checkpoint written before ``path`` beside it (what to resume from
-    when ``path`` turns out damaged)."""
-    complete = complete_checkpoints(Path(path).parent)[0]
-    earlier = [p for p in complete if p.name < Path(path).name]
-    return earlier[-1] if earlier else None
+def earlier_checkpoint(path: Path, files: tuple[str, ...] = (COMPLETE_MARKER,)) -> Path | None:
+    """The newest checkpoint written before ``path`` beside it that holds ``files`` (complete, by
+    default: what to resume from when ``path`` turns out damaged)."""
+    return newest_with(Path(path).parent, files, before=Path(path).name)
 
 
 def damaged_fix(path: Path) -> str:
@@ -319,17 +450,27 @@ def _value(config: dict[str, Any], key: str) -> Any:
 
 
 def saved_config(path: Path | None) -> dict[str, Any] | None:
-    """The checkpoint's ``config.yaml`` as a dict, or None (none there, or unreadable: its state
-    files are checked when they are loaded)."""
+    """The checkpoint's ``config.yaml`` as a dict, or None when there is none (a checkpoint
+    written without one). One that cannot be read is a one-line ConfigError naming it: the
+    resume's checks (model and loss, the optimizer-state format, another world size) are made
+    from it, and a resume without them could continue another loss's state or load DeepSpeed's
+    ZeRO partitions for the wrong number of ranks without a word."""
     import yaml
 
     if path is None or not (path / "config.yaml").is_file():
         return None
+    file = path / "config.yaml"
     try:
-        saved = yaml.safe_load((path / "config.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return None
-    return saved if isinstance(saved, dict) else None
+        saved = yaml.safe_load(file.read_text())
+        why = "" if isinstance(saved, dict) else f"it holds a {type(saved).__name__}, not settings"
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+        why = f"{type(err).__name__}: {first[:200]}"
+    if why:
+        raise ConfigError(f"{file}: unreadable ({why}), so this run cannot check that it resumes "
+                          "the checkpoint with its model, loss, optimizer-state format and world "
+                          f"size; {damaged_fix(path)}")
+    return saved
 
 
 UNIVERSAL_STAGES = (1, 2, 3)
@@ -365,16 +506,85 @@ def save_file(obj: Any, path: Path) -> None:
     torch.save(obj, path)
 
 
-def load_file(path: Path, map_location: Any = "cpu") -> Any:
-    """``torch.load(weights_only=True)``: tensors and plain containers, never code."""
+def load_file(path: Path, map_location: Any = "cpu", *, fix: str = "") -> Any:
+    """``torch.load(weights_only=True)``: tensors and plain containers, never code.
+
+    A file that cannot be read is a one-line :class:`CheckpointError` naming it and ``fix`` (by
+    default the checkpoint before it, :func:`use_earlier`): a damaged file (empty, truncated,
+    overwritten) says so, and only a sound pickle that names classes (a pickled object) is
+    refused as one. torch's own advice (``weights_only=False``) is never passed on."""
+    path = Path(path)
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as err:
-        raise CheckpointError(
-            f"{path}: refused to load: it holds a pickled Python object, which could run code "
-            "when loaded. vlcontrast writes only tensors and plain containers here; a file "
-            f"written by another program (or an older vlcontrast) is not trusted. ({err})"
-        ) from None
+    except OSError:  # a missing file or a permission: the caller's FileNotFoundError and fixes
+        raise
+    except Exception as err:  # noqa: BLE001 - sorted below; anything else is raised as it was
+        fix = fix or use_earlier(path.parent, (path.name,))
+        named = _pickled_objects(path, err)
+        if named:
+            raise CheckpointError(
+                f"{path}: refused to load: it holds a pickled Python object "
+                f"({', '.join(named[:3])}{' ...' if len(named) > 3 else ''}), which could run "
+                "code when loaded. vlcontrast writes only tensors and plain containers here; a "
+                "file written by another program (or an older vlcontrast) is not trusted; "
+                f"{fix}") from None
+        damage = _damage(path, err)
+        if damage is None:
+            raise
+        raise CheckpointError(f"{path}: not a readable checkpoint file ({damage}); {fix}") from None
+
+
+_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([A-Za-z_][\w.]*) was not an allowed global")
+_NAME = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+")
+
+
+def _pickled_objects(path: Path, err: BaseException) -> list[str]:
+    """The classes and functions a sound pickle in ``path`` names beyond what
+    ``weights_only=True`` allows, or [] when ``err`` is no such refusal (a damaged file).
+
+    A torch zip file's pickle is scanned whole without building anything
+    (``get_unsafe_globals_in_checkpoint``: a truncated or overwritten one fails that scan); an
+    older torch file (no zip) is named by torch's refusal itself. Random bytes read as a pickle
+    stop at an opcode the unpickler does not know ("Unsupported operand"), or at a "global" whose
+    name is not one."""
+    if not isinstance(err, pickle.UnpicklingError):
+        return []
+    if zipfile.is_zipfile(path):
+        try:
+            named = list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+        except Exception:  # noqa: BLE001 - a pickle that cannot be scanned is damaged
+            return []
+    else:
+        named = _GLOBAL.findall(str(err))
+    return sorted(name for name in set(named) if _NAME.fullmatch(name))
+
+
+def _damage(path: Path, err: BaseException) -> str | None:
+    """What is wrong with a file torch could not load, in words (``empty``, ``truncated or
+    corrupt: ...``), or None when the file is sound and ``err`` has another cause (a
+    ``map_location`` this process cannot use)."""
+    try:
+        size = path.stat().st_size
+    except OSError:
+        size = -1
+    if size == 0:
+        return "an empty file"
+    if isinstance(err, (EOFError, pickle.UnpicklingError)):
+        reason = re.search(r"Unsupported operand \d+", str(err))
+        return ("truncated or corrupt" + (f": {reason.group(0)}" if reason else
+                                          f": {type(err).__name__}" if isinstance(err, EOFError)
+                                          else ""))
+    if zipfile.is_zipfile(path):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                bad = archive.testzip()
+        except Exception:  # noqa: BLE001 - an archive that cannot be read through is damaged
+            bad = "?"
+        if bad is None:
+            return None
+    first = str(err).split(". ")[0].strip().splitlines()
+    detail = first[0][:200] if first else type(err).__name__
+    return f"truncated or corrupt: {detail}"
 
 
 DEEPSPEED_GLOBALS = frozenset({
@@ -387,21 +597,24 @@ DEEPSPEED_GLOBALS = frozenset({
 0-3, fp32/bf16/fp16; measured with ``torch.serialization.get_unsafe_globals_in_checkpoint``)."""
 
 
-def check_engine_files(folder: Path) -> None:
+def check_engine_files(folder: Path, fix: str = "") -> None:
     """Refuse DeepSpeed's files in ``folder`` and below (a universal checkpoint keeps one folder
     per parameter) when their pickles name anything else.
 
     DeepSpeed loads its files itself with ``torch.load(weights_only=False)``, which would call
     whatever a pickle names. Scanning the pickles first (no object is built) and accepting only
     ``torch.load(weights_only=True)``'s own types plus :data:`DEEPSPEED_GLOBALS` means that what
-    DeepSpeed then unpickles can construct those classes and nothing else.
+    DeepSpeed then unpickles can construct those classes and nothing else. ``fix`` ends the error
+    of a file that cannot be read (the checkpoint before it).
     """
     for path in sorted(Path(folder).rglob("*.pt")):
         try:
             named = set(torch.serialization.get_unsafe_globals_in_checkpoint(path))
         except Exception as err:  # noqa: BLE001 - any unreadable file is refused the same way
+            first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
             raise CheckpointError(f"{path}: refused to load: not a readable torch checkpoint "
-                                  f"({type(err).__name__}: {err})") from None
+                                  f"({type(err).__name__}: {first.split('. ')[0][:200]})"
+                                  + (f"; {fix}" if fix else "")) from None
         unexpected = sorted(named - DEEPSPEED_GLOBALS)
         if unexpected:
             raise CheckpointError(
@@ -442,12 +655,6 @@ def missing_engine_file(folder: Path, rank: int) -> Path | None:
     else:
         expected = folder / "mp_rank_00_model_states.pt"
     return None if expected.is_file() else expected
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 # --------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from vlcontrast.errors import ConfigError, DeviceError
+from vlcontrast.errors import ConfigError, DeviceError, VlcontrastError
 
 
 @dataclass(frozen=True)
@@ -52,15 +52,37 @@ def _first_slurm_host(nodelist: str) -> str:
             return out[0]
     except (OSError, subprocess.SubprocessError):
         pass
-    # Fallback parser for the common "prefix[a-b,c]" form.
-    match = re.match(r"^([^\[,]+)(?:\[([^\]]+)\])?", nodelist)
-    if not match:
-        return nodelist
-    prefix, ranges = match.group(1), match.group(2)
-    if not ranges:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
+    return first_host(nodelist)
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list without ``scontrol``: its first entry (the commas
+    inside brackets belong to the entry), each bracket replaced by its first value:
+    ``gpu[01-03,07]`` -> gpu01, ``rack1-[01-02]-ib`` -> rack1-01-ib, ``a[1-2]-b[3-4],c`` -> a1-b3."""
+    depth, end = 0, len(nodelist)
+    for at, char in enumerate(nodelist):
+        depth += (char == "[") - (char == "]")
+        if char == "," and depth == 0:
+            end = at
+            break
+    entry = nodelist[:end]
+    return re.sub(r"\[([^\]]*)\]", lambda found: found.group(1).split(",")[0].split("-")[0],
+                  entry) or nodelist
+
+
+SLURM_SPECIAL_STEPS = ("batch", "extern", "interactive", "4294967294", "4294967292",
+                       "4294967290")
+"""What SLURM_STEP_ID reads outside a step that srun started: the batch script's step, the
+extern step (a login through pam_slurm_adopt), salloc's interactive step, by name or number."""
+
+
+def started_by_srun(environ: dict[str, str]) -> bool:
+    """Whether this process is a task of a job step that ``srun`` started: srun sets
+    ``SLURM_STEP_ID`` (older releases ``SLURM_STEPID``) to the step's number in every task it
+    starts. The batch script runs in no such step (sbatch(1) lists no SLURM_STEP_ID among the
+    batch job's variables), yet it has ``SLURM_PROCID=0`` and the job's ``SLURM_NTASKS``."""
+    step = environ.get("SLURM_STEP_ID", environ.get("SLURM_STEPID", "")).strip()
+    return step.isdigit() and step not in SLURM_SPECIAL_STEPS
 
 
 def launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
@@ -77,6 +99,17 @@ def launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
         return LaunchEnv(*launched, env.get("MASTER_ADDR", "127.0.0.1"),
                          env.get("MASTER_PORT", "29500"), source)
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        tasks = env["SLURM_NTASKS"]
+        if tasks.isdigit() and int(tasks) > 1 and not started_by_srun(env):
+            step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
+            why = ("SLURM_STEP_ID is not set, as in the batch script" if step is None else
+                   f"SLURM_STEP_ID={step!r}, not a step that srun started")
+            raise ConfigError(
+                f"launch environment: SLURM_NTASKS={tasks} and SLURM_PROCID="
+                f"{env['SLURM_PROCID']}, but this process was not started by srun ({why}): "
+                f"it would wait for {int(tasks) - 1} rank(s) that never start; start the "
+                f"{tasks} tasks with srun (`srun vlcontrast train ...` in the batch script, as "
+                "slurm/train_1node.sbatch does)")
         nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "127.0.0.1")
         # All tasks of a job derive the same port from the job id; two jobs on a node differ.
         port = env.get("MASTER_PORT") or str(20000 + int(env.get("SLURM_JOB_ID", "9500")) % 20000)
@@ -262,9 +295,38 @@ def init_distributed(backend: str | None = None, timeout_s: int = 600,
     if backend is None:
         backend = "nccl" if chosen.type == "cuda" else "gloo"
     kwargs = {"device_id": chosen} if backend == "nccl" else {}
-    dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    try:
+        dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    except RuntimeError as error:  # torch's DistStoreError, DistNetworkError, ...
+        late = rendezvous_timeout(error, env, timeout_s)
+        if late is None:
+            raise
+        raise late from error
     return env
+
+
+class RendezvousTimeout(VlcontrastError, RuntimeError):
+    """Not every rank reached the rendezvous within ``train.dist_timeout_s`` (one line, exit 1)."""
+
+
+def rendezvous_timeout(error: BaseException, env: LaunchEnv,
+                       timeout_s: int) -> RendezvousTimeout | None:
+    """The one-line error for a rendezvous that timed out (torch's ``DistStoreError: Timed out
+    after 31 seconds waiting for clients. 1/2 clients joined.`` on rank 0, a connect timeout on
+    the others); None for any other failure of ``init_process_group``."""
+    text = str(error)
+    if not re.search(r"timed out|timeout", text, re.IGNORECASE):
+        return None
+    joined = re.search(r"(\d+)\s*/\s*(\d+) clients joined", text)
+    arrived = (f"only {joined.group(1)} of {env.world_size} ranks arrived" if joined else
+               f"rank {env.rank} of {env.world_size} did not meet the others")
+    world = {"slurm": "SLURM_NTASKS"}.get(env.source, "WORLD_SIZE")
+    return RendezvousTimeout(
+        f"launch environment: {arrived} within train.dist_timeout_s={timeout_s} (rendezvous at "
+        f"{env.master_addr}:{env.master_port}, {world}={env.world_size}); start all "
+        f"{env.world_size} ranks with the same MASTER_ADDR and MASTER_PORT (a rank that failed "
+        "to start says why in its own output), or raise train.dist_timeout_s if they start slowly")
 
 
 def gather_with_grad(tensor: torch.Tensor) -> torch.Tensor:

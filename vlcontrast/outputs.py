@@ -86,19 +86,21 @@ def made(path: str | os.PathLike) -> str:
 
 
 def check_replaceable(what: str, held: str, *, kind: str, is_kind: bool, overwrite: bool,
-                      noun: str = "it", new: str = "file") -> None:
+                      noun: str = "it", new: str = "file", flag: str = "--overwrite") -> None:
     """An output file that already exists, refused in one line before the command's work starts.
 
     ``what`` names the option and the path (``OUT='feat.pt'``), ``held`` what the file holds, read
     cheaply (``teacher features of 1,234 samples, ...``). Without ``overwrite``: an error that
     says what would be lost and the two fixes. A file that is not a ``kind`` (``is_kind`` false)
     is refused even with ``overwrite``: the command replaces only what it wrote itself. ``new``
-    names what to choose instead (``file``, or ``folder`` for a command that writes one)."""
+    names what to choose instead (``file``, or ``folder`` for a command that writes one).
+    ``flag`` names the way to replace it: the command line's ``--overwrite``, or the Python
+    parameter ``overwrite=True``."""
     if not is_kind:
-        raise ConfigError(f"{what} exists and is not {kind} ({held}), so --overwrite will not "
+        raise ConfigError(f"{what} exists and is not {kind} ({held}), so {flag} will not "
                           f"replace it; name a new {new}, or move that one away")
     if not overwrite:
-        raise ConfigError(f"{what} exists ({held}); add --overwrite to replace {noun}, or name a "
+        raise ConfigError(f"{what} exists ({held}); add {flag} to replace {noun}, or name a "
                           f"new {new}")
 
 

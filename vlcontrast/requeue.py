@@ -11,16 +11,54 @@ Why a file and not an exit code: ``srun --kill-on-bad-exit=1`` kills every task 
 exits non-zero, and ``srun`` then reports the highest code of any task, a killed one's included
 (128 + 9): a "requeue me" exit code from rank 0 could arrive as "killed" and the job would not be
 requeued. All ranks exit 0; rank 0 writes the marker.
+
+A notice can come before the training's own handler exists (seconds of imports, more with 8 ranks
+on a shared filesystem); its default action would end the process with no line, checkpoint or
+marker. :func:`hold_stop_signals` is the command line's first act for ``train`` and ``study
+--cell``: until the handler that acts on it takes over, such a signal only sets a flag.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 
 PREEMPTED_MARKER = "preempted.json"
 """File in the run directory written when training stopped because of a signal."""
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+"""The signals that stop a training with a checkpoint (SLURM's time-limit notice, a preemption):
+:class:`vlcontrast.train.stop.StopSignal` handles them, and a study passes them on to its cells."""
+
+_HELD: dict[str, int] = {}
+
+
+def hold_stop_signals() -> None:
+    """First thing ``vlcontrast train`` and ``vlcontrast study --cell`` do, before their heavy
+    imports: from now on a stop signal (:data:`STOP_SIGNALS`) only sets a flag, instead of ending
+    the process through the default action (no line, no checkpoint, no requeue). The handler the
+    command installs later (:class:`~vlcontrast.train.stop.StopSignal`, the study's forwarding,
+    the ``train --nproc`` launcher) takes the signal held until then
+    (:func:`take_held_stop_signal`); the first one is kept. The flag-only handlers stay until
+    that handler replaces them, so a signal after the command's own end cannot kill it either."""
+    _HELD.clear()
+    for sig in STOP_SIGNALS:
+        try:
+            signal.signal(sig, _hold)
+        except (ValueError, OSError):  # not the main thread: nothing to hold here
+            pass
+
+
+def _hold(signum: int, _frame) -> None:
+    _HELD.setdefault("signal", signum)
+
+
+def take_held_stop_signal() -> int | None:
+    """The first stop signal that arrived while :func:`hold_stop_signals` held them (then
+    forgotten: one taker acts on it), or None."""
+    return _HELD.pop("signal", None)
 
 
 def stopped_by_signal(stop: BaseException) -> bool:

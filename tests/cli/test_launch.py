@@ -181,6 +181,40 @@ def test_the_resume_words_follow_what_the_checkpoints_folder_holds(tmp_path):
         "train.resume=latest continues from the last checkpoint written, if any")
 
 
+def test_a_resume_that_failed_before_it_resumed_is_not_sent_back_to_that_checkpoint(
+        monkeypatch, capsys, agent_log, tmp_path):
+    """A rank that died reading the checkpoint it resumed from (rank_00001.pt damaged) ended with
+    "train.resume=latest continues from the last checkpoint, <that checkpoint>": a loop."""
+    import time
+
+    from vlcontrast import checkpoints, cli
+
+    killed_rank_1(monkeypatch)
+    run = tmp_path / "run"
+    for step in (2, 4):
+        folder = run / "checkpoints" / f"step_{step:08d}"
+        folder.mkdir(parents=True)
+        (folder / checkpoints.COMPLETE_MARKER).write_text("")
+    (run / "checkpoints" / checkpoints.LATEST).write_text("step_00000004\n")
+    arguments = ["train", "--nproc", "2", "data.train=x", "model.name=vlc-micro", "train.steps=6",
+                 f"output_dir={run}", "train.resume=latest"]
+    assert cli.main(arguments) == 1
+    err = capsys.readouterr().err
+    tried, before = run / "checkpoints" / "step_00000004", run / "checkpoints" / "step_00000002"
+    assert err == (
+        "vlcontrast: error: train --nproc 2: rank 1 was killed by signal 9 (SIGKILL) and the run "
+        f"stopped (the ranks' output is above); the run stopped before it had resumed from "
+        f"{tried}, which may be damaged: resume from the one before it (train.resume={before}), "
+        "or, if that checkpoint is sound, train.resume=latest tries it again\n")
+    # Once rank 0 said it resumed (metrics.jsonl), a later failure continues from the last one.
+    (run / "metrics.jsonl").write_text(json.dumps({"kind": "event", "step": 4,
+                                                   "time": time.time() + 5,
+                                                   "resumed_from": str(tried)}) + "\n")
+    assert cli.main(arguments) == 1
+    assert capsys.readouterr().err.endswith(
+        f"; train.resume=latest continues from the last checkpoint, {tried}\n")
+
+
 def test_debug_keeps_torchrun_s_report(monkeypatch, agent_log):
     monkeypatch.setenv(failure.DEBUG_VARIABLE, "1")
     fake_torchrun(monkeypatch, {1: ("vlcontrast: error: bad", 1)}, {1: 1})
@@ -377,3 +411,117 @@ def test_the_ranks_get_the_cores_shared_out_as_threads(monkeypatch, preset):
     assert launch.launch_local(4, []) == 0
     assert seen == ["4" if preset is None else preset]
     assert os.environ.get("OMP_NUM_THREADS") == preset
+
+
+LAUNCHER_GETS_SIGUSR1 = r'''
+import os, signal, sys, time
+import torch.distributed.run as torchrun
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from vlcontrast import cli
+from vlcontrast.cli import failure
+
+def run(arguments):
+    """torchrun's agent as the launcher sees it: SLURM's notice (SIGUSR1) comes while it watches
+    the ranks; a signal the launcher hands to torchrun raises SignalException in the agent, which
+    passes it on to the ranks, waits for them and raises it again."""
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(30)  # the ranks train on: the notice never reached them
+        sys.exit("the notice did not reach torchrun's agent")
+    except SignalException as notice:
+        for rank in (0, 1):  # what each rank's CLI does after its stop checkpoint
+            os.environ["RANK"] = str(rank)
+            failure.record_stopped(RuntimeError(
+                f"stopped by signal {int(notice.sigval)} at step 20; checkpoint ..."))
+        del os.environ["RANK"]
+        raise
+
+torchrun.run = run
+sys.exit(cli.main(["train", "--nproc", "2", "data.train=x", "train.steps=300",
+                   "model.name=vlc-micro", "output_dir=" + sys.argv[1]]))
+'''
+
+
+def test_sigusr1_to_the_launcher_is_passed_to_the_ranks(tmp_path):
+    """SLURM's time-limit notice to ``train --nproc N`` (``--signal=B:USR1@600``, ``scancel
+    --signal=USR1 --batch``): torchrun handles SIGTERM, SIGINT, SIGHUP and SIGQUIT only, so SIGUSR1
+    killed the launcher (exit -10) and left its ranks training, reparented, with no stop and no
+    marker. It goes to the ranks as SIGTERM does now, and the launcher waits for their stop."""
+    from tests.train.helpers import process_env
+
+    done = subprocess.run([sys.executable, "-c", LAUNCHER_GETS_SIGUSR1, str(tmp_path / "run")],
+                          cwd=REPO, env=process_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr == ("vlcontrast: train --nproc 2: signal 10 (SIGUSR1) passed to the ranks, "
+                           "which stopped at step 20 with a checkpoint\n")
+
+
+def test_a_notice_while_the_launcher_starts_starts_no_rank(monkeypatch, capsys, tmp_path):
+    """A stop signal held since the command line began (the seconds torchrun takes to import):
+    no rank is started, one line says so and the run's marker asks the scheduler to run it
+    again, as after any stop by a signal."""
+    import signal
+
+    from vlcontrast import requeue
+
+    def ranks_started(arguments):
+        raise AssertionError("the ranks were started after the notice")
+
+    monkeypatch.setattr(torchrun, "run", ranks_started)
+    run = tmp_path / "run"
+    requeue.hold_stop_signals()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert launch.launch_local(2, [f"output_dir={run}"]) == 0
+    finally:
+        for sig in requeue.STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+    assert capsys.readouterr().err.startswith(
+        "vlcontrast: train --nproc 2: stopped by signal 10 (SIGUSR1) before step 1 (it came while "
+        "the launcher started: no rank was started); ")
+    assert "before step 1" in json.loads((run / "preempted.json").read_text())["stopped"]
+    assert requeue.take_held_stop_signal() is None
+
+
+@pytest.mark.slow
+def test_sigusr1_to_a_real_launcher_stops_its_ranks_with_a_checkpoint(tiny_data, tmp_path):
+    """Real ranks under ``train --nproc 2``; SIGUSR1 to the launcher once they train."""
+    import signal
+    import time
+
+    from tests.train.helpers import process_env, read_metrics, tiny_overrides
+
+    run = tmp_path / "run"
+    overrides = tiny_overrides(tiny_data, run, train__steps=500, checkpoint__every=50)
+    launcher = subprocess.Popen([sys.executable, "-m", "vlcontrast.cli", "train", "--nproc", "2",
+                                 *overrides], cwd=REPO, env=process_env(), text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 300
+        while not (run / "metrics.jsonl").is_file() or not read_metrics(run, "train"):
+            assert launcher.poll() is None and time.monotonic() < deadline, "no training step"
+            time.sleep(0.2)
+        children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children")
+        ranks = [int(pid) for pid in children.read_text().split()]
+        launcher.send_signal(signal.SIGUSR1)
+        out, err = launcher.communicate(timeout=120)
+        time.sleep(1)
+        alive = [pid for pid in ranks if Path(f"/proc/{pid}").is_dir()
+                 and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1][:3]]
+        assert alive == [], "ranks left running after the launcher ended"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for pid in ranks:  # before, the ranks trained on without their launcher
+            try:
+                if str(run).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    assert launcher.returncode == 0, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("vlcontrast: train --nproc 2: signal 10 (SIGUSR1) passed to the ranks, "
+                           "which stopped at step ") and last.endswith(" with a checkpoint")
+    assert (run / "preempted.json").is_file() and not (run / "results.json").exists()

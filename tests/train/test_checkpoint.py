@@ -41,9 +41,11 @@ def test_one_resolver_for_run_dirs_checkpoint_dirs_and_latest(tmp_path):
     assert find_resume("latest", run) == new
     assert find_resume(str(run), tmp_path / "elsewhere") == new
     assert find_resume("", run) is None
-    # An incomplete newest checkpoint is not resumed from; weights-only use still finds model.pt.
+    # An incomplete newest checkpoint is not resumed from (the newest complete one is, with a
+    # warning: the policy of train.resume=latest); weights-only use still finds model.pt.
     (new / "trainer_state.pt").unlink()
-    assert resolve_checkpoint(run) is None and resolve_weights(run) == new
+    assert resolve_checkpoint(run) == old and resolve_weights(run) == new
+    assert resolve_checkpoint(new) is None
     with pytest.raises(FileNotFoundError, match="is not a complete checkpoint .*; the newest "
                                                 "complete one there is .*step_00000002"):
         find_resume(str(new), run)

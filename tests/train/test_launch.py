@@ -32,12 +32,17 @@ def test_torchrun_and_deepspeed_variables_win_over_slurm():
 
 
 @pytest.mark.parametrize("nodelist, master", [("gpu-a[017-020,031]", "gpu-a017"),
-                                              ("node7,node9", "node7"), ("single", "single")])
+                                              ("node7,node9", "node7"), ("single", "single"),
+                                              ("rack1-[01-02]-ib", "rack1-01-ib"),
+                                              ("node-a[1-2],node-b[5]", "node-a1"),
+                                              ("r[1-2]-n[03-04],x9", "r1-n03")])
 def test_srun_ranks_world_and_master_come_from_slurm(nodelist, master, monkeypatch):
+    """Without scontrol the node list is parsed here; a suffix after the bracket
+    (``rack1-[01-02]-ib``) was dropped, naming a host that does not exist (rack1-01)."""
     from vlcontrast.distributed import launch_env, local_world_size
 
     monkeypatch.setenv("PATH", "")  # no scontrol: the node-list parser
-    env = {"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
+    env = {"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
            "SLURM_JOB_NODELIST": nodelist, "SLURM_JOB_ID": "123456", "SLURM_NTASKS_PER_NODE": "8"}
     launched = launch_env(env)
     assert (launched.rank, launched.world_size, launched.local_rank) == (9, 16, 1)
@@ -45,6 +50,56 @@ def test_srun_ranks_world_and_master_come_from_slurm(nodelist, master, monkeypat
     assert launched.master_port == str(20000 + 123456 % 20000)
     assert local_world_size(env) == 8
     assert launch_env({**env, "MASTER_PORT": "4321"}).master_port == "4321"
+
+
+@pytest.mark.parametrize("step", [None, "batch", "extern", "4294967294"])
+def test_a_batch_script_that_skips_srun_is_refused_at_once(step):
+    """``vlcontrast train`` run by an sbatch script with --ntasks-per-node=8 but without srun: the
+    batch script has SLURM_NTASKS=8 and SLURM_PROCID=0, so it waited as rank 0 of 8 for ranks
+    that never start (train.dist_timeout_s, 600 s), then ended with a traceback. srun sets
+    SLURM_STEP_ID in every task it starts; the batch script has none (or a special step)."""
+    from vlcontrast.distributed import launch_env
+    from vlcontrast.errors import ConfigError
+
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_JOB_NODELIST": "localhost",
+           "SLURM_JOB_ID": "4242", **({} if step is None else {"SLURM_STEP_ID": step})}
+    with pytest.raises(ConfigError) as refused:
+        launch_env(env)
+    line = str(refused.value)
+    assert "\n" not in line and "SLURM_NTASKS=8 and SLURM_PROCID=0" in line
+    assert "not started by srun" in line and "`srun vlcontrast train ...`" in line
+    assert ("SLURM_STEP_ID is not set" if step is None else f"SLURM_STEP_ID={step!r}") in line
+    # an srun task (older Slurm: SLURM_STEPID), and a one-task batch script, are fine
+    assert launch_env({**env, "SLURM_STEP_ID": "3"}).world_size == 8
+    assert launch_env({**{k: v for k, v in env.items() if k != "SLURM_STEP_ID"},
+                       "SLURM_STEPID": "0"}).world_size == 8
+    assert launch_env({**env, "SLURM_NTASKS": "1"}).world_size == 1
+
+
+def test_a_rendezvous_that_times_out_is_one_line(tmp_path):
+    """Rank 0 of 2 alone (the other never starts): torch's ``DistStoreError: Timed out after 3
+    seconds waiting for clients. 1/2 clients joined.`` came with a 30-line traceback."""
+    script = (
+        "import sys\n"
+        "from vlcontrast.cli import failure\n"
+        "from vlcontrast.distributed import init_distributed\n"
+        "try:\n"
+        "    init_distributed(timeout_s=2, device='cpu')\n"
+        "except BaseException as error:\n"
+        "    found = failure.user_error(error)\n"
+        "    print(failure.one_line(found) if found else type(error).__name__ + ': ' + str(error))\n"
+        "    sys.exit(failure.exit_code(found) if found else 99)\n")
+    port = str(free_port())
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                          text=True, timeout=120,
+                          env=process_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0",
+                                          MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+    assert done.returncode == 1, done.stdout + done.stderr[-2000:]
+    assert done.stdout == (
+        "launch environment: only 1 of 2 ranks arrived within train.dist_timeout_s=2 "
+        f"(rendezvous at 127.0.0.1:{port}, WORLD_SIZE=2); start all 2 ranks with the same "
+        "MASTER_ADDR and MASTER_PORT (a rank that failed to start says why in its own output), or "
+        "raise train.dist_timeout_s if they start slowly\n")
 
 
 def test_inconsistent_launch_variables_are_an_error():
@@ -97,6 +152,7 @@ def test_preemption_a_killed_rank_and_restarts(synthetic_data, tmp_path):
 
     def srun_env(rank):
         return process_env(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
+                           SLURM_STEP_ID="0",
                            SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID="77",
                            SLURM_NTASKS_PER_NODE="2", MASTER_PORT=str(port), PATH=os.environ["PATH"])
 

@@ -88,7 +88,22 @@ def configure_logging() -> None:
         root.addHandler(handler)
 
 
+def holds_stop_signals(argv: list[str]) -> bool:
+    """Whether the command line is ``train`` or ``study --cell``: the commands that answer
+    SIGTERM/SIGUSR1 (SLURM's notices) with a checkpoint, and so must not die of one that comes
+    while they start (:func:`vlcontrast.requeue.hold_stop_signals`). Read from the words alone,
+    before the parser (and the imports the commands make) exist."""
+    words = [word for word in argv if word != "--debug"]
+    command = words[0] if words else ""
+    return command == "train" or (command == "study" and any(
+        word == "--cell" or word.startswith("--cell=") for word in words[1:]))
+
+
 def main(argv: list[str] | None = None) -> int:
+    if holds_stop_signals(sys.argv[1:] if argv is None else list(argv)):
+        from vlcontrast import requeue
+
+        requeue.hold_stop_signals()  # before anything slow: a notice now is kept, not fatal
     configure_logging()
     args = build_parser().parse_args(argv)
     if args.debug:

@@ -1,5 +1,9 @@
 """``vlcontrast classify`` and ``vlcontrast embed``: a trained model on the user's own images and
-texts. Every input is checked before the model is built."""
+texts. Every input is checked before the model is built.
+
+Under ``torchrun`` (world size > 1) both split their work across the ranks as ``vlcontrast eval``
+does: each rank embeds its part of the images (or texts), the rows are gathered in input order,
+and rank 0 alone writes the output and prints the lines, once."""
 
 from __future__ import annotations
 
@@ -65,7 +69,7 @@ def register(sub) -> None:
 def run_classify(args) -> int:
     from vlcontrast.evaluation.datasets import read_templates
     from vlcontrast.inference import (DEFAULT_TEMPLATES, classify, find_images,
-                                      format_classification, parse_labels, resolve_device)
+                                      format_classification, parse_labels)
     from vlcontrast.inference.classify import check_figure, check_top_k
     from vlcontrast.data.samples import alpha_summary
     from vlcontrast.inference.images import skipped_summary
@@ -82,8 +86,7 @@ def run_classify(args) -> int:
         from vlcontrast.evaluation.runner import check_checkpoint
 
         check_checkpoint(args.checkpoint)
-    device = resolve_device(args.device, option="--device")
-    prepare_environment(str(device), option="--device")
+    device = command_device(args.device)
     from vlcontrast.inference.model import load_bundle
 
     bundle = load_bundle(args.checkpoint, device, what="--checkpoint")
@@ -92,6 +95,8 @@ def run_classify(args) -> int:
                       batch_size=args.batch_size, workers=args.workers,
                       progress=not args.no_progress, alpha=args.alpha,
                       max_image_pixels=args.max_image_pixels)
+    if not writes():  # every rank holds the result; rank 0 prints it (and draws it) once
+        return 0
     print(format_classification(result, as_json=args.json))
     if result.transparent or args.alpha != "white":  # nothing to say for opaque images as trained
         print(f"vlcontrast classify: "
@@ -109,7 +114,7 @@ def run_classify(args) -> int:
 
 def run_embed(args) -> int:
     from vlcontrast.inference import (check_output, embed_images, embed_texts, find_images,
-                                      read_texts, resolve_device, write_embeddings)
+                                      read_texts, write_embeddings)
     from vlcontrast.inference.embed import free_name
 
     check_counts(args)
@@ -134,8 +139,7 @@ def run_embed(args) -> int:
                                   f"{', '.join(repr(str(i)) for i in images)}, shards "
                                   f"{', '.join(repr(str(i)) for i in given)}; embed each in a "
                                   "call of its own")
-    device = resolve_device(args.device, option="--device")
-    prepare_environment(str(device), option="--device")
+    device = command_device(args.device)
     from vlcontrast.inference.model import load_bundle
 
     bundle = load_bundle(args.checkpoint, device, what="--checkpoint")
@@ -147,23 +151,53 @@ def run_embed(args) -> int:
                                   workers=args.workers, alpha=args.alpha,
                                   max_image_pixels=args.max_image_pixels, what="--images",
                                   **common)
-        from vlcontrast.data.samples import alpha_summary
-
-        if embeddings.transparent or args.alpha != "white":
-            print(f"vlcontrast embed: "
-                  f"{alpha_summary(embeddings.transparent, len(embeddings.ids), args.alpha)}",
-                  file=sys.stderr)
+    if not writes():  # every rank holds the rows; rank 0 writes them, once
+        return 0
     target = out if args.overwrite else free_name(out)
+    # The files first: a reader that closes stderr early (2>&1 | head -1) costs no result.
+    written = write_embeddings(embeddings, target, overwrite=args.overwrite, option="--out")
     if target != out:  # --out was free at the start: something wrote it while this embed worked
         print(f"vlcontrast embed: --out {str(out)!r} was written by something else while this "
               f"embed ran; its files are kept and these results go to {str(target)!r}",
               file=sys.stderr)
-    written = write_embeddings(embeddings, target, overwrite=args.overwrite, option="--out")
+    if texts is None and (embeddings.transparent or args.alpha != "white"):
+        from vlcontrast.data.samples import alpha_summary
+
+        print(f"vlcontrast embed: "
+              f"{alpha_summary(embeddings.transparent, len(embeddings.ids), args.alpha)}",
+              file=sys.stderr)
     if embeddings.reasons:
         print(f"vlcontrast embed: {skipped_line(embeddings)}", file=sys.stderr)
     print(f"vlcontrast embed: {embeddings.vectors.shape[0]} embeddings of dimension "
           f"{embeddings.vectors.shape[1]} -> {', '.join(map(str, written))}")
     return 0
+
+
+def command_device(device: str):
+    """The device of ``classify``/``embed``: under ``torchrun`` (world size > 1) the process group
+    is initialised and each rank gets its own device, as ``vlcontrast eval`` does
+    (:func:`vlcontrast.evaluation.runner._setup_device`); else ``--device`` as given (auto: CUDA
+    when usable)."""
+    import torch
+
+    from vlcontrast.distributed import launch_env
+    from vlcontrast.inference import resolve_device
+
+    if launch_env().world_size > 1:
+        from vlcontrast.evaluation.runner import _setup_device
+
+        prepare_environment(device, option="--device")
+        return torch.device(_setup_device(device))
+    chosen = resolve_device(device, option="--device")
+    prepare_environment(str(chosen), option="--device")
+    return chosen
+
+
+def writes() -> bool:
+    """Whether this process writes the output and prints the lines: rank 0 (or the only one)."""
+    from vlcontrast.distributed import get_rank
+
+    return get_rank() == 0
 
 
 def skipped_line(embeddings, limit: int = 3) -> str:

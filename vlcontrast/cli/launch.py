@@ -19,6 +19,7 @@ import os
 import signal as signals
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from vlcontrast.cli import failure
@@ -99,9 +100,9 @@ def how_it_ended(process_failure) -> str:
     return f"exited with code {process_failure.exitcode}"
 
 
-def checkpoints_folder(train_arguments: list[str]) -> Path | None:
-    """``output_dir/checkpoints`` of the run the arguments describe (the configuration is read
-    again, unchecked: it was checked before the launch); None when it cannot be told."""
+def _run_config(train_arguments: list[str]):
+    """The configuration the arguments describe (read again, unchecked: it was checked before the
+    launch); None when it cannot be told."""
     from vlcontrast.config import load_config
 
     arguments = list(train_arguments)
@@ -111,13 +112,54 @@ def checkpoints_folder(train_arguments: list[str]) -> Path | None:
         path = arguments[at + 1] if at + 1 < len(arguments) else None
         del arguments[at:at + 2]
     try:
-        return Path(load_config(path, arguments, check=False).output_dir) / "checkpoints"
+        return load_config(path, arguments, check=False)
     except Exception:  # noqa: BLE001 - the line then says less, never fails itself
         return None
 
 
-def resume_words(train_arguments: list[str]) -> str:
-    """What ``train.resume=latest`` would continue from, as the end of a line."""
+def checkpoints_folder(train_arguments: list[str]) -> Path | None:
+    """``output_dir/checkpoints`` of the run the arguments describe; None when it cannot be
+    told."""
+    config = _run_config(train_arguments)
+    return None if config is None else Path(config.output_dir) / "checkpoints"
+
+
+def unfinished_resume(train_arguments: list[str], started: float | None) -> Path | None:
+    """The checkpoint a launch begun at ``started`` (``time.time()``) was to resume from, when it
+    had not said that it resumed (rank 0's ``resumed_from`` record in ``metrics.jsonl``, written
+    once every rank has read its files): the run may have failed reading it. None otherwise."""
+    import json
+
+    from vlcontrast import checkpoints
+
+    config = _run_config(train_arguments)
+    if started is None or config is None or not config.train.resume:
+        return None
+    try:
+        tried = checkpoints.find_resume(config.train.resume, Path(config.output_dir), warn=False)
+    except Exception:  # noqa: BLE001 - nothing to resume from: nothing to say of it
+        return None
+    if tried is None:
+        return None
+    try:
+        lines = (Path(config.output_dir) / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if (isinstance(record, dict) and "resumed_from" in record
+                and isinstance(record.get("time"), (int, float)) and record["time"] >= started):
+            return None
+    return tried
+
+
+def resume_words(train_arguments: list[str], started: float | None = None) -> str:
+    """What ``train.resume=latest`` would continue from, as the end of a line. A launch (begun at
+    ``started``) that failed before it had resumed is not sent back to the checkpoint it was
+    reading: that one is named as perhaps damaged, with the one before it."""
     from vlcontrast import checkpoints
 
     root = checkpoints_folder(train_arguments)
@@ -126,8 +168,15 @@ def resume_words(train_arguments: list[str]) -> str:
     try:
         complete, every = checkpoints.complete_checkpoints(root)
         found = checkpoints.latest_checkpoint(root) or (complete[-1] if complete else None)
+        tried = unfinished_resume(train_arguments, started)
     except OSError:
         return "train.resume=latest continues from the last checkpoint written, if any"
+    if tried is not None:
+        earlier = checkpoints.earlier_checkpoint(tried)
+        fix = (f"resume from the one before it (train.resume={earlier})" if earlier else
+               f"check its files, or start a new run from its weights (model.pretrained={tried})")
+        return (f"the run stopped before it had resumed from {tried}, which may be damaged: "
+                f"{fix}, or, if that checkpoint is sound, train.resume=latest tries it again")
     if found is not None:
         return f"train.resume=latest continues from the last checkpoint, {found}"
     if every:  # a resume refuses these (checkpoints.find_resume)
@@ -137,11 +186,12 @@ def resume_words(train_arguments: list[str]) -> str:
             "again from step 0")
 
 
-def failed_line(nproc: int, failed, train_arguments: list[str]) -> str:
+def failed_line(nproc: int, failed, train_arguments: list[str],
+                started: float | None = None) -> str:
     """The line of a run whose ranks failed without a vlcontrast error of their own."""
     rank, process_failure = first_failure(failed)
     return (f"train --nproc {nproc}: rank {rank} {how_it_ended(process_failure)} and the run "
-            f"stopped (the ranks' output is above); {resume_words(train_arguments)}")
+            f"stopped (the ranks' output is above); {resume_words(train_arguments, started)}")
 
 
 def stopped_words(folder: Path) -> str:
@@ -157,6 +207,62 @@ def torchrun_arguments(nproc: int, train_arguments: list[str]) -> list[str]:
             *train_arguments]
 
 
+class StopsPassedToRanks:
+    """While torchrun runs, every stop signal of the trainer (``vlcontrast.requeue.STOP_SIGNALS``:
+    SIGTERM, and SIGUSR1, SLURM's time-limit notice, which torchrun leaves alone, so that it killed
+    this launcher and left the ranks training without it) raises torchrun's ``SignalException``, as
+    torchrun's own handler does for SIGTERM: its agent passes the signal on to the ranks, waits for
+    them (30 s, then SIGKILL) and raises it here. Only the first: a second (SIGTERM just after
+    SIGUSR1) would cut that wait short and leave the ranks behind. On leaving, the handlers before
+    come back."""
+
+    def __init__(self, signal_exception: type[Exception]):
+        self.signal_exception = signal_exception
+        self.previous: dict[int, object] = {}
+        self.raised = False
+
+    def _raise(self, signum: int, _frame) -> None:
+        if self.raised:  # the ranks have the first one; the agent is waiting for them
+            return
+        self.raised = True
+        raise self.signal_exception(f"Process {os.getpid()} got signal: {signum}",
+                                    sigval=signals.Signals(signum))
+
+    def __enter__(self) -> StopsPassedToRanks:
+        from vlcontrast.requeue import STOP_SIGNALS
+
+        for sig in STOP_SIGNALS:
+            try:
+                self.previous[sig] = signals.signal(sig, self._raise)
+            except (ValueError, OSError):  # not the main thread: torchrun refuses that too
+                pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signals.signal(sig, signals.SIG_DFL if handler is None else handler)
+
+
+def stopped_before_start(nproc: int, signum: int, train_arguments: list[str]) -> int:
+    """A stop signal that came while this launcher started (held since the command line began,
+    :func:`vlcontrast.requeue.hold_stop_signals`): no rank runs yet, so none is started. One
+    line, exit 0, and the run's marker, as a run stopped by a signal leaves it (the scheduler's
+    cue to run the job again)."""
+    from vlcontrast import requeue
+
+    words = f"stopped by {signal_words(signum)} before step 1"
+    folder = checkpoints_folder(train_arguments)
+    if folder is not None:
+        try:
+            requeue.record_stop(folder.parent, RuntimeError(
+                f"{words} (train --nproc {nproc}: it came before the ranks started)"))
+        except OSError:
+            pass  # the run directory cannot be written: the next start says so in one line
+    print(f"vlcontrast: train --nproc {nproc}: {words} (it came while the launcher started: no "
+          f"rank was started); {resume_words(train_arguments)}", file=sys.stderr, flush=True)
+    return 0
+
+
 INHERITED_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
                         "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
@@ -166,6 +272,8 @@ def launch_local(nproc: int, train_arguments: list[str]) -> int:
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from vlcontrast.requeue import take_held_stop_signal
 
     arguments = torchrun.parse_args(torchrun_arguments(nproc, train_arguments))
     # A standalone launch picks its own rendezvous: a rank or port this process inherited (an outer
@@ -179,10 +287,16 @@ def launch_local(nproc: int, train_arguments: list[str]) -> int:
     threads_set = "OMP_NUM_THREADS" not in os.environ
     if threads_set:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    started = time.time()  # a failure before the ranks resumed is not sent back to that checkpoint
     with tempfile.TemporaryDirectory(prefix="vlcontrast-ranks-") as folder, HeldBack() as held:
         os.environ[failure.RANK_ERRORS_VARIABLE] = folder  # the ranks inherit it
         try:
-            torchrun.run(arguments)
+            with StopsPassedToRanks(SignalException):  # SIGUSR1 as well as SIGTERM
+                early = take_held_stop_signal()
+                if early is None:
+                    torchrun.run(arguments)
+            if early is not None:
+                return stopped_before_start(nproc, early, train_arguments)
         except ChildFailedError as failed:
             lines = failure.rank_lines(folder)
             if failure.debug_requested():
@@ -192,7 +306,7 @@ def launch_local(nproc: int, train_arguments: list[str]) -> int:
             if not lines:
                 # Killed, or crashed with its own traceback (on its stderr, above): one line, and
                 # no traceback or framed report of the launcher's (--debug shows them).
-                raise RankFailed(failed_line(nproc, failed, train_arguments)) from failed
+                raise RankFailed(failed_line(nproc, failed, train_arguments, started)) from failed
             # Every rank raises a collective's error alike (the others add "reported by rank R"),
             # so the lowest rank's line stands for the run.
             line, code = lines[min(lines)]
@@ -200,7 +314,7 @@ def launch_local(nproc: int, train_arguments: list[str]) -> int:
             return code
         except SignalException as signal:
             passed = f"{signal_words(signal.sigval)} passed to the ranks"
-            # SIGTERM/SIGINT to the launcher (a scheduler's notice): torchrun forwarded it, and
+            # SIGTERM/SIGUSR1/SIGINT to the launcher (a scheduler's notice): passed on, and
             # the ranks stopped at an agreed step with a checkpoint, as a single process does (exit
             # 0, rank 0's stop line); a rank that failed meanwhile left its line.
             lines = failure.rank_lines(folder)
@@ -215,7 +329,8 @@ def launch_local(nproc: int, train_arguments: list[str]) -> int:
             if missing:  # killed, or failed with an error that is not vlcontrast's (above)
                 print(f"vlcontrast: error: train --nproc {nproc}: {passed}, and rank(s) "
                       f"{', '.join(map(str, missing))} did not stop with a checkpoint (their "
-                      f"output is above); {resume_words(train_arguments)}", file=sys.stderr,
+                      f"output is above); {resume_words(train_arguments, started)}",
+                      file=sys.stderr,
                       flush=True)
                 return 1
             print(f"vlcontrast: train --nproc {nproc}: {passed}, which stopped"

@@ -5,6 +5,7 @@ metadata, preparation, the check, and the training loader.
 ``spec``           the shard-spec grammar every entry point reads (braces, globs, directories, comma
                    lists, ``::`` sources with ``@weight``, ``pipe:``, CLIP_benchmark folders)
 ``tar_reader``     the one tar reader: shard URL -> rows ``(row, key, {extension: bytes})``
+``tar_stream``     one tar stream's members and whether it reached its end-of-archive block
 ``samples``        the bad-sample taxonomy and the checks behind it (training, evaluation, check)
 ``naming``         shard names, img2dataset keys and sample ids (the ground floor of data)
 ``counting``       rows and key facts of local shards from their tar headers (no sizes file needed)

@@ -115,11 +115,15 @@ def key_fix(reason: str, hint: dict[str, Any] | None, option: str) -> str:
 
 
 def sniff_member_keys(urls: list[str], keys: Members, key: str = "data.train",
-                      samples: int = SNIFF_SAMPLES) -> str | None:
+                      samples: int = SNIFF_SAMPLES,
+                      options: tuple[str, str] = ("data.image_key", "data.caption_key")
+                      ) -> str | None:
     """The training preflight's look at the first ``samples`` samples of the first local shards
     (``pipe:`` and missing shards are passed over; an unreadable shard just ends the look): when
     none of them has a member matching ``data.image_key`` or ``data.caption_key``, the one-line
-    error naming the shard, the members found and the setting to use; else None."""
+    error naming the shard, the members found and the setting to use; else None. ``key`` names
+    the shards, ``options`` the two settings (``--image-key``, ``--caption-key`` for ``eval
+    retrieval``)."""
     seen = 0
     lacking = {"missing_image": 0, "missing_caption": 0}
     first: dict[str, tuple[str, dict[str, Any]]] = {}
@@ -136,9 +140,8 @@ def sniff_member_keys(urls: list[str], keys: Members, key: str = "data.train",
                 if missing:
                     lacking[reason] += 1
                     first.setdefault(reason, (url, key_hint(row_key, members, reason)))
-    for reason, option, value in (("missing_image", "data.image_key", ";".join(keys.image)),
-                                  ("missing_caption", "data.caption_key",
-                                   ";".join(keys.caption))):
+    for reason, option, value in (("missing_image", options[0], ";".join(keys.image)),
+                                  ("missing_caption", options[1], ";".join(keys.caption))):
         if seen and lacking[reason] == seen:
             url, hint = first[reason]
             return (f"{key}: none of the first {seen} samples of {url!r} has a member matching "

@@ -19,7 +19,8 @@ import tarfile
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .tar_reader import split_name
+from .naming import split_name
+from .tar_stream import _READ_ERRORS, TruncatedShard, tar_entries
 
 _BLOCK = 512
 
@@ -111,8 +112,6 @@ def _member_names(path: str):
 
 
 def _compressed_member_names(path: str):
-    from .tar_reader import _READ_ERRORS, TruncatedShard, tar_entries
-
     with open(path, "rb") as f:
         try:
             for entry in tar_entries(f):

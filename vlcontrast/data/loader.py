@@ -181,13 +181,8 @@ class TrainLoader:
                 self._epoch_fallback[worker] = meta.get("fallback", {})
                 self._steps_done += 1
                 self.seen_samples += len(sample_ids)
-                self._check_rate(where, final=False)
                 yield Batch(images, texts, sample_ids)
-            self._check_rate(where, final=True)
-            bad = {k: sum(c.get(k, 0) for c in self._epoch_bad) for k in
-                   SAMPLE_REASONS + SHARD_REASONS}
-            if any(bad.values()):
-                logger.warning("%s: skipped %s", where, {k: v for k, v in bad.items() if v})
+            self._judge_epoch()
             fallback: dict[str, int] = {}
             for counts in self._epoch_fallback:
                 for reason, n in counts.items():
@@ -265,14 +260,40 @@ class TrainLoader:
         self._epoch_bad = [{} for _ in self._epoch_bad]
         self._epoch_examined = [0] * len(self._epoch_examined)
 
-    def _check_rate(self, where: str, *, final: bool) -> None:
-        examined = self._base_examined + sum(self._epoch_examined)
-        if not final and examined < MIN_EXAMINED_FOR_RATE:
-            return
-        error = bad_rate_error(self.bad_samples, examined, self._stream.max_bad_fraction, where,
+    def _judge_epoch(self) -> None:
+        """At the end of an epoch: the bad-sample rate so far, on the counts of every rank and
+        worker summed (one collective under a process group, the same verdict on every rank),
+        judged against ``data.max_bad_fraction``; the epoch's skips logged once (rank 0).
+        Judged on sums, the outcome does not depend on the world size or ``data.workers``."""
+        reasons = SAMPLE_REASONS + SHARD_REASONS
+        total, epoch = self.bad_samples, self.epoch_bad_samples
+        counts = [self._base_examined + sum(self._epoch_examined),
+                  *(total.get(r, 0) for r in reasons), *(epoch.get(r, 0) for r in reasons)]
+        ranks = _ranks(self._stream.world_size)
+        if ranks > 1:
+            from vlcontrast.distributed import all_reduce_sum, flag_device
+
+            counts = all_reduce_sum(torch.tensor(counts, dtype=torch.long,
+                                                 device=flag_device())).tolist()
+        examined, n = counts[0], len(reasons)
+        total = {r: c for r, c in zip(reasons, counts[1:1 + n]) if c}
+        epoch = {r: c for r, c in zip(reasons, counts[1 + n:]) if c}
+        where = f"data (epoch {self.epoch}" + (f", {ranks} ranks)" if ranks > 1 else ")")
+        error = bad_rate_error(total, examined, self._stream.max_bad_fraction, where,
                                getattr(self._stream, "max_image_pixels", None))
         if error is not None:
             raise error
+        if epoch and self._stream.rank == 0:
+            logger.warning("%s: skipped %s", where, epoch)
+
+    @property
+    def epoch_bad_samples(self) -> dict[str, int]:
+        """Skipped samples (and shard events) per reason in this epoch, this rank."""
+        total: dict[str, int] = {}
+        for counts in self._epoch_bad:
+            for reason, n in counts.items():
+                total[reason] = total.get(reason, 0) + n
+        return {k: v for k, v in sorted(total.items()) if v}
 
     def _load(self, resume_state: dict) -> None:
         state = resume_state
@@ -311,6 +332,19 @@ class TrainLoader:
             logger.warning("data: resuming rank %d from rank %d's loader state; positions are "
                            "exact only if no samples were skipped", stream.rank, state["rank"])
             self._positions = [b * stream.batch_size for b in self._batches]
+
+
+def _ranks(world_size: int) -> int:
+    """The ranks a loader of ``world_size`` ranks sums its counts over: all of them when they
+    form the process group (every rank's loader then judges at its epoch ends, a collective);
+    1 for a loader of one rank (one built on rank 0 alone, inside a group, included) or without
+    a process group."""
+    import torch.distributed as dist
+
+    if (world_size > 1 and dist.is_available() and dist.is_initialized()
+            and dist.get_world_size() == world_size):
+        return world_size
+    return 1
 
 
 def build_train_loader(data_cfg: Any, preprocess: Callable, tokenizer: Callable, *, seed: int,

@@ -19,6 +19,15 @@ SHARD_DIGITS = 5
 """img2dataset's default ``oom_shard_count``: shard names are ``00000.tar`` ..."""
 
 _SHARD_NAME = re.compile(r"^(\d+)\.tar$")
+_NAME_SPLIT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
+
+
+def split_name(fname: str) -> tuple[str | None, str | None]:
+    """``dir/000000012.jpg`` -> (``dir/000000012``, ``jpg``); (None, None) without extension."""
+    match = _NAME_SPLIT.match(fname)
+    if not match:
+        return None, None
+    return match.group(1), match.group(2).lower()
 
 
 def key_stride(samples_per_shard: int) -> int:

@@ -9,7 +9,8 @@
 * **skip replayed**: on resume, rows up to the saved position are passed over without decoding;
 * **decode**: :func:`~vlcontrast.data.samples.inspect_sample`, then the image transform
   (:func:`~vlcontrast.data.samples.transform_sample`); bad rows are counted by reason in a
-  :class:`Tally`, which also enforces ``data.max_bad_fraction`` inside the worker;
+  :class:`Tally` (``data.max_bad_fraction`` is judged at the end of the epoch, on the counts of
+  every worker and rank summed: :class:`~vlcontrast.data.loader.TrainLoader`);
 * **batch** and **collate**: ``batch_size`` samples -> (images, token ids, sample ids, meta), where
   meta carries the worker's position and counts for :class:`~vlcontrast.data.loader.TrainLoader`.
 
@@ -33,7 +34,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from . import plan
 from vlcontrast.errors import LoaderError
 from .samples import (DEFAULT_MEMBERS, NO_ID, IdRule, Inspected, Members, bad_items,
-                      bad_rate_error, count, inspect_sample, transform_sample)
+                      count, inspect_sample, transform_sample)
 from .sources import ShardSet
 if TYPE_CHECKING:
     from .row_snapshot import RowSnapshot
@@ -42,7 +43,8 @@ from .tar_reader import read_shard
 logger = logging.getLogger(__name__)
 
 MIN_EXAMINED_FOR_RATE = 64
-"""The bad-sample rate is enforced once this many samples were examined (and at epoch end)."""
+"""Kept importable; the bad-sample rate is no longer judged mid-epoch, only at each epoch's end
+(on the counts summed over workers and ranks, :class:`~vlcontrast.data.loader.TrainLoader`)."""
 
 
 class Kept(NamedTuple):
@@ -133,12 +135,9 @@ class Tally:
         return self.good + bad_items(self.counts)
 
     def bad(self, reason: str) -> None:
+        # Counted only: a rate judged here, on this worker's share, would stop one rank of a
+        # run the summed counts let through (TrainLoader judges at the epoch's end).
         count(self.counts, reason)
-        if self.examined >= MIN_EXAMINED_FOR_RATE:
-            error = bad_rate_error(self.counts, self.examined, self.max_bad_fraction, self.where,
-                                   self.max_image_pixels)
-            if error is not None:
-                raise error
 
 
 @dataclass

@@ -13,41 +13,32 @@ A shard that ends without tar's end-of-archive block is *truncated*: Python's ``
 quietly when a file stops at (or inside) a header, so the reader checks for the block itself. The
 last row before a cut may be missing members and is never delivered. An empty archive (nothing
 but the end-of-archive zero blocks: what img2dataset writes for a shard whose every download
-failed) is a whole shard of 0 rows.
+failed) is a whole shard of 0 rows. A local file whose headers are damaged -- one that is no tar
+at all, or a header that fails tar's checksum -- is *unreadable* instead, the judgement of
+``vlcontrast prep check`` (:func:`damaged_headers`); a file that merely stops after valid headers
+(or has no byte at all) stays truncated. A ``pipe:`` shard cannot be judged from its headers: any
+early end of its stream is ``truncated_tar``, a failing command ``unreadable_shard``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import subprocess
-import tarfile
-import zlib
 from typing import Iterable, Iterator
+
+from .naming import split_name
+from .tar_stream import _READ_ERRORS, tar_entries
 
 logger = logging.getLogger(__name__)
 
 PIPE_PREFIX = "pipe:"
 SHARD_EVENTS = ("truncated_tar", "unreadable_shard")
-"""Per-shard events: each counts shard reads that ended early or never started."""
-
-_NAME_SPLIT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
-_READ_ERRORS = (tarfile.TarError, EOFError, OSError, zlib.error)
+"""Per-shard events: each counts shard reads that ended early (a cut file: ``truncated_tar``) or
+met damaged headers, a file that is no tar, a shard that cannot be opened or a failing ``pipe:``
+command (``unreadable_shard``)."""
 
 Row = tuple[int, str, dict[str, bytes]]
-
-
-class TruncatedShard(tarfile.TarError):
-    """The archive stopped before its end-of-archive block."""
-
-
-def split_name(fname: str) -> tuple[str | None, str | None]:
-    """``dir/000000012.jpg`` -> (``dir/000000012``, ``jpg``); (None, None) without extension."""
-    match = _NAME_SPLIT.match(fname)
-    if not match:
-        return None, None
-    return match.group(1), match.group(2).lower()
 
 
 def group_members(entries: Iterable[dict], *, skip: int = 0, stop: int | None = None
@@ -90,36 +81,6 @@ def group_members(entries: Iterable[dict], *, skip: int = 0, stop: int | None = 
         yield row, key, members  # type: ignore[misc]
 
 
-class _EndAwareTarInfo(tarfile.TarInfo):
-    """Records on the archive that the end-of-archive block was read (tarfile does not say)."""
-
-    @classmethod
-    def fromtarfile(cls, archive):  # type: ignore[override]
-        try:
-            return super().fromtarfile(archive)
-        except tarfile.EOFHeaderError:
-            archive.vlc_end_seen = True
-            raise
-
-
-def tar_entries(fileobj, *, stream: bool = True) -> Iterator[dict]:
-    """webdataset-style entries of one tar; raises :class:`TruncatedShard` at the end of an
-    archive without its end-of-archive block (before the last row is closed)."""
-    archive = tarfile.open(fileobj=fileobj, mode="r|*" if stream else "r:*",
-                           tarinfo=_EndAwareTarInfo)
-    # No reset here: ``tarfile.open`` has already read the first header, which for an empty
-    # archive (img2dataset's shard whose every download failed, ``tarfile.open(mode="w")`` with
-    # nothing added: only zero blocks) is the end-of-archive block itself.
-    for info in archive:
-        if info.isreg():
-            yield {"fname": info.name,
-                   "data": lambda info=info: archive.extractfile(info).read()}
-        archive.members = []  # do not keep every TarInfo of the shard alive
-    if not getattr(archive, "vlc_end_seen", False):
-        raise TruncatedShard(f"no end-of-archive block after byte {archive.offset}")
-    yield {}
-
-
 def _count(counts: dict[str, int], reason: str, n: int = 1) -> None:
     counts[reason] = counts.get(reason, 0) + n
 
@@ -137,13 +98,37 @@ def _one_line(url: str, err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0].rstrip(':') if text else ''}".rstrip(": ")
 
 
+def damaged_headers(path: str) -> str | None:
+    """Why a local shard that ended early is *unreadable* rather than *truncated*, judged as
+    ``vlcontrast prep check`` judges it (:func:`vlcontrast.data.counting.count_shard`, from its
+    headers): a header that is not a tar header (a file that is no tar at all, or damage inside
+    one) gives the reason; a file that merely stops after valid headers (a cut, or an empty file)
+    gives None, a truncated shard."""
+    from .counting import count_shard
+
+    try:
+        found = count_shard(path)
+    except OSError as err:  # gone or unreadable since it was opened
+        return f"cannot be read: {type(err).__name__}: {err}"
+    if found.complete and found.error is None:
+        return "a tar whose member data cannot be read"  # whole headers, broken data
+    if found.error is None:
+        return None
+    for prefix in (f"{os.path.abspath(path)}: ", f"{path}: "):  # the path is named apart
+        if found.error.startswith(prefix):
+            return found.error[len(prefix):]
+    return found.error
+
+
 def read_shard(url: str, *, skip: int = 0, take: int | None = None,
                counts: dict[str, int] | None = None, exact: bool = True,
                errors: list[str] | None = None) -> Iterator[Row]:
     """Rows ``skip .. skip+take-1`` of one shard (a path or ``pipe:`` command).
 
-    A shard that cannot be opened or ends early (truncated tar, failing pipe) is counted in
-    ``counts`` (``unreadable_shard`` / ``truncated_tar``) and ends the iteration. When ``exact``
+    A shard that cannot be opened, is no tar or has damaged headers, or whose ``pipe:`` command
+    fails is counted in ``counts`` as ``unreadable_shard``; one that is cut (ends early after
+    valid headers) as ``truncated_tar`` (:func:`damaged_headers` tells them apart, as ``prep
+    check`` does); either ends the iteration. When ``exact``
     (``take`` comes from the shard's known size), rows promised but not delivered are counted as
     ``missing_samples`` and a shard that simply has fewer rows as ``truncated_tar``. ``errors``
     collects a line per event (the exception, or the command's exit status).
@@ -178,8 +163,13 @@ def read_shard(url: str, *, skip: int = 0, take: int | None = None,
         finished = True
     except _READ_ERRORS as err:
         logger.debug("shard %s ended early after %d rows: %r", url, delivered, err)
-        errors.append(f"truncated or corrupt after {delivered} rows: {_one_line(url, err)}")
-        _count(counts, "truncated_tar")
+        damage = None if process is not None else damaged_headers(url)
+        if damage is None:
+            errors.append(f"truncated or corrupt after {delivered} rows: {_one_line(url, err)}")
+            _count(counts, "truncated_tar")
+        else:
+            errors.append(damage)
+            _count(counts, "unreadable_shard")
         broken = True
     finally:
         if process is not None and finished and (take is None or delivered < take):

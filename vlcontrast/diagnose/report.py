@@ -134,7 +134,6 @@ def check_out(out: str | Path, overwrite: bool = False, option: str = "--out") -
     mistake). Nothing is created. ``option`` names the folder in the errors: ``--out`` on the
     command line, else the settings' field ``out`` (and ``overwrite=True`` for
     ``--overwrite``)."""
-    from vlcontrast.errors import ConfigError
     from vlcontrast.outputs import check_replaceable, made, writable_dir
 
     cli = option.startswith("-")
@@ -151,13 +150,9 @@ def check_out(out: str | Path, overwrite: bool = False, option: str = "--out") -
                                   f"{len(report['rows'])} rows, "
                                   f"{made(folder / 'gradient_bias.json')}"), True
     what = f"{option} {str(out)!r}" if cli else f"{option}={str(out)!r}"
-    try:
-        check_replaceable(what, description, kind="a gradient-bias result", is_kind=is_result,
-                          overwrite=overwrite, new="folder")
-    except ConfigError as error:  # the rule's wording names the flag; Python passes the field
-        if cli:
-            raise
-        raise ConfigError(str(error).replace("--overwrite", "overwrite=True")) from None
+    check_replaceable(what, description, kind="a gradient-bias result", is_kind=is_result,
+                      overwrite=overwrite, new="folder",
+                      flag="--overwrite" if cli else "overwrite=True")
 
 
 def _read_report(path: Path) -> dict | None:

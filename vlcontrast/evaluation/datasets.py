@@ -23,7 +23,9 @@ position in its shard), the file's position for folders. Keys give the dataset o
 distributed gather. Splitting: with at least as many shards as reader slots (ranks x workers)
 each slot reads whole shards; otherwise every slot of a rank reads the rank's shards (all shards
 when there are fewer shards than ranks) and keeps every ``stride``-th sample, so small sets still
-use every rank.
+use every rank. Slots that share a shard all read it, and the slot that owns its first row alone
+reports its events (a truncated or unreadable shard) and warns: each shard's events are counted
+once, whatever the number of ranks and loader workers.
 
 Skipped samples reach the caller as the ``skipped`` element of every batch: an ``int`` (the number
 of samples skipped) whose ``reasons`` attribute counts them, and any shard events, per reason; its
@@ -241,7 +243,7 @@ def warn_shard_event(url: str, events: dict[str, int], rows: int, errors: Sequen
 class TarEvalDataset(IterableDataset):
     """Yields ``(key, decoded)`` for this rank's part of the shards; ``decoded`` is the reason
     string when the sample is skipped. Shard events (a truncated or unreadable shard) come as
-    ``(None, event)``; the collate functions count both."""
+    ``(None, event)``, from one reader slot per shard; the collate functions count both."""
 
     def __init__(self, shards: Sequence[str], decode: Callable[[str, dict], object], *,
                  rank: int = 0, world_size: int = 1, row_limits: Sequence[int] | None = None):
@@ -264,17 +266,21 @@ class TarEvalDataset(IterableDataset):
             events: dict[str, int] = {}
             errors: list[str] = []
             rows = 0
+            # Every slot sharing this shard reads all of it; the one that owns its first row
+            # (the one that would own it, for a shard of no row) alone reports its events, so
+            # a shard is reported once whatever the ranks and workers.
+            reports = counter % plan.stride == plan.offset
             for row, key, files in read_shard(self.shards[shard_id], take=limit, exact=False,
                                               counts=events, errors=errors):
                 if counter % plan.stride == plan.offset:
                     yield (shard_id << ROW_BITS) + row, self.decode(key, files)
                 counter += 1
                 rows += 1
-            if events:
+            if events and reports:
                 warn_shard_event(self.shards[shard_id], events, rows, errors)
-            for event, n in events.items():
-                for _ in range(n):
-                    yield None, event
+                for event, n in events.items():
+                    for _ in range(n):
+                        yield None, event
 
     def planned_samples(self, sizes: Sequence[int], workers: int) -> list[int]:
         """Samples each loader worker of this rank will read given per-shard ``sizes``."""
@@ -379,12 +385,15 @@ def build_retrieval_loader(shards: str | Sequence[str], preprocess, *, batch_siz
 
 def build_image_shards_loader(shards: str | Sequence[str], preprocess, *, batch_size: int,
                               workers: int = 0, alpha: str = TRAINING_ALPHA,
-                              max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> EvalLoader:
-    """The images of shards, one process: batches ``(images or None, sample keys list[str],
-    global keys [B], skipped)``, in the order loader workers hand them over (the global keys give
-    the dataset order back); captions are not needed."""
+                              max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+                              rank: int = 0, world_size: int = 1) -> EvalLoader:
+    """The images of shards (this rank's part of them, split as evaluation splits them): batches
+    ``(images or None, sample keys list[str], global keys [B], skipped)``, in the order loader
+    workers hand them over (the global keys give the dataset order back); captions are not
+    needed."""
     paths = resolve_shards(shards)
-    dataset = TarEvalDataset(paths, ImageDecoder(preprocess, max_image_pixels, alpha=alpha))
+    dataset = TarEvalDataset(paths, ImageDecoder(preprocess, max_image_pixels, alpha=alpha),
+                             rank=rank, world_size=world_size)
     name = shards if isinstance(shards, str) else ",".join(shards)
     return EvalLoader(_loader(dataset, batch_size, workers, collate_retrieval),
                       planned_batches(dataset, known_shard_sizes(paths), batch_size, workers),
@@ -402,12 +411,13 @@ def planned_batches(dataset: TarEvalDataset, sizes: Sequence[int] | None, batch_
 
 def build_image_files_loader(paths: Sequence[str | os.PathLike], preprocess, *, batch_size: int,
                              workers: int = 0, alpha: str = TRAINING_ALPHA,
-                             max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> EvalLoader:
-    """Image files in the given order, one process: batches ``(images or None, labels (all 0),
-    keys [B] = positions in ``paths``, skipped)``; unreadable files are skipped and counted as
-    zero-shot evaluation counts them."""
-    dataset = FolderEvalDataset([(str(path), 0) for path in paths], preprocess, 0, 1, alpha,
-                                max_image_pixels)
+                             max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+                             rank: int = 0, world_size: int = 1) -> EvalLoader:
+    """Image files in the given order (this rank's: every ``world_size``-th): batches ``(images
+    or None, labels (all 0), keys [B] = positions in ``paths``, skipped)``; unreadable files are
+    skipped and counted as zero-shot evaluation counts them."""
+    dataset = FolderEvalDataset([(str(path), 0) for path in paths], preprocess, rank, world_size,
+                                alpha, max_image_pixels)
     return EvalLoader(_loader(dataset, batch_size, workers, collate_classification),
                       -(-len(dataset) // batch_size), "image files")
 

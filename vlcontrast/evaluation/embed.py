@@ -187,15 +187,9 @@ def embed_retrieval(model, preprocess, tokenizer, loader, *, device, progress=Fa
     text_keys, text_features = text_keys[order], text_features[order]
     text_to_image = torch.searchsorted(image_keys, text_keys)
     first_caption = torch.searchsorted(text_to_image, torch.arange(image_keys.shape[0]))
-    named = [] if get_world_size() == 1 else list(READ_REASONS)
-    totals = torch.tensor([skipped, transparent, *(reasons.get(r, 0) for r in named)],
-                          device=torch.device(device))
-    if get_world_size() > 1:
-        dist.all_reduce(totals)
-        reasons = {r: int(n) for r, n in zip(named, totals[2:].tolist()) if n}
-    skipped, transparent = totals[:2].tolist()
+    skipped, transparent, reasons = summed_counts(skipped, transparent, reasons, device)
     return RetrievalEmbeddings(image_features, image_keys, text_features, text_to_image,
-                               first_caption, int(skipped), int(transparent), reasons)
+                               first_caption, skipped, transparent, reasons)
 
 
 @torch.no_grad()
@@ -232,18 +226,27 @@ def embed_labelled_images(model, preprocess, loader, *, device, progress=False, 
     keys = torch.cat(key_parts) if key_parts else torch.zeros(0, dtype=torch.long)
     features = _agree_on_width(features, device)
     keys, features, labels = gather_sorted(keys, features, labels, device=device)
-    # The reasons a reader names, counted on every rank in one order (one all_reduce for all).
-    named = [] if get_world_size() == 1 else list(READ_REASONS)
+    skipped, transparent, reasons = summed_counts(skipped, transparent, reasons, device)
+    if counts is not None:
+        counts["transparent"] = transparent
+        counts["reasons"] = reasons
+    return keys, features, labels, skipped
+
+
+def summed_counts(skipped: int, transparent: int, reasons: dict[str, int], device
+                  ) -> tuple[int, int, dict[str, int]]:
+    """``(skipped, transparent, reasons)`` summed over the ranks: the reasons a reader names
+    (:data:`READ_REASONS`), counted on every rank in one order, in one ``all_reduce`` for all
+    (collective); as given with one process."""
+    if get_world_size() == 1:
+        return int(skipped), int(transparent), dict(reasons)
+    named = list(READ_REASONS)
     totals = torch.tensor([skipped, transparent, *(reasons.get(r, 0) for r in named)],
                           device=torch.device(device))
-    if get_world_size() > 1:
-        dist.all_reduce(totals)
-        reasons = {r: int(n) for r, n in zip(named, totals[2:].tolist()) if n}
+    dist.all_reduce(totals)
+    summed = {r: int(n) for r, n in zip(named, totals[2:].tolist()) if n}
     skipped, transparent = totals[:2].tolist()
-    if counts is not None:
-        counts["transparent"] = int(transparent)
-        counts["reasons"] = reasons
-    return keys, features, labels, int(skipped)
+    return int(skipped), int(transparent), summed
 
 
 def _agree_on_width(features: torch.Tensor, device) -> torch.Tensor:

@@ -5,8 +5,9 @@ process group calls them; every rank gets the same dict back, computed once on r
 prefix (``image_to_text_R@1``, ``top1``, ...); the caller adds one (``retrieval/``, ``zeroshot/``).
 :func:`run_retrieval_cli`, :func:`run_zeroshot_cli` and :func:`compare_checkpoints` back
 ``vlcontrast eval ...`` (and the ``eval/*.py`` shims over it): they load a checkpoint, evaluate, write
-the JSON record (an earlier one is refused unless ``overwrite``; replaced atomically) and then print
-a small table (a closed stdout loses nothing: :func:`emit`).
+the JSON record (an earlier one is refused unless ``overwrite``; replaced atomically) and then say
+what was skipped (stderr) and print a small table (a closed stdout or stderr loses nothing:
+:func:`emit`, :func:`say`).
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ def evaluate_zeroshot(model, preprocess, tokenizer, data_dir, classnames=None,
     """Zero-shot classification of an ImageNet val dir, an ImageFolder or a CLIP_benchmark wds set.
 
     ``data_dir``: a directory, or its :class:`~vlcontrast.evaluation.datasets.ZeroShotData`
-    already resolved. ``classnames`` / ``templates``: files or lists overriding the layout's own
+    already resolved (errors about a directory name the Python parameters: ``data_dir=...``). ``classnames`` / ``templates``: files or lists overriding the layout's own
     (see ``datasets.resolve_zeroshot_data``). Each rank embeds a contiguous block of the classes' prompts
     and every ``world``-th image; the classifier and features are gathered.
 
@@ -198,7 +199,8 @@ def evaluate_zeroshot(model, preprocess, tokenizer, data_dir, classnames=None,
 
     rank, world = get_rank(), get_world_size()
     data = (data_dir if isinstance(data_dir, ZeroShotData)
-            else resolve_zeroshot_data(data_dir, classnames, templates, split=split))
+            else resolve_zeroshot_data(data_dir, classnames, templates, split=split,
+                                       keys=("data_dir", "classnames", "templates")))
     data_dir = data.root
     num_classes = len(data.classnames)
     first, last = rank * num_classes // world, (rank + 1) * num_classes // world
@@ -309,25 +311,48 @@ def emit(text: str) -> bool:
         return False
 
 
-def close_stdout() -> None:
-    """Point stdout at the null device after a ``BrokenPipeError`` (Python's documented way), so
-    that neither a later print nor the flush at exit fails on the closed pipe."""
+def say(line: str) -> bool:
+    """Print ``line`` on stderr (a note beside the results). A reader that stopped reading
+    (``eval ... 2>&1 | head -1``) ends the notes, not the command, as :func:`emit` does for
+    stdout: stderr is pointed at the null device, the work goes on; False then."""
+    import sys
+
+    try:
+        print(line, file=sys.stderr, flush=True)
+        return True
+    except BrokenPipeError:
+        _to_null(sys.stderr, "stderr")
+        global _stdout_closed
+        _stdout_closed = True
+        return False
+
+
+def _to_null(stream, name: str) -> None:
+    """Point ``stream`` (sys.stdout or sys.stderr) at the null device."""
     import io
     import os
     import sys
 
-    global _stdout_closed
-    _stdout_closed = True
     try:
-        fd = sys.stdout.fileno()
+        fd = stream.fileno()
     except (AttributeError, ValueError, io.UnsupportedOperation):  # not a file (a test's capture)
-        sys.stdout = open(os.devnull, "w")
+        setattr(sys, name, open(os.devnull, "w"))
         return
     devnull = os.open(os.devnull, os.O_WRONLY)
     try:
         os.dup2(devnull, fd)
     finally:
         os.close(devnull)
+
+
+def close_stdout() -> None:
+    """Point stdout at the null device after a ``BrokenPipeError`` (Python's documented way), so
+    that neither a later print nor the flush at exit fails on the closed pipe."""
+    import sys
+
+    global _stdout_closed
+    _stdout_closed = True
+    _to_null(sys.stdout, "stdout")
 
 
 def reset_stdout_state() -> None:
@@ -337,7 +362,8 @@ def reset_stdout_state() -> None:
 
 
 def stdout_closed() -> bool:
-    """Whether a reader closed stdout while this process printed (:func:`emit`)."""
+    """Whether a reader closed stdout (or stderr) while this process printed (:func:`emit`,
+    :func:`say`)."""
     return _stdout_closed
 
 
@@ -387,16 +413,15 @@ def write_record(record: dict, out, overwrite: bool = False) -> Path:
     """The record as JSON at ``out``, atomically (a temporary file renamed over it). ``out`` was
     free at the start unless ``overwrite``: a file that appeared there while the evaluation ran is
     kept, and the record goes to the first free name beside it (``NAME.1.json``), said on stderr."""
-    import sys
-
     from vlcontrast.outputs import free_name, write_text_atomic
 
     target = Path(out) if overwrite else free_name(out)
-    if target != Path(out):
-        print(f"vlcontrast eval {record['task']}: --out {str(out)!r} was written by something "
-              f"else while this evaluation ran; it is kept and this record goes to "
-              f"{str(target)!r}", file=sys.stderr, flush=True)
-    return write_text_atomic(target, json.dumps(record, indent=2) + "\n")
+    written = write_text_atomic(target, json.dumps(record, indent=2) + "\n")
+    if target != Path(out):  # said once the record is safe
+        say(f"vlcontrast eval {record['task']}: --out {str(out)!r} was written by something "
+            f"else while this evaluation ran; it is kept and this record goes to "
+            f"{str(target)!r}")
+    return written
 
 
 COMPARE_FILE = re.compile(r"^(\d+_(retrieval|zeroshot)\.json|comparison\.(json|md))$")
@@ -452,7 +477,10 @@ def _describe_comparison(folder: Path, held: list[Path]) -> str:
 
 
 def _write_record(task: str, checkpoint_dir, bundle, data, metrics: dict, out,
-                  extra: dict, overwrite: bool = False) -> dict:
+                  extra: dict, overwrite: bool = False, notes: Sequence[str | None] = ()) -> dict:
+    """The record: written to ``out`` (rank 0), then ``notes`` said on stderr (the lines on
+    skipped samples and transparency), then the table printed: a reader that closes either
+    stream early (``2>&1 | head -1``) costs no result."""
     record = {
         "task": task,
         "checkpoint": str(checkpoint_dir),
@@ -465,8 +493,11 @@ def _write_record(task: str, checkpoint_dir, bundle, data, metrics: dict, out,
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     if get_rank() == 0:
-        if out:  # first: a reader that closes stdout early must not cost the results
+        if out:  # first: a reader that closes stdout or stderr early must not cost the results
             write_record(record, out, overwrite)
+        for line in notes:
+            if line:
+                say(line)
         emit(format_table(record))
     return record
 
@@ -506,6 +537,19 @@ def check_retrieval_data(key: str, spec: str) -> list[str]:
     return check_spec(key, spec)
 
 
+def check_keys_match(urls: Sequence[str], members, key: str) -> None:
+    """``--image-key``/``--caption-key`` checked on the first samples of the shards before the
+    model loads (:func:`~vlcontrast.data.check.sniff_member_keys`, training's preflight look):
+    none of them holding a matching member is a one-line ConfigError naming the members found
+    and the setting to use."""
+    from vlcontrast.data.check import sniff_member_keys
+
+    error = sniff_member_keys(list(urls), members, key,
+                              options=("--image-key", "--caption-key"))
+    if error:
+        raise ConfigError(error)
+
+
 def _load(checkpoint, device):
     from vlcontrast.checkpoints import resolve_model_files
     from vlcontrast.models import load_model_from_checkpoint
@@ -513,15 +557,12 @@ def _load(checkpoint, device):
     return resolve_model_files(checkpoint), load_model_from_checkpoint(checkpoint, device=device)
 
 
-def _report_alpha(task: str, metrics: dict, alpha: str) -> None:
-    import sys
-
+def _alpha_line(task: str, metrics: dict, alpha: str) -> str:
+    """``vlcontrast eval TASK: 2 of 10 images had transparency; --alpha white: ...``."""
     from vlcontrast.data.samples import alpha_summary
 
-    if get_rank() == 0:
-        print(f"vlcontrast eval {task}: "
-              f"{alpha_summary(metrics['num_transparent'], metrics['num_images'], alpha)}",
-              file=sys.stderr, flush=True)
+    return (f"vlcontrast eval {task}: "
+            f"{alpha_summary(metrics['num_transparent'], metrics['num_images'], alpha)}")
 
 
 def _skip_record(report: dict) -> dict:
@@ -535,22 +576,20 @@ def _skip_record(report: dict) -> dict:
             **({"shard_events": dict(sorted(events.items()))} if events else {})}
 
 
-def _report_skipped(task: str, metrics: dict, report: dict, max_image_pixels: int,
-                    noun: str = "images") -> None:
-    """``vlcontrast eval TASK: skipped 2 of 10 images (...)`` on stderr (rank 0), when any were
-    or an input shard had an event (``...; input shards: 1 truncated_tar``, apart from the
-    samples)."""
-    import sys
-
+def _skipped_line(task: str, metrics: dict, report: dict, max_image_pixels: int,
+                  noun: str = "images") -> str | None:
+    """``vlcontrast eval TASK: skipped 2 of 10 images (...)`` when any were or an input shard had
+    an event (``...; input shards: 1 truncated_tar``, apart from the samples), else None."""
     from vlcontrast.data.samples import skipped_summary, split_shard_events
 
     skipped = metrics["num_skipped"]
     _, events = split_shard_events(report.get("reasons", {}))
-    if (skipped or events) and get_rank() == 0:
-        line = skipped_summary(skipped, metrics["num_images"] + skipped,
-                               report.get("reasons", {}), report.get("skipped", []),
-                               max_image_pixels=max_image_pixels, noun=noun)
-        print(f"vlcontrast eval {task}: {line}", file=sys.stderr, flush=True)
+    if not (skipped or events):
+        return None
+    line = skipped_summary(skipped, metrics["num_images"] + skipped, report.get("reasons", {}),
+                           report.get("skipped", []), max_image_pixels=max_image_pixels,
+                           noun=noun)
+    return f"vlcontrast eval {task}: {line}"
 
 
 def run_retrieval_cli(checkpoint, data, out=None, batch_size: int = 256, workers: int = 4,
@@ -566,15 +605,20 @@ def run_retrieval_cli(checkpoint, data, out=None, batch_size: int = 256, workers
     ``decompression_bomb``; skipped samples are counted on stderr. An existing ``out`` is refused
     before the model loads unless ``overwrite``; the record is written before the table is
     printed, atomically."""
-    from vlcontrast.data.samples import Members, check_alpha
+    from vlcontrast.data.samples import Members, check_alpha, check_member_keys
 
     alpha = check_alpha(alpha)
-    members = Members.parse(image_key, caption_key) if (image_key or caption_key) else None
+    members = None
+    if image_key or caption_key:
+        check_member_keys(image_key or "jpg", caption_key or "txt", "eval retrieval")
+        members = Members.parse(image_key, caption_key)
     if out:
         check_record_target(out, overwrite)
     if isinstance(data, str):  # the checkpoint's and the data's errors before the model
         check_checkpoint(checkpoint)
-        check_retrieval_data("--data", data)
+        urls = check_retrieval_data("--data", data)
+        if members is not None:  # keys that match nothing: training's preflight look
+            check_keys_match(urls, members, f"--data {data!r}")
     device = _setup_device(device)
     folder, bundle = _load(checkpoint, device)
     report: dict = {}
@@ -583,12 +627,12 @@ def run_retrieval_cli(checkpoint, data, out=None, batch_size: int = 256, workers
                                  max_samples=max_samples, members=members, alpha=alpha,
                                  progress=progress, max_image_pixels=max_image_pixels,
                                  report=report)
-    _report_alpha("retrieval", metrics, alpha)
-    _report_skipped("retrieval", metrics, report, max_image_pixels, noun="samples")
     return _write_record("retrieval", folder, bundle, data, metrics, out,
                          {"num_texts": metrics["num_texts"], "batch_size": batch_size,
                           "max_samples": max_samples, "alpha": alpha, **_skip_record(report)},
-                         overwrite)
+                         overwrite, notes=(_alpha_line("retrieval", metrics, alpha),
+                                           _skipped_line("retrieval", metrics, report,
+                                                         max_image_pixels, noun="samples")))
 
 
 def run_zeroshot_cli(checkpoint, data, out=None, classnames=None, templates=None,
@@ -615,15 +659,15 @@ def run_zeroshot_cli(checkpoint, data, out=None, classnames=None, templates=None
                                 batch_size=batch_size, workers=workers, device=device,
                                 alpha=alpha, progress=progress, report=report,
                                 max_image_pixels=max_image_pixels)
-    _report_alpha("zeroshot", metrics, alpha)
-    _report_skipped("zeroshot", metrics, report, max_image_pixels)
     return _write_record("zeroshot", folder, bundle, data, metrics, out,
                          {"classnames": dict(resolved.classnames_from,
                                              count=len(resolved.classnames)),
                           "templates": dict(resolved.templates_from,
                                             count=len(resolved.templates)),
                           "batch_size": batch_size, "alpha": alpha, **_skip_record(report)},
-                         overwrite)
+                         overwrite, notes=(_alpha_line("zeroshot", metrics, alpha),
+                                           _skipped_line("zeroshot", metrics, report,
+                                                         max_image_pixels)))
 
 
 COMPARISON_COLUMNS = {

@@ -115,7 +115,9 @@ def classify(model, preprocess, tokenizer, paths: Sequence[str | os.PathLike],
     device. ``alpha``: the transparency rule (:data:`~vlcontrast.data.samples.ALPHA_RULES`);
     images of more than ``max_image_pixels`` pixels (None: PIL's limit) are skipped as
     ``decompression_bomb``. Every argument is checked before any image is read: a one-line
-    :class:`ConfigError` naming the parameter."""
+    :class:`ConfigError` naming the parameter. Under a process group of several ranks
+    (``torchrun``) every rank calls it and embeds every world-th image; the features are
+    gathered, so every rank gets the whole result."""
     from vlcontrast.data.samples import check_alpha
 
     from vlcontrast.evaluation.datasets import check_templates

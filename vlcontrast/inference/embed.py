@@ -74,7 +74,7 @@ def check_existing(out: Path, overwrite: bool = False, option: str = "out") -> N
     ``.npy``; or ``FILE.parquet``): a one-line ConfigError saying what they hold, unless
     ``overwrite`` and they are what embed writes. Reads headers only, never the rows.
     ``option``: as for :func:`check_output`."""
-    from vlcontrast.outputs import made
+    from vlcontrast.outputs import check_replaceable, made
 
     sidecar = ids_path(out) if out.suffix.lower() == ".npy" else None
     found = [path for path in (out, sidecar) if path is not None and path.is_file()]
@@ -97,19 +97,6 @@ def check_existing(out: Path, overwrite: bool = False, option: str = "out") -> N
                       kind="a file vlcontrast embed writes", is_kind=is_kind,
                       overwrite=overwrite, noun="it" if len(found) == 1 else "them",
                       flag=_flag(option))
-
-
-def check_replaceable(what: str, held: str, *, flag: str = "--overwrite", **rule) -> None:
-    """:func:`vlcontrast.outputs.check_replaceable` (the one rule for an existing output), its
-    error naming ``flag`` (``overwrite=True`` in the Python API) where it says ``--overwrite``."""
-    from vlcontrast.outputs import check_replaceable as check
-
-    try:
-        check(what, held, **rule)
-    except ConfigError as error:
-        if flag == "--overwrite":
-            raise
-        raise ConfigError(str(error).replace("--overwrite", flag)) from None
 
 
 def _describe_npy(path: Path) -> tuple[bool, str]:
@@ -175,8 +162,12 @@ def embed_texts(model, tokenizer, texts: Sequence[str], *,
                 device: str | torch.device | None = None, batch_size: int = 256,
                 progress: bool = True) -> Embeddings:
     """Encode ``texts`` (a list of strings) in batches; ids are the texts themselves. ``device``:
-    None computes on the model's own device."""
-    from vlcontrast.evaluation.embed import encode_in_lockstep, encode_texts, unwrap_model
+    None computes on the model's own device. Under a process group of several ranks
+    (``torchrun``) every rank calls it and encodes a contiguous block of the texts; the rows are
+    gathered, so every rank gets them all, in the given order."""
+    from vlcontrast.distributed import all_gather_variable, get_rank, get_world_size
+    from vlcontrast.evaluation.embed import (_agree_on_width, encode_in_lockstep, encode_texts,
+                                            unwrap_model)
     from vlcontrast.inference.images import check_count, given_list
     from vlcontrast.inference.model import model_device
 
@@ -186,12 +177,17 @@ def embed_texts(model, tokenizer, texts: Sequence[str], *,
     check_count(batch_size, "batch_size", 1)
     model = unwrap_model(model)
     device = model_device(model, device)
-    batches = (texts[i:i + batch_size] for i in range(0, len(texts), batch_size))
+    rank, world = get_rank(), get_world_size()
+    mine = texts[rank * len(texts) // world:(rank + 1) * len(texts) // world]
+    batches = (mine[i:i + batch_size] for i in range(0, len(mine), batch_size))
     parts = [encode_texts(model, tokenizer(list(batch)), device).cpu()
              for batch in encode_in_lockstep(batches, device, progress=progress,
-                                             total=-(-len(texts) // batch_size),
+                                             total=-(-len(mine) // batch_size),
                                              description="embed texts", synchronize=False)]
-    return Embeddings(torch.cat(parts).numpy(), list(texts))
+    vectors = torch.cat(parts) if parts else torch.zeros(0, 0)
+    if world > 1:  # the blocks in rank order: the texts' order
+        vectors = all_gather_variable(_agree_on_width(vectors, device).to(device)).cpu()
+    return Embeddings(vectors.numpy(), list(texts))
 
 
 @torch.no_grad()
@@ -206,7 +202,9 @@ def embed_images(model, preprocess, *, paths: Sequence[str | os.PathLike] | None
     are images of more than ``max_image_pixels`` pixels (None: PIL's limit); transparency follows
     the rule ``alpha`` (:data:`~vlcontrast.data.samples.ALPHA_RULES`). ``device``: None computes
     on the model's own device. ``what``: how errors about the images name them (None: the
-    Python parameter, ``paths`` or ``shards``; ``--images`` on the command line)."""
+    Python parameter, ``paths`` or ``shards``; ``--images`` on the command line). Under a process
+    group of several ranks (``torchrun``) every rank calls it and embeds its part; the rows are
+    gathered, so every rank gets the whole result in input order."""
     from vlcontrast.data.samples import DEFAULT_MAX_IMAGE_PIXELS, check_alpha, pixels_hint
     from vlcontrast.evaluation.embed import unwrap_model
     from vlcontrast.inference.images import check_count, check_image_paths
@@ -248,31 +246,49 @@ def embed_images(model, preprocess, *, paths: Sequence[str | os.PathLike] | None
 
 def _embed_shard_images(model, preprocess, shards, *, device, batch_size, workers,
                         progress, alpha, max_image_pixels, what: str = "shards") -> Embeddings:
-    from vlcontrast.data.samples import pixels_hint
-    from vlcontrast.evaluation.datasets import build_image_shards_loader
-    from vlcontrast.evaluation.embed import encode_images, encode_in_lockstep, model_dtype
+    """The images of ``shards``; under a process group of several ranks each rank reads its
+    part (split as evaluation splits shards) and the rows, ids and counts are gathered, so every
+    rank gets the whole result in shard order (collective)."""
+    import torch.distributed as dist
 
+    from vlcontrast.data.samples import pixels_hint
+    from vlcontrast.distributed import get_rank, get_world_size
+    from vlcontrast.evaluation.datasets import build_image_shards_loader
+    from vlcontrast.evaluation.embed import (_agree_on_width, encode_images, encode_in_lockstep,
+                                            gather_sorted, model_dtype, summed_counts)
+
+    rank, world = get_rank(), get_world_size()
     loader = build_image_shards_loader(shards, preprocess, batch_size=batch_size, workers=workers,
-                                       alpha=alpha, max_image_pixels=max_image_pixels)
+                                       alpha=alpha, max_image_pixels=max_image_pixels,
+                                       rank=rank, world_size=world)
     dtype = model_dtype(model)
-    parts, ids, order, reasons, transparent = [], [], [], {}, 0
-    for images, keys, positions, skipped in encode_in_lockstep(
+    parts, ids, order, reasons, transparent, skipped = [], [], [], {}, 0, 0
+    for images, keys, positions, batch_skipped in encode_in_lockstep(
             loader.loader, device, progress=progress, total=loader.num_batches,
             description="embed images", synchronize=False):
-        for reason, n in skipped.reasons.items():
+        for reason, n in batch_skipped.reasons.items():
             reasons[reason] = reasons.get(reason, 0) + n
-        transparent += skipped.transparent
+        transparent += batch_skipped.transparent
+        skipped += int(batch_skipped)
         if images is not None:
             parts.append(encode_images(model, images, device, dtype).cpu())
             ids.extend(keys)
             order.append(positions)  # (shard index, row in shard) as one number
-    if not parts:
+    _, transparent, reasons = summed_counts(skipped, transparent, reasons, device)
+    # Loader workers (and ranks) hand batches over in turns: the rows go back to shard order.
+    positions = torch.cat(order) if order else torch.zeros(0, dtype=torch.long)
+    features = _agree_on_width(torch.cat(parts) if parts else torch.zeros(0, 0), device)
+    named = dict(zip(positions.tolist(), ids))
+    positions, features = gather_sorted(positions, features, device=device)
+    if world > 1:  # the ids are strings: gathered as objects
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, named)
+        named = {position: key for part in everyone for position, key in part.items()}
+    if features.shape[0] == 0:  # on every rank alike: the counts are summed
         raise ConfigError(f"{_named(what, loader.name)}: no readable image in these shards "
                           f"({reasons}); check them with `vlcontrast prep check`"
                           f"{pixels_hint(reasons, max_image_pixels)}")
-    # Loader workers hand batches over in turns: the rows go back to shard order at the end.
-    rows = torch.argsort(torch.cat(order), stable=True)
-    return Embeddings(torch.cat(parts)[rows].numpy(), [ids[i] for i in rows.tolist()], [],
+    return Embeddings(features.numpy(), [named[p] for p in positions.tolist()], [],
                       reasons, transparent, max_image_pixels)
 
 

@@ -116,29 +116,27 @@ def embed_image_files(model, preprocess, paths: Sequence[Path], *, device, batch
                       max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> ImageFeatures:
     """Encode image files in batches (a progress bar on a terminal, plain lines in a log);
     transparency is treated by the rule ``alpha`` (:data:`~vlcontrast.data.samples.ALPHA_RULES`);
-    images of more than ``max_image_pixels`` pixels are skipped as ``decompression_bomb``."""
+    images of more than ``max_image_pixels`` pixels are skipped as ``decompression_bomb``.
+
+    Under a process group of several ranks (``torchrun``) every rank calls it and reads every
+    world-th file; the features and counts are gathered, so every rank gets the whole result, in
+    the order of ``paths``, as one process would."""
+    from vlcontrast.distributed import get_rank, get_world_size
     from vlcontrast.evaluation.datasets import build_image_files_loader
     from vlcontrast.evaluation.embed import embed_labelled_images
 
     loader = build_image_files_loader(paths, preprocess, batch_size=batch_size, workers=workers,
-                                      alpha=alpha, max_image_pixels=max_image_pixels)
-    reasons: dict[str, int] = {}
-    counts: dict[str, int] = {}
-
-    def counted(batches):
-        for batch in batches:
-            for reason, n in batch[3].reasons.items():
-                reasons[reason] = reasons.get(reason, 0) + n
-            yield batch
-
-    keys, features, _, _ = embed_labelled_images(model, preprocess, counted(loader.loader),
+                                      alpha=alpha, max_image_pixels=max_image_pixels,
+                                      rank=get_rank(), world_size=get_world_size())
+    counts: dict = {}
+    keys, features, _, _ = embed_labelled_images(model, preprocess, loader.loader,
                                                  device=device, progress=progress,
                                                  total_batches=loader.num_batches, counts=counts)
     kept = keys.tolist()
     kept_set = set(kept)
     skipped = [index for index in range(len(paths)) if index not in kept_set]
-    return ImageFeatures(features, kept, skipped, reasons, counts.get("transparent", 0),
-                         max_image_pixels)
+    return ImageFeatures(features, kept, skipped, counts.get("reasons", {}),
+                         counts.get("transparent", 0), max_image_pixels)
 
 
 def skipped_summary(paths: Sequence[Path], result: ImageFeatures, limit: int = 3) -> str:

@@ -41,6 +41,18 @@ from vlcontrast.checkpoints import (EXPORT_CONFIG_FILE, MODEL_CONFIG_FILE, WEIGH
                                     read_weights, resolve_model_files, resolve_weights)
 from vlcontrast.errors import ConfigError
 
+__all__ = [
+    "PACKAGE_CONFIG_DIR",
+    "USER_CONFIG_DIR",
+    "ModelBundle",
+    "build_model",
+    "check_pretrained",
+    "load_model_from_checkpoint",
+    "load_pretrained_model",
+    "lock_towers",
+    "resolve_model_config",
+]
+
 PACKAGE_CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 """Model configs shipped with the package (``pyproject.toml`` package-data)."""
 USER_CONFIG_DIR = Path("configs") / "models"
@@ -116,12 +128,13 @@ def _folder_model(folder: str) -> tuple[Path | None, dict[str, Any] | None, str]
         if len(inside) == 1:
             return inside[0], None, folder
     try:
-        stored = json.loads((resolve_weights(folder, "model.name") / MODEL_CONFIG_FILE).read_text())
-        return None, dict(stored["model_cfg"]), str(stored["model_name"])
-    except (OSError, ValueError, KeyError, TypeError):
+        checkpoint = resolve_weights(folder, "model.name")
+    except OSError:
         raise ConfigError(f"model.name={folder!r}: a folder, but not a vlcontrast run, checkpoint "
                           "or export, nor a transformers CLIPModel directory; give an open_clip "
                           "model name, a model-config JSON, or one of those folders") from None
+    stored = read_model_config(checkpoint)  # a damaged one: named, with the checkpoint before it
+    return None, dict(stored["model_cfg"]), str(stored["model_name"])
 
 
 def resolve_model_config(name: str, hf_model_dir: str = "") -> tuple[str, dict[str, Any]]:
@@ -660,6 +673,31 @@ def _export_meta(folder: Path) -> dict[str, Any]:
             "init_logit_bias": model_cfg.pop("init_logit_bias", None)}
 
 
+def read_model_config(folder: Path) -> dict[str, Any]:
+    """A checkpoint's ``model_config.json`` (the model's name and open_clip config); a missing or
+    damaged one is a one-line :class:`~vlcontrast.errors.CheckpointError` naming the checkpoint
+    and the one before it."""
+    from vlcontrast.checkpoints import incomplete_words, use_earlier
+    from vlcontrast.errors import CheckpointError
+
+    file = Path(folder) / MODEL_CONFIG_FILE
+    if not file.is_file():
+        raise CheckpointError(f"{folder}: " + (incomplete_words(folder) or f"an incomplete "
+                                               f"checkpoint (no {MODEL_CONFIG_FILE}); "
+                                               f"{use_earlier(folder)}"))
+    try:
+        meta = json.loads(file.read_text())
+        why = ("" if isinstance(meta, dict) and isinstance(meta.get("model_cfg"), dict)
+               and isinstance(meta.get("model_name"), str)
+               else "no model_name and model_cfg in it")
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        why = f"{type(err).__name__}: {err}"
+    if why:
+        raise CheckpointError(f"{file}: not a readable model config (truncated or corrupt: "
+                              f"{why}); {use_earlier(folder)}")
+    return meta
+
+
 def load_model_from_checkpoint(path: str | Path, device: str | torch.device = "cpu",
                                what: str = "--checkpoint") -> ModelBundle:
     """Rebuild a model with its weights, in eval mode, from a vlcontrast run directory (its
@@ -684,8 +722,7 @@ def load_model_from_checkpoint(path: str | Path, device: str | torch.device = "c
     elif is_export(folder):
         meta, weights = _export_meta(folder), export_weights(folder)
     else:
-        meta = json.loads((folder / MODEL_CONFIG_FILE).read_text())
-        weights = folder / WEIGHTS_FILE
+        meta, weights = read_model_config(folder), folder / WEIGHTS_FILE
     registered = _register_config(meta["model_name"], meta["model_cfg"])
     kwargs: dict[str, Any] = {"init_logit_scale": meta.get("init_logit_scale", math.log(1 / 0.07))}
     if meta.get("init_logit_bias") is not None:

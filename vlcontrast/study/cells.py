@@ -38,6 +38,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
+from vlcontrast.requeue import STOP_SIGNALS
 from vlcontrast.train.metrics import read_metrics, read_run_metrics
 
 from .config import StudyConfig
@@ -79,7 +80,7 @@ def _with_mean_recall(values: dict[str, Any]) -> dict[str, float]:
 
 def summarise_run(run_dir: Path, global_batch: int) -> dict[str, Any]:
     """Last and best evaluation, evaluation curve and thinned loss curve of a finished run."""
-    records = read_run_metrics(run_dir / "metrics.jsonl")
+    records = read_run_metrics(run_dir / "metrics.jsonl", missing_ok=True)
     final = json.loads((run_dir / "results.json").read_text())["metrics"]
     curve_by_step: dict[int, dict[str, Any]] = {}
     for record in records:
@@ -141,7 +142,15 @@ _STOP: dict[str, int] = {}
 
 
 def stop_requested() -> int | None:
-    """The stop signal this process got while running cells (:func:`forwarding_stop_signals`)."""
+    """The stop signal this process got while running cells (:func:`forwarding_stop_signals`),
+    or while ``study --cell`` was starting (held by the command line,
+    :func:`vlcontrast.requeue.hold_stop_signals`: then no cell starts)."""
+    if "signal" not in _STOP:
+        from vlcontrast.requeue import take_held_stop_signal
+
+        held = take_held_stop_signal()
+        if held is not None:
+            _STOP["signal"] = held
     return _STOP.get("signal")
 
 
@@ -168,8 +177,8 @@ def forwarding_stop_signals() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {sig: signal.signal(sig, _tell_cells_to_stop)
-                for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    previous = {sig: signal.signal(sig, _tell_cells_to_stop) for sig in STOP_SIGNALS}
+    stop_requested()  # one held since start-up is adopted now that the forwarding is in place
     try:
         yield
     finally:
@@ -496,7 +505,7 @@ def incomplete_run(run_dir: Path, steps: int) -> str | None:
     step = final.get("step")
     if isinstance(step, int) and step != steps:
         return f"{run_dir}/results.json is at step {step}, the cell trains {steps}"
-    if not any(r.get("kind") == "train" for r in read_metrics(run_dir / "metrics.jsonl")):
+    if not any(r.get("kind") == "train" for r in read_metrics(run_dir / "metrics.jsonl", missing_ok=True)):
         return f"{run_dir}/metrics.jsonl is missing or holds no training record"
     return None
 

@@ -26,6 +26,7 @@ import json
 import shutil
 import signal
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,9 +36,9 @@ import yaml
 
 from ..config import ConfigError
 from ..progress import Progress
-from .cells import (_run_training, _write_json, acquire_cell_lock, ensure_pretrained,
-                    forwarding_stop_signals, host_cpu, incomplete_run, kill_running_cells,
-                    read_result, resume_point, stop_requested, summarise_run)
+from .cells import (_STOP, _run_training, _tell_cells_to_stop, _write_json, acquire_cell_lock,
+                    ensure_pretrained, forwarding_stop_signals, host_cpu, incomplete_run,
+                    kill_running_cells, read_result, resume_point, stop_requested, summarise_run)
 from .config import StudyConfig
 from .design import (Cell2, cell_command_v2, cell_fingerprint_v2, final_cells, finished_result,
                      read_selected, selected_path, start_digest, sweep_hyper_cells,
@@ -172,26 +173,65 @@ def _run_locked(config: StudyConfig, cell: AnyCell, lock) -> dict[str, Any]:
 # the cell loop
 
 
+class StudyStopped(Exception):
+    """``kill`` (SIGTERM) stopped the study: the running cells were passed the signal and stopped
+    with a checkpoint (``stopped``), or the study was between cells; the command line says so in
+    one line and exits 128 + the signal."""
+
+    def __init__(self, signum: int, stopped: list[str] | None = None):
+        self.signum, self.stopped = signum, list(stopped or [])
+        super().__init__(self.line())
+
+    def line(self) -> str:
+        cells = (f"; {len(self.stopped)} running cell(s) stopped with a checkpoint and resume "
+                 "from it" if self.stopped else "")
+        return f"study: stopped by signal {self.signum}{cells}; run the same command to continue"
+
+
+_RUNNING_CELLS = threading.Event()
+"""Set while :func:`run_cells` waits on its cells: a SIGTERM is passed on to them then."""
+
+
 def run_cells(config: StudyConfig, cells: list[AnyCell],
-              after_each: Callable[[AnyCell, dict[str, Any]], None] | None = None) -> list[str]:
+              after_each: Callable[[AnyCell, dict[str, Any]], None] | None = None,
+              every: list[AnyCell] | None = None) -> list[str]:
     """Run the unfinished ``cells``, ``parallel`` at a time (threads only wait on the cells'
     processes); returns the names of the failed ones. ``after_each(cell, record)`` runs in this
     thread as each cell ends. Progress goes to stderr: a bar on a terminal, one line per finished
-    cell (with the ETA) in a log file, and a closing line with the counts. Ctrl-C or ``kill``
-    kills every running cell: none outlives the study."""
+    cell (with the ETA) in a log file, and a closing line with the counts; ``every`` (all the
+    cells of the stage part, finished ones too) is what the counts are of, else ``cells``.
+    Ctrl-C kills every running cell: none outlives the study. ``kill`` (SIGTERM, under
+    :func:`run_study`) is passed on to the running cells, which checkpoint and stop; no cell
+    starts after it, and :class:`StudyStopped` is raised once they have stopped."""
     todo = [cell for cell in cells if not is_finished(config, cell)]
-    print(f"study: {len(cells) - len(todo)} of {len(cells)} cells done, running {len(todo)}",
+    todo_names = {cell.name for cell in todo}
+    counted = cells if every is None else every
+    done = sum(1 for cell in counted if cell.name not in todo_names and is_finished(config, cell))
+    print(f"study: {done} of {len(counted)} cells done, running {len(todo)}",
           file=sys.stderr, flush=True)
     failed: list[str] = []
     if not todo:
         return failed
-    with Progress(total=len(cells), desc="study", unit="cell", initial=len(cells) - len(todo),
+    stopped: list[str] = []
+    with Progress(total=len(counted), desc="study", unit="cell", initial=done,
                   every_n=1) as progress, \
             ThreadPoolExecutor(max_workers=config.parallel) as pool:
-        futures = {pool.submit(run_one, config, cell): cell for cell in todo}
+        futures: dict[Any, AnyCell] = {}
+        _RUNNING_CELLS.set()  # before the first cell starts: a SIGTERM from now on reaches it
         try:
+            futures = {pool.submit(_run_unless_stopped, config, cell): cell for cell in todo}
             for future in as_completed(futures):
                 cell, record = futures[future], future.result()
+                if record is None:  # not started: the study was stopped
+                    continue
+                if record["status"] == "stopped" and stop_requested() is not None:
+                    if record.get("returncode") == 0:  # its stop checkpoint is written
+                        stopped.append(cell.name)
+                        progress.write(f"study: {cell.name} stopped with a checkpoint")
+                    elif record.get("returncode") is not None:
+                        progress.write(f"study: {cell.name} stopped before its first checkpoint "
+                                       "(it starts again)")
+                    continue
                 if record["status"] != "ok":
                     failed.append(cell.name)
                     last = record.get("error", "").strip().splitlines()[-1:] or [""]
@@ -205,11 +245,22 @@ def run_cells(config: StudyConfig, cells: list[AnyCell],
                 future.cancel()
             kill_running_cells()
             raise
+        finally:
+            _RUNNING_CELLS.clear()
+    if stop_requested() is not None:
+        raise StudyStopped(stop_requested(), stopped)
     print(f"study: {len(todo) - len(failed)} of {len(todo)} cells ran"
           + (f", {len(failed)} failed (rerun the stage to retry them: {', '.join(failed[:3])}"
              + (", ..." if len(failed) > 3 else "") + ")" if failed else "")
           + f"; results in {config.results_path}/", file=sys.stderr, flush=True)
     return failed
+
+
+def _run_unless_stopped(config: StudyConfig, cell: AnyCell) -> dict[str, Any] | None:
+    """:func:`run_one`, or None once the study was stopped (a cell waiting for its thread)."""
+    if stop_requested() is not None:
+        return None
+    return run_one(config, cell)
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,6 +289,23 @@ def next_round(config: StudyConfig) -> tuple[str, list[AnyCell]]:
     finals = [cell for cell in final_cells(config, read_selected(config))
               if not is_finished(config, cell)]
     return ("final", finals) if finals else ("done", [])
+
+
+def part_cells(config: StudyConfig, part: str) -> list[AnyCell]:
+    """Every cell of a part :func:`next_round` names, finished ones included (what its count
+    "K of N cells done" is of): the grid; the lr sweep's cells known so far; the option sweeps at
+    the chosen lr; the finals of the selection."""
+    if not staged(config):
+        return list(grid_cells(config))
+    from .v2 import choose_lr
+
+    if part == "sweep-lr":
+        return list(sweep_lr_cells(config))
+    if part == "sweep-hyper":
+        return list(sweep_hyper_cells(config, choose_lr(config)))
+    if part == "final":
+        return list(final_cells(config, read_selected(config)))
+    return []
 
 
 def find_cell(config: StudyConfig, name: str) -> AnyCell:
@@ -357,16 +425,21 @@ def _grid_gpu_lines(config: StudyConfig, head: str, done: str, progress: str,
 # the stages
 
 
-def _exit_on_sigterm() -> None:
-    """``kill`` of the study raises SystemExit, so the running cells (their own sessions) are
-    killed too."""
+def _stop_on_sigterm() -> object | None:
+    """``kill`` of the study: while cells run (:func:`run_cells`), SIGTERM is passed on to them as
+    a SLURM array task passes it (they checkpoint and stop; :class:`StudyStopped` follows once they
+    have); between cells (preparing data, writing the report) it raises :class:`StudyStopped` at
+    once, and what runs then is killed. Returns the handler it replaced."""
     def handler(signum, _frame):
-        raise SystemExit(128 + signum)
+        if _RUNNING_CELLS.is_set():
+            _tell_cells_to_stop(signum)
+            return
+        raise StudyStopped(signum)
 
     try:
-        signal.signal(signal.SIGTERM, handler)
+        return signal.signal(signal.SIGTERM, handler)
     except ValueError:  # not the main thread
-        pass
+        return None
 
 
 def earlier_failures(config: StudyConfig, cells: list[Cell]) -> dict[str, dict[str, Any]]:
@@ -468,7 +541,17 @@ def run_study(config: StudyConfig, stage: str = "all", command: str = "",
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "study_config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(config), sort_keys=False))
-    _exit_on_sigterm()
+    _STOP.clear()  # a stop of an earlier study in this process is not this one's
+    previous = _stop_on_sigterm()
+    try:
+        return _run_stages(config, stage, command, sync_docs, preparing)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run_stages(config: StudyConfig, stage: str, command: str, sync_docs: tuple[Path, ...],
+                preparing: bool) -> StudyResult:
     result = StudyResult()
     if preparing:
         prepare(config)
@@ -514,7 +597,7 @@ def _run_rounds(config: StudyConfig, parts: tuple[str, ...], result: StudyResult
         if part not in parts or not {cell.name for cell in cells} - tried:
             return
         cells = [cell for cell in cells if cell.name not in tried]
-        failed = run_cells(config, cells, after_each)
+        failed = run_cells(config, cells, after_each, every=part_cells(config, part))
         tried |= {cell.name for cell in cells}
         result.ran += [cell.name for cell in cells]
         result.failed += failed

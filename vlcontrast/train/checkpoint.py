@@ -51,9 +51,10 @@ import torch
 
 from vlcontrast import distributed as dist_utils
 from vlcontrast import checkpoints
-from vlcontrast.checkpoints import (LATEST, atomic_write_text, check_engine_files, damaged_fix,
-                                    load_file, missing_engine_file)
+from vlcontrast.checkpoints import (LATEST, check_engine_files, damaged_fix, load_file,
+                                    missing_engine_file)
 from vlcontrast.errors import CheckpointError
+from vlcontrast.outputs import write_text_atomic
 
 
 class Stateful(Protocol):
@@ -209,36 +210,51 @@ class Checkpointer:
         missing from the checkpoint is a CheckpointError on every rank."""
         if path is None:
             return None
-        # Ours first: a file carrying code is refused before DeepSpeed reads its own files.
-        run_state = load_file(path / "trainer_state.pt")
-        world = dist_utils.get_world_size()
-        rank_file = path / f"rank_{dist_utils.get_rank():05d}.pt"
-        saved_world = int(run_state.get(WORLD_KEY) or len(list(path.glob("rank_*.pt"))) or world)
-        universal = checkpoints.universal_resume(path, world)
-        if universal and not loads_universal(self.engine):
-            raise CheckpointError(f"{path}: written by {saved_world} ranks under ZeRO 1-3 and "
-                                  f"resumed by {world}, which needs an engine built with "
-                                  "load_universal=True (build_engine)")
-        error = None
-        # A universal checkpoint is made from every rank's partition, else a rank reads its own.
-        ranks = range(saved_world) if universal else [dist_utils.get_rank()]
-        lost = next(filter(None, (missing_engine_file(path / "engine", r) for r in ranks)), None)
-        if saved_world == world and not rank_file.is_file():
-            error = CheckpointError(
-                f"{rank_file}: missing; the checkpoint was written by as many ranks as this "
-                f"run has ({world}), and that file holds this rank's data position and random "
-                f"state; {damaged_fix(path)}")
-        elif lost is not None:
-            error = CheckpointError(f"{lost}: missing, so this checkpoint's optimizer state "
-                                    f"cannot be read; {damaged_fix(path)}")
+        world, rank = dist_utils.get_world_size(), dist_utils.get_rank()
+        rank_file = path / f"rank_{rank:05d}.pt"
+        fix = damaged_fix(path)
+        error: CheckpointError | None = None
+        run_state = rank_state = None
+        saved_world, universal = world, False
+        try:
+            # Ours first: a file carrying code is refused before DeepSpeed reads its own files.
+            run_state = load_file(path / "trainer_state.pt", fix=fix)
+        except CheckpointError as err:
+            error = err
+        if run_state is not None:
+            saved_world = int(run_state.get(WORLD_KEY) or len(list(path.glob("rank_*.pt")))
+                              or world)
+            universal = checkpoints.universal_resume(path, world)
+            if universal and not loads_universal(self.engine):
+                raise CheckpointError(f"{path}: written by {saved_world} ranks under ZeRO 1-3 "
+                                      f"and resumed by {world}, which needs an engine built with "
+                                      "load_universal=True (build_engine)")
+            # A universal checkpoint is made from every rank's partition, else a rank reads its
+            # own.
+            ranks = range(saved_world) if universal else [rank]
+            lost = next(filter(None, (missing_engine_file(path / "engine", r) for r in ranks)),
+                        None)
+            if saved_world == world and not rank_file.is_file():
+                error = CheckpointError(
+                    f"{rank_file}: missing; the checkpoint was written by as many ranks as this "
+                    f"run has ({world}), and that file holds this rank's data position and random "
+                    f"state; {fix}")
+            elif lost is not None:
+                error = CheckpointError(f"{lost}: missing, so this checkpoint's optimizer state "
+                                        f"cannot be read; {fix}")
+            elif saved_world == world:
+                try:  # read here, so that a damaged one stops every rank, not this one alone
+                    rank_state = load_file(rank_file, fix=fix)
+                except CheckpointError as err:
+                    error = err
         # Agreed before DeepSpeed's load: a rank failing alone there leaves the others waiting.
         dist_utils.raise_on_any_rank(error, CheckpointError)
-        rank_state = load_file(rank_file) if saved_world == world else None
+        assert run_state is not None
         self._check_layout(run_state, path)
-        check_engine_files(path / "engine")
+        check_engine_files(path / "engine", fix)
         source = universal_checkpoint(path, saved_world) if universal else path
         if universal:
-            check_engine_files(source)  # reused from an earlier resume: read as warily
+            check_engine_files(source, fix)  # reused from an earlier resume: read as warily
         try:
             self.engine.load_checkpoint(str(source), tag="engine", load_module_strict=True)
         except FileNotFoundError as err:  # DeepSpeed's own files: one lost or never copied
@@ -303,10 +319,12 @@ class Checkpointer:
         rank = dist_utils.get_rank()
         name = f"step_{step:08d}"
         final, tmp = self.root / name, self.root / (name + ".tmp")
-        previous = checkpoints.latest_checkpoint(self.root)
 
         def agree(error: BaseException | None) -> None:
             if error is not None:
+                # The newest complete checkpoint before this step, as the disk has it now (never
+                # the step being written, which another process may have written meanwhile).
+                previous = checkpoints.earlier_checkpoint(final)
                 error = CheckpointError(
                     f"checkpoint at step {step} could not be written to {tmp} "
                     f"({type(error).__name__}: {error}); the previous checkpoint "
@@ -360,7 +378,7 @@ class Checkpointer:
                 if final.exists():
                     shutil.rmtree(final)
                 os.replace(tmp, final)
-                atomic_write_text(self.root / LATEST, name + "\n")
+                write_text_atomic(self.root / LATEST, name + "\n")
             except OSError as err:
                 error = err
         agree(error)
@@ -502,3 +520,111 @@ def prune(root: Path, keep: int, newest: Path | None = None) -> None:
         shutil.rmtree(old, ignore_errors=True)
     for stale in root.glob("step_*.tmp"):
         shutil.rmtree(stale, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------
+# one writer per run folder
+
+
+LOCK_FILE = ".train.lock"
+"""The file in the run folder that the process writing the run (rank 0) holds an ``flock`` on,
+and that names it (pid, host, start) for a second ``vlcontrast train`` refused there."""
+
+_LOCKS_UNSUPPORTED_SAID = False
+
+
+class RunLock:
+    """An exclusive ``flock`` on ``RUN/.train.lock``, held from the start of ``train()`` to its
+    end. The operating system releases it when the process dies (a crash, SIGKILL, a SLURM
+    requeue), so no stale lock outlives its holder; :meth:`release` also removes the file."""
+
+    def __init__(self, path: Path, fd: int):
+        self.path, self.fd = path, fd
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            if _same_file(self.fd, self.path):  # while still held: nobody else's file goes
+                self.path.unlink()
+        except OSError:
+            pass
+        os.close(self.fd)
+        self.fd = None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        held, there = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino)
+
+
+def lock_run_folder(output_dir: str | Path) -> RunLock | None:
+    """Lock the run folder ``output_dir`` for this process (it is created when missing), or a
+    one-line :class:`~vlcontrast.errors.ConfigError` naming the process that holds it (pid, host)
+    and the fix. Two processes writing one run delete each other's checkpoints in progress and
+    mix their metrics. None, with a warning once per process, where the file system has no
+    locks; None too where the folder cannot be written (the preflight names why)."""
+    import errno
+    import fcntl
+    import json
+    import logging
+    import socket
+    import time
+
+    from vlcontrast.errors import ConfigError
+
+    global _LOCKS_UNSUPPORTED_SAID
+    folder = Path(output_dir)
+    path = folder / LOCK_FILE
+    for _ in range(20):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+                holder = _holder(fd)
+                os.close(fd)
+                raise ConfigError(f"output_dir={str(output_dir)!r} is in use by another "
+                                  f"`vlcontrast train` ({holder}; it holds {path}); wait for it "
+                                  "to end (or stop it), or give another output_dir") from None
+            os.close(fd)
+            if not _LOCKS_UNSUPPORTED_SAID:
+                _LOCKS_UNSUPPORTED_SAID = True
+                logging.getLogger(__name__).warning(
+                    "output_dir=%r: its file system does not support file locks (%s), so a second "
+                    "`vlcontrast train` on this folder would not be refused; run one at a time",
+                    str(output_dir), err.strerror or err)
+            return None
+        # Its last holder may have removed the file between our open and our lock (and another
+        # process made it anew): a lock on a removed file guards nothing, so take the one there.
+        if not _same_file(fd, path):
+            os.close(fd)
+            continue
+        holder = {"pid": os.getpid(), "host": socket.gethostname(),
+                  "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+        except OSError:
+            pass  # the lock holds without the words
+        return RunLock(path, fd)
+    return None
+
+
+def _holder(fd: int) -> str:
+    """``pid 123 on host gpu-07, since 2026-11-28 14:05:00``: what the lock file says of its
+    holder (which writes it right after taking the lock)."""
+    import json
+
+    try:
+        said = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+        return f"pid {said['pid']} on host {said['host']}, since {said['since']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a process that has not said which yet"

@@ -78,12 +78,36 @@ def train(config: RunConfig) -> dict[str, Any]:
                                       device=config.train.device)
     run_dir = Path(config.output_dir)
     new_run_dir = env.rank == 0 and not run_dir.exists()
+    lock = None
     try:
+        lock = _lock_run_folder(run_dir, env.rank)
         return _train(config, stop, env)
     except BaseException:
+        if lock is not None:  # its file first, so that a failed start's folder is empty
+            lock.release()
         if new_run_dir:  # a start that failed leaves no empty run folder behind
             _remove_if_empty(run_dir / "checkpoints", run_dir)
         raise
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _lock_run_folder(run_dir: Path, rank: int):
+    """The preflight's first check: no other ``vlcontrast train`` writes this run folder. Rank 0,
+    the process that writes the run, holds the lock until the run ends
+    (:func:`~vlcontrast.train.checkpoint.lock_run_folder`); every rank learns of a refusal, so
+    that one line is printed (collective)."""
+    from vlcontrast.train.checkpoint import lock_run_folder
+
+    lock, error = None, None
+    if rank == 0:
+        try:
+            lock = lock_run_folder(run_dir)
+        except ConfigError as err:
+            error = err
+    dist_utils.raise_on_any_rank(error, ConfigError)
+    return lock
 
 
 def _remove_if_empty(*folders: Path) -> None:
