@@ -223,6 +223,35 @@ def test_train_passes_overrides_after_an_option_to_the_ranks(monkeypatch):
     assert launched == [(2, ["loss.name=dcl", "train.steps=3"])]
 
 
+@pytest.mark.parametrize("step, launches", [(None, True), ("batch", True), ("0", False)])
+def test_train_nproc_in_a_batch_step_launches_its_ranks(monkeypatch, tmp_path, step, launches):
+    """An sbatch script's batch step has SLURM_PROCID=0 but no srun step: `train --nproc 2`
+    there launches its ranks (it trained one process, world size 1, with --nproc ignored); a
+    task srun started is a rank itself."""
+    from vlcontrast.cli import launch
+
+    launched = []
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("SLURM_STEPID", raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    if step is None:
+        monkeypatch.delenv("SLURM_STEP_ID", raising=False)
+    else:
+        monkeypatch.setenv("SLURM_STEP_ID", step)
+    monkeypatch.setattr(launch, "launch_local",
+                        lambda nproc, argv: launched.append((nproc, argv)) or 0)
+    if launches:
+        assert cli.main(["train", "--nproc", "2", "train.steps=3"]) == 0
+        assert launched == [(2, ["train.steps=3"])]
+    else:
+        trained = []
+        monkeypatch.setattr("vlcontrast.train.train", lambda config: trained.append(config))
+        assert cli.main(["train", "--nproc", "2", "train.steps=3",
+                         f"output_dir={tmp_path / 'run'}"]) == 0
+        assert launched == [] and len(trained) == 1
+
+
 def test_intermixed_parsing_keeps_the_errors_and_help(capsys):
     with pytest.raises(SystemExit) as stop:
         cli.build_parser().parse_args(["train", "a.b=1", "--bogus", "c.d=2"])

@@ -12,6 +12,7 @@ options (``loss.tau_plus``, ``loss.gamma`` ...), validated against that loss's s
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import typing
@@ -38,6 +39,17 @@ DistillKind = Literal["logits", "features", "interactive"]
 """Values of ``distill.kind`` (see :class:`DistillConfig`)."""
 
 PRECISIONS: tuple[str, ...] = typing.get_args(PrecisionName)
+
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest float32 (``torch.finfo(torch.float32).max``): training computes in float32 (or
+narrower), so a number option beyond it is infinite there ("finite" means finite in float32)."""
+SEED_RANGE = (-2**63, 2**63 - 1)
+"""``seed``'s range: a 64-bit integer, so that rank r's ``seed + r`` is still one that
+``torch.manual_seed`` takes (it refuses values above 2**64 - 1 with a traceback)."""
+MAX_DIST_TIMEOUT_S = 10**9
+"""``train.dist_timeout_s``'s upper bound (about 31 years): torch's process groups keep the
+timeout in nanoseconds (int64), so above ~9.2e9 s it overflows, and ``datetime.timedelta`` itself
+refuses more than 999999999 days."""
 
 
 _MEMBER_KEYS = re.compile(r"\s*[A-Za-z0-9_.-]+(:[A-Za-z0-9_.-]+)?\s*(;\s*[A-Za-z0-9_.-]+"
@@ -127,6 +139,11 @@ class DataConfig:
         _require(0.0 <= self.max_bad_fraction <= 1.0, "data.max_bad_fraction",
                  self.max_bad_fraction, "must be in [0, 1]")
         _require(self.num_samples >= 0, "data.num_samples", self.num_samples, "must be >= 0")
+        _require(self.id_space >= 0, "data.id_space", self.id_space,
+                 "must be >= 0 (the number of distinct sample ids; 0 reads manifest.json)")
+        _require(self.max_image_pixels >= 1, "data.max_image_pixels", self.max_image_pixels,
+                 "must be >= 1 (images with more pixels are skipped; the default is PIL's "
+                 f"{DataConfig.max_image_pixels})")
         _require(self.cache_mb >= 0, "data.cache_mb", self.cache_mb, "must be >= 0 (0: off)")
         _require(self.decode == "cpu" or self.augment, "data.decode", self.decode,
                  "applies the random training transform; with data.augment=false set "
@@ -186,6 +203,14 @@ class ModelConfig:
     crop of 90-100 % of the image)."""
 
     def check(self) -> None:
+        _require(bool(self.name.strip()), "model.name", self.name,
+                 "is empty; give a model name (e.g. model.name=vlc-tiny, an open_clip name such as "
+                 "ViT-B-32, or a run or export folder)")
+        _require_finite("model.init_logit_scale", self.init_logit_scale,
+                        "log(1/temperature) at init; 0: the loss's default")
+        if self.init_logit_bias is not None:
+            _require_finite("model.init_logit_bias", self.init_logit_bias,
+                            "the logit bias at init; empty: -10 for SigLIP, none otherwise")
         if self.augment:
             import open_clip
 
@@ -249,12 +274,24 @@ class OptimConfig:
     (FastCLIP-v3's separate temperature rate, for ``loss.temperature=global``)."""
 
     def check(self) -> None:
+        for key in ("lr", "weight_decay", "grad_clip", "temperature_lr"):
+            _require_finite(f"optim.{key}", getattr(self, key))
         _require(self.lr > 0, "optim.lr", self.lr, "must be > 0")
         _require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be >= 0")
         _require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "must be >= 0")
-        _require(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, "must be >= 0")
+        _require(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, "must be >= 0 (0: off)")
         _require(self.temperature_lr >= 0, "optim.temperature_lr", self.temperature_lr,
                  "must be >= 0 (0: the same rate as optim.lr)")
+        # The cosine's floor: below 0 the rate turns negative (gradient ascent) at the end of the
+        # run, above optim.lr it rises instead of decaying.
+        _require(0 <= self.min_lr <= self.lr, "optim.min_lr", self.min_lr,
+                 f"must be finite and in [0, optim.lr={self.lr:g}] (the floor the cosine schedule "
+                 "decays to; 0: decay to zero)")
+        _require(len(self.betas) == 2 and all(math.isfinite(b) and 0 <= b < 1 for b in self.betas),
+                 "optim.betas", list(self.betas),
+                 "each must be in [0, 1) (AdamW's moment decays; open_clip's: [0.9, 0.98])")
+        _require(0 < self.eps <= FLOAT32_MAX, "optim.eps", self.eps,
+                 "must be > 0 and finite (AdamW's epsilon, e.g. 1e-6)")
 
 
 @dataclass
@@ -298,6 +335,7 @@ class TrainConfig:
 
     def check(self) -> None:
         _require(self.steps >= 0, "train.steps", self.steps, "must be >= 0")
+        _require_finite("train.epochs", self.epochs)
         _require(self.epochs >= 0, "train.epochs", self.epochs, "must be >= 0")
         _require(self.steps > 0 or self.epochs > 0, "train.steps", self.steps,
                  "set train.steps or train.epochs to a positive value")
@@ -309,9 +347,12 @@ class TrainConfig:
         _require(self.log_every >= 1, "train.log_every", self.log_every,
                  "must be >= 1 (a metrics.jsonl line every N optimizer steps and at the last)")
         _require(self.max_bad_steps >= 1, "train.max_bad_steps", self.max_bad_steps, "must be >= 1")
-        _require(self.dist_timeout_s >= 1, "train.dist_timeout_s", self.dist_timeout_s,
-                 "must be >= 1")
+        _require(1 <= self.dist_timeout_s <= MAX_DIST_TIMEOUT_S, "train.dist_timeout_s",
+                 self.dist_timeout_s, f"must be in [1, {MAX_DIST_TIMEOUT_S}] (seconds; "
+                 f"{MAX_DIST_TIMEOUT_S} is about 31 years, and torch's clock overflows not far "
+                 "above it)")
         _require(self.stop_at_step >= 0, "train.stop_at_step", self.stop_at_step, "must be >= 0")
+        _require_finite("train.peak_tflops", self.peak_tflops, "0: looked up by the GPU's name")
         _require(self.peak_tflops >= 0, "train.peak_tflops", self.peak_tflops, "must be >= 0")
         _require(self.compile_mode == "default" or self.compile, "train.compile_mode",
                  self.compile_mode, "takes effect only with train.compile=true; set both")
@@ -383,6 +424,7 @@ class DistillConfig:
         return bool(self.teacher or self.teacher_features)
 
     def check(self) -> None:
+        _require_finite("distill.weight", self.weight)
         _require(self.weight >= 0, "distill.weight", self.weight, "must be >= 0")
         _require(self.augmentations >= 0, "distill.augmentations", self.augmentations,
                  "must be >= 0")
@@ -421,6 +463,10 @@ class EvalConfig:
         _require(self.batch_size >= 1, "eval.batch_size", self.batch_size, "must be >= 1")
         _require(self.max_samples >= 0, "eval.max_samples", self.max_samples,
                  "must be >= 0 (0: every sample)")
+        for key in ("classnames", "templates"):  # they tune a zero-shot set that is not there
+            _require(not getattr(self, key) or bool(self.zeroshot), f"eval.{key}",
+                     getattr(self, key), "applies only with a zero-shot set: set eval.zeroshot "
+                     f"(an ImageFolder or an ImageNet val folder), or drop eval.{key}")
 
 
 @dataclass
@@ -454,6 +500,12 @@ class RunConfig:
 
     def check(self) -> None:
         self.check_loss()  # the loss section first: the user's own mistake before the defaults'
+        _require(bool(self.output_dir.strip()), "output_dir", self.output_dir,
+                 "set the run directory (e.g. output_dir=runs/mine); an empty one would write the "
+                 "run into the current directory")
+        _require(SEED_RANGE[0] <= self.seed <= SEED_RANGE[1], "seed", self.seed,
+                 "must be a 64-bit integer, in [-2**63, 2**63 - 1] (rank r seeds with seed + r), "
+                 "e.g. seed=0")
         for name in ("data", "model", "optim", "train", "deepspeed", "checkpoint", "distill",
                      "eval"):
             section = getattr(self, name)
@@ -509,7 +561,8 @@ class RunConfig:
                                   f"section: set {sets} (YAML: {under} under loss), not {nested}")
             others = [name for name in names if name != self.loss.name
                       and key in loss_option_defaults(name)]
-            elsewhere = f" (an option of {', '.join(others)})" if others else ""
+            elsewhere = (f" (an option of {', '.join(others)})" if others
+                         else _in_another_section(key, "loss."))
             _require(key in defaults, f"loss.{key}", value,
                      f"is not an option of loss '{self.loss.name}'"
                      f"{_did_you_mean(key, [*defaults, 'name', 'chunk_size'])}{elsewhere}"
@@ -517,7 +570,8 @@ class RunConfig:
             if key in types:  # its declared type: a choice, a number, a flag
                 self.loss.options[key] = _coerce(value, types[key], f"loss.{key}",
                                                  f" (loss.name={self.loss.name})")
-        _check_loss_options(self.loss)
+        _check_loss_options(self.loss)  # the loss's own words first (its ranges, combinations)
+        _check_options_apply(self.loss)
 
 
 def _check_loss_options(loss: LossConfig) -> None:
@@ -544,6 +598,48 @@ def _check_loss_options(loss: LossConfig) -> None:
                           f"{message}; fix the loss.* values") from None
 
 
+FASTCLIP_OPTIONS_APPLY = {
+    # option: (the setting it applies with, that setting's values where it applies)
+    "tau_init": ("temperature", ("individual",)),
+    "tau_lr": ("temperature", ("individual",)),
+    "tau_min": ("temperature", ("individual",)),
+    "tau_max": ("temperature", ("individual",)),
+    "rho": ("temperature", ("global", "individual")),
+    "gamma_decay_steps": ("gamma_schedule", ("cosine",)),
+    "gamma_decay_epochs": ("gamma_schedule", ("cosine",)),
+}
+"""fastclip's options that tune one temperature or gamma schedule only (vlcontrast/losses/
+fastclip.py): given with another they would be ignored without a word."""
+
+
+FASTCLIP_FINITE = ("tau_lr", "tau_max", "rho")
+"""fastclip's temperature options, which must be finite in float32 (the temperatures' Adam step
+and bounds are computed in it; its own checks let ``tau_lr=inf`` and ``rho=1e300`` through)."""
+
+
+def _check_options_apply(loss: LossConfig) -> None:
+    """fastclip's temperature options finite (:data:`FASTCLIP_FINITE`); a fastclip option set
+    away from its default where nothing reads it (``loss.tau_lr`` with ``temperature=fixed``,
+    ``loss.gamma_decay_steps`` with the constant schedule) is refused with the setting it needs,
+    as ``distill.*`` without a teacher is."""
+    if loss.name != "fastclip":
+        return
+    from vlcontrast.losses import loss_option_defaults
+
+    defaults = loss_option_defaults(loss.name)
+    for key in FASTCLIP_FINITE:
+        if key in loss.options:
+            _require_finite(f"loss.{key}", loss.options[key], context=f" (loss.name={loss.name})")
+    for key, (setting, where) in FASTCLIP_OPTIONS_APPLY.items():
+        value = loss.options.get(key, defaults.get(key))
+        now = loss.options.get(setting, defaults.get(setting))
+        if key in defaults and value != defaults[key] and now not in where:
+            needs = " or ".join(f"loss.{setting}={choice}" for choice in where)
+            raise ConfigError(f"loss.{key}={value!r}: applies only with {needs} (loss.name="
+                              f"{loss.name}, loss.{setting}={now}); set {needs.split(' or ')[0]}, "
+                              f"or drop loss.{key}")
+
+
 def torch_engine_blocker(train: TrainConfig, deepspeed: DeepSpeedConfig) -> str | None:
     """None when the step can run without DeepSpeed's engine (``train.engine``: ZeRO 0, fp32
     parameters, no DeepSpeed settings of the user's), else why not."""
@@ -561,6 +657,20 @@ def torch_engine_blocker(train: TrainConfig, deepspeed: DeepSpeedConfig) -> str 
 def _require(ok: bool, key: str, value: Any, why: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r}: {why}")
+
+
+def is_finite_number(value: Any) -> bool:
+    """A number that is finite in float32 (not NaN, not +-inf, at most :data:`FLOAT32_MAX` in
+    size): what a number option must be for training, which computes in float32 or narrower."""
+    return (_is_number(value) and math.isfinite(value)
+            and abs(value) <= FLOAT32_MAX)
+
+
+def _require_finite(key: str, value: Any, note: str = "", context: str = "") -> None:
+    """``key``'s number is finite (:func:`is_finite_number`), else one line saying so."""
+    _require(is_finite_number(value), key, value,
+             f"must be a finite number, at most {FLOAT32_MAX:.3g} in size (float32, which training "
+             f"computes in){' (' + note + ')' if note else ''}{context}; set {key} to one")
 
 
 def _is_number(value: Any) -> bool:
@@ -617,25 +727,33 @@ def _coerce(value: Any, annotation: Any, key: str, context: str = "") -> Any:
             return value
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
-        raise ConfigError(f"{key}={value!r}: expected true or false")
+        raise ConfigError(f"{key}={value!r}: expected true or false; set {key}=true or "
+                          f"{key}=false")
     if annotation in (int, float) and isinstance(value, str):
-        try:  # YAML 1.1 reads "2e-3" as a string
-            value = float(value) if annotation is float else int(value)
-        except ValueError:
-            pass
+        # YAML 1.1 reads "2e-3" (and "1e3") as a string; an integer option takes "1e3" = 1000.
+        value = _number_text(value, annotation)
     if annotation is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
-            raise ConfigError(f"{key}={value!r}: expected an integer")
+        # NaN and +-inf first: int() of them is a traceback, not an answer.
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or (isinstance(value, float) and not math.isfinite(value))
+                or int(value) != value):
+            raise ConfigError(f"{key}={value!r}: expected an integer; set {key} to a whole "
+                              f"number (e.g. {key}=10)")
         return int(value)
     if annotation is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}={value!r}: expected a number")
-        return float(value)
+            raise ConfigError(f"{key}={value!r}: expected a number; set {key} to one (e.g. "
+                              f"{key}=0.5 or {key}=1e-3)")
+        try:
+            return float(value)
+        except OverflowError:  # an integer beyond any float (10**400)
+            raise ConfigError(f"{key}={value!r}: expected a number a float can hold; set {key} "
+                              "to one") from None
     if annotation is str:
         if value is None:
             return ""
         if not isinstance(value, (str, int, float)):
-            raise ConfigError(f"{key}={value!r}: expected a string")
+            raise ConfigError(f"{key}={value!r}: expected a string; quote it ({key}='...')")
         return str(value)
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
@@ -646,6 +764,20 @@ def _coerce(value: Any, annotation: Any, key: str, context: str = "") -> Any:
             raise ConfigError(f"{key}={value!r}: expected a mapping")
         return dict(value)
     return value
+
+
+def _number_text(text: str, annotation: type) -> Any:
+    """A number that YAML 1.1 left as text (``2e-3``, ``1e3``) as ``annotation`` wants it (an
+    integer only when it is one: ``1e3`` is 1000, ``1.5e0`` stays text), else ``text``."""
+    try:
+        return float(text) if annotation is float else int(text)
+    except ValueError:
+        pass
+    if annotation is int and _NUMBER.fullmatch(text.strip()):
+        number = float(text)
+        if number.is_integer():
+            return int(number)
+    return text
 
 
 def _coerce_choice(value: Any, choices: tuple, key: str, context: str = "") -> Any:
@@ -702,7 +834,8 @@ def _from_dict(cls: type, values: dict[str, Any], prefix: str) -> Any:
             if cls is LossConfig:
                 extra[key] = value
                 continue
-            raise ConfigError(f"{prefix}{key}: unknown key{_did_you_mean(key, names)}; known: "
+            hint = _did_you_mean(key, names) or _in_another_section(key, prefix)
+            raise ConfigError(f"{prefix}{key}: unknown key{hint}; known: "
                               f"{', '.join(sorted(names))}")
         annotation = hints[key]
         if dataclasses.is_dataclass(annotation):
@@ -712,6 +845,26 @@ def _from_dict(cls: type, values: dict[str, Any], prefix: str) -> Any:
     if cls is LossConfig:
         kwargs["options"] = extra
     return cls(**kwargs)
+
+
+def _sections() -> dict[str, type]:
+    """The sections of a run config (``data``, ``model``, ...) and their dataclasses."""
+    hints = typing.get_type_hints(RunConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(RunConfig)
+            if dataclasses.is_dataclass(hints[f.name])}
+
+
+def _in_another_section(key: str, prefix: str) -> str:
+    """`` (did you mean 'data.batch_size'?)`` for a key that is not where it was written but is
+    a key of another section (or a top-level one, ``seed``), else ``""``."""
+    here = prefix.rstrip(".")
+    places = [f"{name}.{key}" for name, cls in _sections().items() if name != here
+              and key in {f.name for f in dataclasses.fields(cls)}]
+    if here and key in {f.name for f in dataclasses.fields(RunConfig)} and key not in _sections():
+        places.insert(0, key)
+    if not places:
+        return ""
+    return f" (did you mean {' or '.join(repr(p) for p in places)}?)"
 
 
 def to_dict(config: Any) -> dict[str, Any]:
@@ -762,16 +915,53 @@ def _numbers_as_numbers(value: Any) -> Any:
 
 
 def merge_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    sections = _sections()
     for text in overrides:
         path, value = parse_override(text)
+        if len(path) == 1 and path[0] in sections and value in ("", None):
+            # An empty section would silently replace the YAML's whole section by the defaults.
+            first = dataclasses.fields(sections[path[0]])[0].name
+            raise ConfigError(f"override {text!r}: {path[0]} is a section; set its keys "
+                              f"({path[0]}.{first}=...)")
         node = values
         for part in path[:-1]:
-            child = node.setdefault(part, {})
+            if node.get(part) is None:  # absent, or an empty section in the YAML (`model:`)
+                node[part] = {}
+            child = node[part]
             if not isinstance(child, dict):
                 raise ConfigError(f"override {text!r}: {part} is not a section")
             node = child
         node[path[-1]] = value
     return values
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key that appears twice in one mapping (PyYAML keeps the
+    last one without a word; YAML itself requires keys to be unique)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
+                    continue  # `<<:` merges: overriding a merged key is what they are for
+                key = (key_node.tag, key_node.value)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key_node.value!r} appears twice (first on line "
+                        f"{seen[key].line + 1}); keep one", key_node.start_mark)
+                seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
+
+def _kind(value: Any) -> str:
+    """``a list``, ``a string ('hello')``: what a YAML document is, for an error."""
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, str):
+        return f"a string ({value[:40]!r})"
+    return f"{type(value).__name__} {value!r}"[:60]
 
 
 def yaml_problem(err: Exception) -> str:
@@ -781,20 +971,44 @@ def yaml_problem(err: Exception) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark else problem
 
 
+def name_a_yaml_file_in(folder: Path) -> str:
+    """The fix for a ``--config`` that names a folder: ``name a YAML file in it (a.yaml, b.yaml)``,
+    or ``name a YAML file (configs/ has examples)`` when it holds none."""
+    inside = sorted(p.name for p in Path(folder).glob("*.yaml"))
+    if not inside:
+        return "name a YAML file (configs/ has examples)"
+    return (f"name a YAML file in it ({', '.join(inside[:3])}"
+            f"{', ...' if len(inside) > 3 else ''})")
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
                 check: bool = True) -> RunConfig:
     """Read a YAML config, apply ``section.key=value`` overrides, validate, return the config."""
     values: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(f"config file {str(path)!r} is a directory; "
+                              f"{name_a_yaml_file_in(path)}")
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist; name a YAML file "
                               "(configs/ has examples) or give only key=value overrides")
         try:
-            values = yaml.safe_load(path.read_text()) or {}
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {str(path)!r} is not a UTF-8 text file; name a YAML "
+                              "file (configs/ has examples)") from None
+        try:
+            values = yaml.load(text, Loader=_UniqueKeyLoader)
         except yaml.YAMLError as err:
             raise ConfigError(f"config file {str(path)!r} is not valid YAML "
                               f"({yaml_problem(err)}); fix it there") from None
+        if values is None:  # an empty file (or comments only): the defaults
+            values = {}
+        if not isinstance(values, dict):
+            raise ConfigError(f"config file {str(path)!r}: expected a mapping of sections "
+                              f"(data:, model:, train:, ...), got {_kind(values)}; see configs/ "
+                              "for examples")
     values = merge_overrides(values, list(overrides or []))
     config = _from_dict(RunConfig, values, "")
     if check:

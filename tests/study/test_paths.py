@@ -307,3 +307,26 @@ def test_a_grid_study_refuses_staged_options_in_the_house_line(args, line, tmp_p
     err = capsys.readouterr().err.strip()
     assert err == "vlcontrast: error: " + line.format(config=config)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_templates_file_goes_only_to_splits_with_a_zero_shot_set(tmp_path, monkeypatch):
+    """eval.templates applies only with eval.zeroshot (the run config refuses it alone): a
+    shards dataset with templates and a test zero-shot folder but none for validation passes
+    the templates to the test cells only."""
+    from vlcontrast.study.design import data_overrides_v2
+
+    demo = (ROOT / "configs" / "demo.yaml").read_text()
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "cell.yaml").write_text(demo)
+    (tmp_path / "configs" / "t.txt").write_text("a photo of a {c}.\n")
+    _shards(tmp_path / "configs" / "shards")
+    path = _config(tmp_path / "configs", _shards_study(
+        base="cell.yaml", datasets={"web": {
+            "kind": "shards", "train": "shards/train.tar", "val": "shards/val.tar",
+            "test": "shards/test.tar", "test_zeroshot": "zs", "templates": ["t.txt"]}}))
+    monkeypatch.chdir(tmp_path)
+    config = load_study_config(path)
+    val = data_overrides_v2(config, "web", "val")
+    test = data_overrides_v2(config, "web", "test")
+    assert not any(o.startswith("eval.templates=") for o in val), val
+    assert any(o.startswith("eval.templates=") and o.endswith("t.txt") for o in test), test

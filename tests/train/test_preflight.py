@@ -140,3 +140,18 @@ def test_mistyped_weights_stop_the_preflight_before_the_run_folder_is_made(synth
         preflight(load_config(None, ["train.steps=1", f"data.train={synthetic_data}/train",
                                      f"output_dir={run}", *overrides]))
     assert not run.exists()
+
+
+def test_a_start_refused_before_the_run_folder_is_checked_leaves_no_folder(synthetic_data,
+                                                                          tmp_path):
+    """The run-folder lock is taken before the preflight; a refusal that comes before the run
+    folder's own check (here a model name that does not exist) must still leave no empty folder
+    behind (the cleanup stopped at the missing checkpoints/ folder)."""
+    from tests.train.helpers import tiny_config
+    from vlcontrast.train import loop
+
+    config = tiny_config(synthetic_data, tmp_path / "run")
+    config.model.name = "vlc-micr0"
+    with pytest.raises(ConfigError):
+        loop.train(config)
+    assert not (tmp_path / "run").exists(), sorted(p.name for p in (tmp_path / "run").iterdir())

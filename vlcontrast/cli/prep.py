@@ -285,10 +285,12 @@ def _run_converter(args) -> dict:
 
 
 def _run_prep_check(args) -> int:
+    from vlcontrast.cli.environment import check_counts
     from vlcontrast.data.check import check_shards
     from vlcontrast.errors import ConfigError
     from vlcontrast.outputs import writable_file
 
+    check_counts(args)  # --workers -1, as every other command refuses it
     if args.report:
         writable_file(args.report, "--report")
     elif Path(args.dir).is_dir():  # the report's default place: in the data's folder

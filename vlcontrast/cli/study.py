@@ -65,6 +65,11 @@ def run_study_command(args) -> int:
     from vlcontrast.study import engine, load_study_config
     from vlcontrast.study.config import check_data
 
+    if Path(args.config).is_dir():  # not "does not exist": it does, as a folder
+        from vlcontrast.config import name_a_yaml_file_in
+
+        raise ConfigError(f"study config {args.config!r} is a directory; "
+                          f"{name_a_yaml_file_in(Path(args.config))}")
     config = load_study_config(args.config, args.overrides)
     folder = Path(args.config).parent  # relative data paths were looked up there too
     if args.plan:  # counts only: fine with the shipped placeholder paths
@@ -114,8 +119,12 @@ def run_study_command(args) -> int:
     if pages and (stage not in ("final", "report", "all") or not config.datasets):
         raise ConfigError(f"--sync-docs: needs a staged study (datasets:) and a stage that writes "
                          f"the report (--stage report), not {stage!r}")
-    engine.run_study(config, stage, "vlcontrast study --config "
-                     + shlex.join([args.config, *args.overrides]), pages, folder)
+    try:
+        engine.run_study(config, stage, "vlcontrast study --config "
+                         + shlex.join([args.config, *args.overrides]), pages, folder)
+    except engine.StudyStopped as stopped:  # kill (SIGTERM): the running cells checkpointed
+        print(stopped.line(), file=sys.stderr, flush=True)
+        return 128 + stopped.signum  # the shell's status for a command ended by that signal
     return 0
 
 

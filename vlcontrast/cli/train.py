@@ -39,7 +39,12 @@ def run_train(args) -> int:
         raise ConfigError(f"--nproc {args.nproc}: must be >= 1 (the local processes: 1, or one "
                           "per GPU)")
     config = load_config(args.config, args.overrides)  # errors here, before any launch
-    inside_launcher = "RANK" in os.environ or "SLURM_PROCID" in os.environ
+    # A rank of torchrun/deepspeed, or a task srun started; the batch step of an sbatch script
+    # has SLURM_PROCID=0 too, and there --nproc launches the local ranks.
+    from vlcontrast.distributed import started_by_srun
+
+    inside_launcher = "RANK" in os.environ or ("SLURM_PROCID" in os.environ
+                                               and started_by_srun(dict(os.environ)))
     if args.nproc > 1 and not inside_launcher:
         from vlcontrast.cli.launch import launch_local
 

@@ -232,6 +232,10 @@ def resolve_shard_set(data_cfg: Any, *, needs_sample_ids: bool = False,
                 "numeric sample ids), or copy the shards locally and re-key them with "
                 "`vlcontrast prep wds`")
 
+    if explicit_space > 0:
+        check_id_space(explicit_space, urls, directories, manifest_spaces, counts,
+                       needs_sample_ids)
+
     unknown = [u for u, s in zip(urls, sizes) if s is None]
     if unknown and data_cfg.num_samples <= 0:
         raise DataLayoutError(
@@ -287,6 +291,68 @@ def resolve_shard_set(data_cfg: Any, *, needs_sample_ids: bool = False,
                     num_samples, id_space, ids_required=id_space > 0)
 
 
+def _physical_memory() -> int | None:
+    """This machine's memory in bytes (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_id_space(id_space: int, urls: list[str], directories: list[str | None],
+                   manifest_spaces: dict[str | None, int | None], counts: dict[int, Any],
+                   needs_sample_ids: bool) -> None:
+    """``data.id_space``, when set, against the ids of the shards (before the model is built):
+
+    * below the ids the shards hold: a sample with an id at or above it would be skipped
+      (``sample_id_out_of_range``), most of them for a small value. Where a ``manifest.json``
+      declares more ids than ``data.id_space`` the tar headers are read for the largest id
+      (the manifest's ``id_space`` is a bound, not a count), so a value that fits is not refused.
+    * for a loss with a per-sample buffer (``needs_sample_ids``): a buffer of ``id_space`` rows
+      (two float32 columns at least) larger than this machine's memory is refused; one larger than
+      the ids the manifests declare is a warning (rows no sample uses).
+
+    ``counts``: the tar-header counts :func:`resolve_shard_set` already made, by URL index."""
+    from .counting import count_shards
+
+    declared = {d: space for d, space in manifest_spaces.items() if d is not None and space}
+    low = [i for i, d in enumerate(directories) if d in declared and declared[d] > id_space]
+    missing = [i for i in low if i not in counts]
+    found = dict(counts)
+    if missing:
+        found.update(zip(missing, count_shards([urls[i] for i in missing])))
+    largest = max(((found[i].max_id, i) for i in found if found[i].max_id is not None),
+                  default=None)
+    if largest is not None and largest[0] >= id_space:
+        max_id, where = largest
+        manifest = declared.get(directories[where])
+        fallback = (f"0 to read manifest.json ({manifest} ids)" if manifest
+                    else f"{max_id + 1}")
+        raise DataLayoutError(
+            f"data.id_space={id_space}: the shards hold sample ids up to {max_id} (in "
+            f"{urls[where]!r}), which would be skipped as out of range; set data.id_space to at "
+            f"least {max_id + 1}, or {fallback}")
+    if not needs_sample_ids:
+        return
+    memory = _physical_memory()
+    if memory and id_space * 8 > memory:
+        raise DataLayoutError(
+            f"data.id_space={id_space}: the loss's per-sample buffer would hold {id_space} rows "
+            f"(at least {id_space * 8 / 2**30:.3g} GiB), more than this machine's "
+            f"{memory / 2**30:.3g} GiB of memory; set data.id_space to the number of distinct "
+            "sample ids (0 reads manifest.json)")
+    if declared and len(declared) == len({d for d in directories if d is not None}) \
+            and all(d is not None for d in directories):
+        needed = max(declared.values())
+        said = f"id_space:{id_space}:{sorted(declared)}"  # the loader resolves the set again
+        if id_space > needed and said not in _WARNED:
+            _WARNED.add(said)
+            logger.warning("data.id_space=%d is above the %d ids the manifest.json of the "
+                           "shards declares: the loss's buffer keeps %d rows no sample uses "
+                           "(data.id_space=0 reads the manifest)", id_space, needed,
+                           id_space - needed)
+
+
 def check_batch_fits(data_cfg: Any, shard_set: ShardSet, world_size: int,
                      accum_steps: int | None = None) -> None:
     """An epoch of ``shard_set`` holds at least one global batch (``data.batch_size`` x
@@ -311,6 +377,15 @@ def check_batch_fits(data_cfg: Any, shard_set: ShardSet, world_size: int,
         raise DataLayoutError(f"data: {shard_set.num_samples} samples per epoch are fewer than one "
                               f"global batch ({data_cfg.batch_size} x {world_size} ranks = "
                               f"{global_batch}); {fix}")
+    if accum_steps is not None and global_batch * accum_steps > shard_set.num_samples:
+        # One step's micro-batches would run past the end of the epoch: the contrastive batch
+        # would hold samples twice (each a false negative of itself), and a huge value reads
+        # micro-batches for hours before the first step.
+        raise DataLayoutError(
+            f"train.accum_steps={accum_steps}: a step's accumulated batch ({data_cfg.batch_size} "
+            f"x {world_size} rank(s) x {accum_steps} = {global_batch * accum_steps} samples) is "
+            f"larger than an epoch ({shard_set.num_samples} samples); set train.accum_steps to at "
+            f"most {shard_set.num_samples // global_batch}, or train on more data")
 
 
 def check_ids_available(data_cfg: Any, needs_sample_ids: bool, who: str = "the loss"

@@ -10,13 +10,15 @@ Per anchor (image→text shown), on raw cosines ``c`` (``logit_scale`` is not us
 
 from __future__ import annotations
 
-import math
-
+import torch
 from torch import Tensor
 
 from vlcontrast.errors import LossOptionError
 from vlcontrast.losses.base import ContrastiveLoss, LogSumExp, PairBatch, RowContext
 from vlcontrast.losses.registry import register_loss
+
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 @register_loss
@@ -34,9 +36,11 @@ class BalancedLoss(ContrastiveLoss):
     def __init__(self, alpha: float = 4.0, lam: float = 2.0, include_positive: bool = False, *,
                  chunk_size: int = 0):
         super().__init__(chunk_size=chunk_size)
-        if not alpha > 0:  # NaN too
-            raise LossOptionError(self.name, "must be > 0", alpha=alpha)
-        if not 0 < lam < math.inf:
+        # "finite" in float32, which the logits are computed in: 1e300 is inf there.
+        if not 0 < alpha <= FLOAT32_MAX:  # NaN too
+            raise LossOptionError(self.name, "must be > 0 and finite (at most "
+                                  f"{FLOAT32_MAX:.3g}, float32's largest)", alpha=alpha)
+        if not 0 < lam <= FLOAT32_MAX:
             raise LossOptionError(self.name, "must be > 0 and finite (the weight of the uniformity "
                                   "term: at 0 only -c_ii is left, which collapsing every "
                                   "embedding minimises; below 0 the loss is unbounded below)",

@@ -112,8 +112,10 @@ class HCLLoss(ContrastiveLoss):
         if not 0 <= tau_plus < 1:
             raise LossOptionError(self.name, "must be in [0, 1)", tau_plus=tau_plus)
         self.tau_plus = float(tau_plus)
-        if not beta >= 0:  # NaN too
-            raise LossOptionError(self.name, "must be >= 0", beta=beta)
+        if not 0 <= beta <= torch.finfo(torch.float32).max:  # NaN too; inf in float32 too
+            raise LossOptionError(self.name, "must be >= 0 and finite (at most "
+                                  f"{torch.finfo(torch.float32).max:.3g}, float32's largest)",
+                                  beta=beta)
         self.beta = float(beta)
 
     def row_context(self, batch, direction, state) -> ScaledRows:

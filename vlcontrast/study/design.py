@@ -294,8 +294,11 @@ def split_paths(config: StudyConfig, dataset: str) -> dict[str, Any]:
 def data_overrides_v2(config: StudyConfig, dataset: str, split: str) -> list[str]:
     paths = split_paths(config, dataset)
     retrieval, zeroshot, templates = paths[split]
-    return [f"data.train={paths['train']}", f"data.val={retrieval}", f"eval.zeroshot={zeroshot}",
-            f"eval.templates={templates}"]
+    overrides = [f"data.train={paths['train']}", f"data.val={retrieval}",
+                 f"eval.zeroshot={zeroshot}"]
+    if str(zeroshot) and templates:  # eval.templates applies only with eval.zeroshot
+        overrides.append(f"eval.templates={templates}")
+    return overrides
 
 
 def start_overrides(config: StudyConfig, dataset: str, k: int) -> list[str]:

@@ -12,6 +12,7 @@ DeepSpeed-safe, the parameter count under ZeRO-3.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import warnings
 from typing import Any
@@ -71,6 +72,131 @@ def deepspeed_config(train: TrainConfig, deepspeed: DeepSpeedConfig, *, micro_ba
     if load_universal:
         ds["checkpoint"] = {"load_universal": True}
     return _merge(ds, deepspeed.overrides)
+
+
+BATCH_ENTRIES = ("train_batch_size", "train_micro_batch_size_per_gpu",
+                 "gradient_accumulation_steps")
+"""The DeepSpeed entries :func:`deepspeed_config` sets from ``data.batch_size``,
+``train.accum_steps`` and the ranks (the loop's GradCache step is built on them)."""
+
+
+class _ReadKeys(dict):
+    """A dict that records the keys looked up in it (``get``, ``[]``, ``in``, ``keys()``): what
+    DeepSpeed's config reads is what it knows, whatever its version."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.read: set = set()
+
+    def get(self, key, *default):
+        self.read.add(key)
+        return super().get(key, *default)
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self.read.add(key)
+        return super().__contains__(key)
+
+    def keys(self):
+        outer = self
+
+        class Keys:
+            def __contains__(self, key):
+                outer.read.add(key)
+                return dict.__contains__(outer, key)
+
+            def __iter__(self):
+                return iter(dict.keys(outer))
+
+            def __len__(self):
+                return dict.__len__(outer)
+
+        return Keys()
+
+
+def _deepspeed_error(err: Exception) -> str:
+    """DeepSpeed's (or its pydantic models') refusal on one line, without the links."""
+    errors = getattr(err, "errors", None)
+    if callable(errors):
+        try:
+            found = errors()
+            title = getattr(err, "title", "")
+            parts = [f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', '')}"
+                     for e in found]
+            return f"{title}: {'; '.join(parts)}" if title else "; ".join(parts)
+        except Exception:  # noqa: BLE001 -- not pydantic's after all: its text below
+            pass
+    lines = [line.strip() for line in str(err).splitlines()
+             if line.strip() and not line.strip().startswith("For further information")]
+    return " ".join(lines) or type(err).__name__
+
+
+def check_deepspeed_overrides(train: TrainConfig, deepspeed: DeepSpeedConfig, *,
+                              micro_batch_size: int, grad_clip: float, world_size: int) -> None:
+    """``deepspeed.overrides`` checked by DeepSpeed's own config class before any model is built
+    (the preflight): a top-level key DeepSpeed does not read (it would be ignored without a
+    word) is refused with the keys it reads; an override of the batch entries vlcontrast sets is
+    refused unless it agrees; a value DeepSpeed refuses (``zero_optimization.stage: 9``) is one
+    line naming the override, not a traceback from ``deepspeed.initialize``."""
+    if not deepspeed.overrides:
+        return
+    import logging
+
+    from deepspeed.runtime.config import DeepSpeedConfig as DeepSpeedSchema
+    from deepspeed.utils.logging import logger as deepspeed_logger
+
+    from vlcontrast.config import _did_you_mean
+
+    plain = dataclasses.replace(deepspeed, overrides={})
+    ours = deepspeed_config(train, plain, micro_batch_size=micro_batch_size, grad_clip=grad_clip,
+                            world_size=world_size)
+    for key in BATCH_ENTRIES:
+        if key in deepspeed.overrides and deepspeed.overrides[key] != ours[key]:
+            raise ConfigError(
+                f"deepspeed.overrides.{key}={deepspeed.overrides[key]!r}: vlcontrast sets it "
+                f"({key}={ours[key]} from data.batch_size={micro_batch_size} x "
+                f"train.accum_steps={train.accum_steps} x {world_size} rank(s)); set those "
+                f"instead and drop deepspeed.overrides.{key}")
+    # DeepSpeed's config reads its world size from its own process group, which may not exist
+    # yet: the batch entries agree (above), so the size is left to it to derive.
+    ours.pop("train_batch_size", None)
+
+    def refusal(config: dict) -> Exception | None:
+        try:
+            DeepSpeedSchema(config)
+        except (ValueError, TypeError, KeyError, AssertionError, AttributeError) as err:
+            return err
+        return None
+
+    level = deepspeed_logger.level
+    deepspeed_logger.setLevel(logging.WARNING)  # its config logs its world size at INFO
+    try:
+        seen = _ReadKeys(ours)
+        if refusal(seen) is not None:
+            return  # vlcontrast's own config is refused here: not the overrides' doing
+        known = {key for key in seen.read if isinstance(key, str)}
+        if {"train_micro_batch_size_per_gpu", "zero_optimization"} <= known:  # it did read
+            for key, value in deepspeed.overrides.items():
+                if key not in known:
+                    raise ConfigError(
+                        f"deepspeed.overrides.{key}={value!r}: not a DeepSpeed setting"
+                        f"{_did_you_mean(key, known)} (DeepSpeed would ignore it); its "
+                        f"top-level keys: {', '.join(sorted(known))}")
+        if refusal(_merge(ours, deepspeed.overrides)) is None:
+            return
+        for key, value in deepspeed.overrides.items():  # the override DeepSpeed refuses
+            err = refusal(_merge(ours, {key: value}))
+            if err is not None:
+                raise ConfigError(f"deepspeed.overrides.{key}={value!r}: DeepSpeed refuses it "
+                                  f"({_deepspeed_error(err)}); fix it or drop it")
+        err = refusal(_merge(ours, deepspeed.overrides))
+        raise ConfigError(f"deepspeed.overrides={deepspeed.overrides!r}: DeepSpeed refuses them "
+                          f"together ({_deepspeed_error(err)}); fix them or drop one")
+    finally:
+        deepspeed_logger.setLevel(level)
 
 
 DEFAULT_BUCKET_ELEMENTS = 500_000_000

@@ -111,9 +111,13 @@ def _lock_run_folder(run_dir: Path, rank: int):
 
 
 def _remove_if_empty(*folders: Path) -> None:
+    """Each folder in turn, innermost first, if it is empty; one that was never made is passed
+    over; one that holds anything stops the walk (anything written stays)."""
     for folder in folders:
+        if not folder.exists():
+            continue
         try:
-            folder.rmdir()  # only an empty folder: anything written stays
+            folder.rmdir()
         except OSError:
             return
 

@@ -34,10 +34,15 @@ class FiniteCheckedAdamW(torch.optim.AdamW):
 
     DeepSpeed reads ``overflow`` (a host bool) after ``step()`` to skip its lr scheduler; it stays
     False here and the schedule is kept exact on the device instead: with ``lr_factors`` (the
-    schedule's multiplier by applied step, :func:`build_optimizer` sets it) the kernel's learning
-    rate is ``initial_lr * lr_factors[applied steps]``, the applied steps being the fused state's
-    own step count, which a skipped step does not advance. The host scheduler, which DeepSpeed
-    steps on every attempt, is put back when the loop learns of a skip (:func:`unstep_schedule`).
+    schedule's multiplier by applied step, :func:`build_optimizer` sets it, a :class:`LrFactors`
+    or a tensor) the kernel's learning rate is ``initial_lr * lr_factors[applied steps]``, the
+    applied steps being the fused state's own step count, which a skipped step does not advance.
+    The host scheduler, which DeepSpeed steps on every attempt, is put back when the loop learns
+    of a skip (:func:`unstep_schedule`).
+
+    A :class:`LrFactors` table holds the steps the run can have reached, not the whole schedule:
+    the host keeps an upper bound of the applied steps (one more per ``step()``; read once from a
+    loaded state) and the table grows ahead of it.
     """
 
     def __init__(self, params, **kwargs):
@@ -45,7 +50,12 @@ class FiniteCheckedAdamW(torch.optim.AdamW):
         super().__init__(params, **kwargs)
         self.overflow = False
         self.found_inf: torch.Tensor | None = None
-        self.lr_factors: torch.Tensor | None = None
+        self.lr_factors: LrFactors | torch.Tensor | None = None
+        self._applied_bound: int | None = 0  # applied steps are at most this (None: unknown)
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        self._applied_bound = None  # a checkpoint's step count: read at the next step
 
     def step(self, closure=None, grad_norm: torch.Tensor | None = None):
         """``grad_norm``: the gradients' global norm when the caller has it (the clip computed
@@ -61,8 +71,13 @@ class FiniteCheckedAdamW(torch.optim.AdamW):
         self.overflow = False
         floats = [group["lr"] for group in self.param_groups]
         applied = self._applied_steps()
+        if self._applied_bound is None:  # after a load: once, on the host
+            self._applied_bound = int(applied.item()) if applied is not None else 0
         if self.lr_factors is not None and applied is not None:
-            factors = self.lr_factors.to(applied.device)
+            factors = self.lr_factors
+            if isinstance(factors, LrFactors):
+                factors = factors.covering(self._applied_bound, applied.device)
+            factors = factors.to(applied.device)
             # index_select, not factors[index]: indexing with a 0-dim tensor may read it on the host.
             index = applied.long().clamp(max=factors.numel() - 1).reshape(1)
             factor = factors.index_select(0, index).reshape(())
@@ -71,6 +86,7 @@ class FiniteCheckedAdamW(torch.optim.AdamW):
         try:
             return super().step(closure)
         finally:
+            self._applied_bound += 1  # this step applied, or was skipped
             for group, lr in zip(self.param_groups, floats):
                 group["lr"] = lr
 
@@ -83,6 +99,44 @@ class FiniteCheckedAdamW(torch.optim.AdamW):
                 if isinstance(step, torch.Tensor):
                     return step
         return None
+
+
+class LrFactors:
+    """The schedule's factor by applied step, ``factor(0) .. factor(total_steps)``, as a float32
+    tensor built in pieces as the run gets there: bit for bit the values of one table of all
+    ``total_steps + 1`` (each is the Python float ``factor(step)`` rounded to float32), without
+    holding every step in memory first (a run of 10**9 steps needed tens of GB of Python floats
+    before its first step). It starts with :data:`FIRST` steps (a whole run of that length) and
+    doubles when the bound of the applied steps passes its end (a host-to-device copy there)."""
+
+    FIRST = 1 << 16
+    PIECE = 1 << 16
+    """Python floats made at a time when the table grows."""
+
+    def __init__(self, factor, total_steps: int, device: torch.device | str = "cpu"):
+        self.factor, self.total_steps = factor, int(total_steps)
+        self.table = torch.empty(0, dtype=torch.float32, device=device)
+        self._grow(min(self.total_steps + 1, self.FIRST))
+
+    def _grow(self, length: int) -> None:
+        start = self.table.numel()
+        pieces = [self.table]
+        for first in range(start, length, self.PIECE):
+            values = [self.factor(step) for step in range(first, min(length, first + self.PIECE))]
+            pieces.append(torch.tensor(values, dtype=torch.float32).to(self.table.device))
+        self.table = torch.cat(pieces) if len(pieces) > 1 else self.table
+
+    def covering(self, step: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """The table, long enough to hold ``step`` (or the whole schedule), on ``device``."""
+        if device is not None and self.table.device != torch.device(device):
+            self.table = self.table.to(device)
+        if step >= self.table.numel() < self.total_steps + 1:
+            self._grow(min(self.total_steps + 1, max(2 * self.table.numel(), step + 1)))
+        return self.table
+
+    def full(self) -> torch.Tensor:
+        """Every step's factor (for tests and small runs: it builds all of them)."""
+        return self.covering(self.total_steps)
 
 
 def unstep_schedule(scheduler, steps: int) -> None:
@@ -222,6 +276,5 @@ def build_optimizer(model: torch.nn.Module, optim: OptimConfig, total_steps: int
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     if finite_checked:  # the schedule by applied step, on the device (FiniteCheckedAdamW)
         device = next(p.device for group in groups for p in group["params"])
-        optimizer.lr_factors = torch.tensor([factor(step) for step in range(total_steps + 1)],
-                                            dtype=torch.float32).to(device)
+        optimizer.lr_factors = LrFactors(factor, total_steps, device)
     return optimizer, scheduler

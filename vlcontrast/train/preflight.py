@@ -10,6 +10,9 @@ belongs to the run itself: its directory can be written.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import os
 from pathlib import Path
 
 from vlcontrast import distributed as dist_utils
@@ -17,6 +20,8 @@ from vlcontrast.checkpoints import check_resume_config, find_resume
 from vlcontrast.config import DataConfig, RunConfig, to_dict
 from vlcontrast.errors import ConfigError
 from vlcontrast.outputs import cannot_write
+
+logger = logging.getLogger(__name__)
 
 
 def check_training_data(data: DataConfig) -> None:
@@ -38,6 +43,7 @@ def check_training_data(data: DataConfig) -> None:
     for key, spec in (("data.train", data.train), ("data.val", data.val)):
         if not spec:
             continue
+        check_not_a_run_folder(key, spec)
         urls = check_spec(key, spec)
         if key == "data.train":
             train_urls = urls
@@ -53,12 +59,78 @@ def check_training_data(data: DataConfig) -> None:
         raise ConfigError(error)
 
 
+def check_not_a_run_folder(key: str, spec: str) -> None:
+    """``data.train``/``data.val`` naming a vlcontrast run folder (``config.yaml`` and
+    ``checkpoints/``, no shards): said as such, with the shards that run trained on, rather than
+    as a folder of images (its ``loss_curve.png``)."""
+    folder = Path(spec)
+    if not (folder.is_dir() and (folder / "config.yaml").is_file()
+            and (folder / "checkpoints").is_dir()) or any(folder.glob("*.tar")):
+        return
+    trained_on = ""
+    try:
+        import yaml
+
+        saved = yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8"))
+        shards = (saved.get("data") or {}).get("train") if isinstance(saved, dict) else None
+        if shards:
+            trained_on = f" (that run trained on data.train={shards!r})"
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
+        pass
+    raise ConfigError(f"{key}={spec!r}: a vlcontrast run folder (config.yaml, checkpoints/), not "
+                      f"shards; name a folder or pattern of .tar shards{trained_on}")
+
+
+WEIGHTS_SUFFIXES = ".pt, .pth, .bin, .safetensors, .npz"
+
+
+def check_weights_header(path: Path, option: str) -> None:
+    """A weights file named by ``option`` starts as one that open_clip's loader reads: a PyTorch
+    checkpoint (a zip with ``data.pkl``, or a pickle), a safetensors file (``.safetensors``: a
+    JSON header) or numpy's (``.npz``/``.npy``); reads its first bytes (and a zip's directory),
+    no tensor. A YAML or text file there was a 37-line unpickling traceback from inside the model
+    build."""
+    import zipfile
+
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+        suffix = path.suffix.lower()
+        if suffix == ".safetensors":
+            size = int.from_bytes(head[:8], "little") if len(head) >= 9 else 0
+            ok = 0 < size < path.stat().st_size and head[8:9] == b"{"
+            kind = "a safetensors file (an 8-byte length, then a JSON header)"
+        elif suffix == ".npy":
+            ok, kind = head.startswith(b"\x93NUMPY"), "a numpy array file"
+        elif head.startswith(b"PK\x03\x04"):
+            with zipfile.ZipFile(path) as archive:
+                names = archive.namelist()
+            wanted = ".npy" if suffix == ".npz" else "data.pkl"
+            ok = any(name.endswith(wanted) for name in names)
+            kind = ("a numpy .npz archive" if suffix == ".npz"
+                    else "a PyTorch checkpoint (a zip holding data.pkl)")
+        else:  # torch.save's legacy format: a pickle (protocol 2 or later)
+            ok = head[:1] == b"\x80" and 2 <= head[1:2][0] <= 5 if len(head) >= 2 else False
+            kind = "a PyTorch checkpoint (a zip or a pickle)"
+    except (OSError, zipfile.BadZipFile) as err:
+        raise ConfigError(f"{option}={str(path)!r}: cannot be read as weights ({err}); name "
+                          f"an open_clip weights file ({WEIGHTS_SUFFIXES}), a vlcontrast run or "
+                          "checkpoint folder, or a pretrained tag") from None
+    if not ok:
+        raise ConfigError(f"{option}={str(path)!r}: not a weights file (it starts with "
+                          f"{head[:12]!r}, not as {kind} does); name an open_clip weights file "
+                          f"({WEIGHTS_SUFFIXES}), a vlcontrast run or checkpoint folder, or a "
+                          "pretrained tag")
+
+
 def check_model_name(model) -> None:
     """``model.name`` names a model (an open_clip name, a model-config JSON, a run or export
     folder: reads configs, builds nothing), so a typo stops the run before anything is written."""
     from vlcontrast.models import check_pretrained, resolve_model_config
 
     resolve_model_config(model.name, model.hf_model_dir)
+    if model.pretrained and Path(model.pretrained).is_file():
+        check_weights_header(Path(model.pretrained), "model.pretrained")
     check_pretrained(model)  # a mistyped path or a tag the model lacks: names and headers only
 
 
@@ -79,8 +151,116 @@ def check_distill_paths(distill) -> None:
         check_pretrained(SimpleNamespace(name=distill.teacher, pretrained=distill.teacher_pretrained,
                                          hf_model_dir=""), "distill.teacher_pretrained",
                          "distill.teacher")
+    if distill.teacher_pretrained and Path(distill.teacher_pretrained).is_file():
+        check_weights_header(Path(distill.teacher_pretrained), "distill.teacher_pretrained")
     if distill.teacher_features:
         check_features_path(distill.teacher_features)
+
+
+def _process_limit() -> tuple[int, str] | None:
+    """The most processes this machine lets this job start, and which limit says so (the user's
+    ``ulimit -u``, the kernel's ``pid_max`` and ``threads-max``), or None when none is known."""
+    limits: list[tuple[int, str]] = []
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+        if soft != resource.RLIM_INFINITY and soft > 0:
+            limits.append((soft, "ulimit -u"))
+    except (ImportError, ValueError, OSError, AttributeError):
+        pass
+    for name in ("pid_max", "threads-max"):
+        try:
+            limits.append((int(Path(f"/proc/sys/kernel/{name}").read_text().strip()),
+                           f"the kernel's {name}"))
+        except (OSError, ValueError):
+            continue
+    return min(limits) if limits else None
+
+
+def check_workers(data: DataConfig) -> None:
+    """``data.workers`` loader processes per rank, times the ranks on this machine: more than
+    this machine can run at all is refused (a huge value was an allocation traceback); more than
+    its CPU cores is a warning (it runs, the workers only share the cores)."""
+    workers = int(data.workers)
+    if workers <= 0:
+        return
+    ranks = max(1, dist_utils.local_world_size())
+    total = workers * ranks
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    per_rank = max(1, cpus // ranks)
+    limit = _process_limit()
+    if limit is not None and total > limit[0]:
+        raise ConfigError(f"data.workers={workers}: {total} loader processes ({workers} x {ranks} "
+                          f"rank(s) on this machine) are more than it can run ({limit[1]}: "
+                          f"{limit[0]}); set data.workers to at most {per_rank} (its {cpus} CPU "
+                          "cores shared by the ranks)")
+    if total > cpus and dist_utils.get_rank() == 0:
+        logger.warning("data.workers=%d: %d loader processes (%d x %d rank(s) on this machine) "
+                       "for %d CPU cores: they share the cores; data.workers=%d gives each one",
+                       workers, total, workers, ranks, cpus, per_rank)
+
+
+EVAL_BATCH_CHECKED = 4096
+"""``eval.batch_size`` above this is compared with the evaluation sets' sizes (a batch is a list
+of that many entries before the data are read: 1e14 was a MemoryError after training)."""
+
+
+def _shard_samples(urls: list[str]) -> int | None:
+    """Samples in local shards, from their size files or tar headers; None for ``pipe:``."""
+    from vlcontrast.data.counting import count_shards
+    from vlcontrast.data.sources import listed_sizes
+    from vlcontrast.data.spec import PIPE_PREFIX
+
+    if any(url.startswith(PIPE_PREFIX) for url in urls):
+        return None
+    listed: dict[str, int] = {}
+    for folder in {os.path.dirname(os.path.abspath(url)) for url in urls}:
+        for name, rows in listed_sizes(folder)[0].items():
+            listed[os.path.join(folder, name)] = rows
+    unknown = [url for url in urls if os.path.abspath(url) not in listed]
+    counted = sum(found.rows for found in count_shards(unknown)) if unknown else 0
+    return counted + sum(listed[os.path.abspath(u)] for u in urls if os.path.abspath(u) in listed)
+
+
+def _evaluation_set_size(evaluator) -> int | None:
+    """The larger of the retrieval and zero-shot sets' sizes (an upper bound of what a rank
+    reads), or None when one of them cannot be counted beforehand (``pipe:`` shards)."""
+    from vlcontrast.data.spec import check_spec
+    from vlcontrast.evaluation.datasets import resolve_zeroshot_data
+
+    sizes = []
+    if evaluator.retrieval_shards:
+        sizes.append(_shard_samples(check_spec(evaluator.retrieval_key,
+                                               evaluator.retrieval_shards)))
+    zeroshot = evaluator.config
+    if zeroshot.zeroshot:
+        found = resolve_zeroshot_data(zeroshot.zeroshot, classnames=zeroshot.classnames or None,
+                                      templates=zeroshot.templates or None,
+                                      keys=("eval.zeroshot", "eval.classnames", "eval.templates"))
+        sizes.append(len(found.samples) if found.samples or not found.shards
+                     else _shard_samples(list(found.shards)))
+    if not sizes or any(size is None for size in sizes):
+        return None
+    return max(sizes)
+
+
+def cap_eval_batch_size(evaluator) -> None:
+    """An ``eval.batch_size`` larger than the evaluation sets becomes their size for this run's
+    evaluator (the same batches, the same metrics and ``val_loss``: one batch holds the whole
+    set either way); the config keeps the value given."""
+    batch_size = evaluator.config.batch_size
+    if batch_size <= EVAL_BATCH_CHECKED:
+        return
+    size = _evaluation_set_size(evaluator)
+    if size is None or batch_size <= size:
+        return
+    evaluator.config = dataclasses.replace(evaluator.config, batch_size=max(1, size))
+    logger.info("eval.batch_size=%d is larger than the evaluation set (%d samples): evaluating "
+                "in batches of %d", batch_size, size, max(1, size))
 
 
 def check_run_directory(output_dir: str) -> None:
@@ -134,6 +314,15 @@ def preflight(config: RunConfig, evaluator=None) -> Path | None:
     if evaluator is None:
         evaluator = Evaluator(config.eval, val_shards=config.data.val)
     evaluator.check()
+    cap_eval_batch_size(evaluator)
+    check_workers(config.data)
+    if config.deepspeed.overrides:  # DeepSpeed's own check of its config, without a model
+        from vlcontrast.train.engine import check_deepspeed_overrides
+
+        check_deepspeed_overrides(config.train, config.deepspeed,
+                                  micro_batch_size=config.data.batch_size,
+                                  grad_clip=config.optim.grad_clip,
+                                  world_size=dist_utils.get_world_size())
     check_fresh_start(config.output_dir, config.train.resume)
     check_run_directory(config.output_dir)
     resume = find_resume(config.train.resume, Path(config.output_dir),

@@ -295,6 +295,13 @@ def prepare_folder(root: str | os.PathLike, out: str | os.PathLike, *,
     root = Path(root)
     if not root.is_dir():
         raise DataPrepError(f"{command}: {str(root)!r} is not a directory")
+    if Path(out).resolve() == root.resolve():
+        # The shards, manifest.json and prep state would be written into the image tree read
+        # (a later `eval zeroshot --data DIR` then finds shards beside the class folders).
+        example = str(root.resolve()) + "_shards"
+        raise DataPrepError(f"{command}: OUT {str(out)!r} is the image folder DIR itself; name "
+                            f"another folder for the shards (e.g. {example!r} or a folder "
+                            "inside DIR, which is left out of the images)")
     check_val_fraction(val_fraction, command)
     if caption_from not in CAPTION_SOURCES:
         raise DataPrepError(f"{command}: --caption-from={caption_from!r}: must be one of "
