@@ -10,6 +10,21 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 if os.environ.get("VLC_TEST_BACKEND", "gloo") != "nccl":  # under nccl DeepSpeed uses the GPUs
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """The training loop with a model builder that fails: a test that uses it shows its check
+    comes before the model is built."""
+    from vlcontrast.train import loop
+
+    def build_model(*args, **kwargs):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(loop, "build_model", build_model)
+    return loop

@@ -17,16 +17,6 @@ import torch
 from vlcontrast.errors import ConfigError, DataLayoutError
 
 
-@pytest.fixture
-def no_model(monkeypatch):
-    from vlcontrast.train import loop
-
-    def build_model(*args, **kwargs):
-        raise AssertionError("the model was built")
-
-    monkeypatch.setattr(loop, "build_model", build_model)
-    return loop
-
 
 def _config(data, run, **extra):
     from tests.train.helpers import tiny_config

@@ -10,16 +10,6 @@ import pytest
 from vlcontrast.errors import ConfigError
 
 
-@pytest.fixture
-def no_model(monkeypatch):
-    from vlcontrast.train import loop
-
-    def build_model(*args, **kwargs):
-        raise AssertionError("the model was built")
-
-    monkeypatch.setattr(loop, "build_model", build_model)
-    return loop
-
 
 def test_an_unfinished_prep_folder_is_refused_before_the_model_is_built(synthetic_data, tmp_path,
                                                                         no_model):
