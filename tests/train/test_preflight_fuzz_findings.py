@@ -374,3 +374,46 @@ def test_f5_the_device_schedule_follows_a_table_that_grows_and_a_resumed_state(m
     for a, b in zip(checked_model.parameters(), resumed_model.parameters()):
         assert torch.equal(a, b)
     assert math.isclose(float(resumed.state[resumed_model.weight]["step"]), 15)
+
+
+def test_f5_a_state_written_without_load_state_dict_is_read_at_the_first_step(monkeypatch):
+    """DeepSpeed's universal-checkpoint load writes the step count into the optimizer's state
+    directly, without load_state_dict: the first step must still index the schedule by that
+    count (it used factor(FIRST - 1), the table's end, until the table grew past it)."""
+    import copy
+
+    from vlcontrast.config import OptimConfig
+    from vlcontrast.train.optimizer import LrFactors, build_optimizer, cosine_with_warmup
+
+    monkeypatch.setattr(LrFactors, "FIRST", 4)
+    monkeypatch.setattr(LrFactors, "PIECE", 3)
+    optim = OptimConfig(lr=1e-2, warmup_steps=2, weight_decay=0.0)
+    total, done = 40, 12
+    factor = cosine_with_warmup(2, total)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Linear(4, 3)
+
+    trained = model()
+    first, _ = build_optimizer(trained, optim, total, finite_checked=True)
+    for _ in range(done):
+        trained(x).square().sum().backward()
+        first.step()
+        first.zero_grad()
+    resumed_model, reference_model = model(), model()
+    resumed_model.load_state_dict(trained.state_dict())
+    reference_model.load_state_dict(trained.state_dict())
+    resumed, _ = build_optimizer(resumed_model, optim, total, finite_checked=True)
+    reference, _ = build_optimizer(reference_model, optim, total, finite_checked=False)
+    for target, optimizer in ((resumed_model, resumed), (reference_model, reference)):
+        for p, q in zip(target.parameters(), trained.parameters()):
+            optimizer.state[p] = copy.deepcopy(first.state[q])  # not through load_state_dict
+    for group in reference.param_groups:
+        group["lr"] = group["initial_lr"] * float(torch.tensor(factor(done), dtype=torch.float32))
+    for net, optimizer in ((resumed_model, resumed), (reference_model, reference)):
+        net(x).square().sum().backward()
+        optimizer.step()
+    for a, b in zip(resumed_model.parameters(), reference_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)

@@ -51,7 +51,10 @@ class FiniteCheckedAdamW(torch.optim.AdamW):
         self.overflow = False
         self.found_inf: torch.Tensor | None = None
         self.lr_factors: LrFactors | torch.Tensor | None = None
-        self._applied_bound: int | None = 0  # applied steps are at most this (None: unknown)
+        # Applied steps are at most this; None: unknown, read from the state at the next step
+        # (once per process: a state may also arrive without load_state_dict, e.g. DeepSpeed's
+        # universal checkpoint writes the step into it).
+        self._applied_bound: int | None = None
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
