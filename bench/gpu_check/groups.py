@@ -593,7 +593,9 @@ def check_memory(ctx: Context) -> None:
                     "model.name": s.memory_model, "data.val": "", "loss.name": loss,
                     "loss.chunk_size": chunk, "data.batch_size": s.memory_micro,
                     "train.accum_steps": max(1, batch // s.memory_micro), "train.steps": 1,
-                    "data.id_space": batch, "eval.retrieval": "none",
+                    # the probe's loss sizes its buffer by the batch; the preflight checks the
+                    # config against the shards' ids (0..train_samples-1)
+                    "data.id_space": max(batch, s.train_samples), "eval.retrieval": "none",
                     "train.precision": "amp_bf16" if not s.reduced else "fp32"})
                 try:
                     result = ctx.jobs.run(name, {"kind": "probe", "loss": loss,

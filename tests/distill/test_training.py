@@ -195,7 +195,9 @@ def _one_line_error(data, output_dir, **overrides) -> str:
 
 
 def test_bad_teacher_name_is_one_line(data, tmp_path):
-    (tmp_path / "x.pt").write_bytes(b"")  # its weights exist: the name is what is wrong
+    import torch
+
+    torch.save({"w": torch.zeros(1)}, tmp_path / "x.pt")  # its weights exist: the name is wrong
     message = _one_line_error(data, tmp_path / "r", distill__teacher="no-such-model",
                               distill__teacher_pretrained=str(tmp_path / "x.pt"))
     assert "distill.teacher='no-such-model'" in message
