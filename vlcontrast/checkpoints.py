@@ -27,7 +27,7 @@ import re
 import shutil
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -75,18 +75,34 @@ def resolve_checkpoint(path: str | Path, *, require: str = COMPLETE_MARKER,
     folder = checkpoints_folder(path)
     if folder is None:
         return None
+    return _latest_or_newest(folder, require, usable, what=what or str(path), warn=warn,
+                             action=action, shown=str)
+
+
+def _latest_or_newest(folder: Path, require: str, usable: tuple[str, ...], *, what: str,
+                      warn: bool, action: str, shown) -> Path | None:
+    """The one fallback of :func:`resolve_checkpoint` and :func:`find_resume`: the checkpoint
+    ``folder/latest`` names when it holds ``require`` and ``usable``; else the newest ``step_*``
+    that holds them all, with one warning (``what``: the option, ``shown``: how the checkpoint
+    used is named). ``step_*`` folders are only looked into when ``latest`` is no good, newest
+    first, up to the first usable one: a run that keeps many checkpoints on a network file
+    system pays for one or two, not for all."""
     found, problem = latest_state(folder, require)
-    fallback = newest_with(folder, (require, *usable))
     if found is not None:
         lacking = [name for name in usable if not (found / name).is_file()]
-        if not lacking or fallback is None:  # none better: its reader names what it lacks
+        if not lacking:
+            return found
+        fallback = newest_with(folder, (require, *usable))
+        if fallback is None:  # none better: its reader names what it lacks
             return found
         problem = (f"{folder.name}/{LATEST} names {found.name!r}, which is incomplete (no "
                    f"{' and no '.join(lacking)})")
+    else:
+        fallback = newest_with(folder, (require, *usable))
     if fallback is not None and warn:
-        _warn_once(f"{what or str(path)}: {problem}; {action} the newest "
+        _warn_once(f"{what}: {problem}; {action} the newest "
                    f"{'complete checkpoint' if not usable else _holding((require, *usable))}, "
-                   f"{fallback}")
+                   f"{shown(fallback)}", key=str(fallback))
     return fallback
 
 
@@ -96,7 +112,7 @@ def checkpoints_folder(path: str | Path) -> Path | None:
     path = Path(path)
     if (path / "checkpoints").is_dir():
         return path / "checkpoints"
-    if path.is_dir() and ((path / LATEST).exists() or any(_step_folders(path))):
+    if path.is_dir() and ((path / LATEST).exists() or next(_newest_first(path), None)):
         return path
     return None
 
@@ -122,19 +138,40 @@ def latest_state(folder: Path, require: str = COMPLETE_MARKER) -> tuple[Path | N
     return target, ""
 
 
+def _newest_first(folder: Path) -> Iterator[Path]:
+    """The ``step_*`` checkpoint folders in ``folder``, newest first (a ``.tmp`` folder of an
+    interrupted write is none), told apart by one listing of ``folder``: nothing inside a
+    checkpoint is looked at, so a reader that stops at the first it can use touches no other."""
+    try:
+        with os.scandir(folder) as listing:
+            entries = [entry for entry in listing
+                       if entry.name.startswith("step_") and not entry.name.endswith(".tmp")]
+    except OSError:  # no folder there (or not one): no checkpoints
+        return
+    for entry in sorted(entries, key=lambda entry: entry.name, reverse=True):
+        try:
+            is_dir = entry.is_dir()
+        except OSError:
+            continue
+        if is_dir:
+            yield Path(folder) / entry.name
+
+
 def _step_folders(folder: Path) -> list[Path]:
     """The ``step_*`` checkpoint folders in ``folder``, oldest first (a ``.tmp`` folder of an
     interrupted write is none)."""
-    return sorted(p for p in Path(folder).glob("step_*")
-                  if p.is_dir() and not p.name.endswith(".tmp"))
+    return list(_newest_first(folder))[::-1]
 
 
 def newest_with(folder: Path, files: tuple[str, ...], before: str = "") -> Path | None:
     """The newest ``step_*`` folder in ``folder`` that holds every file of ``files`` (and, with
-    ``before``, sorts before that name), or None."""
-    found = [p for p in _step_folders(folder)
-             if all((p / name).is_file() for name in files) and (not before or p.name < before)]
-    return found[-1] if found else None
+    ``before``, sorts before that name), or None. Newest first, stopping at the first found."""
+    for step in _newest_first(folder):
+        if before and step.name >= before:
+            continue
+        if all((step / name).is_file() for name in files):
+            return step
+    return None
 
 
 def _holding(files: tuple[str, ...]) -> str:
@@ -144,14 +181,16 @@ def _holding(files: tuple[str, ...]) -> str:
 _warned: set[str] = set()
 
 
-def _warn_once(message: str) -> None:
+def _warn_once(message: str, key: str = "") -> None:
     """A warning on rank 0 (``RANK`` of a launcher, else this process), once per process: a
-    command resolves its checkpoint more than once (checked first, then loaded)."""
+    command resolves its checkpoint more than once (checked first, then loaded). ``key`` tells
+    apart messages that read alike (another run's checkpoint of the same name)."""
     import logging
 
-    if message in _warned or os.environ.get("RANK", "0") not in ("", "0"):
+    said = f"{key}\n{message}"
+    if said in _warned or os.environ.get("RANK", "0") not in ("", "0"):
         return
-    _warned.add(message)
+    _warned.add(said)
     logging.getLogger(__name__).warning(message)
 
 
@@ -329,7 +368,8 @@ def find_resume(resume: str, output_dir: Path, *, warn: bool = True) -> Path | N
     """The checkpoint directory named by ``train.resume``. ``latest`` (or a run directory): the
     one ``checkpoints/latest`` names; when that is missing, empty, dangling or incomplete (a
     damaged disk, a file removed by hand), the newest complete ``step_*``, with a warning saying
-    which (unless ``warn`` is false);
+    which (unless ``warn`` is false; once per process): the fallback of
+    :func:`resolve_checkpoint`, which a run directory given as ``resume`` goes through too;
     none when the run has no checkpoint (a fresh start). Checkpoint folders of which none is
     complete are an error, never a fresh start over them (its checkpoints would overwrite, and
     retention delete, theirs). A run resolves it once (``train()``'s preflight) and passes the
@@ -338,18 +378,11 @@ def find_resume(resume: str, output_dir: Path, *, warn: bool = True) -> Path | N
         return None
     if resume == "latest":
         root = Path(output_dir) / "checkpoints"
-        found, problem = latest_state(root, COMPLETE_MARKER)
+        found = _latest_or_newest(root, COMPLETE_MARKER, (), what="train.resume=latest",
+                                  warn=warn, action="resuming from", shown=lambda p: p.name)
         if found is not None:
             return found
-        complete, every = complete_checkpoints(root)
-        if complete:
-            if warn:
-                import logging
-
-                logging.getLogger(__name__).warning(
-                    "train.resume=latest: %s; resuming from the newest complete checkpoint, %s",
-                    problem, complete[-1].name)
-            return complete[-1]
+        every = _step_folders(root)
         if every:
             raise ConfigError(f"train.resume=latest: {root} holds {len(every)} checkpoint "
                               f"folder(s) ({every[-1].name} ...) and none is complete (no "
@@ -415,10 +448,17 @@ def check_resume_config(path: Path | None, resume: str, current: dict[str, Any])
     optimizer-state format this run reads (:func:`engine_format`), as its ``config.yaml`` says
     (``current`` is the run's config as a nested dict). Another world size is resumed (ZeRO 0
     as it is, ZeRO 1-3 through a universal checkpoint, :func:`universal_resume`). A one-line
-    ConfigError names the keys, both values and the fix."""
-    saved = saved_config(path)
-    if path is None or saved is None:
+    ConfigError names the keys, both values and the fix. A checkpoint without ``config.yaml``
+    (removed, or copied without it: vlcontrast writes one into every checkpoint) is refused the
+    same way, rather than resumed unchecked."""
+    if path is None:
         return
+    saved = saved_config(path)
+    if saved is None:
+        raise ConfigError(f"{path / 'config.yaml'}: missing, so this run cannot check that it "
+                          "resumes the checkpoint with its model, loss, optimizer-state format "
+                          "and world size (every checkpoint vlcontrast writes holds one); "
+                          f"{_missing_config_fix(path)}")
 
     weights_fix = f"start a new run from its weights with model.pretrained={path}"
     for key in RESUME_MUST_MATCH:
@@ -444,17 +484,33 @@ def check_resume_config(path: Path | None, resume: str, current: dict[str, Any])
             f"amp_bf16), or {weights_fix}")
 
 
+def _missing_config_fix(path: Path) -> str:
+    """What to do about the checkpoint ``path`` without its ``config.yaml``: the run folder's
+    own copy when there is one (the settings of the run's last start, which resumed with the same
+    model, loss and optimizer-state format), the checkpoint before it, or a new run."""
+    run_config = path.parent.parent / "config.yaml"
+    options = [f"copy {run_config} there if that run wrote this checkpoint"
+               if path.parent.name == "checkpoints" and run_config.is_file()
+               else "restore it from a copy"]
+    earlier = earlier_checkpoint(path)
+    if earlier is not None:
+        options.append(f"resume from the one before it (train.resume={earlier})")
+    options.append(f"start a new run from its weights (model.pretrained={path})")
+    return ", ".join(options[:-1]) + f", or {options[-1]}"
+
+
 def _value(config: dict[str, Any], key: str) -> Any:
     section, name = key.split(".")
     return (config.get(section) or {}).get(name)
 
 
 def saved_config(path: Path | None) -> dict[str, Any] | None:
-    """The checkpoint's ``config.yaml`` as a dict, or None when there is none (a checkpoint
-    written without one). One that cannot be read is a one-line ConfigError naming it: the
-    resume's checks (model and loss, the optimizer-state format, another world size) are made
-    from it, and a resume without them could continue another loss's state or load DeepSpeed's
-    ZeRO partitions for the wrong number of ranks without a word."""
+    """The checkpoint's ``config.yaml`` as a dict, or None when there is none (removed by hand:
+    :func:`check_resume_config` refuses to resume such a checkpoint). One that cannot be read is
+    a one-line ConfigError naming it: the resume's checks (model and loss, the optimizer-state
+    format, another world size) are made from it, and a resume without them could continue
+    another loss's state or load DeepSpeed's ZeRO partitions for the wrong number of ranks
+    without a word."""
     import yaml
 
     if path is None or not (path / "config.yaml").is_file():
@@ -506,32 +562,60 @@ def save_file(obj: Any, path: Path) -> None:
     torch.save(obj, path)
 
 
-def load_file(path: Path, map_location: Any = "cpu", *, fix: str = "") -> Any:
+def load_file(path: Path, map_location: Any = "cpu", *, fix: str = "",
+              kind: str = "checkpoint file") -> Any:
     """``torch.load(weights_only=True)``: tensors and plain containers, never code.
 
     A file that cannot be read is a one-line :class:`CheckpointError` naming it and ``fix`` (by
     default the checkpoint before it, :func:`use_earlier`): a damaged file (empty, truncated,
     overwritten) says so, and only a sound pickle that names classes (a pickled object) is
-    refused as one. torch's own advice (``weights_only=False``) is never passed on."""
+    refused as one. torch's own advice (``weights_only=False``) is never passed on. ``kind``
+    names the file in that line (``not a readable checkpoint file``)."""
     path = Path(path)
+    return _load_safely(path, map_location, fix or (lambda: use_earlier(path.parent, (path.name,))),
+                        kind=kind, what="it holds a pickled Python object",
+                        why="which could run code when loaded. vlcontrast writes only tensors and "
+                            "plain containers here; a file written by another program (or an "
+                            "older vlcontrast) is not trusted")
+
+
+def _load_safely(path: Path, map_location: Any, fix, *, what: str, why: str,
+                 allowed: frozenset[str] = frozenset(), mmap: bool = False,
+                 kind: str = "checkpoint file") -> Any:
+    """``torch.load(weights_only=True)`` of ``path`` with the classes named in ``allowed`` let
+    through, every failure but a missing or forbidden file a one-line CheckpointError: ``what``
+    and ``why`` say what a refused pickle holds (its names in between), ``fix`` (a string, or a
+    function making one only when needed) ends the line."""
+    classes = [_named_class(name) for name in sorted(allowed)]
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
-    except OSError:  # a missing file or a permission: the caller's FileNotFoundError and fixes
-        raise
-    except Exception as err:  # noqa: BLE001 - sorted below; anything else is raised as it was
-        fix = fix or use_earlier(path.parent, (path.name,))
-        named = _pickled_objects(path, err)
-        if named:
-            raise CheckpointError(
-                f"{path}: refused to load: it holds a pickled Python object "
-                f"({', '.join(named[:3])}{' ...' if len(named) > 3 else ''}), which could run "
-                "code when loaded. vlcontrast writes only tensors and plain containers here; a "
-                "file written by another program (or an older vlcontrast) is not trusted; "
-                f"{fix}") from None
-        damage = _damage(path, err)
-        if damage is None:
+        with torch.serialization.safe_globals(classes):
+            return torch.load(path, map_location=map_location, weights_only=True,
+                              **({"mmap": True} if mmap and zipfile.is_zipfile(path) else {}))
+    except OSError as err:
+        # A missing file or a permission: the caller's FileNotFoundError and fixes. A zip
+        # archive cut short (from about 1 to 64 KB) makes torch's reader seek before its start.
+        if err.errno != errno.EINVAL or not path.is_file():
             raise
-        raise CheckpointError(f"{path}: not a readable checkpoint file ({damage}); {fix}") from None
+        error: BaseException = err
+    except Exception as err:  # noqa: BLE001 - sorted below; anything else is raised as it was
+        error = err
+    fix = fix if isinstance(fix, str) else fix()
+    named = [name for name in _pickled_objects(path, error) if name not in allowed]
+    if named:
+        raise CheckpointError(
+            f"{path}: refused to load: {what} ({', '.join(named[:3])}"
+            f"{' ...' if len(named) > 3 else ''}), {why}; {fix}") from None
+    damage = _damage(path, error)
+    if damage is None:
+        raise error
+    raise CheckpointError(f"{path}: not a readable {kind} ({damage}); {fix}") from None
+
+
+def _named_class(name: str) -> Any:
+    import importlib
+
+    module, _, attribute = name.rpartition(".")
+    return getattr(importlib.import_module(module), attribute)
 
 
 _GLOBAL = re.compile(r"Unsupported global: GLOBAL ([A-Za-z_][\w.]*) was not an allowed global")
@@ -559,6 +643,9 @@ def _pickled_objects(path: Path, err: BaseException) -> list[str]:
     return sorted(name for name in set(named) if _NAME.fullmatch(name))
 
 
+_ZIP_START = b"PK\x03\x04"
+
+
 def _damage(path: Path, err: BaseException) -> str | None:
     """What is wrong with a file torch could not load, in words (``empty``, ``truncated or
     corrupt: ...``), or None when the file is sound and ``err`` has another cause (a
@@ -569,6 +656,14 @@ def _damage(path: Path, err: BaseException) -> str | None:
         size = -1
     if size == 0:
         return "an empty file"
+    if isinstance(err, OSError) and not zipfile.is_zipfile(path):
+        try:
+            with open(path, "rb") as file:
+                cut = file.read(len(_ZIP_START)) == _ZIP_START
+        except OSError:
+            cut = False
+        if cut:
+            return "truncated: a torch archive without its end"
     if isinstance(err, (EOFError, pickle.UnpicklingError)):
         reason = re.search(r"Unsupported operand \d+", str(err))
         return ("truncated or corrupt" + (f": {reason.group(0)}" if reason else
@@ -623,19 +718,32 @@ def check_engine_files(folder: Path, fix: str = "") -> None:
                 "loading it could run code. Was this directory written by vlcontrast?")
 
 
-def load_engine_file(path: Path) -> Any:
+def load_engine_file(path: Path, map_location: Any = "cpu", *, fix: str = "",
+                     mmap: bool = True) -> Any:
     """A DeepSpeed file read as :func:`load_file` reads vlcontrast's: ``weights_only=True``, with
-    :data:`DEEPSPEED_GLOBALS`' classes allowed besides tensors and plain containers."""
-    import importlib
+    :data:`DEEPSPEED_GLOBALS`' classes allowed besides tensors and plain containers. A file that
+    names anything else, or that cannot be read, is one line naming it, what it names and ``fix``
+    (by default: for ``universal/``, convert it again; else the checkpoint before it)."""
+    path = Path(path)
+    return _load_safely(path, map_location, fix or (lambda: engine_fix(path)),
+                        what="it holds a pickled Python object",
+                        why="which DeepSpeed's checkpoints do not contain and which could run code "
+                            "when loaded; a file written by another program is not trusted",
+                        allowed=DEEPSPEED_GLOBALS, mmap=mmap)
 
-    classes = [getattr(importlib.import_module(name.rpartition(".")[0]), name.rpartition(".")[2])
-               for name in sorted(DEEPSPEED_GLOBALS)]
-    try:
-        with torch.serialization.safe_globals(classes):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as err:
-        raise CheckpointError(f"{path}: refused to load: it names classes DeepSpeed's checkpoints "
-                              f"do not contain ({err})") from None
+
+def engine_fix(path: Path) -> str:
+    """What to do about a damaged or refused file of a checkpoint's ``engine/`` or
+    ``universal/`` (``path``, a file or a folder there): a universal checkpoint is made again from
+    ``engine/`` once deleted; else the checkpoint before it, or a new run from its weights."""
+    path = Path(path)
+    step = next((p for p in (path, *path.parents) if p.name.startswith("step_")), None)
+    if step is None:
+        return "restore the file from a copy"
+    parts = path.relative_to(step).parts
+    again = (f"delete {step / parts[0]} (the next resume converts {step.name}/engine again), or "
+             if parts and parts[0] == "universal" else "")
+    return again + damaged_fix(step)
 
 
 def missing_engine_file(folder: Path, rank: int) -> Path | None:

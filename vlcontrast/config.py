@@ -570,6 +570,12 @@ class RunConfig:
             if key in types:  # its declared type: a choice, a number, a flag
                 self.loss.options[key] = _coerce(value, types[key], f"loss.{key}",
                                                  f" (loss.name={self.loss.name})")
+        if self.loss.name == "decl" and "seed" in self.loss.options:
+            from vlcontrast.losses.decl import SEED_RANGE as DECL_SEED_RANGE, seed_range_rule
+
+            seed = self.loss.options["seed"]
+            _require(DECL_SEED_RANGE[0] <= seed <= DECL_SEED_RANGE[1], "loss.seed", seed,
+                     f"{seed_range_rule()}; set loss.seed in that range, e.g. loss.seed=0")
         _check_loss_options(self.loss)  # the loss's own words first (its ranges, combinations)
         _check_options_apply(self.loss)
 

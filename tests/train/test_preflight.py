@@ -75,6 +75,7 @@ def test_a_stop_at_step_not_after_the_resumed_step_is_refused(synthetic_data, tm
     step = run / "checkpoints" / "step_00000004"
     step.mkdir(parents=True)
     (step / "trainer_state.pt").write_bytes(b"")
+    (step / "config.yaml").write_text("model:\n  name: vlc-micro\nloss:\n  name: infonce\n")
     (run / "checkpoints" / "latest").write_text("step_00000004\n")
     for stop_at in (3, 4):
         config = tiny_config(synthetic_data, run, train__resume="latest",

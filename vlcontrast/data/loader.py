@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 from torch.utils.data import DataLoader
@@ -38,7 +38,7 @@ from .samples import (DEFAULT_MAX_IMAGE_PIXELS, IMAGE_EXTENSIONS, SAMPLE_REASONS
 from .sources import ShardSet, check_batch_fits, resolve_shard_set
 from .spec import Source, expand_source, parse_spec
 from .row_snapshot import load_or_build
-from .stream import MIN_EXAMINED_FOR_RATE, CachedTokenizer, SlotStream
+from .stream import CachedTokenizer, SlotStream
 from .tar_reader import group_members, read_shard, split_name
 from .workers import stop_signal_init
 
@@ -47,6 +47,16 @@ logger = logging.getLogger(__name__)
 STATE_VERSION = 1
 PREFETCH_FACTOR = 2
 
+MIN_EXAMINED_FOR_RATE = 1000
+"""Samples (read, or found missing; summed over every rank and worker) before the bad-sample rate
+is judged within an epoch (:meth:`TrainLoader.check_rate`), so that the first few bad samples of
+a run do not stop it: at the default ``data.max_bad_fraction=0.05`` a run whose shards are 3% bad
+passes its first judgment at 1000 samples but for a chance of about 1e-4. Epoch ends and the end
+of the run judge whatever was read."""
+
+RATE_REASONS = SAMPLE_REASONS + SHARD_REASONS
+"""The order of the reasons in :meth:`TrainLoader.rate_counts` (after the samples examined)."""
+
 # The names of the single-module loader, kept importable.
 parse_train_spec = parse_spec
 resolve_shards = resolve_shard_set
@@ -54,7 +64,8 @@ _SlotStream = SlotStream
 
 __all__ = [
     "Batch", "DEFAULT_MAX_IMAGE_PIXELS", "IMAGE_EXTENSIONS", "LoaderError",
-    "MIN_EXAMINED_FOR_RATE", "SAMPLE_REASONS", "SHARD_REASONS", "STATE_VERSION", "ShardSet",
+    "MIN_EXAMINED_FOR_RATE", "RATE_REASONS", "SAMPLE_REASONS", "SHARD_REASONS", "STATE_VERSION",
+    "ShardSet",
     "ShardSpecError", "ShardsNotFoundError", "Source", "TrainLoader", "bad_rate_error",
     "build_train_loader", "dataloader_options", "decode_sample", "epoch_order", "expand_source",
     "group_members", "parse_spec", "parse_train_spec", "read_shard", "resolve_shard_set",
@@ -265,26 +276,57 @@ class TrainLoader:
         worker summed (one collective under a process group, the same verdict on every rank),
         judged against ``data.max_bad_fraction``; the epoch's skips logged once (rank 0).
         Judged on sums, the outcome does not depend on the world size or ``data.workers``."""
-        reasons = SAMPLE_REASONS + SHARD_REASONS
-        total, epoch = self.bad_samples, self.epoch_bad_samples
-        counts = [self._base_examined + sum(self._epoch_examined),
-                  *(total.get(r, 0) for r in reasons), *(epoch.get(r, 0) for r in reasons)]
+        epoch = self.epoch_bad_samples
+        counts = [*self.rate_counts(), *(epoch.get(r, 0) for r in RATE_REASONS)]
         ranks = _ranks(self._stream.world_size)
         if ranks > 1:
             from vlcontrast.distributed import all_reduce_sum, flag_device
 
             counts = all_reduce_sum(torch.tensor(counts, dtype=torch.long,
                                                  device=flag_device())).tolist()
-        examined, n = counts[0], len(reasons)
-        total = {r: c for r, c in zip(reasons, counts[1:1 + n]) if c}
-        epoch = {r: c for r, c in zip(reasons, counts[1 + n:]) if c}
+        n = 1 + len(RATE_REASONS)
         where = f"data (epoch {self.epoch}" + (f", {ranks} ranks)" if ranks > 1 else ")")
-        error = bad_rate_error(total, examined, self._stream.max_bad_fraction, where,
+        self._raise_over_rate(counts[:n], where)
+        epoch = {r: c for r, c in zip(RATE_REASONS, counts[n:]) if c}
+        if epoch and self._stream.rank == 0:
+            logger.warning("%s: skipped %s", where, epoch)
+
+    def rate_counts(self, mark: dict | None = None) -> list[int]:
+        """This rank's counts for the bad-sample rate of the run so far, after the last batch
+        handed out (or at ``mark``, from :meth:`mark`): ``[samples examined, then the bad
+        samples and shard events of each reason in RATE_REASONS]``. Host values only: the train
+        loop sums them over ranks in the step's own collective at log steps and hands the sums
+        to :meth:`check_rate`."""
+        mark = mark if mark is not None else self.mark()
+        bad = mark["bad_samples"]
+        return [int(mark["examined_samples"]), *(int(bad.get(r, 0)) for r in RATE_REASONS)]
+
+    def check_rate(self, summed: Sequence[float], *, step: int, epoch: int | None = None,
+                   final: bool = False) -> dict[str, int]:
+        """Judge ``data.max_bad_fraction`` within an epoch on ``summed``, :meth:`rate_counts`
+        summed over every rank (the same values on every rank, so every rank raises the same
+        one-line :class:`LoaderError` at the same step, or none does). Within the run it waits
+        for :data:`MIN_EXAMINED_FOR_RATE` samples; ``final`` (the run's last step, which may end
+        mid-epoch, where no epoch end judges) judges whatever was read. Returns the summed bad
+        counts per reason (non-zero), what the step's log record shows."""
+        counts = [int(round(c)) for c in summed]
+        bad = {r: c for r, c in zip(RATE_REASONS, counts[1:]) if c}
+        read = counts[0] + bad.get("missing_samples", 0)
+        if final or read >= MIN_EXAMINED_FOR_RATE:
+            ranks = _ranks(self._stream.world_size)
+            where = (f"data (epoch {self.epoch if epoch is None else epoch}, step {step}"
+                     + (f", {ranks} ranks)" if ranks > 1 else ")"))
+            self._raise_over_rate(counts, where)
+        return bad
+
+    def _raise_over_rate(self, counts: Sequence[int], where: str) -> None:
+        """``counts`` as :meth:`rate_counts` orders them: the one-line error of
+        :func:`~.samples.bad_rate_error` when the rate is over ``data.max_bad_fraction``."""
+        bad = {r: c for r, c in zip(RATE_REASONS, counts[1:]) if c}
+        error = bad_rate_error(bad, counts[0], self._stream.max_bad_fraction, where,
                                getattr(self._stream, "max_image_pixels", None))
         if error is not None:
             raise error
-        if epoch and self._stream.rank == 0:
-            logger.warning("%s: skipped %s", where, epoch)
 
     @property
     def epoch_bad_samples(self) -> dict[str, int]:

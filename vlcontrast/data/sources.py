@@ -27,6 +27,7 @@ from typing import Any
 
 from . import shards as shard_meta
 from vlcontrast.errors import DataLayoutError
+from vlcontrast.requeue import launcher_rank
 from .spec import PIPE_PREFIX, expand_source, parse_spec
 
 logger = logging.getLogger(__name__)
@@ -143,10 +144,19 @@ _WARNED: set[str] = set()
 """Shards already warned about in this process (the shard set is resolved more than once)."""
 
 
-def warn_incomplete(url: str, found) -> None:
+def resolving_rank() -> bool:
+    """Whether this process says what resolving the shard set found: rank 0 of the job alone
+    (the launcher's ``RANK``/``SLURM_PROCID``, read without a process group). Every rank resolves
+    the same shards and finds the same damage; 64 ranks would print it 64 times."""
+    return launcher_rank() == 0
+
+
+def warn_incomplete(url: str, found, *, resolving: bool = False) -> None:
     """One warning per shard and process for a shard whose headers stop early: what is used of
-    it, and where to look (``vlcontrast prep check`` lists every such shard)."""
-    if url in _WARNED:
+    it, and where to look (``vlcontrast prep check`` lists every such shard). ``resolving``: found
+    while resolving the shard set, which every rank does alike: said by rank 0 only, once per
+    job; without it (a reader that hit the damage), said by whichever process read it."""
+    if url in _WARNED or (resolving and not resolving_rank()):
         return
     _WARNED.add(url)
     if found.error:
@@ -162,9 +172,10 @@ def warn_incomplete(url: str, found) -> None:
 
 
 def warn_missing_shards(directory: str, missing: list[tuple[str, int, str]]) -> None:
-    """One warning per folder and process: shards its sizes list that are not there; training
-    reads the shards present (``vlcontrast prep check`` reports the same, failing ``ok``)."""
-    if not missing or ("missing:" + directory) in _WARNED:
+    """One warning per folder and job (rank 0, :func:`resolving_rank`): shards its sizes list that
+    are not there; training reads the shards present (``vlcontrast prep check`` reports the same,
+    failing ``ok``)."""
+    if not missing or ("missing:" + directory) in _WARNED or not resolving_rank():
         return
     _WARNED.add("missing:" + directory)
     logger.warning("data: %s: training uses the shards that are there, without those %d "
@@ -218,7 +229,7 @@ def resolve_shard_set(data_cfg: Any, *, needs_sample_ids: bool = False,
             if sizes[i] is None:
                 sizes[i] = found.rows
             if not found.complete:
-                warn_incomplete(urls[i], found)
+                warn_incomplete(urls[i], found, resolving=True)
     if needs_sample_ids:
         for i, found in counts.items():
             if found.non_numeric:
@@ -345,7 +356,7 @@ def check_id_space(id_space: int, urls: list[str], directories: list[str | None]
             and all(d is not None for d in directories):
         needed = max(declared.values())
         said = f"id_space:{id_space}:{sorted(declared)}"  # the loader resolves the set again
-        if id_space > needed and said not in _WARNED:
+        if id_space > needed and said not in _WARNED and resolving_rank():
             _WARNED.add(said)
             logger.warning("data.id_space=%d is above the %d ids the manifest.json of the "
                            "shards declares: the loss's buffer keeps %d rows no sample uses "

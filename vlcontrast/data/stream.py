@@ -9,8 +9,9 @@
 * **skip replayed**: on resume, rows up to the saved position are passed over without decoding;
 * **decode**: :func:`~vlcontrast.data.samples.inspect_sample`, then the image transform
   (:func:`~vlcontrast.data.samples.transform_sample`); bad rows are counted by reason in a
-  :class:`Tally` (``data.max_bad_fraction`` is judged at the end of the epoch, on the counts of
-  every worker and rank summed: :class:`~vlcontrast.data.loader.TrainLoader`);
+  :class:`Tally`, which travels with every batch (``data.max_bad_fraction`` is judged on the
+  counts of every worker and rank summed, never on one worker's share:
+  :class:`~vlcontrast.data.loader.TrainLoader`);
 * **batch** and **collate**: ``batch_size`` samples -> (images, token ids, sample ids, meta), where
   meta carries the worker's position and counts for :class:`~vlcontrast.data.loader.TrainLoader`.
 
@@ -41,11 +42,6 @@ if TYPE_CHECKING:
 from .tar_reader import read_shard
 
 logger = logging.getLogger(__name__)
-
-MIN_EXAMINED_FOR_RATE = 64
-"""Kept importable; the bad-sample rate is no longer judged mid-epoch, only at each epoch's end
-(on the counts summed over workers and ranks, :class:`~vlcontrast.data.loader.TrainLoader`)."""
-
 
 class Kept(NamedTuple):
     """A row served by a :class:`SampleCache`: what decoding it gave the first time."""
@@ -120,23 +116,22 @@ def _text_bytes(caption: str | tuple[str, ...]) -> int:
 
 @dataclass
 class Tally:
-    """Bad samples per reason and good samples examined, for one worker and one epoch."""
+    """Bad samples per reason and good samples examined, for one worker and one epoch: counted
+    only, and handed to the main process with every batch (:func:`collate`). A rate judged
+    here, on this worker's share, would stop one rank of a run the summed counts let through;
+    :class:`~vlcontrast.data.loader.TrainLoader` judges the sums."""
     where: str
-    max_bad_fraction: float
+    """``data (rank R, worker W, epoch E)``, named when the worker runs out of samples."""
     counts: dict[str, int] = field(default_factory=dict)
     good: int = 0
     fallbacks: dict[str, int] = field(default_factory=dict)
     """Images decoded on the CPU under ``data.decode=gpu``, per reason (not bad samples)."""
-    max_image_pixels: int | None = None
-    """``data.max_image_pixels``, named in the error when images were decompression bombs."""
 
     @property
     def examined(self) -> int:
         return self.good + bad_items(self.counts)
 
     def bad(self, reason: str) -> None:
-        # Counted only: a rate judged here, on this worker's share, would stop one rank of a
-        # run the summed counts let through (TrainLoader judges at the epoch's end).
         count(self.counts, reason)
 
 
@@ -430,8 +425,7 @@ class SlotStream(IterableDataset):
             # An epoch-seeded transform (train.batches.SeededTransform): persistent workers hold
             # their own copy of it, which the main process's assignment never reaches.
             self.preprocess.epoch = self.epoch
-        tally = Tally(f"data (rank {self.rank}, worker {worker}, epoch {self.epoch})",
-                      self.max_bad_fraction, max_image_pixels=self.max_image_pixels)
+        tally = Tally(f"data (rank {self.rank}, worker {worker}, epoch {self.epoch})")
         fresh = skip_replayed(number(self.rows(worker, tally.counts)), position)
         samples = decode(fresh, self.shard_set, tally, preprocess=self.preprocess,
                          max_image_pixels=self.max_image_pixels, cache=self.cache,

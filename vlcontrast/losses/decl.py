@@ -53,6 +53,20 @@ Estimator = Literal["buffer", "momentum", "batch"]
 UMode = Literal["mean", "sample"]
 Schedule = Literal["alternate", "weighted", "loss1", "loss2"]
 ESTIMATORS, U_MODES, SCHEDULES = get_args(Estimator), get_args(UMode), get_args(Schedule)
+SEED_STRIDE = 1_000_003
+"""The ``u_mode=sample`` draws of step ``t`` come from a generator seeded
+``seed * SEED_STRIDE + t``."""
+SEED_RANGE = (0, 2**43 - 1)
+"""``seed``'s range: ``seed * SEED_STRIDE + t`` stays a 64-bit generator seed in ``[0, 2**63)`` for
+every step ``t`` below ``4e17``. Beyond it ``torch``'s ``manual_seed`` refuses the number with a
+traceback (above ``2**64 - 1``) or wraps it (a negative seed is taken as ``2**64`` plus it, so two
+seeds draw the same noise)."""
+
+
+def seed_range_rule() -> str:
+    """Why a ``seed`` outside :data:`SEED_RANGE` is refused, in one clause."""
+    return (f"must be an integer in [0, 2**43 - 1 = {SEED_RANGE[1]}] (the u_mode=sample draws of "
+            f"step t seed a 64-bit generator with seed * {SEED_STRIDE} + t)")
 
 
 @dataclass
@@ -101,7 +115,8 @@ class DeCLLoss(ContrastiveLoss):
         lambda_c: ``c >= 0`` of the ``weighted`` schedule ``lam_t = min(1, c / t)``.
         ema_decay: decay of the EMA towers the trainer keeps for ``momentum``.
         shard_buffer: shard the buffer by id across ranks (LAION-scale id spaces).
-        seed: seed of the ``sample`` draws (a function of ``seed`` and the step, equal on all ranks).
+        seed: seed of the ``sample`` draws (a function of ``seed`` and the step, equal on all ranks),
+            in ``[0, 2**43 - 1]``.
         id_space: number of distinct sample ids (set by ``build_loss``; required by ``buffer``).
     """
 
@@ -128,6 +143,8 @@ class DeCLLoss(ContrastiveLoss):
                                   lambda_c=lambda_c)
         if id_space < 0:
             raise LossOptionError(self.name, "must be >= 0", id_space=id_space)
+        if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+            raise LossOptionError(self.name, seed_range_rule(), seed=seed)
         self.estimator = estimator
         self.u_mode = u_mode
         self.gamma = float(gamma)
@@ -179,7 +196,7 @@ class DeCLLoss(ContrastiveLoss):
             counter = batch.step
         # Drawn on the features' device: a host draw copied over would block the step.
         device = batch.image.device
-        generator = torch.Generator(device=device).manual_seed(self.seed * 1_000_003 + counter)
+        generator = torch.Generator(device=device).manual_seed(self.seed * SEED_STRIDE + counter)
         noise = torch.empty(batch.global_size, 2, dtype=torch.float64, device=device)
         return batch.local_rows(noise.exponential_(generator=generator))
 

@@ -154,6 +154,18 @@ class TrainBatches:
             return self._handed.mark["bad_samples"]
         return self.loader.bad_samples
 
+    def rate_counts(self) -> list[int]:
+        """This rank's counts for ``data.max_bad_fraction`` after the batches handed out (not
+        the step prepared ahead): :meth:`~vlcontrast.data.loader.TrainLoader.rate_counts`."""
+        mark = self._handed.mark if self._handed is not None else None
+        return self.loader.rate_counts(mark)
+
+    def check_rate(self, summed, *, step: int, final: bool = False) -> dict[str, int]:
+        """Judge ``data.max_bad_fraction`` on :meth:`rate_counts` summed over every rank, in the
+        epoch of the batches handed out (:meth:`~vlcontrast.data.loader.TrainLoader.check_rate`);
+        returns the summed bad counts per reason."""
+        return self.loader.check_rate(summed, step=step, epoch=self.epoch, final=final)
+
     @property
     def fallback_samples(self) -> dict[str, int]:
         """``data.decode=gpu``: images decoded on the CPU, per reason (workers and this process)."""

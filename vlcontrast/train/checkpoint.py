@@ -253,8 +253,8 @@ class Checkpointer:
         self._check_layout(run_state, path)
         check_engine_files(path / "engine", fix)
         source = universal_checkpoint(path, saved_world) if universal else path
-        if universal:
-            check_engine_files(source, fix)  # reused from an earlier resume: read as warily
+        if universal:  # reused from an earlier resume: read as warily
+            check_engine_files(source, checkpoints.engine_fix(source))
         try:
             self.engine.load_checkpoint(str(source), tag="engine", load_module_strict=True)
         except FileNotFoundError as err:  # DeepSpeed's own files: one lost or never copied
@@ -542,15 +542,24 @@ class RunLock:
         self.path, self.fd = path, fd
 
     def release(self) -> None:
-        if self.fd is None:
+        """Remove the file (only while it is still the one this lock holds) and let go of the
+        lock. Idempotent and quiet: a second call, as a failed start's clean-up makes, does
+        nothing, and a close that fails (a network file system's EIO) is not raised over the
+        error that ended the run. The descriptor is forgotten before it is closed, so no later
+        call can act on the number once the system has handed it to another file (the next
+        holder's lock, in a process that trains more than once)."""
+        fd, self.fd = self.fd, None
+        if fd is None:
             return
         try:
-            if _same_file(self.fd, self.path):  # while still held: nobody else's file goes
+            if _same_file(fd, self.path):  # while still held: nobody else's file goes
                 self.path.unlink()
         except OSError:
             pass
-        os.close(self.fd)
-        self.fd = None
+        try:
+            os.close(fd)
+        except OSError:
+            pass  # Linux frees the descriptor (and the lock) whatever close reports
 
 
 def _same_file(fd: int, path: Path) -> bool:

@@ -56,7 +56,9 @@ def tower_digest(weights: Path) -> str:
 
         _, state, _ = load_transformers_clip(weights)
     else:
-        state = torch.load(weights, map_location="cpu", weights_only=True)
+        from vlcontrast.checkpoints import load_file
+
+        state = load_file(Path(weights))  # damaged: one line naming it and the checkpoint before
     return tensors_digest({k: v for k, v in state.items() if k.startswith("visual.")})
 
 
@@ -184,7 +186,7 @@ class LockedImageFeatures:
         if not path.is_file():
             raise ConfigError(f"model.lock_image_features={str(path)!r}: file does not exist "
                               "(vlcontrast.train.feature_cache.write_feature_cache makes it)")
-        stored = torch.load(path, map_location="cpu", weights_only=True)
+        stored = read_cache(path)
         expected = cache_key(model, data)
         if stored.get("key") != expected:
             differs = sorted(k for k in expected if stored.get("key", {}).get(k) != expected[k])
@@ -235,7 +237,35 @@ class LockedImageFeatures:
                               f"({live[0]}, ...); set model.lock_image_freeze_bn_stats=true")
 
 
+REBUILD = ("delete it and make it again (vlcontrast.train.feature_cache.write_feature_cache; a "
+           "study makes a deleted one anew)")
+"""The fix for a cache file that cannot be used."""
+
+
+def read_cache(path: str | Path) -> dict[str, Any]:
+    """The cache file ``path`` as written (``key``, ``ids``, ``features``): tensors only, never
+    code. A damaged one (cut short, overwritten) or a file that is no feature cache is a one-line
+    ConfigError naming it and :data:`REBUILD`, not torch's traceback."""
+    from vlcontrast.checkpoints import load_file
+    from vlcontrast.errors import CheckpointError
+
+    path = Path(path)
+    try:
+        stored = load_file(path, fix=REBUILD, kind="feature cache")
+    except CheckpointError as err:  # the option first, as every line of the cache's
+        raise ConfigError(f"model.lock_image_features={str(path)!r}: "
+                          f"{str(err).removeprefix(f'{path}: ')}") from None
+    lacking = (sorted({"key", "ids", "features"} - set(stored)) if isinstance(stored, dict)
+               else [])
+    if not isinstance(stored, dict) or lacking:
+        what = (f"a {type(stored).__name__}" if not isinstance(stored, dict) else
+                f"a dict without {', '.join(lacking)}")
+        raise ConfigError(f"model.lock_image_features={str(path)!r}: not a feature cache (it "
+                          f"holds {what}); {REBUILD}")
+    return stored
+
+
 def describe(path: str | Path) -> str:
-    stored = torch.load(path, map_location="cpu", weights_only=True)
+    stored = read_cache(path)
     return json.dumps({"samples": len(stored["ids"]), "dim": stored["features"].shape[1],
                        "key": stored["key"]})

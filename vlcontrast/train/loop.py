@@ -16,6 +16,11 @@ or gradients are non-finite on any rank is skipped on every rank, counted and lo
 ``train.max_bad_steps`` consecutive ones :class:`TrainingDiverged` names the step and the last
 good checkpoint. A dead rank makes the others' next collective fail (connection reset, or the
 process-group timeout ``train.dist_timeout_s``), so the job exits non-zero instead of hanging.
+``data.max_bad_fraction`` is judged on the loader counts of every rank and worker summed: at each
+epoch end (the loader's own collective), and at log steps, where the counts ride in the step's
+flag collective (from :data:`~vlcontrast.data.loader.MIN_EXAMINED_FOR_RATE` samples on, and
+always at the last step, which may end mid-epoch); every rank raises the same line at the same
+step.
 """
 
 from __future__ import annotations
@@ -219,10 +224,13 @@ def _train(config: RunConfig, stop: StopSignal, env) -> dict[str, Any]:
             if distiller is not None:  # the teacher's embeddings of this step's samples
                 micro_batches = distiller.prepare(micro_batches)
             log.timer.mark("data")
-            loss_fn.diagnostics = log.should_log(state.step + 1)  # read at log steps only
+            logs = log.should_log(state.step + 1)
+            loss_fn.diagnostics = logs  # read at log steps only
+            # At log steps the loader's bad-sample counts ride in the step's flag collective.
             outcome = train_step(engine, loss_fn, micro_batches, state.step + 1, device, dtype,
                                  log.timer, momentum, stop,
-                                 None if data.feeds_device else normalizer)
+                                 None if data.feeds_device else normalizer,
+                                 data_counts=data.rate_counts() if logs else None)
             # Counted as applied until the ledger is read (a skipped update changed nothing on
             # the device: the losses and the towers' copy were conditioned on its flag).
             ledger.record(state.step + 1, outcome)
@@ -240,10 +248,14 @@ def _train(config: RunConfig, stop: StopSignal, env) -> dict[str, Any]:
                     env.world_size)):
                 continue
             last, signalled = _settle(ledger, engine, state, guard, log, global_batch)
+            summed = (None if outcome.data_counts is None
+                      else outcome.data_counts.tolist())  # settled: the step's values are there
+            bad = (None if summed is None else
+                   data.check_rate(summed, step=state.step, final=state.step >= total_steps))
             if last.skipped is None:
                 if log.should_log(state.step):
                     log.record(state.step, state=state, engine=engine, result=outcome.result,
-                               data=data, counts=guard.counts())
+                               data=data, counts=guard.counts(), bad_samples=bad)
                 if evaluator.should_evaluate(state.step, total_steps):
                     log.eval(state.step, evaluator.evaluate(engine.module, bundle, device))
             reason = _stop_reason(stop, signalled, config.train.stop_at_step, state.step)

@@ -19,11 +19,13 @@ the update was applied is a device flag, and every rank agrees on it without a r
   host whether they skipped (their own reads, listed in docs/training.md).
 
 The step then issues one small collective of its own, ``[loss non-finite, skipped, stop signal]``
-summed over ranks, and leaves the result on the device. :class:`StepLedger` keeps these flags and
-reads them all at once when the host needs to know (a log, checkpoint or evaluation step, the last
-step, a skip DeepSpeed already saw): see :mod:`vlcontrast.train.loop`. The losses' state is undone
-on the device in the same step (``rollback_where``), so a skipped step changes nothing whenever
-the host learns of it.
+summed over ranks, and leaves the result on the device. At a log step the loader's bad-sample
+counts ride along in the same collective (``data_counts``), so that ``data.max_bad_fraction`` is
+judged on every rank's counts within an epoch without a collective of its own.
+:class:`StepLedger` keeps these flags and reads them all at once when the host needs to know (a
+log, checkpoint or evaluation step, the last step, a skip DeepSpeed already saw): see
+:mod:`vlcontrast.train.loop`. The losses' state is undone on the device in the same step
+(``rollback_where``), so a skipped step changes nothing whenever the host learns of it.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ class StepOutcome:
     skip_known: bool = False
     """The host already knows this step was skipped (DeepSpeed's own optimizers read their overflow
     check): reading the flags now costs nothing extra."""
+    data_counts: torch.Tensor | None = None
+    """At a step given ``data_counts``: the loader's counts summed over ranks (float64, on the
+    collective's device), for :meth:`~vlcontrast.train.batches.TrainBatches.check_rate`."""
 
     def read(self) -> "Attempt":
         """The flags as host values (a host synchronisation)."""
@@ -149,7 +154,8 @@ def _poisoned(loss: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
 
 
 def train_step(engine, loss_fn, micro_batches, step: int, device, dtype, timer,
-               momentum=None, stop=None, normalizer=None) -> StepOutcome:
+               momentum=None, stop=None, normalizer=None,
+               data_counts: list[int] | None = None) -> StepOutcome:
     """Forward, loss, backward and optimizer step over ``micro_batches``.
 
     ``timer`` is a :class:`~vlcontrast.train.steplog.StepTimer` (its ``mark`` ends a phase);
@@ -157,7 +163,9 @@ def train_step(engine, loss_fn, micro_batches, step: int, device, dtype, timer,
     ``stop`` the :class:`~vlcontrast.train.stop.StopSignal` whose ``pending`` flag is agreed with
     the other ranks at the end of the step (a signal that arrived during the step counts);
     ``normalizer`` the :class:`~vlcontrast.data.transforms.BatchNormalizer` of uint8 batches
-    (``data.normalize_on_device``).
+    (``data.normalize_on_device``); ``data_counts`` (at log steps) this rank's loader counts
+    (:meth:`~vlcontrast.train.batches.TrainBatches.rate_counts`), summed over ranks in the step's
+    collective (:attr:`StepOutcome.data_counts`).
     """
     k = len(micro_batches)
     if getattr(engine, "cudagraphs", False):
@@ -177,7 +185,7 @@ def train_step(engine, loss_fn, micro_batches, step: int, device, dtype, timer,
     engine.step()
     timer.mark("step")
     skipped, known = skip_flag(engine, device)
-    outcome = _agree(result, bad, skipped, stop is not None and stop.pending, known)
+    outcome = _agree(result, bad, skipped, stop is not None and stop.pending, known, data_counts)
     rollback = getattr(loss_fn, "rollback_where", None)
     if rollback is not None:  # a skipped step leaves the loss's state as it was
         rollback(skipped)
@@ -269,12 +277,22 @@ def gradcache_backward(engine, loss_fn, batches, sample_ids, step: int, device,
     return result, bad
 
 def _agree(result, bad: torch.Tensor, skipped: torch.Tensor, stop_pending: bool,
-           known: bool) -> StepOutcome:
+           known: bool, data_counts: list[int] | None = None) -> StepOutcome:
     """The step's one collective: ``[loss non-finite, skipped, stop signal]`` summed over ranks,
-    left on the device."""
+    left on the device; with ``data_counts`` (log steps) those too, in the same collective."""
     # torch.full writes the flag on the device with a fill kernel; new_tensor/torch.tensor would
     # copy it from the host, a blocking copy from pageable memory on CUDA.
     flags = torch.stack([bad.to(torch.float32), skipped.to(torch.float32),
                          torch.full((), float(stop_pending), device=bad.device)])
-    flags = dist_utils.all_reduce_sum(flags.to(dist_utils.flag_device()))
-    return StepOutcome(result, flags, skipped.to(torch.float32), known)
+    where = dist_utils.flag_device()
+    if data_counts is None:
+        flags = dist_utils.all_reduce_sum(flags.to(where))
+        return StepOutcome(result, flags, skipped.to(torch.float32), known)
+    # float64: counts stay exact up to 2**53 (float32 would round beyond 2**24 samples). From
+    # pinned memory the copy is queued behind the step, no host wait.
+    counts = torch.tensor(data_counts, dtype=torch.float64)
+    if where.type == "cuda":
+        counts = counts.pin_memory().to(where, non_blocking=True)
+    summed = dist_utils.all_reduce_sum(torch.cat([flags.to(where, torch.float64), counts]))
+    return StepOutcome(result, summed[:3].float(), skipped.to(torch.float32), known,
+                       data_counts=summed[3:])

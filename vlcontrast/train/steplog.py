@@ -123,9 +123,11 @@ class StepLogger:
                 self.progress.update(pending - attempts)
 
     def record(self, step: int, *, state, engine, result: dict, data,
-               counts: dict[str, int]) -> None:
-        """At a log step (the loop settled the step first): write the training record."""
-        values = self._record(state, engine, result, data, counts)
+               counts: dict[str, int], bad_samples: dict[str, int] | None = None) -> None:
+        """At a log step (the loop settled the step first): write the training record.
+        ``bad_samples``: the loader's counts summed over every rank and worker (the step's
+        collective carried them); None: this rank's own (``data.bad_samples``)."""
+        values = self._record(state, engine, result, data, counts, bad_samples)
         self.metrics.log(step, values)
         if self.progress is not None:
             shown = {"loss": f"{values['loss']:.3f}"}
@@ -138,7 +140,8 @@ class StepLogger:
                 self._progress_pending = 0
             self.progress.mark()
 
-    def _record(self, state, engine, result, data, counts) -> dict[str, Any]:
+    def _record(self, state, engine, result, data, counts,
+                bad_samples: dict[str, int] | None = None) -> dict[str, Any]:
         from vlcontrast.train.engine import read_logit_scale
         from vlcontrast.train.optimizer import trained_lr
 
@@ -163,7 +166,8 @@ class StepLogger:
                                          or getattr(engine.optimizer, "loss_scale", 0.0))
         values.update({k: float(v) for k, v in result.items() if k != "loss"})
         values.update({f"time/{k}": v / attempts for k, v in self.timer.read().items()})
-        values.update({f"data/bad_{k}": v for k, v in data.bad_samples.items()})
+        bad = data.bad_samples if bad_samples is None else bad_samples
+        values.update({f"data/bad_{k}": v for k, v in sorted(bad.items())})
         # data.decode=gpu: images decoded on the CPU instead, per reason.
         values.update({f"data/fallback_{k}": v
                        for k, v in getattr(data, "fallback_samples", {}).items()})

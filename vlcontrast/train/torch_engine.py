@@ -229,9 +229,11 @@ class TorchEngine:
         path = Path(load_dir) / tag / MODEL_STATES
         if not path.is_file():  # the checkpoint's format was checked with its config.yaml
             raise FileNotFoundError(errno.ENOENT, "missing", str(path))
-        # DeepSpeed's own files hold its config object, so weights_only cannot read them; the
-        # pickles were scanned for anything but DeepSpeed's and torch's types before this.
-        state: dict[str, Any] = torch.load(path, map_location=self.device, weights_only=False)
+        # Tensors, plain containers and DeepSpeed's few classes only (weights_only=True, as the
+        # scan before this allows); a damaged or refused file is one line naming it and the fix.
+        from vlcontrast.checkpoints import load_engine_file
+
+        state: dict[str, Any] = load_engine_file(path, map_location=self.device, mmap=False)
         if state.get("optimizer") is None:
             # ZeRO 1-3 keep the optimizer in per-rank partition files, not in this one.
             raise CheckpointError(f"{path}: its optimizer state is not in this file (it was "

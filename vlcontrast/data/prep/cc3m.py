@@ -39,6 +39,7 @@ from vlcontrast.errors import DataPrepError, VlcontrastError
 
 from ..naming import key_stride, shard_name
 from ..shards import MANIFEST_FILE, SIZES_FILE, build_manifest, write_manifest, write_sizes
+from .writer import prepare_layout, remove_earlier_prep
 
 CC3M_SETTINGS: dict[str, Any] = {
     "image_size": 256,
@@ -241,14 +242,6 @@ def _finished_shards(out: Path) -> dict[int, dict[str, Any]]:
     return stats
 
 
-def _remove_shards(out: Path) -> None:
-    for path in out.iterdir():
-        stem = path.name.split(".")[0].split("_")[0]
-        if stem.isdigit() and (path.suffix in (".tar", ".parquet") or _STATS_FILE.match(path.name)
-                               or _STATS_FILE.match(path.name.removesuffix(_FAILED_SUFFIX))):
-            path.unlink()
-
-
 def _remove_unfinished(out: Path) -> list[str]:
     """Shard files (``.tar``, ``.parquet``) without a ``_stats.json``: what an interrupted
     img2dataset was writing. A re-run writes them again from the start."""
@@ -398,7 +391,9 @@ def prepare_cc3m(tsv: str | os.PathLike, out_dir: str | os.PathLike, *,
     """Download a CC3M TSV into webdataset shards in ``out_dir``; returns the manifest plus run info.
 
     ``processes``/``threads``: img2dataset download processes and threads per process.
-    ``incremental=False`` deletes earlier shards of ``out_dir`` first (the parquet is kept).
+    ``incremental=False`` deletes what an earlier prep wrote in ``out_dir`` first (its shards and
+    metadata, :func:`~.writer.remove_earlier_prep`; the parquet is kept) and its shard sets in
+    ``out_dir/train`` and ``out_dir/val``; shard files no prep recorded are refused.
     The returned dict is ``manifest.json`` plus ``shards_done_before`` (finished shards found at
     start), ``shards_written`` (finished in this call), ``incomplete_shards`` and ``seconds``.
     ``command`` names the caller in messages; ``manifest_extra`` adds manifest fields (its
@@ -428,10 +423,14 @@ def prepare_cc3m(tsv: str | os.PathLike, out_dir: str | os.PathLike, *,
                             "'vlcontrast[prep]'")
     start = time.perf_counter()
     out = Path(out_dir).resolve()
+    # An earlier prep's shards in another layout (OUT/train, OUT/val) are refused, or removed
+    # with --overwrite, which also removes what a prep wrote in OUT (its recorded shards and
+    # metadata; shard files no prep recorded are refused), before the download cache is made.
+    prepare_layout(out, split=False, overwrite=not incremental, command=command)
     out.mkdir(parents=True, exist_ok=True)
-    source = _convert_to_parquet(tsv, layout, out / "_input")
     if not incremental:
-        _remove_shards(out)
+        remove_earlier_prep(out, command, target=True)
+    source = _convert_to_parquet(tsv, layout, out / "_input")
     done_before = set(_finished_shards(out))
     options = dict(
         url_list=str(out / "_input" / "cc3m.parquet"),

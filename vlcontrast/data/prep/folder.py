@@ -43,7 +43,7 @@ from vlcontrast.errors import DataPrepError
 
 from .writer import (DEFAULT_IMAGE_SIZE, DEFAULT_QUALITY, MAX_IMAGE_PIXELS, ShardJob, Skip,
                      check_image_options, check_val_fraction, encode_image, fingerprint,
-                     prepare_out, split_items, write_shards)
+                     prepare_layout, prepare_out, split_items, write_shards)
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 CAPTION_SOURCES = ("sidecar", "class", "name")
@@ -330,6 +330,7 @@ def prepare_folder(root: str | os.PathLike, out: str | os.PathLike, *,
             raise DataPrepError(f"{command}: --caption-template={caption_template!r}: unknown "
                                 f"field {err} (use {{name}}, {{category}}, {{path}})") from None
 
+    prepare_layout(out, split=val_fraction > 0, overwrite=overwrite, command=command)
     images = list_images(root, exclude=Path(out))
     if not images:
         raise DataPrepError(f"{command}: no images ({', '.join(IMAGE_SUFFIXES)}) under "

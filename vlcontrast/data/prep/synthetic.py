@@ -43,6 +43,8 @@ from vlcontrast.errors import DataPrepError
 
 from ..naming import make_key, shard_name
 from ..shards import build_manifest, write_manifest, write_sizes
+from .writer import (SPLITS, SYNTHETIC_FILE, ZEROSHOT_LISTS, earlier_prep, prepare_layout,
+                     refuse_unrecorded, remove_earlier_prep, remove_files, zeroshot_files)
 
 SHAPES = ("circle", "crescent", "cross", "diamond", "heart", "hexagon", "ring", "square", "star",
           "triangle")
@@ -613,14 +615,13 @@ def _run_job(job: tuple) -> dict[str, Any]:
     return _write_zeroshot_class(job) if job[0] == "zeroshot" else _write_shard(job)
 
 
-def _clear_stale(directory: Path, keep: int) -> None:
-    """Remove numbered shards (and their stats) of an earlier, larger run in our own layout."""
-    for path in directory.iterdir():
-        name = path.name
-        if name.endswith(".tar") or name.endswith("_stats.json"):
-            stem = name.split(".")[0].split("_")[0]
-            if stem.isdigit() and int(stem) >= keep:
-                path.unlink()
+def _read_record(out_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """``out_dir``'s ``synthetic.json``, or None."""
+    try:
+        made = json.loads((Path(out_dir) / SYNTHETIC_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return made if isinstance(made, dict) else None
 
 
 def is_current(out_dir: str | os.PathLike, *, train: int = 20_000, val: int = 1_000,
@@ -628,9 +629,8 @@ def is_current(out_dir: str | os.PathLike, *, train: int = 20_000, val: int = 1_
                train_mix: TrainMix | None = None) -> bool:
     """Whether ``out_dir`` already holds exactly this world (``synthetic.json`` written last, so a
     crashed write is never taken for a finished one)."""
-    try:
-        made = json.loads((Path(out_dir) / "synthetic.json").read_text())
-    except (OSError, ValueError):
+    made = _read_record(out_dir)
+    if made is None:
         return False
     mix = train_mix or TrainMix()
     wanted = {"world_version": WORLD_VERSION, "seed": seed, "image_size": image_size,
@@ -669,16 +669,37 @@ def write_synthetic(out_dir: str | os.PathLike, *, train: int = 20_000, val: int
         raise DataPrepError(f"prep synthetic: --image-size={image_size}: must be >= 16")
     out = Path(out_dir)
     start = time.perf_counter()
+    command, elsewhere = "prep synthetic", "another --out"
+    fix = f"remove them or choose {elsewhere}"
+    # What an earlier prep left in OUT: shards in another layout (OUT's own) are refused, its
+    # train/ and val/ are replaced (only what a prep wrote: shard files no prep recorded are
+    # refused), and the parts this world does not have (--val 0, --zeroshot-per-class 0) go, so
+    # that no earlier world is read beside this one.
+    prepare_layout(out, split=True, overwrite=False, command=command, fix=fix,
+                   elsewhere=elsewhere, synthetic=False)
+    sizes_of = dict(zip(SPLITS, (train, val)))
+    for split in SPLITS:
+        if sizes_of[split]:
+            refuse_unrecorded(out / split, earlier_prep(out / split), command, elsewhere)
+    earlier = _read_record(out)
+    if earlier is not None:
+        (out / SYNTHETIC_FILE).unlink()  # no record of a world until this one is whole
+        if not zeroshot_per_class:
+            remove_files(zeroshot_files(out, earlier), out)
+    for split in SPLITS:
+        if sizes_of[split]:
+            remove_earlier_prep(out / split, command, target=True, elsewhere=elsewhere)
+        else:
+            remove_files(earlier_prep(out / split).files, out)
 
     jobs: list[tuple] = []
     split_shards: dict[str, dict[str, int]] = {}
-    for split, total in (("train", train), ("val", val)):
+    for split, total in sizes_of.items():
         if total == 0:
             continue
         directory = out / split
         directory.mkdir(parents=True, exist_ok=True)
         num_shards = math.ceil(total / shard_size)
-        _clear_stale(directory, num_shards)
         split_shards[split] = {}
         for shard in range(num_shards):
             count = min(shard_size, total - shard * shard_size)
@@ -739,8 +760,9 @@ def write_synthetic(out_dir: str | os.PathLike, *, train: int = 20_000, val: int
                         "num_shards": manifest["num_shards"], "id_space": manifest["id_space"],
                         "distinct_captions": len(captions[split])}
     if zeroshot_per_class:
-        (zeroshot_dir / "classnames.txt").write_text("\n".join(SHAPES) + "\n")
-        (zeroshot_dir / "templates.txt").write_text("\n".join(TEMPLATES) + "\n")
+        classnames, templates = ZEROSHOT_LISTS
+        (zeroshot_dir / classnames).write_text("\n".join(SHAPES) + "\n")
+        (zeroshot_dir / templates).write_text("\n".join(TEMPLATES) + "\n")
         stats["zeroshot"] = {"dir": str(zeroshot_dir), "num_classes": len(SHAPES),
                              "num_images": zeroshot_per_class * len(SHAPES),
                              "chance_top1": 1.0 / len(SHAPES)}
@@ -748,6 +770,6 @@ def write_synthetic(out_dir: str | os.PathLike, *, train: int = 20_000, val: int
     stats["seconds"] = round(seconds, 3)
     stats["num_images"] = total_images
     stats["samples_per_second"] = round(total_images / seconds, 1)
-    with open(out / "synthetic.json", "w") as f:
+    with open(out / SYNTHETIC_FILE, "w") as f:
         json.dump(stats, f, indent=2)
     return stats

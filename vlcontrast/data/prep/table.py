@@ -32,7 +32,8 @@ from vlcontrast.errors import DataPrepError
 
 from .writer import (DEFAULT_IMAGE_SIZE, DEFAULT_QUALITY, MAX_EXAMPLES, MAX_IMAGE_PIXELS,
                      REPORT_FILE, ShardJob, Skip, check_image_options, check_val_fraction,
-                     encode_image, fingerprint, prepare_out, split_items, write_shards)
+                     encode_image, fingerprint, prepare_layout, prepare_out, split_items,
+                     write_shards)
 
 DEFAULT_SHARD_SIZE = 1000
 _URL = re.compile(r"^https?://", re.IGNORECASE)
@@ -267,11 +268,13 @@ def prepare_table(table: str | os.PathLike, out: str | os.PathLike, *, image_key
         if val_fraction:
             raise DataPrepError(f"{command}: --val-fraction works on local paths; for URLs, "
                                 "download first (without it), then split the shards' list")
+        prepare_layout(out, split=False, overwrite=overwrite, command=command)
         return _prepare_urls(path, out, rows, skipped, image_size=image_size,
                              resize_mode=resize_mode, encode_quality=encode_quality,
                              overwrite=overwrite, examples=examples, image_key=image_key,
                              caption_key=caption_key, **(url_options or {}))
 
+    prepare_layout(out, split=val_fraction > 0, overwrite=overwrite, command=command)
     base = path.resolve().parent
     merged: dict[str, tuple[list[str], int]] = {}
     for line, image, caption in rows:

@@ -20,7 +20,12 @@ that turns a job into samples. :func:`write_shards` then:
   truncated or unreadable input shard, :class:`ShardEvent`) are not inputs and go to
   ``shard_events`` instead;
 * a fresh write (``overwrite``, or any shard written) removes what was derived from the earlier
-  shards: ``prep check``'s ``check_report.json`` (see :data:`DERIVED_FILES`).
+  shards: ``prep check``'s ``check_report.json`` (see :data:`DERIVED_FILES`);
+* ``overwrite`` removes exactly what an earlier prep wrote (:func:`earlier_prep`: the shards its
+  records name, its metadata), in OUT and in the other layout (``OUT/train`` and ``OUT/val`` of a
+  ``--val-fraction`` run, or OUT's own shards for one; :func:`prepare_layout`), and refuses, in
+  one line, shard files in the folder it writes that no prep recorded (the user's: they would be
+  read with the new ones).
 
 Images are re-encoded by :func:`encode_image`: like img2dataset's ``keep_ratio`` (the shorter
 side scaled to ``image_size``, aspect kept), transparent images composited on white (as
@@ -68,8 +73,16 @@ fresh write removes them."""
 CLASS_FILES = ("classnames.txt", "zeroshot_classification_templates.txt")
 """What ``prep folder --caption-from class`` writes beside its shards (removed by ``overwrite``
 only when the earlier manifest says that run wrote them)."""
-_LEFTOVER = re.compile(r"^\d{5,}(\.tar\.tmp|_stats\.json|\.parquet)$")
+_LEFTOVER = re.compile(r"^\d{5,}(\.tar\.tmp|_stats\.json(\.failed)?|\.parquet)$")
 """An unfinished shard (``.tmp``) and img2dataset's per-shard files, removed with the shards."""
+_SHARD_FILE = re.compile(r"^(\d+)\.tar$")
+SPLITS = ("train", "val")
+"""The shard sets ``--val-fraction`` writes under OUT (``prep synthetic`` writes the same two)."""
+_FAILED_STATS = ".failed"
+"""``prep cc3m``'s suffix of the stats of a shard that got nothing (tried again by a re-run)."""
+CC3M_INPUT_RECORD = os.path.join("_input", "source.json")
+"""``prep cc3m``'s record of its input (``cc3m._convert_to_parquet``), written before any shard:
+a folder holding it is an img2dataset download, whose unfinished shards have no stats yet."""
 
 Sample = dict[str, Any]
 """Members of one output sample: ``{"jpg": bytes, "txt": str, "json": dict, ...}``."""
@@ -261,7 +274,8 @@ def _read_state(out: Path) -> dict[str, Any]:
 
 def prepare_out(out: str | os.PathLike, digest: str, *, overwrite: bool, command: str) -> Path:
     """Create OUT, or check that it holds an earlier run of the same conversion (resume). Call
-    before any heavy work: a conflicting directory is an error naming the fix."""
+    before any heavy work: a conflicting directory is an error naming the fix. ``overwrite``
+    removes what an earlier prep wrote there (:func:`remove_earlier_prep`)."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise DataPrepError(f"{command}: output {str(out)!r} exists and is not a directory")
@@ -269,7 +283,7 @@ def prepare_out(out: str | os.PathLike, digest: str, *, overwrite: bool, command
     state = _read_state(out)
     existing = list_shards(out)
     if overwrite:
-        _remove_earlier_output(out, existing)
+        remove_earlier_prep(out, command, target=True)
         return out
     if existing and state.get("fingerprint") != digest:
         raise DataPrepError(
@@ -278,23 +292,197 @@ def prepare_out(out: str | os.PathLike, digest: str, *, overwrite: bool, command
     return out
 
 
-def _remove_earlier_output(out: Path, shards: list[str]) -> None:
-    """``overwrite``: remove the shards and every file prep or ``prep check`` wrote about them;
-    files of other names are the user's and stay."""
+@dataclass
+class EarlierPrep:
+    """What :func:`earlier_prep` found in one folder."""
+    files: list[Path]
+    """The files an earlier ``vlcontrast prep`` wrote there (shards, their per-shard files, its
+    metadata): what ``--overwrite`` removes."""
+    shards: list[str]
+    """The shard files among ``files``."""
+    unrecorded: list[str]
+    """Numbered shard files no prep recorded: the user's, never removed."""
+
+
+def _read_json(path: Path) -> Any:
     try:
-        manifest = json.loads((out / MANIFEST_FILE).read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError):
-        manifest = {}
-    names = [STATE_FILE, SIZES_FILE, MANIFEST_FILE, REPORT_FILE, *DERIVED_FILES]
-    if isinstance(manifest, dict) and manifest.get("source") == "folder" and \
-            "classnames" in manifest:
-        names.extend(CLASS_FILES)
-    for path in shards:
-        os.remove(path)
-    names.extend(p.name for p in out.iterdir() if _LEFTOVER.match(p.name) and p.is_file())
+        return None
+
+
+def earlier_prep(directory: str | os.PathLike) -> EarlierPrep:
+    """The files an earlier ``vlcontrast prep`` wrote directly in ``directory``, from its records.
+
+    A numbered shard ``NNNNN.tar`` is a prep's when its ``manifest.json`` (one with ``source``:
+    every prep writes it) or ``_prep_state.json`` (a local converter's, also unfinished) names it,
+    when img2dataset's or ``prep synthetic``'s ``NNNNN_stats.json`` sits beside it, or when the
+    folder is a ``prep cc3m`` download (:data:`CC3M_INPUT_RECORD`: img2dataset writes a shard
+    before its stats). Other shard files are ``unrecorded``. Beside its shards a prep's files are
+    ``_prep_state.json``, ``sizes.json``, ``manifest.json``, ``prep_report.json``, ``prep
+    check``'s ``check_report.json``, the ``.tmp`` of each (a write cut short), leftover
+    ``NNNNN.tar.tmp``, ``NNNNN_stats.json`` and ``NNNNN.parquet``, and the class files of ``prep
+    folder --caption-from class`` when its manifest says it wrote them. Other files (``notes.txt``,
+    ``prep cc3m``'s ``_input/`` download cache) are not counted."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return EarlierPrep([], [], [])
+    manifest = _read_json(directory / MANIFEST_FILE)
+    manifest = manifest if isinstance(manifest, dict) and "source" in manifest else None
+    state = _read_json(directory / STATE_FILE)
+    state = state if isinstance(state, dict) else None
+    recorded: set[str] = set()
+    for record in (manifest, state):
+        shards = (record or {}).get("shards")
+        if isinstance(shards, dict):
+            recorded.update(str(name) for name in shards)
+    names = sorted(p.name for p in directory.iterdir() if p.is_file())
+    present = set(names)
+    downloaded = (directory / CC3M_INPUT_RECORD).is_file()
+    ours = manifest is not None or state is not None or downloaded
+    files: list[str] = []
+    shards: list[str] = []
+    unrecorded: list[str] = []
     for name in names:
-        if (out / name).is_file():
-            (out / name).unlink()
+        match = _SHARD_FILE.match(name)
+        if match is None:
+            continue
+        stats = f"{match.group(1)}_stats.json"
+        if (name in recorded or downloaded or stats in present
+                or f"{stats}{_FAILED_STATS}" in present):
+            shards.append(name)
+            ours = True
+        else:
+            unrecorded.append(name)
+    if ours:
+        metadata = [STATE_FILE, SIZES_FILE, MANIFEST_FILE, REPORT_FILE, *DERIVED_FILES]
+        if manifest is not None and manifest.get("source") == "folder" and \
+                "classnames" in manifest:
+            metadata.extend(CLASS_FILES)
+        metadata += [name + ".tmp" for name in metadata]
+        files = [name for name in names if name in metadata or _LEFTOVER.match(name)]
+    return EarlierPrep([directory / name for name in sorted(set(files) | set(shards))],
+                       shards, unrecorded)
+
+
+def remove_earlier_prep(directory: str | os.PathLike, command: str, *, target: bool,
+                        elsewhere: str = "another OUT") -> EarlierPrep:
+    """Remove what an earlier prep wrote in ``directory`` (:func:`earlier_prep`); the user's files
+    stay. ``target``: the run writes its shards there, so unrecorded shard files, which would be
+    read with the new ones, are refused first (one line, whose fix names ``elsewhere``, the
+    other place to write to), before anything is removed."""
+    found = earlier_prep(directory)
+    if target:
+        refuse_unrecorded(directory, found, command, elsewhere)
+    for path in found.files:
+        path.unlink(missing_ok=True)
+    return found
+
+
+def refuse_unrecorded(directory: str | os.PathLike, found: EarlierPrep, command: str,
+                      elsewhere: str = "another OUT") -> None:
+    """One line when ``directory`` holds shard files no prep recorded (``found.unrecorded``)."""
+    if found.unrecorded:
+        count = len(found.unrecorded)
+        them = "them" if count > 1 else "it"
+        raise DataPrepError(
+            f"{command}: {str(directory)!r} holds {count} shard file{'s' if count > 1 else ''} "
+            f"no vlcontrast prep recorded (e.g. {found.unrecorded[0]!r}; no manifest.json, "
+            f"_prep_state.json or NNNNN_stats.json names {them}), which would be read with the "
+            f"new shards, and prep removes only what a prep wrote: move {them} out of the folder "
+            f"or choose {elsewhere}")
+
+
+SYNTHETIC_FILE = "synthetic.json"
+"""``prep synthetic``'s statistics at OUT's top, written last (``synthetic.is_current`` reads
+it)."""
+ZEROSHOT_LISTS = ("classnames.txt", "templates.txt")
+"""The two lists of ``prep synthetic``'s zero-shot ImageFolder, ``OUT/zeroshot``."""
+
+
+def zeroshot_files(out: str | os.PathLike, record: dict[str, Any]) -> list[Path]:
+    """The zero-shot files the ``prep synthetic`` run that wrote ``record`` (its
+    ``synthetic.json``) left in ``out/zeroshot``: ``<class>/<class>_NNNNN.jpg`` for the classes of
+    its ``classnames.txt`` and its count per class, and the two lists."""
+    zeroshot = Path(out) / "zeroshot"
+    made = record.get("zeroshot")
+    if not isinstance(made, dict):
+        return []
+    try:
+        classes = (zeroshot / ZEROSHOT_LISTS[0]).read_text().split()
+        per_class = int(made.get("num_images", 0)) // max(1, int(made.get("num_classes", 1)))
+    except (OSError, TypeError, ValueError):
+        classes, per_class = [], 0
+    classes = [name for name in classes if re.fullmatch(r"[a-z]+", name)]  # a folder, no path
+    return [*(zeroshot / name / f"{name}_{i:05d}.jpg" for name in classes
+              for i in range(per_class)),
+            *(zeroshot / name for name in ZEROSHOT_LISTS)]
+
+
+def synthetic_files(out: str | os.PathLike) -> list[Path]:
+    """What ``prep synthetic`` wrote at the top of ``out`` beside ``train/`` and ``val/``:
+    ``synthetic.json`` and its zero-shot ImageFolder (:func:`zeroshot_files`); ``[]`` when
+    ``synthetic.json`` is not there."""
+    out = Path(out)
+    record = _read_json(out / SYNTHETIC_FILE)
+    if not isinstance(record, dict):
+        return []
+    return [out / SYNTHETIC_FILE, *zeroshot_files(out, record)]
+
+
+def remove_files(paths: Iterable[Path], root: Path) -> None:
+    """Remove these files, then the folders inside ``root`` they leave empty (``root`` stays)."""
+    folders = set()
+    for path in paths:
+        path.unlink(missing_ok=True)
+        folders.update(parent for parent in path.parents if root in parent.parents)
+    for folder in sorted(folders, key=lambda f: -len(f.parts)):
+        try:
+            folder.rmdir()  # only when empty: a folder with the user's files stays
+        except OSError:
+            pass
+
+
+def prepare_layout(out: str | os.PathLike, *, split: bool, overwrite: bool, command: str,
+                   fix: str | None = None, elsewhere: str = "another OUT",
+                   synthetic: bool = True) -> None:
+    """Before a converter writes ``out`` (``split``: its shard sets ``out/train`` and ``out/val``):
+    the earlier preps' files there that the new layout would leave beside its own.
+
+    The other layout (``out``'s own shards for a split run; ``out/train`` and ``out/val`` for one
+    without) and (``synthetic``) ``prep synthetic``'s ``synthetic.json`` and ``zeroshot/``
+    (:func:`synthetic_files`), which the new shards would leave stale: without ``overwrite``
+    a prep's shards there are refused in one line (``fix``: what to do, default "pass
+    --overwrite ..."); with it they are removed (:func:`remove_earlier_prep`, the user's files
+    stay; a folder left empty goes). The folders written (``out``, or ``out/train`` and
+    ``out/val``) are checked for unrecorded shards now, so that a refusal comes before the first
+    shard is written; :func:`prepare_out` then removes what a prep wrote there."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise DataPrepError(f"{command}: output {str(out)!r} exists and is not a directory")
+    if not out.is_dir():
+        return
+    targets = [out / name for name in SPLITS] if split else [out]
+    others = [out] if split else [out / name for name in SPLITS]
+    if overwrite:
+        for target in targets:
+            refuse_unrecorded(target, earlier_prep(target), command, elsewhere)
+    found = {other: earlier_prep(other) for other in others}
+    held = [other for other, prep in found.items() if prep.shards]
+    if held and not overwrite:
+        where = ("its own shards (a run without --val-fraction)" if split else
+                 " and ".join(f"{other.name}/" for other in held)
+                 + " (shard sets of a --val-fraction or synthetic run)")
+        raise DataPrepError(
+            f"{command}: {str(out)!r} holds the shards of an earlier prep in another layout: "
+            f"{where}, which this run would leave beside its own; "
+            f"{fix or f'pass --overwrite to replace them, or choose {elsewhere}'}")
+    if not overwrite:
+        return
+    for prep in found.values():
+        remove_files(prep.files, out)
+    if synthetic:
+        remove_files(synthetic_files(out), out)
 
 
 def _job_inputs(job: ShardJob) -> int | None:
