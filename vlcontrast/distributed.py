@@ -295,15 +295,97 @@ def init_distributed(backend: str | None = None, timeout_s: int = 600,
     if backend is None:
         backend = "nccl" if chosen.type == "cuda" else "gloo"
     kwargs = {"device_id": chosen} if backend == "nccl" else {}
-    try:
+
+    def create() -> None:
+        # The current CUDA device is each thread's own: the helper thread that waits here
+        # (meet_the_other_ranks) starts on cuda:0.
+        if chosen.type == "cuda" and torch.cuda.current_device() != chosen.index:
+            torch.cuda.set_device(chosen)
         dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+
+    try:
+        meet_the_other_ranks(create, env)
     except RuntimeError as error:  # torch's DistStoreError, DistNetworkError, ...
         late = rendezvous_timeout(error, env, timeout_s)
         if late is None:
             raise
         raise late from error
     return env
+
+
+class RendezvousStopped(VlcontrastError):
+    """A stop signal (SIGTERM, SIGUSR1) came while this rank waited for the others at the
+    rendezvous: it stops at once, before step 1, with nothing to save (``vlcontrast train`` ends
+    it as a stop by that signal: exit 0, and rank 0's ``preempted.json`` asks the scheduler to run
+    the job again)."""
+
+    signalled = True
+
+
+def meet_the_other_ranks(create, env: LaunchEnv) -> None:
+    """``create()`` (``init_process_group``) where the stop signals and Ctrl-C are heard.
+
+    The rendezvous waits in torch's C++ code for the ranks that have not come (until
+    ``train.dist_timeout_s``: 600 s by default), and a Python signal handler only runs once that
+    returns: a rank whose peers never start (a node of the job that failed) ignored ``scancel``
+    and Ctrl-C until the timeout. Here the wait runs in a helper thread and this thread listens:
+    Ctrl-C raises ``KeyboardInterrupt`` at once, and a stop signal that a handler of this process
+    takes (``vlcontrast train``'s, which keeps it as well) raises :class:`RendezvousStopped`. A
+    signal left to its default action ends the process anyway. The helper thread left waiting
+    ends with the process."""
+    import signal
+    import threading
+
+    from vlcontrast.requeue import STOP_SIGNALS
+
+    if env.world_size == 1 or threading.current_thread() is not threading.main_thread():
+        create()
+        return
+    heard: list[int] = []
+    previous: dict[int, object] = {}
+
+    def listen(signum: int, frame) -> None:
+        heard.append(signum)
+        handler = previous.get(signum)
+        if callable(handler):
+            handler(signum, frame)  # the command's own handler still takes it
+
+    for sig in STOP_SIGNALS:
+        if callable(signal.getsignal(sig)):  # SIG_DFL ends the process, SIG_IGN ignores it
+            previous[sig] = signal.signal(sig, listen)
+    outcome: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            create()
+        except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
+            outcome.append(error)
+
+    helper = threading.Thread(target=wait, name="vlcontrast-rendezvous", daemon=True)
+    try:
+        helper.start()
+        while helper.is_alive():
+            helper.join(0.1)
+            if heard and helper.is_alive():  # met meanwhile: the held signal stops after step 1
+                raise RendezvousStopped(
+                    f"stopped by {_signal_words(heard[0])} before step 1, while rank {env.rank} "
+                    f"of {env.world_size} waited at the rendezvous ({env.master_addr}:"
+                    f"{env.master_port}) for the others; nothing was trained: start the job again")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if outcome:
+        raise outcome[0]
+
+
+def _signal_words(number: int) -> str:
+    import signal
+
+    try:
+        return f"signal {number} ({signal.Signals(number).name})"
+    except ValueError:
+        return f"signal {number}"
 
 
 class RendezvousTimeout(VlcontrastError, RuntimeError):

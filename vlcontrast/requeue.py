@@ -55,6 +55,13 @@ def _hold(signum: int, _frame) -> None:
     _HELD.setdefault("signal", signum)
 
 
+def hold_signal(signum: int) -> None:
+    """Hold ``signum`` as if it had arrived now (the first one held is kept): a stop that reached
+    this process another way than as a signal (the ``train --nproc`` launcher's note to a rank
+    that announced itself after the launcher passed the signal on, :mod:`vlcontrast.cli.launch`)."""
+    _HELD.setdefault("signal", int(signum))
+
+
 def take_held_stop_signal() -> int | None:
     """The first stop signal that arrived while :func:`hold_stop_signals` held them (then
     forgotten: one taker acts on it), or None."""

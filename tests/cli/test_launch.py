@@ -414,27 +414,37 @@ def test_the_ranks_get_the_cores_shared_out_as_threads(monkeypatch, preset):
 
 
 LAUNCHER_GETS_SIGUSR1 = r'''
-import os, signal, sys, time
+import os, signal, subprocess, sys, time
+from pathlib import Path
 import torch.distributed.run as torchrun
-from torch.distributed.elastic.multiprocessing.api import SignalException
 from vlcontrast import cli
 from vlcontrast.cli import failure
 
+RANK = """
+import sys, time
+from vlcontrast import requeue
+from vlcontrast.cli import failure, launch
+requeue.hold_stop_signals()  # what the command line does first on a rank
+launch.announce_rank()
+deadline = time.monotonic() + 60
+while (held := requeue.take_held_stop_signal()) is None:  # training
+    if time.monotonic() > deadline:
+        sys.exit("the notice never reached this rank")
+    time.sleep(0.05)
+failure.record_stopped(RuntimeError(f"stopped by signal {held} at step 20; checkpoint ..."))
+"""
+
 def run(arguments):
-    """torchrun's agent as the launcher sees it: SLURM's notice (SIGUSR1) comes while it watches
-    the ranks; a signal the launcher hands to torchrun raises SignalException in the agent, which
-    passes it on to the ranks, waits for them and raises it again."""
-    try:
-        os.kill(os.getpid(), signal.SIGUSR1)
-        time.sleep(30)  # the ranks train on: the notice never reached them
-        sys.exit("the notice did not reach torchrun's agent")
-    except SignalException as notice:
-        for rank in (0, 1):  # what each rank's CLI does after its stop checkpoint
-            os.environ["RANK"] = str(rank)
-            failure.record_stopped(RuntimeError(
-                f"stopped by signal {int(notice.sigval)} at step 20; checkpoint ..."))
-        del os.environ["RANK"]
-        raise
+    """torchrun as the launcher sees it: it starts the ranks (which announce themselves, as the
+    command line does on a rank) and watches them; SLURM's notice (SIGUSR1) comes meanwhile."""
+    folder = Path(os.environ[failure.RANK_ERRORS_VARIABLE])
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK], env={**os.environ, "RANK": str(rank)})
+             for rank in (0, 1)]
+    while len(list(folder.glob("pid_*.json"))) < 2:
+        time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    if [rank.wait(timeout=90) for rank in ranks] != [0, 0]:
+        sys.exit("a rank did not stop")
 
 torchrun.run = run
 sys.exit(cli.main(["train", "--nproc", "2", "data.train=x", "train.steps=300",
@@ -446,7 +456,7 @@ def test_sigusr1_to_the_launcher_is_passed_to_the_ranks(tmp_path):
     """SLURM's time-limit notice to ``train --nproc N`` (``--signal=B:USR1@600``, ``scancel
     --signal=USR1 --batch``): torchrun handles SIGTERM, SIGINT, SIGHUP and SIGQUIT only, so SIGUSR1
     killed the launcher (exit -10) and left its ranks training, reparented, with no stop and no
-    marker. It goes to the ranks as SIGTERM does now, and the launcher waits for their stop."""
+    marker. The launcher passes it to the ranks as SIGTERM, and waits for their stop."""
     from tests.train.helpers import process_env
 
     done = subprocess.run([sys.executable, "-c", LAUNCHER_GETS_SIGUSR1, str(tmp_path / "run")],

@@ -100,24 +100,26 @@ def holds_stop_signals(argv: list[str]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if holds_stop_signals(sys.argv[1:] if argv is None else list(argv)):
-        from vlcontrast import requeue
+    words = sys.argv[1:] if argv is None else list(argv)
+    args = None
+    try:  # from the first line: Ctrl-C while the parser imports its commands is one line too
+        if holds_stop_signals(words):
+            from vlcontrast import requeue
+            from vlcontrast.cli.launch import announce_rank
 
-        requeue.hold_stop_signals()  # before anything slow: a notice now is kept, not fatal
-    configure_logging()
-    args = build_parser().parse_args(argv)
-    if args.debug:
-        os.environ[failure.DEBUG_VARIABLE] = "1"  # launched ranks inherit it
-    try:
+            requeue.hold_stop_signals()  # before anything slow: a notice now is kept, not fatal
+            announce_rank()  # under train --nproc: the launcher passes its signals on to this rank
+        configure_logging()
+        args = build_parser().parse_args(argv)
+        if args.debug:
+            os.environ[failure.DEBUG_VARIABLE] = "1"  # launched ranks inherit it
         return args.func(args)
     except KeyboardInterrupt:  # Ctrl-C where a command has no stop of its own: one line
         if failure.debug_requested():
             raise
-        command = " ".join(str(part) for part in (args.command, getattr(args, "what", None))
-                           if part)
-        hint = ("; train.resume=latest continues from the last checkpoint (SIGTERM or SIGUSR1 "
-                "stops a run with a checkpoint first)" if args.command == "train" else "")
-        print(f"vlcontrast: {command}: interrupted (Ctrl-C){hint}", file=sys.stderr)
+        if failure.launched_rank():  # train --nproc: the launcher says it once for its ranks
+            return 130
+        print(interrupted_line(args, words), file=sys.stderr, flush=True)
         return 130  # the shell's status for a command ended by SIGINT
     except BrokenPipeError:  # a reader that stopped reading (vlcontrast config | head -1)
         from vlcontrast.evaluation.runner import close_stdout
@@ -129,3 +131,25 @@ def main(argv: list[str] | None = None) -> int:
         if found is None:
             raise
         return failure.report(error, found)
+
+
+def interrupted_line(args: argparse.Namespace | None, words: list[str]) -> str:
+    """The one line of a command ended by Ctrl-C, with what it leaves: nothing when it came before
+    the command began (``args`` None: the parser was still being built), a training run's
+    checkpoints (or that its run folder was not made) otherwise."""
+    if args is None:
+        command = next((word for word in words if not word.startswith("-")), "")
+        return (f"vlcontrast: {command or 'command'}: interrupted (Ctrl-C) while it started: "
+                "nothing was written")
+    command = " ".join(str(part) for part in (args.command, getattr(args, "what", None)) if part)
+    if args.command != "train":
+        return f"vlcontrast: {command}: interrupted (Ctrl-C)"
+    from vlcontrast.cli.launch import checkpoints_folder, resume_words
+
+    arguments = (["--config", args.config] if args.config else []) + list(args.overrides)
+    folder = checkpoints_folder(arguments)
+    if folder is not None and not folder.parent.exists():
+        return (f"vlcontrast: train: interrupted (Ctrl-C) before the run wrote anything "
+                f"({folder.parent} was not made)")
+    return (f"vlcontrast: train: interrupted (Ctrl-C); {resume_words(arguments)} (SIGTERM or "
+            "SIGUSR1 stops a run with a checkpoint first)")

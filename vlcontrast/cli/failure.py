@@ -34,6 +34,12 @@ def debug_requested() -> bool:
     return os.environ.get(DEBUG_VARIABLE, "").strip().lower() not in ("", "0", "false", "no")
 
 
+def launched_rank() -> bool:
+    """Whether this process is a rank that ``train --nproc`` launched (the launcher speaks for
+    its ranks: their errors, their stop, a Ctrl-C)."""
+    return bool(os.environ.get(RANK_ERRORS_VARIABLE)) and "RANK" in os.environ
+
+
 def user_error(error: BaseException) -> BaseException | None:
     """The error the user can fix: ``error`` itself, or the first error of its explicit causes
     (``raise ... from``), that is a vlcontrast error or a missing file; None when there is none."""
@@ -102,17 +108,19 @@ def _leave_for_launcher(folder: Path, line: str, error: BaseException) -> bool:
 
 
 def record_stopped(stop: BaseException) -> None:
-    """A rank launched by ``train --nproc`` stopped on request with its checkpoint written: it
-    says so, with its step, in the launcher's folder, which counts the ranks that did
-    (:func:`stopped_ranks`, :func:`stopped_steps`)."""
+    """A rank launched by ``train --nproc`` stopped on request with its checkpoint written (or
+    before its first step: step 0): it says so, with its step, in the launcher's folder, which
+    counts the ranks that did (:func:`stopped_ranks`, :func:`stopped_steps`)."""
     folder = os.environ.get(RANK_ERRORS_VARIABLE)
     if not folder or "RANK" not in os.environ:
         return
-    step = re.search(r"\bat step (\d+)\b", str(stop))  # StopRequested: "stopped by ... at step N"
+    found = re.search(r"\bat step (\d+)\b", str(stop))  # StopRequested: "stopped by ... at step N"
+    step = int(found.group(1)) if found else None
+    if step is None and re.search(r"\bbefore step 1\b", str(stop)):  # nothing trained yet
+        step = 0
     try:
         path = Path(folder) / f"stopped_{int(os.environ['RANK']):05d}.json"
-        path.write_text(json.dumps({"line": f"vlcontrast: {stop}",
-                                    "step": int(step.group(1)) if step else None}))
+        path.write_text(json.dumps({"line": f"vlcontrast: {stop}", "step": step}))
     except (OSError, ValueError):
         pass  # the launcher then reports this rank as not stopped: the safe side
 

@@ -1,19 +1,23 @@
 """``train --nproc N``: N local ranks under torchrun, and one line when a rank fails.
 
-torchrun runs in this process (its own entry point, ``torch.distributed.run.run``, so rendezvous,
-signal forwarding and the stop of the other ranks are torchrun's). Left alone it reports a failed
-rank with a log line per rank and a framed report with a traceback of its own (the framed "Root
-Cause" report is the message of its ChildFailedError, printed only with that traceback). When the
-ranks failed with vlcontrast errors, which they leave in a folder instead of printing
+torchrun runs in this process (its own entry point, ``torch.distributed.run.run``, so rendezvous
+and the stop of the other ranks when one fails are torchrun's). The stop signals and Ctrl-C are the
+launcher's (:class:`SignalsForRanks`): the first one goes to every rank once, and the launcher
+waits for their stop checkpoint however long it takes, whatever signal comes next (torchrun's agent
+acted on each signal and killed the ranks 30 s after the first). Left alone, torchrun reports a
+failed rank with a log line per rank and a framed report with a traceback of its own (the framed
+"Root Cause" report is the message of its ChildFailedError, printed only with that traceback). When
+the ranks failed with vlcontrast errors, which they leave in a folder instead of printing
 (:mod:`vlcontrast.cli.failure`), the launcher prints one of their lines instead. Any other failure
 (a rank killed, or one that crashed with a traceback of its own, which stays on the rank's stderr
-above) ends as one line too, through the command line's error path (:class:`RankFailed`): the
-first rank that failed, how, and whether ``train.resume=latest`` has a checkpoint to continue
-from. ``--debug`` (``VLCONTRAST_DEBUG=1``) shows torchrun's log lines and report as well.
+above) ends as one line too, through the command line's error path (:class:`RankFailed`): the first
+rank that failed, how, and whether ``train.resume=latest`` has a checkpoint to continue from.
+``--debug`` (``VLCONTRAST_DEBUG=1``) shows torchrun's log lines and report as well.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal as signals
@@ -195,11 +199,16 @@ def failed_line(nproc: int, failed, train_arguments: list[str],
 
 
 def stopped_words(folder: Path) -> str:
-    """`` at step N`` where the ranks said at which step they stopped (they agree on one)."""
+    """`` at step N with a checkpoint`` where the ranks said at which step they stopped (they
+    agree on one); `` before step 1 (nothing was trained)`` where each stopped before it had
+    trained (step 0: the signal came while they waited for each other,
+    :class:`vlcontrast.distributed.RendezvousStopped`)."""
     steps = set(failure.stopped_steps(folder).values()) - {None}
+    if steps == {0}:
+        return " before step 1 (nothing was trained)"
     if len(steps) == 1:
-        return f" at step {steps.pop()}"
-    return ""
+        return f" at step {steps.pop()} with a checkpoint"
+    return " with a checkpoint"
 
 
 def torchrun_arguments(nproc: int, train_arguments: list[str]) -> list[str]:
@@ -207,33 +216,77 @@ def torchrun_arguments(nproc: int, train_arguments: list[str]) -> list[str]:
             *train_arguments]
 
 
-class StopsPassedToRanks:
-    """While torchrun runs, every stop signal of the trainer (``vlcontrast.requeue.STOP_SIGNALS``:
-    SIGTERM, and SIGUSR1, SLURM's time-limit notice, which torchrun leaves alone, so that it killed
-    this launcher and left the ranks training without it) raises torchrun's ``SignalException``, as
-    torchrun's own handler does for SIGTERM: its agent passes the signal on to the ranks, waits for
-    them (30 s, then SIGKILL) and raises it here. Only the first: a second (SIGTERM just after
-    SIGUSR1) would cut that wait short and leave the ranks behind. On leaving, the handlers before
-    come back."""
+TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"
+"""The signals left to torchrun's agent (``--signals-to-handle``): a hang-up or Ctrl-\\ ends the
+ranks as torchrun ends them (passed on, SIGKILL after its shutdown timeout). The stop signals and
+Ctrl-C are the launcher's own (:class:`SignalsForRanks`)."""
 
-    def __init__(self, signal_exception: type[Exception]):
-        self.signal_exception = signal_exception
+SIGNAL_FILE = "signal.json"
+"""In the launcher's folder: the signal the launcher passed on, for a rank that announces itself
+later (:func:`announce_rank`)."""
+
+
+class SignalsForRanks:
+    """While torchrun runs, the launcher answers SIGTERM, SIGUSR1 and SIGINT itself; torchrun's
+    agent would turn each into its shutdown (the signal passed on, 30 s, then SIGKILL), which cuts a
+    stop checkpoint that takes longer short, and acts on every signal, so that a second one (SIGTERM
+    at the time limit after SLURM's SIGUSR1 notice, a second Ctrl-C) renamed the stop, or ended the
+    launcher while its ranks were still writing.
+
+    The first signal wins. It is passed to every rank once (:meth:`pass_on`: the ranks that have
+    announced themselves, :func:`announce_rank`; a rank that announces itself later reads it from
+    :data:`SIGNAL_FILE`), and the launcher waits for the ranks as long as they take: a stop signal
+    ends in their checkpoint, Ctrl-C in their interruption, as for a single process. Later signals
+    are not passed on (the ranks already hold the first one); a later Ctrl-C says once that the
+    launcher waits for them (Ctrl-\\, SIGQUIT, is torchrun's: it ends them at once). On leaving,
+    the handlers before come back."""
+
+    HANDLED = (signals.SIGTERM, signals.SIGUSR1, signals.SIGINT)
+
+    def __init__(self, folder: Path, nproc: int):
+        self.folder = Path(folder)
+        self.nproc = nproc
+        self.first: int | None = None
         self.previous: dict[int, object] = {}
-        self.raised = False
+        self.told_waiting = False
 
-    def _raise(self, signum: int, _frame) -> None:
-        if self.raised:  # the ranks have the first one; the agent is waiting for them
-            return
-        self.raised = True
-        raise self.signal_exception(f"Process {os.getpid()} got signal: {signum}",
-                                    sigval=signals.Signals(signum))
+    def _handle(self, signum: int, _frame) -> None:
+        if self.first is None:
+            self.first = signum
+            self.pass_on(signum)
+        elif signum == signals.SIGINT and not self.told_waiting:
+            self.told_waiting = True
+            doing = ("end on the first Ctrl-C" if self.first == signals.SIGINT else
+                     f"stop with a checkpoint on {signal_words(self.first)}")
+            # os.write: a handler may run while the main thread is inside a print to stderr.
+            os.write(2, (f"vlcontrast: train --nproc {self.nproc}: Ctrl-C again while the ranks "
+                         f"{doing}: waiting for them (Ctrl-\\ ends them at once)\n").encode())
 
-    def __enter__(self) -> StopsPassedToRanks:
-        from vlcontrast.requeue import STOP_SIGNALS
-
-        for sig in STOP_SIGNALS:
+    def pass_on(self, signum: int) -> None:
+        """``signum`` to every rank that announced itself, and in :data:`SIGNAL_FILE` for those
+        that announce themselves after (a rank writes its file, then reads this one; here it is
+        the other way round: a rank that announces itself now is reached one way or the other)."""
+        try:
+            written = self.folder / f".{SIGNAL_FILE}.tmp"
+            written.write_text(json.dumps({"signal": int(signum)}))
+            os.replace(written, self.folder / SIGNAL_FILE)
+        except OSError:
+            pass  # the ranks already announced still get it below
+        for path in self.folder.glob("pid_*.json"):
             try:
-                self.previous[sig] = signals.signal(sig, self._raise)
+                pid = int(path.stem.partition("_")[2])
+            except ValueError:
+                continue
+            if is_child(pid):
+                try:
+                    os.kill(pid, signum)
+                except ProcessLookupError:
+                    pass  # it ended meanwhile: the agent reports how
+
+    def __enter__(self) -> SignalsForRanks:
+        for sig in self.HANDLED:
+            try:
+                self.previous[sig] = signals.signal(sig, self._handle)
             except (ValueError, OSError):  # not the main thread: torchrun refuses that too
                 pass
         return self
@@ -241,6 +294,43 @@ class StopsPassedToRanks:
     def __exit__(self, *exc) -> None:
         for sig, handler in self.previous.items():
             signals.signal(sig, signals.SIG_DFL if handler is None else handler)
+
+
+def is_child(pid: int) -> bool:
+    """Whether ``pid`` is a process this one started (a rank torchrun's agent started here, not a
+    later process that took the number of one that ended); True where /proc cannot tell."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return not Path("/proc/self/stat").exists()
+    try:
+        return int(stat.rpartition(")")[2].split()[1]) == os.getpid()
+    except (IndexError, ValueError):
+        return False
+
+
+def announce_rank() -> None:
+    """A rank of ``train --nproc``, once it holds its stop signals
+    (:func:`vlcontrast.requeue.hold_stop_signals`, the command line's first act): its process id
+    in the launcher's folder, so that the launcher passes it the first signal it gets
+    (:class:`SignalsForRanks`); a signal the launcher passed on before is taken now, as if it had
+    arrived: a stop is held, Ctrl-C interrupts. Nothing outside ``train --nproc``."""
+    folder = os.environ.get(failure.RANK_ERRORS_VARIABLE)
+    if not folder or "RANK" not in os.environ:
+        return
+    folder_path = Path(folder)
+    try:
+        written = folder_path / f".pid_{os.getpid()}.tmp"
+        written.write_text(json.dumps({"rank": os.environ["RANK"]}))
+        os.replace(written, folder_path / f"pid_{os.getpid()}.json")
+        signum = int(json.loads((folder_path / SIGNAL_FILE).read_text())["signal"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no signal yet (or no folder to say one in)
+    if signum == signals.SIGINT:
+        raise KeyboardInterrupt
+    from vlcontrast import requeue
+
+    requeue.hold_signal(signum)
 
 
 def stopped_before_start(nproc: int, signum: int, train_arguments: list[str]) -> int:
@@ -265,6 +355,37 @@ def stopped_before_start(nproc: int, signum: int, train_arguments: list[str]) ->
 
 INHERITED_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
                         "LOCAL_WORLD_SIZE", "GROUP_RANK")
+SIGNALS_VARIABLE = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+"""What torchrun sets from ``--signals-to-handle`` in this process (put back after the launch)."""
+
+
+def passed_on(nproc: int, signum: int, folder: str, train_arguments: list[str],
+              started: float | None) -> int:
+    """The end of a launch whose ranks were passed a stop signal (by the launcher, or by
+    torchrun's agent for the signals it handles): one line, the exit code. The ranks stopped at an
+    agreed step with a checkpoint, as a single process does (exit 0, rank 0's stop line above); a
+    rank that failed meanwhile left its line; one that neither stopped nor left a line is named."""
+    passed = f"{signal_words(signum)} passed to the ranks"
+    lines = failure.rank_lines(folder)
+    if lines:
+        line, code = lines[min(lines)]
+        print(line, file=sys.stderr, flush=True)
+        return code
+    missing = sorted(set(range(nproc)) - failure.stopped_ranks(folder))
+    if missing:  # killed, or failed with an error that is not vlcontrast's (above)
+        print(f"vlcontrast: error: train --nproc {nproc}: {passed}, and rank(s) "
+              f"{', '.join(map(str, missing))} did not stop with a checkpoint (their output is "
+              f"above); {resume_words(train_arguments, started)}", file=sys.stderr, flush=True)
+        return 1
+    print(f"vlcontrast: train --nproc {nproc}: {passed}, which stopped"
+          f"{stopped_words(Path(folder))}", file=sys.stderr, flush=True)
+    return 0
+
+
+def interrupted_line(nproc: int, train_arguments: list[str], started: float | None) -> str:
+    """Ctrl-C, passed to the ranks, which ended on it (as a single process does: no checkpoint)."""
+    return (f"vlcontrast: train --nproc {nproc}: interrupted (Ctrl-C), passed to the ranks; "
+            f"{resume_words(train_arguments, started)}")
 
 
 def launch_local(nproc: int, train_arguments: list[str]) -> int:
@@ -276,12 +397,17 @@ def launch_local(nproc: int, train_arguments: list[str]) -> int:
     from vlcontrast.requeue import take_held_stop_signal
 
     arguments = torchrun.parse_args(torchrun_arguments(nproc, train_arguments))
+    if hasattr(arguments, "signals_to_handle"):
+        # SIGTERM, SIGUSR1 and SIGINT are the launcher's (SignalsForRanks). A torch whose torchrun
+        # has no --signals-to-handle takes SIGTERM and SIGINT back as it starts the ranks: its
+        # agent then passes them on itself (SignalException below) and kills after 30 s.
+        arguments.signals_to_handle = TORCHRUN_SIGNALS
     # A standalone launch picks its own rendezvous: a rank or port this process inherited (an outer
     # launcher's, or one a single-process run in this interpreter set) would reach the ranks and
     # have rank 0 listen on a port that may still be taken (EADDRINUSE).
     for key in INHERITED_RENDEZVOUS:
         os.environ.pop(key, None)
-    saved = os.environ.get(failure.RANK_ERRORS_VARIABLE)
+    saved = {key: os.environ.get(key) for key in (failure.RANK_ERRORS_VARIABLE, SIGNALS_VARIABLE)}
     # torchrun sets 1 thread per rank with a banner when unset; the cores shared out is what a
     # rank on CPU would take by itself (vlcontrast.train.loop), without the banner.
     threads_set = "OMP_NUM_THREADS" not in os.environ
@@ -290,61 +416,58 @@ def launch_local(nproc: int, train_arguments: list[str]) -> int:
     started = time.time()  # a failure before the ranks resumed is not sent back to that checkpoint
     with tempfile.TemporaryDirectory(prefix="vlcontrast-ranks-") as folder, HeldBack() as held:
         os.environ[failure.RANK_ERRORS_VARIABLE] = folder  # the ranks inherit it
-        try:
-            with StopsPassedToRanks(SignalException):  # SIGUSR1 as well as SIGTERM
+        ranks_signals = SignalsForRanks(Path(folder), nproc)
+        # Until the launcher's line is out: a Ctrl-C after the ranks ended adds no other.
+        with ranks_signals:
+            try:
                 early = take_held_stop_signal()
                 if early is None:
                     torchrun.run(arguments)
-            if early is not None:
-                return stopped_before_start(nproc, early, train_arguments)
-        except ChildFailedError as failed:
-            lines = failure.rank_lines(folder)
-            if failure.debug_requested():
-                held.release()
-                if lines:
-                    raise
-            if not lines:
-                # Killed, or crashed with its own traceback (on its stderr, above): one line, and
-                # no traceback or framed report of the launcher's (--debug shows them).
-                raise RankFailed(failed_line(nproc, failed, train_arguments, started)) from failed
-            # Every rank raises a collective's error alike (the others add "reported by rank R"),
-            # so the lowest rank's line stands for the run.
-            line, code = lines[min(lines)]
-            print(line, file=sys.stderr, flush=True)
-            return code
-        except SignalException as signal:
-            passed = f"{signal_words(signal.sigval)} passed to the ranks"
-            # SIGTERM/SIGUSR1/SIGINT to the launcher (a scheduler's notice): passed on, and
-            # the ranks stopped at an agreed step with a checkpoint, as a single process does (exit
-            # 0, rank 0's stop line); a rank that failed meanwhile left its line.
-            lines = failure.rank_lines(folder)
-            if failure.debug_requested():
-                held.release()
-                raise
-            if lines:
+                if early is not None:
+                    return stopped_before_start(nproc, early, train_arguments)
+                first = ranks_signals.first
+                if first is not None and first != signals.SIGINT:
+                    held.release()
+                    return passed_on(nproc, first, folder, train_arguments, started)
+            except ChildFailedError as failed:
+                lines = failure.rank_lines(folder)
+                if failure.debug_requested():
+                    held.release()
+                    if lines:
+                        raise
+                if ranks_signals.first == signals.SIGINT:
+                    # The ranks ended on the Ctrl-C passed to them, each without a line of its own
+                    # (vlcontrast.cli.main): the launcher's one line, the shell's status for it.
+                    print(interrupted_line(nproc, train_arguments, started), file=sys.stderr,
+                          flush=True)
+                    return 130
+                if not lines:
+                    # Killed, or crashed with its own traceback (on its stderr, above): one line,
+                    # and no traceback or framed report of the launcher's (--debug shows them).
+                    raise RankFailed(failed_line(nproc, failed, train_arguments,
+                                                 started)) from failed
+                # Every rank raises a collective's error alike (the others add "reported by rank
+                # R"), so the lowest rank's line stands for the run.
                 line, code = lines[min(lines)]
                 print(line, file=sys.stderr, flush=True)
                 return code
-            missing = sorted(set(range(nproc)) - failure.stopped_ranks(folder))
-            if missing:  # killed, or failed with an error that is not vlcontrast's (above)
-                print(f"vlcontrast: error: train --nproc {nproc}: {passed}, and rank(s) "
-                      f"{', '.join(map(str, missing))} did not stop with a checkpoint (their "
-                      f"output is above); {resume_words(train_arguments, started)}",
-                      file=sys.stderr,
-                      flush=True)
-                return 1
-            print(f"vlcontrast: train --nproc {nproc}: {passed}, which stopped"
-                  f"{stopped_words(Path(folder))} with a checkpoint", file=sys.stderr, flush=True)
-            return 0
-        except BaseException:
-            held.release()
-            raise
-        finally:
-            if saved is None:
-                os.environ.pop(failure.RANK_ERRORS_VARIABLE, None)
-            else:
-                os.environ[failure.RANK_ERRORS_VARIABLE] = saved
-            if threads_set:
-                os.environ.pop("OMP_NUM_THREADS", None)
+            except SignalException as signal:
+                # A signal torchrun's agent handles (SIGHUP, SIGQUIT; with an older torch SIGTERM
+                # and SIGINT too): the agent passed it on, waited for the ranks, raised it here.
+                if failure.debug_requested():
+                    held.release()
+                    raise
+                return passed_on(nproc, signal.sigval, folder, train_arguments, started)
+            except BaseException:
+                held.release()
+                raise
+            finally:
+                for key, value in saved.items():
+                    if value is None:
+                        os.environ.pop(key, None)
+                    else:
+                        os.environ[key] = value
+                if threads_set:
+                    os.environ.pop("OMP_NUM_THREADS", None)
         held.release()
     return 0

@@ -9,12 +9,13 @@ import sys
 from pathlib import Path
 
 from vlcontrast.cli.environment import prepare_environment
+from vlcontrast.cli.train import OneConfig
 from vlcontrast.errors import ConfigError
 
 
 def register(sub) -> None:
     study = sub.add_parser("study", help="compare losses: a staged design (tuned lr, seeds, Holm) or a grid of short runs (loss x batch size x seed); --plan prices it")
-    study.add_argument("--config", required=True)
+    study.add_argument("--config", required=True, action=OneConfig)
     study.add_argument("--report-only", action="store_true",
                        help="rebuild the CSV, tables and plots from the stored cell results")
     study.add_argument("--stage", default="all", type=stage_name,

@@ -15,9 +15,29 @@ from vlcontrast.cli import failure
 from vlcontrast.cli.environment import prepare_environment
 
 
+class OneConfig(argparse.Action):
+    """``--config`` given once: a second, different file was read instead of the first without a
+    word (argparse keeps the last value), so ``--config base.yaml --config change.yaml`` trained
+    on ``change.yaml`` alone. Refused in one line naming both and the fix (a
+    :class:`~vlcontrast.errors.ConfigError`, exit 2)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        earlier = getattr(namespace, self.dest, None)
+        if earlier is not None and earlier != values:
+            from vlcontrast.errors import ConfigError
+
+            command = parser.prog.removeprefix("vlcontrast ")
+            raise ConfigError(
+                f"{command} --config given twice ({earlier!r}, then {values!r}): a command reads "
+                "one config file; merge them into one, or keep one and set what the other "
+                f"changes as overrides after it ({parser.prog} --config {earlier} "
+                "section.key=value ...)")
+        setattr(namespace, self.dest, values)
+
+
 def register(sub) -> None:
     train = sub.add_parser("train", help="train a model (DeepSpeed)")
-    train.add_argument("--config", help="YAML run config")
+    train.add_argument("--config", action=OneConfig, help="YAML run config")
     train.add_argument("--nproc", type=int, default=1, help="local processes (re-launch via torchrun)")
     # The deepspeed launcher appends --local_rank=N; the rank is read from the environment instead.
     train.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -25,7 +45,7 @@ def register(sub) -> None:
     train.set_defaults(func=run_train)
 
     config = sub.add_parser("config", help="list every option with its default, or show a resolved config")
-    config.add_argument("--config")
+    config.add_argument("--config", action=OneConfig)
     config.add_argument("overrides", nargs="*")
     config.set_defaults(func=run_config)
 
@@ -52,14 +72,18 @@ def run_train(args) -> int:
                             + list(args.overrides))
     prepare_environment(config.train.device)
     from vlcontrast import requeue
+    from vlcontrast.distributed import RendezvousStopped
     from vlcontrast.train import StopRequested, train
 
     if requeue.launcher_rank() == 0:
         requeue.clear(config.output_dir)
     try:
         train(config)
-    except StopRequested as stop:
-        if requeue.launcher_rank() == 0:  # every rank stops at the same step: one line says it
+    except (StopRequested, RendezvousStopped) as stop:
+        # Every rank stops at the same step: rank 0's line says it. A stop before the ranks met
+        # (the signal came at the rendezvous) is each rank's own, but under train --nproc.
+        alone = isinstance(stop, RendezvousStopped) and not failure.launched_rank()
+        if requeue.launcher_rank() == 0 or alone:
             print(f"vlcontrast: {stop}", file=sys.stderr)
         # Exit 0 either way; a signal stop leaves RUN/preempted.json, the scheduler's cue to requeue.
         requeue.record_stop(config.output_dir, stop)
