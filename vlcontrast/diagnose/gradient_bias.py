@@ -22,7 +22,8 @@ from torch import Tensor
 
 from vlcontrast.diagnose.estimators import (DEFAULT_LOSSES, SIGLIP_DEFAULT_BIAS, BufferEstimator,
                                             Estimator, Features, expand_losses, setting_name)
-from vlcontrast.diagnose.montecarlo import compare, estimate_cell, replicate_count, spread
+from vlcontrast.diagnose.montecarlo import (check_seed, compare, estimate_cell, replicate_count,
+                                            spread)
 from vlcontrast.diagnose.pushback import TowerPushback, encode_pairs
 
 DEFAULT_BATCH_SIZES = (16, 32, 64, 128, 256, 512, 1024)
@@ -100,6 +101,7 @@ class GradientBiasSettings:
             value = getattr(self, field)
             if value < low:
                 raise ConfigError(f"{name(field)} must be >= {low}, got {value}")
+        check_seed(self.seed, flags)
 
 
 # ----------------------------------------------------------------------------------- the inputs

@@ -25,18 +25,42 @@ Statistics, for a mean estimate ``g`` of ``E[g_B]`` and the target ``g_N``:
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from vlcontrast.diagnose.estimators import Estimator, Features, random_batches
+from vlcontrast.diagnose.estimators import Estimator, Features, random_batches, setting_name
 
 # A bias counts as detected above this many Monte-Carlo errors: with no bias, ||g - g_N|| is
 # about one error, and exceeding two happens with probability < 5% whatever the noise's shape.
 DETECTION_FACTOR = 2.0
 # Relative differences below this are float rounding (DeCL stores its buffer in float32).
 NUMERICAL_FLOOR = 1e-6
+SEED_STRIDE = 1_000_003
+"""The batch draws at batch size ``B`` come from a generator seeded ``seed * SEED_STRIDE + B``
+(a state's warm-up from ``seed * SEED_STRIDE + B + 500_000``)."""
+SEED_RANGE = (0, 2**43 - 1)
+"""``seed``'s range (DeCL's): ``seed * SEED_STRIDE + B + 500_000`` stays a 64-bit generator seed in
+``[0, 2**63)`` for every batch size below ``4e17``. Beyond it ``torch``'s ``manual_seed`` refuses
+the number with a traceback, or wraps a negative one to ``2**64`` plus it (another seed's draws)."""
+
+
+def check_seed(seed: int, flags: bool = False) -> None:
+    """A one-line ConfigError for a ``seed`` outside :data:`SEED_RANGE`, naming it as
+    :func:`~vlcontrast.diagnose.estimators.setting_name` does (``--seed`` when ``flags``)."""
+    from vlcontrast.errors import ConfigError
+
+    try:
+        valid = (not isinstance(seed, bool)
+                 and SEED_RANGE[0] <= operator.index(seed) <= SEED_RANGE[1])
+    except TypeError:  # not an integer
+        valid = False
+    if not valid:
+        raise ConfigError(f"{setting_name('seed', flags)} must be an integer in [0, 2**43 - 1 = "
+                          f"{SEED_RANGE[1]}] (the batch draws at batch size B seed a 64-bit "
+                          f"generator with seed * {SEED_STRIDE} + B), got {seed!r}")
 
 
 @dataclass
@@ -88,6 +112,7 @@ def estimate_cell(estimator: Estimator, features: Features, batch_size: int, *, 
     parameter-space variance of a single batch).
     """
     size, width = features.size, features.width
+    check_seed(seed)
     if not 2 <= batch_size <= size:
         raise ValueError(f"batch size {batch_size} must be in [2, N={size}]")
     if replicates < 2 or replicates % groups:
@@ -95,8 +120,8 @@ def estimate_cell(estimator: Estimator, features: Features, batch_size: int, *, 
     device, dtype = features.image.device, features.image.dtype
     # One stream for the measured batches (identical for every estimator) and one for any
     # state's warm-up, so a warm-up never shifts the measured batches.
-    batches_generator = torch.Generator().manual_seed(seed * 1_000_003 + batch_size)
-    warmup_generator = torch.Generator().manual_seed(seed * 1_000_003 + batch_size + 500_000)
+    batches_generator = torch.Generator().manual_seed(seed * SEED_STRIDE + batch_size)
+    warmup_generator = torch.Generator().manual_seed(seed * SEED_STRIDE + batch_size + 500_000)
     info = estimator.begin(features, batch_size, warmup_generator)
     mean = torch.zeros(size, width, device=device, dtype=dtype)
     squared_deviations = 0.0   # Welford's M2 over the replicate estimates

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from vlcontrast.distributed import gather_with_grad, get_rank, get_world_size
+from vlcontrast.distributed import gather_no_grad, gather_with_grad, get_rank, get_world_size
 from vlcontrast.errors import LossOptionError
 
 IMAGE_TO_TEXT = "image_to_text"
@@ -155,6 +155,21 @@ def row_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+def logit_dtype(features: Tensor) -> torch.dtype:
+    """The dtype of a logit matrix ``(s * features) @ candidates.T`` computed here and now.
+
+    Under ``torch.autocast`` for the features' device type, a matmul of float32 or 16-bit
+    features runs in the autocast dtype (an open_clip-style loop calls the loss inside its
+    autocast block); float64 is never cast. Otherwise it is the features' own dtype.
+    """
+    device_type = features.device.type
+    if (features.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and torch.amp.is_autocast_available(device_type)  # not "meta"
+            and torch.is_autocast_enabled(device_type)):
+        return torch.get_autocast_dtype(device_type)
+    return features.dtype
+
+
 # --------------------------------------------------------------------------------------------
 # Row statistics: one number per anchor row of a logit block, with a written-out gradient.
 
@@ -225,6 +240,9 @@ class ContrastiveLoss(nn.Module):
     diagnostics = True
     """Add the similarity diagnostics to the result; the trainer turns them off between log
     steps (a dozen small kernels a step that nobody reads)."""
+    _sizes_checked_at = 1
+    """The world size at which this instance last checked that every rank passes the same local
+    batch size (:func:`check_local_sizes`, once: at its first forward under that world size)."""
 
     def __init__(self, *, chunk_size: int = 0):
         super().__init__()
@@ -297,12 +315,12 @@ class ContrastiveLoss(nn.Module):
         state = self.prepare(batch)
         # L_ii is the same number in both directions: computed once, from the local pairs (the
         # gathered copies of this rank's rows are the same values; other ranks never use them).
-        # 16-bit features: each direction's logit matrix is rounded to their dtype, so each
-        # direction takes its L_ii from its own rounded matrix entry (score_rows), the number its
-        # rows' statistic saw (else InfoNCE could fall below 0 by the rounding).
-        dtype = row_dtype(batch.image.dtype)
-        positive = (scale * (batch.image * batch.text).sum(1) if dtype == batch.image.dtype
-                    else None)
+        # A 16-bit logit matrix (16-bit features, or float32 ones under autocast): each direction
+        # takes its L_ii rounded as its own matrix entry is (score_rows), the number its rows'
+        # statistic saw (else InfoNCE could fall below 0 by the rounding).
+        matrix_dtype = logit_dtype(batch.image)
+        positive = (scale * (batch.image * batch.text).sum(1)
+                    if matrix_dtype == row_dtype(matrix_dtype) == batch.image.dtype else None)
         terms = []
         for direction in self.directions:
             anchors, candidates = batch.anchors_and_candidates(direction)
@@ -322,6 +340,12 @@ class ContrastiveLoss(nn.Module):
         if not torch.is_tensor(logit_scale):
             logit_scale = torch.tensor(float(logit_scale), device=image_features.device)
         world_size = get_world_size()
+        if world_size != self._sizes_checked_at:
+            # Once, not every step: a size that differs between ranks is a set-up error (the
+            # gather would abort one rank in C++ and leave the others waiting for the timeout),
+            # and the first step synchronises the ranks anyway.
+            check_local_sizes(self.name or type(self).__name__, image_features)
+            self._sizes_checked_at = world_size
         all_image = gather_with_grad(image_features)
         all_text = gather_with_grad(text_features)
         if all_image.shape[0] < 2:
@@ -348,30 +372,52 @@ class ContrastiveLoss(nn.Module):
             positives = torch.arange(first_positive, first_positive + rows, device=anchors.device)
             scaled = scale * anchors
             logits = scaled @ candidates.T
+            matrix_dtype = logits.dtype  # 16-bit under autocast, whatever the features' dtype
             logits = logits.to(row_dtype(logits.dtype))  # fresh: the statistic may overwrite it
-            if positive is None:
-                positive = _positive_logits(scaled, candidates, first_positive)
+            if positive is None or positive.dtype != matrix_dtype:
+                positive = _positive_logits(scaled, candidates, first_positive, matrix_dtype)
             if context.offset is not None:
                 logits = logits.add_(context.offset.to(logits.dtype)[:, None])
             value = statistic.dense(logits, positives)
         else:
             scale_tensor = scale if torch.is_tensor(scale) else None
+            matrix_dtype = logit_dtype(anchors)
             value = _ChunkedStatistic.apply(statistic, self.chunk_size, first_positive, scale,
-                                            anchors, candidates, scale_tensor, context.offset)
-            if positive is None:
-                positive = _positive_logits(scale * anchors, candidates, first_positive)
+                                            anchors, candidates, scale_tensor, context.offset,
+                                            matrix_dtype)
+            if positive is None or positive.dtype != matrix_dtype:
+                positive = _positive_logits(scale * anchors, candidates, first_positive,
+                                            matrix_dtype)
         return self.statistic_terms(value, positive, context, num_negatives)
 
 
-def _positive_logits(scaled: Tensor, candidates: Tensor, first_positive: int) -> Tensor:
+def check_local_sizes(name: str, features: Tensor) -> None:
+    """Collective: every rank raises the same one-line error when the ranks' local batch sizes
+    differ (the contract needs one ``B``: rank ``r``'s row ``i`` has its positive at global column
+    ``r * B + i``)."""
+    size = torch.tensor([features.shape[0]], dtype=torch.long, device=features.device)
+    sizes = gather_no_grad(size).tolist()
+    if len(set(sizes)) > 1:
+        shown = ", ".join(f"rank {rank}: {count}" for rank, count in enumerate(sizes))
+        raise ValueError(f"{name}: the ranks pass different local batch sizes ({shown}); every "
+                         "rank must pass the same number of pairs at every step: give each rank "
+                         "the same batch size and drop a last partial batch (drop_last=True)")
+
+
+def _positive_logits(scaled: Tensor, candidates: Tensor, first_positive: int,
+                     matrix_dtype: torch.dtype) -> Tensor:
     """``L[i, first_positive + i]`` from the features (in the row dtype), rounded as the logit
-    matrix ``scaled @ candidates.T`` is (to 16 bits for 16-bit features), so a row's positive is
-    the number its statistic saw in the matrix."""
-    dtype = row_dtype(scaled.dtype)
+    matrix ``scaled @ candidates.T`` is when computed in ``matrix_dtype`` (16 bits for 16-bit
+    features or under autocast: both factors rounded to it, products summed in float32, the sum
+    rounded to it), so a row's positive is the number its statistic saw in the matrix."""
+    dtype = row_dtype(matrix_dtype)
     # The positives are consecutive columns: a slice, whose backward is cheap.
     paired = candidates.narrow(0, first_positive, scaled.shape[0])
-    positive = (scaled.to(dtype) * paired.to(dtype)).sum(1)
-    return positive if dtype == scaled.dtype else positive.to(scaled.dtype).to(dtype)
+    if dtype == matrix_dtype:
+        return (scaled.to(dtype) * paired.to(dtype)).sum(1)
+    # 16-bit factors multiply exactly in float32 (8 or 11 significant bits each).
+    positive = (scaled.to(matrix_dtype).to(dtype) * paired.to(matrix_dtype).to(dtype)).sum(1)
+    return positive.to(matrix_dtype).to(dtype)
 
 
 class _ChunkedStatistic(torch.autograd.Function):
@@ -382,17 +428,22 @@ class _ChunkedStatistic(torch.autograd.Function):
     and applies the matmul's chain rule by hand: ``dA_b = s G C``, ``dC += G^T (s A_b)``,
     ``ds += sum(A_b * (G C))``, ``d offset_b = G 1``. So chunking costs one extra matmul per block
     and no autograd graph is built at all.
+
+    ``matrix_dtype`` is the dtype the blocks' matmul runs in (:func:`logit_dtype` at the forward:
+    the autocast dtype under autocast). Both passes cast the factors to it explicitly, so the
+    backward, which runs outside the forward's autocast, recomputes bitwise the forward's blocks.
     """
 
     @staticmethod
     def forward(ctx, statistic, chunk, first_positive, scale, anchors, candidates, scale_tensor,
-                offset):
+                offset, matrix_dtype):
         values, auxes = [], []
-        buffer = _ChunkedStatistic.block_buffer(anchors, candidates, chunk)
+        buffer = _ChunkedStatistic.block_buffer(anchors, candidates, chunk, matrix_dtype)
+        factors = candidates.to(matrix_dtype)
         with torch.no_grad():
             for start in range(0, anchors.shape[0], chunk):
-                logits = _ChunkedStatistic.block_logits(scale, anchors, candidates, offset, start,
-                                                        chunk, buffer)
+                logits = _ChunkedStatistic.block_logits(scale, anchors, factors, offset, start,
+                                                        chunk, matrix_dtype, buffer)
                 positives = torch.arange(first_positive + start,
                                          first_positive + start + logits.shape[0],
                                          device=logits.device)
@@ -402,25 +453,27 @@ class _ChunkedStatistic(torch.autograd.Function):
         value = torch.cat(values)
         aux = tuple(torch.cat(parts) for parts in zip(*auxes))
         ctx.statistic, ctx.chunk, ctx.first_positive = statistic, chunk, first_positive
+        ctx.matrix_dtype = matrix_dtype
         ctx.scale = None if scale_tensor is not None else scale
         ctx.save_for_backward(anchors, candidates, scale_tensor, offset, value, *aux)
         return value
 
     @staticmethod
-    def block_buffer(anchors, candidates, chunk) -> Tensor | None:
+    def block_buffer(anchors, candidates, chunk, matrix_dtype) -> Tensor | None:
         """One ``chunk x N`` block reused by every block of the pass (no allocation and page
         faults per block); ``None`` when the logits need a cast to the row dtype anyway."""
-        if row_dtype(anchors.dtype) != anchors.dtype:
+        if not matrix_dtype == row_dtype(matrix_dtype) == anchors.dtype:
             return None
         return anchors.new_empty(min(chunk, anchors.shape[0]), candidates.shape[0])
 
     @staticmethod
-    def block_logits(scale, anchors, candidates, offset, start, chunk, buffer=None):
-        scaled = scale * anchors[start:start + chunk]
+    def block_logits(scale, anchors, candidates, offset, start, chunk, matrix_dtype, buffer=None):
+        """The block's logits in the row dtype; ``candidates`` already in ``matrix_dtype``."""
+        scaled = (scale * anchors[start:start + chunk]).to(matrix_dtype)
         if buffer is not None:
             logits = torch.mm(scaled, candidates.T, out=buffer[:scaled.shape[0]])
         else:
-            logits = (scaled @ candidates.T).to(row_dtype(anchors.dtype))
+            logits = (scaled @ candidates.T).to(row_dtype(matrix_dtype))
         if offset is not None:
             logits.add_(offset[start:start + chunk].to(logits.dtype)[:, None])
         return logits
@@ -435,12 +488,13 @@ class _ChunkedStatistic(torch.autograd.Function):
         grad_scale = torch.zeros((), dtype=torch.float64, device=anchors.device) if needs[6] \
             else None
         grad_offset = torch.empty_like(offset) if needs[7] else None
-        chunk = ctx.chunk
-        buffer = _ChunkedStatistic.block_buffer(anchors, candidates, chunk)
+        chunk, matrix_dtype = ctx.chunk, ctx.matrix_dtype
+        buffer = _ChunkedStatistic.block_buffer(anchors, candidates, chunk, matrix_dtype)
+        factors = candidates.to(matrix_dtype)
         for start in range(0, anchors.shape[0], chunk):
             block = slice(start, start + chunk)
-            logits = _ChunkedStatistic.block_logits(scale, anchors, candidates, offset, start, chunk,
-                                                    buffer)
+            logits = _ChunkedStatistic.block_logits(scale, anchors, factors, offset, start, chunk,
+                                                    matrix_dtype, buffer)
             positives = torch.arange(ctx.first_positive + start,
                                      ctx.first_positive + start + logits.shape[0],
                                      device=logits.device)
@@ -459,7 +513,8 @@ class _ChunkedStatistic(torch.autograd.Function):
                 grad_candidates.addmm_(block_grad.T, scale * anchors[block])
         if grad_scale is not None:
             grad_scale = grad_scale.to(scale_tensor.dtype).reshape(scale_tensor.shape)
-        return (None, None, None, None, grad_anchors, grad_candidates, grad_scale, grad_offset)
+        return (None, None, None, None, grad_anchors, grad_candidates, grad_scale, grad_offset,
+                None)
 
 
 @torch.no_grad()

@@ -25,9 +25,12 @@ every rank all-gathers ``(ids, new log u)`` and applies the same writes, so repl
 ``shard_buffer=True`` keeps only ``[rank * S, (rank + 1) * S)`` of the id space per rank and
 resolves look-ups with one all-reduce. ``state_dict()`` always holds the full buffer (gathered on
 save, re-sliced on load), so a checkpoint can be resumed with another world size; with
-``shard_buffer`` saving is a collective: call ``state_dict()`` on every rank. A step never makes
-the host wait for the device (no ``unique``, boolean indexing or ``int()``; diagnostics stay
-tensors), and ``rollback()`` puts back exactly the rows the last step wrote (a skipped step).
+``shard_buffer`` saving is a collective: call ``state_dict()`` on every rank. With
+``u_mode=sample`` it also holds the count of forwards made without ``step=`` (Python API use; their
+draws are seeded by it), so a restored loss continues the draws instead of repeating them. A
+step never makes the host wait for the device (no ``unique``, boolean indexing or ``int()``;
+diagnostics stay tensors), and ``rollback()`` puts back exactly the rows the last step wrote (a
+skipped step).
 
 In eval mode (``loss_fn.eval()``) the estimator is ``batch``, the buffer is neither read nor
 written, and without a ``step`` the loss is ``loss_2``.
@@ -61,6 +64,9 @@ SEED_RANGE = (0, 2**43 - 1)
 every step ``t`` below ``4e17``. Beyond it ``torch``'s ``manual_seed`` refuses the number with a
 traceback (above ``2**64 - 1``) or wraps it (a negative seed is taken as ``2**64`` plus it, so two
 seeds draw the same noise)."""
+DRAWS_KEY = "unstepped_draws"
+"""``state_dict`` key (``u_mode=sample``) of the number of forwards made without ``step=``, whose
+draws are seeded by that count instead of the step."""
 
 
 def seed_range_rule() -> str:
@@ -260,9 +266,27 @@ class DeCLLoss(ContrastiveLoss):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.buffer is not None:
             self.buffer.save_full(destination, prefix)
+        if self.u_mode == "sample":
+            destination[prefix + DRAWS_KEY] = torch.tensor(self._unstepped_draws, dtype=torch.long)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
+        key = prefix + DRAWS_KEY
+        if key in state_dict:  # absent from state dicts written before it was saved
+            draws = state_dict[key]
+            if (torch.is_tensor(draws) and draws.numel() == 1 and not draws.is_floating_point()
+                    and int(draws) >= 0):
+                self._unstepped_draws = int(draws)
+            else:
+                error_msgs.append(f"{key}: expected a non-negative integer count of forwards "
+                                  f"without step=, got {draws!r}")
+        self._load_buffer(state_dict, prefix, local_metadata, strict, missing_keys,
+                          unexpected_keys, error_msgs)
+        if key in unexpected_keys:
+            unexpected_keys.remove(key)
+
+    def _load_buffer(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                     unexpected_keys, error_msgs):
         key = prefix + "log_u"
         if self.buffer is None or key not in state_dict:
             return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,

@@ -7,13 +7,17 @@ As :mod:`debiased`, with the negative mass replaced by its hardness-reweighted e
 computed in log space as ``log K + logsumexp((1+beta) L) - logsumexp(beta L)``. The importance
 weights are not detached. ``beta = 0`` gives ``debiased``.
 
-Both sums share one exponential: with ``m_i = max_{j != i} L_ij`` (detached; it cancels exactly)
-and ``e_ij = exp(L_ij - m_i)`` (0 at the positive, so ``e <= 1`` and no ``exp`` sees a positive
-argument), ``log-mass - log K = m_i + log sum_j e_ij^(1+beta) - log sum_j e_ij^beta``, and its
-gradient is ``e^beta * ((1+beta) e / S_1 - beta / S_0)``. :class:`_HardNegativeMass` does this in
-one ``exp`` pass and keeps only ``e`` (``e^beta`` too when ``beta != 1``), where two tilted
-``logsumexp`` calls would need six passes and two saved blocks; :class:`HardNegativeMass` is the
-same statistic for the chunked mode.
+Both sums share one shift: with ``m_i = max_{j != i} L_ij`` (detached; it cancels exactly),
+``d_ij = L_ij - m_i <= 0`` (``-inf`` at the positive, so no ``exp`` sees a positive argument),
+``e_ij = exp(d_ij)`` and the weights ``w_ij = exp(beta d_ij)``,
+``log-mass - log K = m_i + log S_1 - log S_0`` with ``S_0 = sum_j w_ij`` and
+``S_1 = sum_j w_ij e_ij``, and its gradient is ``w * ((1+beta) e / S_1 - beta / S_0)``. The weights
+are exponentials of ``beta d``, never powers of ``e``: at ``s = 100`` a negative ``d < -104``
+below the hardest one underflows ``e`` to 0 in float32, but its weight ``exp(beta d)`` is still
+about 1 for a small ``beta`` (``e^beta`` would make it 0 and the mass ``S_0`` wrong).
+:class:`_HardNegativeMass` does this in two ``exp`` passes and keeps ``e`` and ``w`` (one block
+when ``beta = 1``, where ``w = e``), where two tilted ``logsumexp`` calls would need six passes and
+two saved blocks; :class:`HardNegativeMass` is the same statistic for the chunked mode.
 """
 
 from __future__ import annotations
@@ -30,20 +34,32 @@ from vlcontrast.losses.debiased import ScaledRows, debiased_row_loss
 from vlcontrast.losses.registry import register_loss
 
 
+def _exps_and_weights(shifted: Tensor, beta: float) -> tuple[Tensor, Tensor]:
+    """``e = exp(d)`` (in place of ``shifted`` = ``d``) and ``w = exp(beta d)`` (``w = e`` when
+    ``beta = 1``). ``w`` comes from ``d``, not as ``e^beta``, which is 0 wherever ``e``
+    underflowed."""
+    if beta == 1:
+        exps = shifted.exp_()
+        return exps, exps
+    # A beta below the dtype's smallest normal number would round to 0 there and make the
+    # positive's -inf * beta a NaN; at that size every finite d gets w = 1 either way.
+    tilted = torch.mul(shifted, max(beta, torch.finfo(shifted.dtype).tiny)).exp_()
+    return shifted.exp_(), tilted
+
+
 def _tilted_sums(logits: Tensor, positives: Tensor, beta: float):
-    """``e = exp(L - m)`` (0 at the positive; ``m`` the max over negatives), ``e^beta``, ``S_0``, ``S_1``.
+    """``e = exp(L - m)`` (0 at the positive; ``m`` the max over negatives),
+    ``w = exp(beta (L - m))``, ``m``, ``S_0 = sum w``, ``S_1 = sum w e``.
 
     ``logits`` becomes ``e`` in place.
     """
-    exps = fill_positives_(logits, positives)  # -inf: e = 0 there, excluded from the max
-    shift = exps.amax(dim=1)
-    exps.sub_(shift[:, None]).exp_()
+    shifted = fill_positives_(logits, positives)  # -inf: e = w = 0 there, excluded from the max
+    shift = shifted.amax(dim=1)
+    exps, tilted = _exps_and_weights(shifted.sub_(shift[:, None]), beta)
     if beta == 1:
-        tilted = exps
         s0 = exps.sum(dim=1)
         s1 = torch.linalg.vector_norm(exps, dim=1).square_()
     else:
-        tilted = exps.pow(beta)
         s0 = tilted.sum(dim=1)
         s1 = torch.linalg.vecdot(tilted, exps, dim=1)
     return exps, tilted, shift, s0, s1
@@ -51,7 +67,7 @@ def _tilted_sums(logits: Tensor, positives: Tensor, beta: float):
 
 def _tilted_grad(exps: Tensor, tilted: Tensor, s0: Tensor, s1: Tensor, grad: Tensor,
                  beta: float) -> Tensor:
-    """``grad * e^beta * ((1+beta) e / S_1 - beta / S_0)`` (one allocation)."""
+    """``grad * w * ((1+beta) e / S_1 - beta / S_0)`` (one allocation)."""
     out = exps * ((1 + beta) * grad / s1)[:, None]
     return out.sub_((beta * grad / s0)[:, None]).mul_(tilted)
 
@@ -91,8 +107,8 @@ class HardNegativeMass(RowStatistic):
 
     def backward(self, logits, positives, value, aux, grad):
         shift, s0, s1 = aux
-        exps = fill_positives_(logits, positives).sub_(shift[:, None]).exp_()
-        tilted = exps if self.beta == 1 else exps.pow(self.beta)
+        shifted = fill_positives_(logits, positives).sub_(shift[:, None])
+        exps, tilted = _exps_and_weights(shifted, self.beta)
         return _tilted_grad(exps, tilted, s0, s1, grad, self.beta)
 
 
