@@ -486,7 +486,10 @@ class RunConfig:
     output_dir: str = "runs/default"
     """Run directory: config, metrics, checkpoints, results, report."""
     seed: int = 0
-    """Base random seed (rank r uses seed + r for augmentation and dropout)."""
+    """Base random seed. The data order, each caption draw and each training image's augmentation
+    follow ``seed`` itself (an image's augmentation is seeded from the seed, the epoch and the
+    CRC-32 of its encoded bytes, the same on any rank and with any number of loader workers); rank
+    r's process random stream (dropout) is seeded with ``seed + r``."""
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     loss: LossConfig = field(default_factory=LossConfig)

@@ -355,8 +355,11 @@ class TrainLoader:
                "workers": stream.num_workers, "batch_size": stream.batch_size,
                "num_samples": self.num_samples, "shards_digest": self._shard_set.digest()}
         changed = {k: (state.get(k), v) for k, v in now.items() if state.get(k) != v}
-        if steps_done >= int(state["steps_per_epoch"]) or (changed and steps_done > 0):
-            if changed:
+        finished = steps_done >= int(state["steps_per_epoch"])
+        if finished or (changed and steps_done > 0):
+            # Every rank's loader sees the same change: rank 0 says it, once per job; a state
+            # taken at the epoch's end skips nothing, so nothing is said.
+            if changed and not finished and stream.rank == 0:
                 logger.warning("data: cannot continue epoch %d after a change of %s; the rest of "
                                "it is skipped and training continues with epoch %d",
                                epoch, changed, epoch + 1)

@@ -117,6 +117,8 @@ class _Step(NamedTuple):
     mark: dict | None
     """The loader's position after these batches (:meth:`TrainLoader.mark`)."""
     epoch: int
+    ends_epoch: bool = False
+    """The last of these batches was the last of its epoch."""
 
 
 class TrainBatches:
@@ -138,6 +140,9 @@ class TrainBatches:
         self._iterator = None
         self._ahead: _Step | None = None
         self._handed: _Step | None = None
+        self._next_epoch: int | None = None
+        """:attr:`next_epoch` after the step handed out last (None: none since the loader's
+        position was set)."""
 
     @property
     def feeds_device(self) -> bool:
@@ -147,6 +152,16 @@ class TrainBatches:
     @property
     def epoch(self) -> int:
         return self._handed.epoch if self._handed is not None else self.loader.epoch
+
+    @property
+    def next_epoch(self) -> int:
+        """The epoch the next step reads from: :attr:`epoch`, or the one after it when the
+        batches handed out ended their epoch. What :class:`~vlcontrast.train.state.TrainState`
+        records, so that a checkpoint taken at an epoch's end resumes at the next epoch also
+        where the per-rank positions do not apply (another world size)."""
+        if self._next_epoch is None:  # nothing handed out yet: the loader's (resumed) position
+            return self.loader.epoch
+        return self._next_epoch
 
     @property
     def bad_samples(self) -> dict[str, int]:
@@ -199,16 +214,22 @@ class TrainBatches:
         with torch.random.fork_rng(devices=[]):
             batches = [next(self._iterator) for _ in range(self.accum_steps)]
         mark = self.loader.mark() if hasattr(self.loader, "mark") else None
-        return _Step(batches, mark, self.loader.epoch)
+        ends = mark is not None and mark.get("steps_done", -1) >= self.loader.steps_per_epoch
+        return _Step(batches, mark, self.loader.epoch, ends)
 
     def next_step(self) -> list:
         """The ``accum_steps`` micro-batches of the next optimizer step (with a feed: on the
         device, from :meth:`prefetch` when it was called since the last step, else prepared now)."""
         if self.feed is None:
             self._handed = None
-            return self._take().batches
-        self.prefetch()
-        self._handed, self._ahead = self._ahead, None
+            step = self._take()
+        else:
+            self.prefetch()
+            self._handed, self._ahead = self._ahead, None
+            step = self._handed
+        self._next_epoch = step.epoch + 1 if step.ends_epoch else step.epoch
+        if self.feed is None:
+            return step.batches
         return self.feed.hand_over(self._handed.batches)
 
     def prefetch(self) -> None:
@@ -225,7 +246,7 @@ class TrainBatches:
         """Begin ``epoch`` from its start (a resume whose per-rank positions do not apply)."""
         self.loader.set_epoch(epoch)
         self._iterator = None
-        self._ahead = self._handed = None
+        self._ahead = self._handed = self._next_epoch = None
 
     def state_dict(self) -> dict:
         if self._handed is not None and self._handed.mark is not None:
@@ -235,4 +256,4 @@ class TrainBatches:
     def load_state_dict(self, state: dict) -> None:
         self.loader = self._build(resume_state=state)
         self._iterator = None
-        self._ahead = self._handed = None
+        self._ahead = self._handed = self._next_epoch = None

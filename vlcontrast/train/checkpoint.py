@@ -28,12 +28,14 @@ directory.
 Everything is written into ``step_XXXXXXXX.tmp/`` and renamed when complete, so a crash mid-write
 leaves the previous checkpoint usable; ``latest`` is replaced atomically after the rename.
 
-Write failures (full disk, unwritable directory) are agreed on by all ranks: before the collective
-DeepSpeed save every rank checks the free space and rank 0 creates the temporary directory; after
-it, every rank's own files are written and checked; any failure raises :class:`CheckpointError`
-on every rank, naming the step and the previous checkpoint, which stays intact. (A write that
-fails *inside* DeepSpeed's collective save leaves the other ranks waiting at its barrier until the
-process-group timeout, ``train.dist_timeout_s``; the previous checkpoint is intact then too.)
+Write failures (full disk, read-only or unwritable directory, a file-size limit) are agreed on by
+all ranks: before the engine's save every rank checks the free space and rank 0 creates the
+temporary directory; the engine's save follows (a failed write inside DeepSpeed's collective
+save is held until its closing barrier, :meth:`Checkpointer._save_engine`), then every rank's own
+files are written and checked; any failure raises :class:`CheckpointError` on every rank, naming
+the step, the reason, the previous checkpoint, which stays intact, and the fix. (A DeepSpeed
+failure before its writes, in its own collectives, is raised as DeepSpeed raises it, and may
+leave the other ranks waiting until the process-group timeout, ``train.dist_timeout_s``.)
 """
 
 from __future__ import annotations
@@ -270,9 +272,12 @@ class Checkpointer:
 
             how = (f" through a universal checkpoint ({source}, DeepSpeed's ZeRO state split "
                    "anew)" if universal else "")
+            epoch = (run_state.get("train") or {}).get("epoch")
+            at = f" (epoch {int(epoch)}) from its beginning" if epoch is not None else ""
             logging.getLogger(__name__).warning(
                 "resuming %s, written by %d rank(s), with %d%s: weights, optimizer and loss state "
-                "resume; the data loader restarts the saved epoch", path, saved_world, world, how)
+                "resume; the data loader restarts the saved epoch%s", path, saved_world, world, how,
+                at)
         self.last_good = path
         self._saved_step = int(run_state.get("train", {}).get("step", -1))
         return rank_state is not None
@@ -327,7 +332,7 @@ class Checkpointer:
                 previous = checkpoints.earlier_checkpoint(final)
                 error = CheckpointError(
                     f"checkpoint at step {step} could not be written to {tmp} "
-                    f"({type(error).__name__}: {error}); the previous checkpoint "
+                    f"({_reason(error)}); the previous checkpoint "
                     f"({previous or 'none'}) is intact{self._fix(error)}")
             try:
                 dist_utils.raise_on_any_rank(error, CheckpointError)
@@ -348,14 +353,7 @@ class Checkpointer:
             error = err
         agree(error)
 
-        try:
-            self.engine.save_checkpoint(str(tmp), tag="engine", save_latest=False)
-        except (OSError, RuntimeError) as err:
-            if dist_utils.get_world_size() > 1:
-                # DeepSpeed's save holds collectives of its own: a rank that failed inside it
-                # cannot meet the others in agree(), so it stops as DeepSpeed left it.
-                raise
-            agree(err)
+        agree(self._save_engine(tmp))
         weights = full_fp32_state_dict(self.engine)  # collective under ZeRO 1-3
         run_state = {key: obj.state_dict() for key, obj in self.run_states.items()}
         if self.param_layout is not None:
@@ -387,22 +385,118 @@ class Checkpointer:
         dist_utils.barrier()
         return final
 
+    def _save_engine(self, tmp: Path) -> BaseException | None:
+        """The engine's own files into ``tmp`` (``engine.save_checkpoint``): the error of a write
+        that failed on this rank, for every rank to agree on, or None.
+
+        The torch engine's save is rank 0's write alone (``save_has_collectives`` false), so a
+        failed write meets the other ranks in the agreement that follows. DeepSpeed's save holds
+        collectives: a barrier and the tag check before its writes, a barrier after them. Its
+        writes go through ``engine.checkpoint_engine.save``; one that fails is kept here and the
+        save goes on (this rank's later writes are left out), so that this rank still meets the
+        others at DeepSpeed's closing barrier. An ``OSError`` raised once this rank's writes began
+        (rank 0's copy of DeepSpeed's recovery script) leaves that barrier alone to meet, which
+        this rank then does. Anything else, or a DeepSpeed without ``checkpoint_engine``, is
+        raised as it is: a rank that fails before DeepSpeed's own collectives cannot tell where
+        the others wait."""
+        engine = self.engine
+
+        def save() -> None:
+            engine.save_checkpoint(str(tmp), tag="engine", save_latest=False)
+
+        if dist_utils.get_world_size() == 1 or not getattr(engine, "save_has_collectives", True):
+            try:
+                save()
+            except (OSError, RuntimeError) as err:  # torch.save: a RuntimeError without errno
+                return err
+            return None
+        writer = getattr(engine, "checkpoint_engine", None)
+        write = getattr(writer, "save", None)
+        if not callable(write):
+            save()
+            return None
+        failed: list[BaseException] = []
+        began: list[str] = []
+
+        def guarded(state_dict, path, *args, **kwargs):
+            began.append(str(path))
+            if failed:  # this rank's part of the checkpoint is lost already
+                return None
+            try:
+                return write(state_dict, path, *args, **kwargs)
+            except (OSError, RuntimeError) as err:
+                failed.append(err)
+                return None
+
+        own = "save" in getattr(writer, "__dict__", {})  # else the class's method
+        writer.save = guarded
+        try:
+            save()
+        except OSError as err:
+            if not began:
+                raise
+            failed.append(err)
+            dist_utils.barrier()  # the one DeepSpeed's save ends with, where the others wait
+        finally:
+            if own:
+                writer.save = write
+            else:
+                del writer.save
+        return failed[0] if failed else None
+
     def _fix(self, error: BaseException) -> str:
         """What to do about a write that failed with ``error``: a full disk is the common case
-        (torch.save reports it as a RuntimeError without an errno, hence the free-space check)."""
-        full = isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
-        if not full:
+        (torch.save reports it as a RuntimeError without an errno, hence the free-space check),
+        then a read-only file system, a process file-size limit (``ulimit -f``; torch.save's
+        error names no errno either) and missing permissions."""
+        code = error.errno if isinstance(error, OSError) else None
+        full = code in (errno.ENOSPC, errno.EDQUOT)
+        if not full and code not in (errno.EROFS, errno.EFBIG, errno.EACCES, errno.EPERM):
             try:
                 full = checkpoints.free_bytes(self.root) < self.expected_bytes
             except OSError:
                 pass
+        again = "then resume with train.resume=latest"
         if full:
             return (f"; the disk holding {self.root} is full: free space there, keep fewer "
                     f"checkpoints (checkpoint.keep={self.keep}), or point output_dir at a "
-                    "larger disk, then resume with train.resume=latest")
+                    f"larger disk, {again}")
+        if code == errno.EROFS:
+            return (f"; {self.root} is on a read-only file system: make it writable (remount it "
+                    f"read-write) or point output_dir at a writable disk, {again}")
+        limit = file_size_limit()
+        if code == errno.EFBIG or (code is None and limit is not None
+                                   and (not self.expected_bytes or limit < self.expected_bytes)):
+            said = f" ({limit / 1e6:.1f} MB)" if limit is not None else ""
+            return (f"; a file larger than this process's file-size limit{said} was refused: "
+                    "raise the limit (`ulimit -f unlimited` in the shell or job script that "
+                    f"starts the run; one checkpoint needs about {self.expected_bytes / 1e9:.2f} "
+                    f"GB), {again}")
         if isinstance(error, PermissionError):
-            return f"; make {self.root} writable, or point output_dir elsewhere"
+            return f"; make {self.root} writable, or point output_dir elsewhere, {again}"
         return ""
+
+
+def _reason(error: BaseException) -> str:
+    """Why a write failed, in one line: an OSError's words and file without the ``[Errno N]``
+    prefix, anything else with its type."""
+    if isinstance(error, OSError) and error.strerror:
+        where = f": {error.filename!r}" if error.filename else ""
+        return f"{error.strerror}{where}"
+    first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
+def file_size_limit() -> int | None:
+    """This process's file-size limit in bytes (``ulimit -f``, ``RLIMIT_FSIZE``'s soft limit), or
+    None when there is none (or the platform has no such limit)."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    except (ImportError, AttributeError, OSError, ValueError):
+        return None
+    return None if soft == resource.RLIM_INFINITY or soft < 0 else int(soft)
 
 
 UNIVERSAL = "universal"

@@ -25,6 +25,7 @@ step.
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import logging
@@ -49,6 +50,7 @@ from vlcontrast.data.gpu_decode import GpuDecodeTransform, check_gpu_decode
 from vlcontrast.data.transforms import split_normalization, splits_normalization
 from vlcontrast.distill import Distiller
 from vlcontrast.errors import ConfigError
+from vlcontrast.outputs import fix_for
 from vlcontrast.losses import LOSSES, build_loss
 from vlcontrast.losses.registry import loss_option_defaults
 from vlcontrast.models import build_model
@@ -202,8 +204,8 @@ def _train(config: RunConfig, stop: StopSignal, env) -> dict[str, Any]:
                                     total_steps, state.step)
         if note:
             logger.warning(note)
-    if resumed is False:  # another world size: start the saved epoch afresh
-        data.start_epoch(state.epoch)
+    if resumed is False:  # another world size: start the saved epoch afresh (the next one
+        data.start_epoch(state.epoch)  # when the state was saved at an epoch's end)
     log = _step_logger(config, env, total_steps, precision, resumed_at=state.step,
                        model_config=bundle.model_config)
     if resumed is not None:
@@ -234,7 +236,9 @@ def _train(config: RunConfig, stop: StopSignal, env) -> dict[str, Any]:
             # Counted as applied until the ledger is read (a skipped update changed nothing on
             # the device: the losses and the towers' copy were conditioned on its flag).
             ledger.record(state.step + 1, outcome)
-            state.advance(global_batch, epoch=data.epoch)
+            # The epoch the next step reads from: a state saved at an epoch's end resumes at
+            # the next epoch on any world size (start_epoch below).
+            state.advance(global_batch, epoch=data.next_epoch)
             log.count(global_batch, state.step)
             clamp_logit_scale(engine)
             if momentum is not None:
@@ -477,18 +481,41 @@ def _build_engine(model, config: RunConfig, total_steps: int, env, load_universa
                                      micro_batch_size=config.data.batch_size,
                                      total_steps=total_steps, world_size=env.world_size,
                                      load_universal=load_universal)
-    checkpoint_bytes = ckpt.checkpoint_bytes(num_parameters(engine.module))
+    parameters = num_parameters(engine.module)
+    checkpoint_bytes = ckpt.checkpoint_bytes(parameters)
     error = None
-    if env.rank == 0:
+    if env.rank == 0:  # the process that writes model.pt
+        error = _file_size_limit_error(4 * parameters)
+    if env.rank == 0 and error is None:
         run_dir = Path(config.output_dir)
         if ds_config is not None:  # DeepSpeed's engine (train.engine)
             (run_dir / "deepspeed.json").write_text(json.dumps(ds_config, indent=2))
+        where = f"output_dir={config.output_dir!r}"
         try:
-            ckpt.check_free_space(run_dir, checkpoint_bytes, f"output_dir={config.output_dir!r}")
-        except OSError as err:
-            error = ConfigError(str(err))
+            ckpt.check_free_space(run_dir, checkpoint_bytes, where)
+        except OSError as err:  # one line: the words without "[Errno 28]", then the fix
+            if err.errno == errno.ENOSPC:  # check_free_space's own words name output_dir
+                error = ConfigError(f"{err.strerror}; free space on that disk, or point "
+                                    "output_dir at a larger one")
+            else:
+                error = ConfigError(f"{where}: its free space cannot be read "
+                                    f"({err.strerror or err}); {fix_for(err)}")
     dist_utils.raise_on_any_rank(error, ConfigError)
     return engine, checkpoint_bytes
+
+
+def _file_size_limit_error(weights_bytes: int) -> ConfigError | None:
+    """A process file-size limit (``ulimit -f``) below the fp32 weights file every checkpoint
+    holds (``model.pt``) would fail the first checkpoint after its training: one line now."""
+    from vlcontrast.train.checkpoint import file_size_limit
+
+    limit = file_size_limit()
+    if limit is None or limit >= weights_bytes:
+        return None
+    return ConfigError(f"this process may write files of at most {limit / 1e6:.1f} MB (its "
+                       f"file-size limit, `ulimit -f`), and every checkpoint holds a "
+                       f"{weights_bytes / 1e6:.1f} MB weights file (model.pt); raise the limit "
+                       "(`ulimit -f unlimited` in the shell or job script that starts the run)")
 
 
 def _step_logger(config: RunConfig, env, total_steps: int, precision: Precision, resumed_at: int,

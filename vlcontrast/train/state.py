@@ -17,10 +17,13 @@ class TrainState:
     samples_seen: int = 0
     """Training pairs consumed by applied steps, over all ranks."""
     epoch: int = 0
-    """The loader's epoch at the last save (the loader's own state holds the exact position)."""
+    """The data epoch the next step reads from: the last step's, or the one after it when that
+    step read its epoch's last batch. A resume with another world size, whose per-rank loader
+    positions do not apply, starts this epoch from its beginning, so a state saved at an epoch's
+    end resumes at the next epoch (the loader's own state holds the exact position)."""
 
     def advance(self, global_batch: int, epoch: int) -> None:
-        """One applied step of ``global_batch`` samples; the data stream is now in ``epoch``."""
+        """One applied step of ``global_batch`` samples; the next step reads from ``epoch``."""
         self.step += 1
         self.samples_seen += global_batch
         self.epoch = epoch

@@ -45,6 +45,10 @@ class TorchEngine:
     gradients' global norm limit (0: none); ``autocast``: run the forward under bf16 autocast.
     """
 
+    save_has_collectives = False
+    """:meth:`save_checkpoint` is rank 0's file write alone: a rank whose write failed meets the
+    others in the checkpointer's agreement (DeepSpeed's save holds barriers of its own)."""
+
     reduces_last_micro_batch = True
     """Only the boundary micro-batch's backward reduces (DDP): GradCache puts the gradients of
     parameters outside the towers' forward (temperature, bias, projection) on that pass."""
