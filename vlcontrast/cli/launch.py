@@ -161,18 +161,25 @@ def unfinished_resume(train_arguments: list[str], started: float | None) -> Path
 
 
 def resume_words(train_arguments: list[str], started: float | None = None) -> str:
-    """What ``train.resume=latest`` would continue from, as the end of a line. A launch (begun at
-    ``started``) that failed before it had resumed is not sent back to the checkpoint it was
-    reading: that one is named as perhaps damaged, with the one before it."""
+    """What ``train.resume=latest`` would continue from, as the end of a line: the checkpoint
+    :func:`vlcontrast.checkpoints.find_resume` picks (``checkpoints/latest``, else the newest
+    complete ``step_*``, looked into newest first up to the first complete one), so the words
+    name the checkpoint a resume reads. A launch (begun at ``started``) that failed before it had
+    resumed is not sent back to the checkpoint it was reading: that one is named as perhaps
+    damaged, with the one before it."""
     from vlcontrast import checkpoints
+    from vlcontrast.errors import ConfigError
 
     root = checkpoints_folder(train_arguments)
     if root is None:
         return "train.resume=latest continues from the last checkpoint written, if any"
     try:
-        complete, every = checkpoints.complete_checkpoints(root)
-        found = checkpoints.latest_checkpoint(root) or (complete[-1] if complete else None)
         tried = unfinished_resume(train_arguments, started)
+        try:  # its warning (a fallback) is the resume's to give, not this line's
+            found = checkpoints.find_resume(checkpoints.LATEST, root.parent, warn=False)
+        except ConfigError:  # checkpoint folders, none complete: a resume refuses them
+            found = None
+        every = [] if found is not None else checkpoints.complete_checkpoints(root)[1]
     except OSError:
         return "train.resume=latest continues from the last checkpoint written, if any"
     if tried is not None:

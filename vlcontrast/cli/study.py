@@ -27,12 +27,15 @@ def register(sub) -> None:
                             "measured GPU step times, cost_model)")
     study.add_argument("--list-cells", action="store_true",
                        help="print the names of the cells that can run now (a SLURM array's list)")
-    study.add_argument("--cell", nargs="+", default=[], metavar="CELL",
-                       help="run these cells only (skipped when finished): one array task's work")
-    study.add_argument("--rerun", nargs="+", default=[], metavar="CELL",
+    # action="extend": each of these may be given more than once and adds to the list (argparse's
+    # plain "store" kept the last one, so --cell a --cell b ran b alone without a word).
+    study.add_argument("--cell", nargs="+", action="extend", default=[], metavar="CELL",
+                       help="run these cells only (skipped when finished): one array task's "
+                            "work (repeatable: --cell a --cell b runs both)")
+    study.add_argument("--rerun", nargs="+", action="extend", default=[], metavar="CELL",
                        help="v2 studies: train these finished cells again (scratch directory) "
                             "and compare with their committed results bit for bit")
-    study.add_argument("--sync-docs", nargs="+", default=[], metavar="PAGE",
+    study.add_argument("--sync-docs", nargs="+", action="extend", default=[], metavar="PAGE",
                        help="v2 studies: after the report, rewrite the generated blocks "
                             "(findings, recommendation) of these markdown pages from the cells")
     study.add_argument("overrides", nargs="*")
@@ -83,7 +86,8 @@ def run_study_command(args) -> int:
         check_data(config, folder)
     if args.cell:
         try:
-            cells = [engine.find_cell(config, name) for name in args.cell]
+            # a cell named twice runs once, in the order first named
+            cells = [engine.find_cell(config, name) for name in dict.fromkeys(args.cell)]
         except ValueError as err:
             raise ConfigError(str(err)) from None
         failed = 0
@@ -104,7 +108,7 @@ def run_study_command(args) -> int:
             raise ConfigError("--rerun applies to staged studies (a config with datasets:); "
                               f"{args.config} is a grid study")
         try:
-            return rerun_cells(config, args.rerun)
+            return rerun_cells(config, list(dict.fromkeys(args.rerun)))
         except ValueError as err:
             raise ConfigError(str(err)) from None
     stage = "report" if args.report_only else args.stage

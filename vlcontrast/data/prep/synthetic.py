@@ -18,6 +18,12 @@ square" / "a blue square to the right of a small red circle").
 
 Every sample is a pure function of ``(seed, split, index)``, so the output is byte-identical for a
 seed whatever the number of worker processes. See ``docs/data.md``.
+
+Ctrl-C (SIGINT, to the process or its group) stops the worker processes (they ignore it; the
+parent terminates them, as :mod:`.writer` does), removes what the shards not yet finished left
+(their ``.tmp``, a shard renamed without its whole stats) and raises ``KeyboardInterrupt``, which
+the command line ends as one line, exit 130. ``synthetic.json`` is not written, so the folder is
+not taken for a finished world; running the command again writes it whole.
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ import math
 import multiprocessing
 import os
 import random
+import signal
 import tarfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,8 +51,9 @@ from vlcontrast.errors import DataPrepError
 
 from ..naming import make_key, shard_name
 from ..shards import build_manifest, write_manifest, write_sizes
-from .writer import (SPLITS, SYNTHETIC_FILE, ZEROSHOT_LISTS, earlier_prep, prepare_layout,
-                     refuse_unrecorded, remove_earlier_prep, remove_files, zeroshot_files)
+from .writer import (SPLITS, SYNTHETIC_FILE, ZEROSHOT_LISTS, _no_interrupts, earlier_prep,
+                     prepare_layout, refuse_unrecorded, remove_earlier_prep, remove_files,
+                     zeroshot_files)
 
 SHAPES = ("circle", "crescent", "cross", "diamond", "heart", "hexagon", "ring", "square", "star",
           "triangle")
@@ -615,6 +624,39 @@ def _run_job(job: tuple) -> dict[str, Any]:
     return _write_zeroshot_class(job) if job[0] == "zeroshot" else _write_shard(job)
 
 
+def _run_numbered(numbered: tuple[int, tuple]) -> tuple[int, dict[str, Any]]:
+    """``_run_job`` with the job's number, so the parent knows which jobs finished."""
+    number, job = numbered
+    return number, _run_job(job)
+
+
+def _ignore_interrupts() -> None:
+    """Pool worker: leave Ctrl-C to the parent, which stops the pool (a worker that died of the
+    SIGINT lost its job, and the pool waited for it for good)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _remove_unfinished(jobs: list[tuple]) -> None:
+    """After an interrupt: what the shard jobs the parent did not see finish left. The ``.tmp`` of
+    an unfinished shard goes, and so does a shard a stopped worker renamed but whose
+    ``NNNNN_stats.json`` it had not written whole (a shard without stats is no prep's to a re-run,
+    which would refuse it); a shard whose stats were written (its worker's last act) is whole and
+    stays. So every shard on disk is whole and has its stats."""
+    for job in jobs:
+        if job[0] == "zeroshot":  # (a re-run empties the class folders before writing them)
+            continue
+        directory, name = Path(job[1]), shard_name(job[2])
+        (directory / (name + ".tmp")).unlink(missing_ok=True)
+        stats = directory / f"{job[2]:05d}_stats.json"
+        try:
+            finished = json.loads(stats.read_text()).get("count") == job[4]
+        except (OSError, ValueError, AttributeError):
+            finished = False
+        if not (finished and (directory / name).is_file()):
+            (directory / name).unlink(missing_ok=True)
+            stats.unlink(missing_ok=True)
+
+
 def _read_record(out_dir: str | os.PathLike) -> dict[str, Any] | None:
     """``out_dir``'s ``synthetic.json``, or None."""
     try:
@@ -724,20 +766,48 @@ def write_synthetic(out_dir: str | os.PathLike, *, train: int = 20_000, val: int
         from vlcontrast.progress import Progress  # a bar on a terminal, plain lines in a log
 
         bar = Progress(total=total_images, unit="img", desc=f"synthetic -> {out}")
-    if workers == 1:
-        results = map(_run_job, jobs)
-        pool = None
-    else:
-        # fork: workers only need PIL/numpy and start instantly; spawn would re-import torch.
-        method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-        pool = multiprocessing.get_context(method).Pool(workers)
-        results = pool.imap_unordered(_run_job, jobs)
+    pool = None
+    unfinished = dict(enumerate(jobs))
     try:
-        for result in results:
+        if workers == 1:
+            results = map(_run_numbered, enumerate(jobs))
+        else:
+            # fork: workers only need PIL/numpy and start instantly; spawn would re-import torch.
+            method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+            # Workers ignore Ctrl-C from their start on (a forked one inherits it before its
+            # initializer runs); the parent stops them (vlcontrast.data.prep.writer does the same).
+            main = threading.current_thread() is threading.main_thread()
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+            try:
+                pool = multiprocessing.get_context(method).Pool(workers,
+                                                                initializer=_ignore_interrupts)
+            finally:
+                if main:
+                    signal.signal(signal.SIGINT, previous)
+            results = pool.imap_unordered(_run_numbered, enumerate(jobs))
+        for number, result in results:
+            del unfinished[number]
             if result["split"] in captions:
                 captions[result["split"]].update(result["captions"])
             if bar is not None:
                 bar.update(result["count"])
+    except KeyboardInterrupt:
+        # Ctrl-C: stop the workers (no waiting for every shard), then remove what the jobs not
+        # seen finishing left; the command line says it in one line (exit 130). synthetic.json
+        # is not written, so the folder is never taken for a finished world; a re-run rewrites it.
+        with _no_interrupts():
+            if pool is not None:
+                pool.terminate()
+                pool.join()
+                pool = None
+            _remove_unfinished(list(unfinished.values()))
+        raise
+    except BaseException:  # an error: stop the workers instead of waiting for every shard
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+            pool = None
+        raise
     finally:
         if pool is not None:
             pool.close()
