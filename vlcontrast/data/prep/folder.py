@@ -5,7 +5,8 @@ order (hidden files and folders, and OUT itself, are left out). The caption of e
 ``--caption-from``:
 
 ``sidecar`` (default)
-    a file beside the image with the same stem: ``cat.txt`` (the caption) or ``cat.json``
+    a file beside the image with the same stem: ``cat.txt`` (one caption, its line breaks made
+    spaces) or ``cat.json``
     (``"caption"``/``"text"``: one caption; ``"captions"``: a list), also ``cat.jpg.txt``. Several
     captions go into the sample's ``.json`` as ``captions`` (train with
     ``data.caption_key=json:captions`` to draw one per epoch); ``.txt`` holds the first.
@@ -22,8 +23,10 @@ order (hidden files and folders, and OUT itself, are left out). The caption of e
     ``{path}`` = every folder under DIR). See :func:`clean_name` for the cleaning rule.
 
 ``--val-fraction F`` holds out about a fraction F of the images, chosen per file by
-:func:`~.writer.held_out` (a hash of the image's path under DIR: the same on every machine and for any
-file order), and writes two shard sets, ``OUT/train`` and ``OUT/val``.
+:func:`~.writer.held_out` (a hash of the image's path under the deepest folder holding all the
+images, :func:`~.writer.split_paths`, which is DIR unless every image lies in one sub-folder: the
+same on every machine, for any file order, and for ``prep csv`` on a table of the same images),
+and writes two shard sets, ``OUT/train`` and ``OUT/val``.
 
 Images are re-encoded by :func:`~.writer.encode_image` (shorter side to ``--image-size``, alpha on
 white); unreadable images, missing, empty or non-UTF-8 captions are skipped and counted.
@@ -43,7 +46,7 @@ from vlcontrast.errors import DataPrepError
 
 from .writer import (DEFAULT_IMAGE_SIZE, DEFAULT_QUALITY, MAX_IMAGE_PIXELS, ShardJob, Skip,
                      check_image_options, check_val_fraction, encode_image, fingerprint,
-                     prepare_layout, prepare_out, split_items, write_shards)
+                     one_line, prepare_layout, prepare_out, split_items, write_shards)
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 CAPTION_SOURCES = ("sidecar", "class", "name")
@@ -218,9 +221,9 @@ def sidecar_captions(path: Path) -> tuple[list[str] | str, str]:
                 held = f"{candidate.name}'s {found}" if found else candidate.name
                 return "missing_caption", (f"{held} holds {json.dumps(value)[:40]}, not text or "
                                            f"a list of texts; {read}")
-            captions = [v.strip() for v in value if isinstance(v, str) and v.strip()]
-        else:
-            captions = [text.strip()] if text.strip() else []
+            captions = [one_line(v) for v in value if isinstance(v, str) and v.strip()]
+        else:  # the whole file is one caption, on one line
+            captions = [one_line(text)] if text.strip() else []
         return (captions or "empty_caption"), ""
     return "missing_caption", ""
 

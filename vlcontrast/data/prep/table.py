@@ -6,7 +6,8 @@ table's folder) or http(s) URLs.
 
 * Local paths: images are read and re-encoded (:func:`~.writer.encode_image`) by the shared
   writer. Rows naming the same image are merged: its captions go into the sample's ``.json`` as
-  ``captions`` (COCO-style tables with five rows per image), ``.txt`` holds the first.
+  ``captions`` (COCO-style tables with five rows per image), ``.txt`` holds the first. A cell
+  is one caption: its line breaks and runs of whitespace become one space.
 * URLs: the rows are handed to img2dataset through ``prep cc3m``'s path (a URL list -> shards),
   with its resume and statistics.
 
@@ -32,7 +33,7 @@ from vlcontrast.errors import DataPrepError
 
 from .writer import (DEFAULT_IMAGE_SIZE, DEFAULT_QUALITY, MAX_EXAMPLES, MAX_IMAGE_PIXELS,
                      REPORT_FILE, ShardJob, Skip, check_image_options, check_val_fraction,
-                     encode_image, fingerprint, prepare_layout, prepare_out, split_items,
+                     encode_image, fingerprint, one_line, prepare_layout, prepare_out, split_items,
                      write_shards)
 
 DEFAULT_SHARD_SIZE = 1000
@@ -71,7 +72,7 @@ def _cell(value: Any) -> list[str]:
         return []
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in _cell(v)]
-    return [str(value).strip()]
+    return [one_line(str(value))]
 
 
 class _Skips:
@@ -135,7 +136,7 @@ def _read_csv(path: Path, image_key: str, caption_key: str, sep: str, skip: _Ski
                 if not cells or all(not c.strip() for c in cells):
                     continue
                 image = cells[image_col].strip() if image_col < len(cells) else ""
-                caption = cells[caption_col].strip() if caption_col < len(cells) else ""
+                caption = one_line(cells[caption_col]) if caption_col < len(cells) else ""
                 if not image:
                     skip("missing_image", line)
                 elif not caption:
@@ -248,7 +249,9 @@ def prepare_table(table: str | os.PathLike, out: str | os.PathLike, *, image_key
                   url_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Convert a CSV/TSV of images and captions into shards in ``out``; returns the report, or
     ``{"train": report, "val": report}`` with ``val_fraction`` (local paths only: each image is
-    held out by the hash of its path as written in the table, the rule of ``prep folder``)."""
+    held out by the hash of its path under the folder holding all the table's images, the rule
+    of ``prep folder``: :func:`~.writer.split_paths`). Each caption cell is one caption, its line
+    breaks and runs of whitespace made one space (:func:`~.writer.one_line`)."""
     command = "prep csv"
     path = Path(table)
     check_val_fraction(val_fraction, command)
@@ -289,8 +292,8 @@ def prepare_table(table: str | os.PathLike, out: str | os.PathLike, *, image_key
                   encode_quality=encode_quality, shard_size=shard_size, workers=workers,
                   overwrite=overwrite, progress=progress, command=command)
     if val_fraction > 0:
-        written = {line: image for line, image, _ in rows}  # as the table spells it
-        parts = split_items(items, lambda item: written[item[2]], val_fraction, command)
+        # each image's path under the images' common folder: prep folder's rule
+        parts = split_items(items, lambda item: item[0], val_fraction, command)
         # The rows the reader skipped are reported once, with the training split.
         return {name: _write_table_shards(path, Path(out) / name, part, rows, settings,
                                           skipped if name == "train" else {},

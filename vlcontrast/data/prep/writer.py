@@ -687,6 +687,13 @@ class _no_interrupts:
             signal.signal(signal.SIGINT, self.previous)
 
 
+def one_line(caption: str) -> str:
+    """A caption as the converters write it: one line, each run of whitespace (line breaks
+    included) made one space. A shard's ``.txt`` holds one caption per line, the rule training and
+    evaluation both read it by, so a caption must not span lines."""
+    return " ".join(caption.split())
+
+
 def hash_fraction(relative_path: str) -> float:
     """A number in [0, 1) from the SHA-256 of a path (``/``-separated)."""
     digest = hashlib.sha256(relative_path.replace(os.sep, "/").encode()).digest()
@@ -704,13 +711,28 @@ def check_val_fraction(val_fraction: float, command: str) -> None:
                             "(e.g. 0.1 holds out about 10% of the images)")
 
 
+def split_paths(paths: list[str]) -> list[str]:
+    """Each image path relative to the deepest folder holding all of them, ``/``-separated: what
+    ``--val-fraction`` hashes. ``my imgs/food/a.png`` and ``my imgs/toys/b.png`` give
+    ``food/a.png`` and ``toys/b.png``, whether written so, absolute, or relative to ``my imgs``
+    (``prep folder "my imgs"``, a table in ``my imgs`` or above it): the same files are held out."""
+    parts = [os.path.normpath(p).replace(os.sep, "/").split("/") for p in paths]
+    common = min((len(p) - 1 for p in parts), default=0)
+    for depth in range(common):
+        if len({p[depth] for p in parts}) > 1:
+            common = depth
+            break
+    return ["/".join(p[common:]) for p in parts]
+
+
 def split_items(items: list, path_of: Callable[[Any], str], val_fraction: float,
                 command: str) -> dict[str, list]:
-    """``{"train": [...], "val": [...]}`` by :func:`held_out` of each item's path; a one-line
-    error when either side would be empty."""
+    """``{"train": [...], "val": [...]}`` by :func:`held_out` of each item's path under the
+    images' common folder (:func:`split_paths`); a one-line error when either side would be
+    empty."""
     parts: dict[str, list] = {"train": [], "val": []}
-    for item in items:
-        parts["val" if held_out(path_of(item), val_fraction) else "train"].append(item)
+    for item, path in zip(items, split_paths([path_of(item) for item in items])):
+        parts["val" if held_out(path, val_fraction) else "train"].append(item)
     empty = [name for name, part in parts.items() if not part]
     if empty:
         raise DataPrepError(f"{command}: --val-fraction={val_fraction} leaves the {empty[0]} "
