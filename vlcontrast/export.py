@@ -155,7 +155,8 @@ def _write_transformers(checkpoint, out_dir, what: str) -> dict:
     (out / "processor_config.json").write_text(json.dumps({"processor_class": "CLIPProcessor"},
                                                           indent=2) + "\n")
     readme = out / "README.md"
-    readme.write_text(_readme_transformers(bundle.model_name, folder))
+    readme.write_text(_readme_transformers(bundle.model_name, folder,
+                                           config["text_config"]["max_position_embeddings"]))
     return {"checkpoint": str(folder), "model_name": bundle.model_name,
             "config": str(out / mapping.CONFIG_FILE), "weights": str(weights),
             "readme": str(readme)}
@@ -276,7 +277,7 @@ Weights: `{WEIGHTS_NAME}` (safetensors). CLIP_benchmark: `--model local-dir:THIS
 {ALPHA_NOTE}"""
 
 
-def _readme_transformers(model_name: str, folder: Path) -> str:
+def _readme_transformers(model_name: str, folder: Path, context: int) -> str:
     return f"""# {model_name} (transformers CLIPModel)
 
 Exported by vlcontrast from `{folder}`.
@@ -288,7 +289,41 @@ print(classify("photo.jpg", candidate_labels=["a cat", "a dog"]))
 ```
 
 `CLIPModel.from_pretrained` and `CLIPProcessor.from_pretrained` load it as well. Weights:
-`model.safetensors`; the processor resizes the shortest side, centre-crops and normalises as
-open_clip's evaluation transform does; the tokenizer is open_clip's CLIP BPE.
+`model.safetensors`.
+
+## How close to vlcontrast
+
+The network is the same: given the same pixels and token ids, it gives vlcontrast's embeddings
+to float tolerance. The inputs can differ:
+
+- **Pixels.** The processor resizes the shortest side (bicubic), centre-crops and normalises as
+  open_clip's evaluation transform does, but rounds the crop offset down where vlcontrast rounds
+  it to nearest: when the resized long side minus the crop size is 3 mod 4 the crop is one pixel
+  off, which moves a small model's embedding noticeably. transformers' default (torchvision)
+  backend also resizes slightly differently; `backend="pil"` resizes as vlcontrast does:
+  `CLIPProcessor.from_pretrained("THIS_DIRECTORY", backend="pil")`, or
+  `pipeline(..., image_processor=AutoImageProcessor.from_pretrained("THIS_DIRECTORY",
+  backend="pil"))`. For the same pixels, feed vlcontrast's `preprocess` output as `pixel_values`.
+- **Text.** open_clip fixes text with ftfy and unescapes HTML entities (`&amp;`) before its
+  BPE; this tokenizer does neither, so such text gets other ids. Clean it first:
+  `open_clip.tokenizer.basic_clean(text)`.
+- **Long labels.** The tokenizer truncates at the model's context ({context} tokens) only when
+  asked (`truncation=True`); the zero-shot pipeline does not ask, and a prompt longer than the
+  context fails with `Sequence length must be less than max_position_embeddings`. Shorten the
+  labels, or classify with the model directly:
+
+```python
+import torch
+from PIL import Image
+from transformers import CLIPModel, CLIPProcessor
+model = CLIPModel.from_pretrained("THIS_DIRECTORY").eval()
+processor = CLIPProcessor.from_pretrained("THIS_DIRECTORY", backend="pil")
+labels = ["a cat", "a dog"]
+inputs = processor(text=[f"a photo of {{label}}." for label in labels],
+                   images=Image.open("photo.jpg"), padding=True, truncation=True,
+                   return_tensors="pt")
+with torch.no_grad():
+    print(model(**inputs).logits_per_image.softmax(-1))
+```
 
 {ALPHA_NOTE}"""

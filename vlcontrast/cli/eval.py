@@ -11,10 +11,14 @@ import os
 from vlcontrast.cli.environment import add_max_image_pixels, check_counts, prepare_environment
 from vlcontrast.errors import ConfigError
 
+CHECKPOINT_HELP = ("run directory (its latest checkpoint), checkpoint directory, `vlcontrast "
+                   "export` directory or transformers CLIPModel directory")
+
 
 def register(sub) -> None:
     ev = sub.add_parser("eval", help="evaluate a checkpoint")
-    ev_sub = ev.add_subparsers(dest="what", required=True)
+    # Not required=True: argparse would say "required: what"; bare_eval names the choices.
+    ev_sub = ev.add_subparsers(dest="what", metavar="{retrieval,zeroshot,compare}")
 
     def add_run_options(p):
         p.add_argument("--batch-size", type=int, default=256)
@@ -27,7 +31,7 @@ def register(sub) -> None:
 
     for name in ("retrieval", "zeroshot"):
         p = ev_sub.add_parser(name, help=f"{name} of one checkpoint; writes a JSON record")
-        p.add_argument("--checkpoint", required=True, help="run directory (its latest) or checkpoint dir")
+        p.add_argument("--checkpoint", required=True, help=CHECKPOINT_HELP)
         p.add_argument("--data", required=True, help="retrieval shards (dir, spec, comma list)"
                        if name == "retrieval" else "ImageNet val dir, ImageFolder or "
                        "CLIP_benchmark webdataset dir")
@@ -66,7 +70,15 @@ def register(sub) -> None:
                          help="replace an earlier comparison at --out whole (the new one is "
                          "built beside it and moves in only when complete)")
     add_run_options(compare)
-    ev.set_defaults(func=run_eval)
+    for parser in ev_sub.choices.values():
+        parser.set_defaults(func=run_eval)
+
+    def bare_eval(args) -> int:
+        names = ", ".join(ev_sub.choices)
+        ev.error(f"choose a subcommand: {names}; `vlcontrast eval SUBCOMMAND --help` "
+                 "describes one")
+
+    ev.set_defaults(func=bare_eval)
 
 
 def run_eval(args) -> int:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from vlcontrast.cli.environment import add_max_image_pixels, check_counts, prepare_environment
+from vlcontrast.cli.eval import CHECKPOINT_HELP
 from vlcontrast.errors import ConfigError
 
 
@@ -19,8 +20,7 @@ def register(sub) -> None:
         "classify", help="zero-shot classify your own images among labels you name")
     classify_cmd.add_argument("images", nargs="+", help="image files or folders (searched "
                               "recursively for .png .jpg .jpeg .webp .bmp .gif)")
-    classify_cmd.add_argument("--checkpoint", required=True, help="run directory (its latest "
-                              "checkpoint), checkpoint directory or `vlcontrast export` directory")
+    classify_cmd.add_argument("--checkpoint", required=True, help=CHECKPOINT_HELP)
     classify_cmd.add_argument("--labels", default=None, help="comma-separated labels, e.g. "
                               "\"cat,dog,car\"")
     classify_cmd.add_argument("--labels-file", default=None, help="one label per line (instead "
@@ -40,8 +40,7 @@ def register(sub) -> None:
     embed_cmd = sub.add_parser(
         "embed", help="L2-normalised embeddings of images or texts -> .npy (+ OUT.ids.txt) or "
         ".parquet")
-    embed_cmd.add_argument("--checkpoint", required=True, help="run directory (its latest "
-                           "checkpoint), checkpoint directory or `vlcontrast export` directory")
+    embed_cmd.add_argument("--checkpoint", required=True, help=CHECKPOINT_HELP)
     source = embed_cmd.add_mutually_exclusive_group(required=True)
     source.add_argument("--images", nargs="+", default=None, help="image files or folders, or "
                         "webdataset shards (a shard folder, brace pattern, glob, .tar files)")

@@ -17,7 +17,9 @@ def register(sub) -> None:
     from vlcontrast.data.prep.cc3m import CC3M_SETTINGS, RESIZE_MODES
 
     prep = sub.add_parser("prep", help="prepare datasets")
-    prep_sub = prep.add_subparsers(dest="what", required=True)
+    # Not required=True: argparse would say "required: what"; bare_prep names the choices.
+    prep_sub = prep.add_subparsers(dest="what",
+                                   metavar="{synthetic,cc3m,folder,csv,wds,check,teacher}")
     synthetic = prep_sub.add_parser("synthetic", help="render the embedded procedural dataset")
     synthetic.add_argument("--out", required=True, help="output directory (train/, val/, zeroshot/)")
     synthetic.add_argument("--train", type=int, default=20_000, help="training samples")
@@ -180,7 +182,15 @@ def register(sub) -> None:
                          "existing OUT is refused before the teacher runs); the new file moves "
                          "in only when complete")
     teacher.add_argument("--no-progress", action="store_true")
-    prep.set_defaults(func=run_prep)
+    for parser in prep_sub.choices.values():
+        parser.set_defaults(func=run_prep)
+
+    def bare_prep(args) -> int:
+        names = ", ".join(prep_sub.choices)
+        prep.error(f"choose a subcommand: {names}; `vlcontrast prep SUBCOMMAND --help` "
+                   "describes one")
+
+    prep.set_defaults(func=bare_prep)
 
 
 def run_prep(args) -> int:

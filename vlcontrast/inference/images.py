@@ -5,6 +5,7 @@ skipped and counted under the training loader's reason names)."""
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -49,7 +50,7 @@ def find_images(inputs: Sequence[str | os.PathLike], what: str = "IMAGES",
         else:
             hint = (f"; it holds webdataset shards ({', '.join(shard_folders[:3])}), which "
                     f"{command} does not read: give image files or folders holding them "
-                    f"(`vlcontrast embed --images {shard_folders[0]}` embeds shards)")
+                    f"(`vlcontrast embed --images {shlex.quote(shard_folders[0])}` embeds shards)")
         raise ConfigError(f"{what}: no images found in {', '.join(map(str, inputs))} (looked for "
                           f"{' '.join(IMAGE_SUFFIXES)}, any case, in sub-folders too){hint}")
     return unique

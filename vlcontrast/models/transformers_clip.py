@@ -34,9 +34,11 @@ pooling its class token after ``ln_post``, and the text tower pooling its end-of
 open_clip takes the position of the largest token id (``argmax``; ``<|endoftext|>`` = 49407 is
 the largest id of the CLIP BPE), transformers the first ``eos_token_id`` = 49407, the same
 position for every text the tokenizer makes. The tokenizer is open_clip's CLIP BPE, written as
-transformers' ``CLIPTokenizer`` (same vocabulary and merges, ids equal up to the padding id);
+transformers' ``CLIPTokenizer`` (same vocabulary and merges; ids equal up to the padding id for
+text open_clip's ftfy and HTML-entity cleaning leaves alone; ``model_max_length`` the context);
 the image processor is open_clip's evaluation transform (resize the shortest side, bicubic,
-centre crop, mean/std).
+centre crop, mean/std) up to the crop offset's rounding. docs/evaluation.md ("How close, and
+when") gives the measured differences.
 
 What does not map is refused with one line naming the part: ResNet and timm image towers,
 Hugging Face text towers, attentional or average pooling, layer scale, custom attention blocks,
@@ -281,7 +283,10 @@ def transformers_config(model_cfg: dict, state: dict[str, torch.Tensor],
 
 
 def image_processor_config(preprocess_cfg: dict, image_size: int) -> dict:
-    """transformers ``CLIPImageProcessor`` settings equal to open_clip's evaluation transform."""
+    """transformers ``CLIPImageProcessor`` settings for open_clip's evaluation transform. It has no
+    setting for the two differences left: it rounds the centre crop's offset down where
+    torchvision rounds to nearest (one pixel off when the resized side minus the crop is 3 mod 4),
+    and its default torchvision backend resizes slightly unlike PIL (``backend="pil"`` does not)."""
     size = _size(preprocess_cfg.get("size", image_size))
     squash = preprocess_cfg.get("resize_mode", "shortest") == "squash"
     return {
@@ -314,7 +319,9 @@ def clip_bpe() -> tuple[dict[str, int], list[tuple[str, str]]]:
 
 
 def clip_tokenizer(context_length: int):
-    """transformers' ``CLIPTokenizer`` over open_clip's CLIP BPE, truncating to ``context_length``.
+    """transformers' ``CLIPTokenizer`` over open_clip's CLIP BPE, whose ``model_max_length`` is
+    ``context_length``: ``truncation=True`` cuts there as open_clip does (without it, as in the
+    zero-shot pipeline, a longer text is not cut and the model refuses it).
 
     It pads with ``<|endoftext|>`` (transformers' convention; open_clip pads with 0): the text
     tower pools the first end-of-text token and attends causally, so padding never reaches it.
