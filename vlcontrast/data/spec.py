@@ -31,6 +31,7 @@ import itertools
 import logging
 import os
 import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -296,7 +297,7 @@ def _directory_hint(directory: str, key: str = "") -> str:
             tables += lower.endswith(TABLE_FILE_EXTENSIONS)
     if images:
         return (f"; it holds images ({images}+ found): convert them with `vlcontrast prep folder "
-                f"{directory} OUT` (captions from .txt/.json sidecars, class folders or file "
+                f"{shlex.quote(str(directory))} OUT` (captions from .txt/.json sidecars, class folders or file "
                 f"names) and {_then(key)}")
     if tables:
         return ("; it holds a table: convert it with `vlcontrast prep csv FILE OUT "

@@ -25,6 +25,7 @@ import csv
 import json
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Any, Iterator
@@ -99,7 +100,7 @@ def read_table(path: Path, image_key: str, caption_key: str, sep: str
         example = f", e.g. {str(tables[0])!r}" if tables else ""
         raise DataPrepError(f"{command}: {str(path)!r} is a folder; {command} takes a CSV/TSV "
                             f"file with a header row{example} (for a folder of images run "
-                            f"`vlcontrast prep folder {path} OUT`)")
+                            f"`vlcontrast prep folder {shlex.quote(str(path))} OUT`)")
     if not path.is_file():
         raise DataPrepError(f"{command}: table {str(path)!r} does not exist")
     kind = table_format(path)
