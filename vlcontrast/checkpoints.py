@@ -351,6 +351,31 @@ def resolve_model_files(path: str | Path, what: str = "--checkpoint") -> Path:
     return found
 
 
+READ_RETRIES = 3
+"""How many times a reader given a run directory resolves its checkpoint again when the one it
+resolved vanished while it read it (a training job's retention, ``checkpoint.keep``, removed it:
+:func:`replaced_while_read`)."""
+
+
+def replaced_while_read(path: str | Path, found: Path) -> bool:
+    """Whether the checkpoint ``found``, which ``path`` resolved to, is gone (or lost its
+    ``model.pt``) and ``path`` named it only through a run's ``latest`` or its newest checkpoint
+    (a run directory or a ``checkpoints/`` folder, not the checkpoint folder itself): a training
+    job writing that run replaced it since, and resolving ``path`` again finds its successor."""
+    if Path(found).resolve() == Path(path).resolve():
+        return False
+    return not (Path(found) / WEIGHTS_FILE).is_file()
+
+
+def replaced_words(path: str | Path, found: Path, what: str, tries: int) -> str:
+    """The one-line error of a reader whose checkpoint of a run directory vanished under it
+    ``tries`` times in a row."""
+    return (f"{what} {str(path)!r}: the checkpoint it named, {Path(found).name}, was deleted while "
+            f"being read ({tries} time(s) in a row): the training job writing that run replaced it "
+            "with a newer one (checkpoint.keep); read it again, or name a checkpoint that training "
+            "keeps (a copy, or one kept by a larger checkpoint.keep)")
+
+
 def latest_checkpoint(root: Path) -> Path | None:
     """The complete checkpoint ``root/latest`` names (``root`` is a ``checkpoints/`` directory),
     or None: no fallback (:func:`resolve_checkpoint` has that)."""
@@ -429,6 +454,39 @@ def damaged_fix(path: Path) -> str:
 RESUME_MUST_MATCH = ("model.name", "loss.name")
 """Config keys whose value a resumed run must share with the checkpoint (its weights' shapes, its
 loss's state)."""
+
+PARAMETER_SET_KEYS = ("model.name", "model.lock_image", "model.lock_image_unlocked_groups",
+                      "model.lock_image_freeze_bn_stats", "model.lock_image_features",
+                      "model.lock_text", "model.lock_text_unlocked_layers",
+                      "model.lock_text_freeze_layer_norm", "distill.teacher",
+                      "distill.teacher_features", "distill.kind", "distill.projection",
+                      "optim.weight_decay", "optim.temperature_lr", "deepspeed.zero_stage",
+                      "train.precision")
+"""Config keys that can change the parameters the optimizer trains, or their groups and order
+(what is locked, a distillation projection, the decay and temperature groups, their alignment):
+named when a checkpoint's optimizer state does not fit this run's parameters
+(:func:`parameter_set_changes`)."""
+
+
+def parameter_set_changes(saved: dict[str, Any] | None, current: dict[str, Any]) -> list[str]:
+    """``key: saved value -> this run's`` for each :data:`PARAMETER_SET_KEYS` key whose value in
+    the checkpoint's ``config.yaml`` (``saved``) differs from this run's (``current``)."""
+    if not saved:
+        return []
+    changed = []
+    for key in PARAMETER_SET_KEYS:
+        was, now = _value(saved, key), _value(current, key)
+        if was is not None and was != now:
+            changed.append(f"{key}={_yaml_word(was)} there, {_yaml_word(now)} now")
+    return changed
+
+
+def _yaml_word(value: Any) -> str:
+    """A config value as it is written on the command line (``true``, ``0.1``, ``''``)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value) if isinstance(value, str) and not value else str(value)
+
 
 _ZERO_FORMATS = {0: "ZeRO 0", 1: "ZeRO 1-2", 2: "ZeRO 1-2", 3: "ZeRO 3"}
 _PARAMETERS = {"bf16": "bf16", "fp16": "fp16"}  # fp32 and amp_bf16 keep fp32 parameters

@@ -1021,8 +1021,26 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     values = merge_overrides(values, list(overrides or []))
     config = _from_dict(RunConfig, values, "")
     if check:
+        _check_length_overrides(config, list(overrides or []))
         config.check()
     return config
+
+
+def _check_length_overrides(config: RunConfig, overrides: list[str]) -> None:
+    """``train.steps`` and ``train.epochs`` both set, one of them by an override and the other by
+    the config file (a run's ``config.yaml`` resumed with a new length): the one-line error's fix
+    zeroes the one the user did not just set."""
+    train = config.train
+    if not (train.steps and train.epochs):
+        return
+    given = [key for key in ("train.steps", "train.epochs")
+             if any(".".join(parse_override(item)[0]) == key for item in overrides)]
+    if len(given) != 1:
+        return  # both or neither on the command line: TrainConfig.check's error
+    other = "train.epochs" if given[0] == "train.steps" else "train.steps"
+    raise ConfigError(f"train.steps={train.steps!r} and train.epochs={train.epochs!r}: both set "
+                      f"the run's length; set one of them and leave the other 0 (e.g. add "
+                      f"{other}=0 to run {given[0]})")
 
 
 def save_config(config: RunConfig, path: str | os.PathLike) -> None:

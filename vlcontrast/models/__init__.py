@@ -706,10 +706,31 @@ def load_model_from_checkpoint(path: str | Path, device: str | torch.device = "c
 
     ``what`` names the argument in errors. Every form builds the model from an open_clip config
     and loads tensors only (safetensors, or ``torch.load(weights_only=True)``), so a checkpoint
-    and its exports give the same model, transforms and tokenizer."""
+    and its exports give the same model, transforms and tokenizer. A run directory whose
+    checkpoint a training job deletes while it is read (``checkpoint.keep``) is resolved again,
+    up to ``READ_RETRIES`` times, then refused in one line saying so."""
+    from vlcontrast.checkpoints import READ_RETRIES, replaced_while_read, replaced_words
+    from vlcontrast.errors import CheckpointError
+
+    for tries in range(1, READ_RETRIES + 2):
+        folder = resolve_model_files(path, what)
+        try:
+            return _load_model_folder(path, folder, device, what)
+        except (OSError, CheckpointError):
+            # A run directory's checkpoint deleted under the reader by the training job
+            # writing that run (retention): resolved again, a bounded number of times.
+            if not replaced_while_read(path, folder):
+                raise
+            if tries > READ_RETRIES:
+                raise CheckpointError(replaced_words(path, folder, what, tries)) from None
+    raise AssertionError("unreachable")
+
+
+def _load_model_folder(path: str | Path, folder: Path, device: str | torch.device,
+                       what: str) -> ModelBundle:
+    """:func:`load_model_from_checkpoint` of the model folder ``path`` resolved to."""
     import open_clip
 
-    folder = resolve_model_files(path, what)
     state = None
     if is_transformers_clip(folder):
         from vlcontrast.models.transformers_clip import load_transformers_clip

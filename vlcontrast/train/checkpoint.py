@@ -275,12 +275,84 @@ class Checkpointer:
             epoch = (run_state.get("train") or {}).get("epoch")
             at = f" (epoch {int(epoch)}) from its beginning" if epoch is not None else ""
             logging.getLogger(__name__).warning(
-                "resuming %s, written by %d rank(s), with %d%s: weights, optimizer and loss state "
-                "resume; the data loader restarts the saved epoch%s", path, saved_world, world, how,
-                at)
+                "resuming %s, written by %d rank(s), with %d%s%s: weights, optimizer and loss "
+                "state resume; the data loader restarts the saved epoch%s", path, saved_world,
+                world, how, self._batch_change(path, saved_world, world), at)
+        if dist_utils.get_rank() == 0:
+            self._warn_sample_state(path, rank_state)
         self.last_good = path
         self._saved_step = int(run_state.get("train", {}).get("step", -1))
         return rank_state is not None
+
+    def _batch_change(self, path: Path, saved_world: int, world: int) -> str:
+        """``; the global batch changes from 32 to 16 samples a step (...)`` for a resume with
+        another world size, read from the checkpoint's config.yaml and this run's; '' when the
+        global batch stays (or is unknown)."""
+        import yaml
+
+        try:
+            saved = checkpoints.saved_config(path) or {}
+        except Exception:  # checked in the preflight already; a warning adds nothing here
+            return ""
+        now = yaml.safe_load(self.config_yaml or "") or {}
+        if not isinstance(saved, dict) or not isinstance(now, dict):
+            return ""
+
+        def batch(config: dict, ranks: int) -> tuple[int, int, int] | None:
+            size = (config.get("data") or {}).get("batch_size")
+            accum = (config.get("train") or {}).get("accum_steps") or 1
+            if not isinstance(size, int) or not isinstance(accum, int):
+                return None
+            return size * ranks * accum, size, accum
+
+        was, new = batch(saved, saved_world), batch(now, world)
+        if was is None or new is None or was[0] == new[0]:
+            return ""
+        lr = (now.get("optim") or {}).get("lr")
+        keep = (f"; to keep {was[0]}, set data.batch_size={was[0] // (world * new[2])}"
+                if was[0] % (world * new[2]) == 0 else "")
+        return (f"; the global batch changes from {was[0]} (data.batch_size={was[1]} x "
+                f"{saved_world} rank(s) x train.accum_steps={was[2]}) to {new[0]} "
+                f"(data.batch_size={new[1]} x {world} x train.accum_steps={new[2]}) samples a "
+                f"step, and optim.lr={lr} is not rescaled{keep}")
+
+    def _warn_sample_state(self, path: Path, rank_state: dict[str, Any] | None) -> None:
+        """A loss with per-sample state indexed by sample id (decl, sogclr, fastclip individual)
+        resumed on other training shards (their digest, in the loader's saved state, differs
+        from this run's): the ids now name other samples, so the resumed state belongs to
+        the samples the checkpoint trained on. A warning: an id space of another size is refused
+        when the loss state loads."""
+        import logging
+
+        loss = self.run_states.get("loss")
+        data = self.rank_states.get("data")
+        if not getattr(loss, "needs_sample_ids", False) or data is None:
+            return
+        saved = (rank_state or {}).get("data")
+        if saved is None:
+            try:
+                saved = load_file(path / "rank_00000.pt").get("data")
+            except Exception:  # a lost file: the resume said so, or the world size changed
+                return
+        try:
+            was = (saved.get("ranks", [saved])[0] if isinstance(saved, dict) else {}
+                   ).get("shards_digest")
+            now = data.state_dict().get("shards_digest")
+        except Exception:
+            return
+        if not was or not now or was == now:
+            return
+        config = checkpoints.saved_config(path) or {}
+        saved_train = (config.get("data") or {}).get("train")
+        trained = f" (data.train={saved_train!r})" if saved_train else ""
+        logging.getLogger(__name__).warning(
+            "resuming %s: its training shards%s are not this run's (shard list digest %s, now "
+            "%s), and loss %r keeps per-sample state indexed by sample id, which follows the "
+            "id, not the sample: a sample these shards give an id that named another sample "
+            "there inherits that sample's state; resume with the data it trained on, or start "
+            "a new run from its weights "
+            "(model.pretrained=%s)", path, trained, was, now,
+            getattr(loss, "name", type(loss).__name__), path)
 
     def _check_layout(self, run_state: dict[str, Any], path: Path) -> None:
         if self.param_layout is None:
@@ -296,6 +368,22 @@ class Checkpointer:
                 "with the vlcontrast that wrote it, or start a new run from it "
                 "(model.pretrained=CHECKPOINT_DIR)")
         if [list(group) for group in saved] != self.param_layout:
+            import yaml
+
+            try:
+                now = yaml.safe_load(self.config_yaml or "") or {}
+                changed = checkpoints.parameter_set_changes(checkpoints.saved_config(path),
+                                                            now if isinstance(now, dict) else {})
+            except Exception:  # an unreadable config.yaml: the words without the option
+                changed = []
+            if changed:  # the options that changed the parameter set, named (config.yaml's)
+                fixes = " ".join(change.split(" there")[0] for change in changed)
+                raise CheckpointError(
+                    f"{path}: written with other parameters to train ({'; '.join(changed)}), so "
+                    f"its optimizer state does not fit this run's "
+                    f"({_first_difference(saved, self.param_layout)}); resume with {fixes} (its "
+                    f"config.yaml), or start a new run from its weights with "
+                    f"model.pretrained={path}")
             raise CheckpointError(
                 f"{path}: its optimizer state is laid out in another parameter order "
                 f"({_first_difference(saved, self.param_layout)}); resume with the config and "

@@ -64,7 +64,7 @@ from vlcontrast.train.metrics import MetricsLogger
 from vlcontrast.train.optimizer import schedule_change_note, warmup_note
 from vlcontrast.train.momentum import MomentumTowers
 from vlcontrast.train.precision import Precision
-from vlcontrast.train.preflight import preflight
+from vlcontrast.train.preflight import check_something_to_train, preflight
 from vlcontrast.train.report import finish_run
 from vlcontrast.train.state import TrainState
 from vlcontrast.train.step import Attempt, StepLedger, StepOutcome, train_step
@@ -177,6 +177,7 @@ def _train(config: RunConfig, stop: StopSignal, env) -> dict[str, Any]:
                           "towers embeds the images itself; turn the cache off")
     global_batch = config.data.batch_size * env.world_size * config.train.accum_steps
     total_steps = config.train.steps or max(1, math.ceil(config.train.epochs * data.steps_per_epoch))
+    check_something_to_train(resume_from, config.train, total_steps, data.steps_per_epoch)
     note = warmup_note(config.optim, total_steps)
     if note and env.rank == 0:
         logger.warning(note)

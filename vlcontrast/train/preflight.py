@@ -24,9 +24,10 @@ from vlcontrast.outputs import cannot_write
 logger = logging.getLogger(__name__)
 
 
-def check_training_data(data: DataConfig) -> None:
+def check_training_data(data: DataConfig, reads_val: bool = True) -> None:
     """``data.train`` is set; ``data.train``/``data.val`` parse as shard specs and name no folder
-    an unfinished ``vlcontrast prep`` run is still writing; the first few samples of the training
+    an unfinished ``vlcontrast prep`` run is still writing (``data.val`` only when ``reads_val``:
+    retrieval evaluates it, neither ``eval.retrieval=none`` nor other shards); the first few samples of the training
     shards have members matching ``data.image_key`` and ``data.caption_key`` (a look at the
     first local shard, no more: ``vlcontrast prep check`` reads them all)."""
     import os
@@ -40,7 +41,7 @@ def check_training_data(data: DataConfig) -> None:
         raise ConfigError("data.train='': set the training shards "
                           "(e.g. data/synthetic/train/{00000..00019}.tar)")
     train_urls: list[str] = []
-    for key, spec in (("data.train", data.train), ("data.val", data.val)):
+    for key, spec in (("data.train", data.train), ("data.val", data.val if reads_val else "")):
         if not spec:
             continue
         check_not_a_run_folder(key, spec)
@@ -132,6 +133,21 @@ def check_model_name(model) -> None:
     if model.pretrained and Path(model.pretrained).is_file():
         check_weights_header(Path(model.pretrained), "model.pretrained")
     check_pretrained(model)  # a mistyped path or a tag the model lacks: names and headers only
+
+
+def warn_folder_model_random(model, resume: Path | None) -> None:
+    """A fresh run with ``model.name`` a folder (an export, a run, a checkpoint, a transformers
+    ``CLIPModel``) and no ``model.pretrained``: the folder gives the model's architecture only
+    (docs/training.md, ``model.pretrained``: "Empty: random weights"), so training starts from
+    random weights, which a user who named a trained model's folder may not expect; one warning
+    (rank 0) naming the option that loads its weights."""
+    if resume is not None or model.pretrained or not model.name or not Path(model.name).is_dir():
+        return
+    if dist_utils.get_rank() == 0:
+        logger.warning("model.name=%s: a folder, which gives the model's architecture only; "
+                       "model.pretrained is empty, so training starts from random weights (to "
+                       "start from the folder's weights, add model.pretrained=%s)",
+                       model.name, model.name)
 
 
 def check_distill_paths(distill) -> None:
@@ -308,11 +324,13 @@ def preflight(config: RunConfig, evaluator=None) -> Path | None:
     :class:`~vlcontrast.train.evaluate.Evaluator` (one is made from ``config`` when omitted)."""
     from vlcontrast.train.evaluate import Evaluator
 
-    check_training_data(config.data)
-    check_model_name(config.model)
-    check_distill_paths(config.distill)
     if evaluator is None:
         evaluator = Evaluator(config.eval, val_shards=config.data.val)
+    # data.val is read by retrieval alone (eval.retrieval unset, not none): else unchecked
+    check_training_data(config.data, reads_val=evaluator.retrieval_key == "data.val"
+                        and bool(evaluator.retrieval_shards))
+    check_model_name(config.model)
+    check_distill_paths(config.distill)
     evaluator.check()
     cap_eval_batch_size(evaluator)
     check_workers(config.data)
@@ -328,19 +346,52 @@ def preflight(config: RunConfig, evaluator=None) -> Path | None:
     resume = find_resume(config.train.resume, Path(config.output_dir),
                          warn=dist_utils.get_rank() == 0)
     check_resume_config(resume, config.train.resume, to_dict(config))
+    check_something_to_train(resume, config.train)  # train.epochs: once the data is counted
+    warn_folder_model_random(config.model, resume)
     check_stop_after_resume(resume, config.train.stop_at_step)
     return resume
+
+
+def resumed_step(resume: Path | None) -> int | None:
+    """The step of the checkpoint ``resume`` (its ``step_XXXXXXXX`` name), or None."""
+    if resume is None or not resume.name.startswith("step_"):
+        return None
+    try:
+        return int(resume.name.removeprefix("step_"))
+    except ValueError:
+        return None
+
+
+def check_something_to_train(resume: Path | None, train_config, total_steps: int = 0,
+                             steps_per_epoch: int = 0) -> None:
+    """A resume lies at or before the run's end: a checkpoint past ``train.steps`` (or the steps
+    ``train.epochs`` make, ``total_steps``) has nothing left to train, and resuming it would
+    still rewrite the run's ``config.yaml`` and append another evaluation at the same step.
+    Refused in one line before anything is written (at the end itself a resume only finishes:
+    a job stopped after its last checkpoint writes its results)."""
+    step = resumed_step(resume)
+    total = total_steps or train_config.steps
+    if step is None or total <= 0 or step <= total:
+        return
+    if train_config.steps:
+        asked = f"train.steps={train_config.steps}"
+        fix = f"give train.steps above {step} to train on"
+    else:
+        asked = (f"train.epochs={train_config.epochs:g} ({total} steps at {steps_per_epoch} "
+                 "an epoch)")
+        fix = (f"give more train.epochs (above {step / max(steps_per_epoch, 1):.3g}) or train.steps "
+               f"above {step} (with train.epochs=0) to train on")
+    raise ConfigError(f"train.resume={train_config.resume!r}: {resume} is at step {step} already, "
+                      f"past the {asked} this run asks for: nothing to train; {fix}, or evaluate "
+                      f"it with vlcontrast eval --checkpoint {resume}")
 
 
 def check_stop_after_resume(resume: Path | None, stop_at_step: int) -> None:
     """``train.stop_at_step`` lies after the step of the checkpoint resumed from (its
     ``step_XXXXXXXX`` name); at or before it the run would train one more step and stop there,
     under a step the user did not ask for."""
-    if resume is None or stop_at_step <= 0 or not resume.name.startswith("step_"):
-        return
-    try:
-        step = int(resume.name.removeprefix("step_"))
-    except ValueError:
+    step = resumed_step(resume)
+    if step is None or stop_at_step <= 0:
         return
     if stop_at_step <= step:
         raise ConfigError(f"train.stop_at_step={stop_at_step}: the run resumes from {resume}, at "
