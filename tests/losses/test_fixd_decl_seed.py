@@ -2,7 +2,8 @@
 
 The ``u_mode=sample`` draws of step ``t`` seed a generator with ``seed * 1000003 + t``: above
 ``2**64 - 1`` torch refused that number with an "Overflow when unpacking long long" traceback at
-the first training step, and a negative one it silently took as ``2**64`` plus it.
+the first training step. Negative seeds (which earlier runs may have used) stay accepted down to
+``-2**43``: torch takes their numbers as ``2**64`` plus them, above every non-negative seed's.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from vlcontrast.errors import ConfigError, LossOptionError
 from vlcontrast.losses import build_loss
 
 BASE = ["train.steps=2", "output_dir=runs/fixd", "loss.name=decl", "loss.u_mode=sample"]
-SEED_RANGE = (0, 2**43 - 1)  # vlcontrast.losses.decl.SEED_RANGE, written out
-REFUSED = [2**63, 2**64, 2**70, -1, -2**63, 2**43, 10**13]
+SEED_RANGE = (-2**43, 2**43 - 1)  # vlcontrast.losses.decl.SEED_RANGE, written out
+REFUSED = [2**63, 2**64, 2**70, -2**43 - 1, -2**63, 2**43, 10**13]
 
 
 @pytest.mark.parametrize("seed", REFUSED)
@@ -26,18 +27,18 @@ def test_a_seed_out_of_range_is_one_config_line(seed):
         load_config(None, BASE + [f"loss.seed={seed}"])
     message = str(caught.value)
     assert "\n" not in message
-    assert message.startswith(f"loss.seed={seed}: must be an integer in [0, 2**43 - 1 = "
+    assert message.startswith(f"loss.seed={seed}: must be an integer in [-2**43, 2**43 - 1 = "
                               f"{2**43 - 1}]")
     assert "set loss.seed" in message
 
 
 @pytest.mark.parametrize("seed", REFUSED)
 def test_the_loss_itself_refuses_it(seed):
-    with pytest.raises(LossOptionError, match=rf"^decl: seed={seed}: must be an integer in \[0, "):
+    with pytest.raises(LossOptionError, match=rf"^decl: seed={seed}: must be an integer in \[-2\*\*43, "):
         build_loss("decl", seed=seed, u_mode="sample", id_space=8)
 
 
-@pytest.mark.parametrize("seed", [SEED_RANGE[0], 1, SEED_RANGE[1]])
+@pytest.mark.parametrize("seed", [SEED_RANGE[0], -1, 0, 1, SEED_RANGE[1]])
 def test_every_seed_in_range_draws_at_any_step(seed):
     assert load_config(None, BASE + [f"loss.seed={seed}"]).loss.options["seed"] == seed
     loss_fn = build_loss("decl", seed=seed, u_mode="sample", id_space=8)
@@ -62,3 +63,14 @@ def test_the_written_out_range_is_the_loss_s():
     from vlcontrast.losses import decl
 
     assert decl.SEED_RANGE == SEED_RANGE
+
+
+def test_a_negative_seed_draws_noise_of_its_own():
+    """-1 (accepted for runs that used it) draws neither seed 0's nor seed 1's noise."""
+    image, text = references.random_pairs(6, 4)
+    losses = []
+    for seed in (-1, 0, 1):
+        loss_fn = build_loss("decl", seed=seed, u_mode="sample", estimator="batch",
+                             schedule="loss1")
+        losses.append(loss_fn(image, text, 10.0, step=1)["loss"])
+    assert not torch.equal(losses[0], losses[1]) and not torch.equal(losses[0], losses[2])

@@ -36,6 +36,10 @@ def test_a_run_shorter_than_an_epoch_is_judged_at_its_last_step(synthetic_data, 
     assert "undecodable_image" in error and "data.max_bad_fraction=5.0%" in error
     assert "\n" not in error
     assert not (tmp_path / "run" / "results.json").exists()
+    # nothing trained is lost: the steps before the stop are saved and named in the line
+    saved = tmp_path / "run" / "checkpoints" / "step_00000003"
+    assert (saved / "model.pt").is_file(), sorted((tmp_path / "run").rglob("*"))
+    assert str(saved) in error and "train.resume=latest" in error
 
 
 @pytest.mark.slow

@@ -59,11 +59,12 @@ ESTIMATORS, U_MODES, SCHEDULES = get_args(Estimator), get_args(UMode), get_args(
 SEED_STRIDE = 1_000_003
 """The ``u_mode=sample`` draws of step ``t`` come from a generator seeded
 ``seed * SEED_STRIDE + t``."""
-SEED_RANGE = (0, 2**43 - 1)
-"""``seed``'s range: ``seed * SEED_STRIDE + t`` stays a 64-bit generator seed in ``[0, 2**63)`` for
-every step ``t`` below ``4e17``. Beyond it ``torch``'s ``manual_seed`` refuses the number with a
-traceback (above ``2**64 - 1``) or wraps it (a negative seed is taken as ``2**64`` plus it, so two
-seeds draw the same noise)."""
+SEED_RANGE = (-2**43, 2**43 - 1)
+"""``seed``'s range: ``seed * SEED_STRIDE + t`` stays within what ``torch``'s ``manual_seed`` takes
+(``[-2**63, 2**64 - 1]``) for every step ``t`` below ``4e17``; beyond it the number is refused with
+a traceback. A non-negative seed's numbers stay in ``[0, 2**63)`` and a negative seed's are taken
+by torch as ``2**64`` plus them, in ``[2**63, 2**64)``: no two seeds of the range share a
+generator seed (negative seeds are kept for runs that used them)."""
 DRAWS_KEY = "unstepped_draws"
 """``state_dict`` key (``u_mode=sample``) of the number of forwards made without ``step=``, whose
 draws are seeded by that count instead of the step."""
@@ -71,7 +72,7 @@ draws are seeded by that count instead of the step."""
 
 def seed_range_rule() -> str:
     """Why a ``seed`` outside :data:`SEED_RANGE` is refused, in one clause."""
-    return (f"must be an integer in [0, 2**43 - 1 = {SEED_RANGE[1]}] (the u_mode=sample draws of "
+    return (f"must be an integer in [-2**43, 2**43 - 1 = {SEED_RANGE[1]}] (the u_mode=sample draws of "
             f"step t seed a 64-bit generator with seed * {SEED_STRIDE} + t)")
 
 

@@ -49,7 +49,7 @@ from vlcontrast.data.sources import check_batch_fits, check_ids_available
 from vlcontrast.data.gpu_decode import GpuDecodeTransform, check_gpu_decode
 from vlcontrast.data.transforms import split_normalization, splits_normalization
 from vlcontrast.distill import Distiller
-from vlcontrast.errors import ConfigError
+from vlcontrast.errors import ConfigError, LoaderError
 from vlcontrast.outputs import fix_for
 from vlcontrast.losses import LOSSES, build_loss
 from vlcontrast.losses.registry import loss_option_defaults
@@ -255,8 +255,17 @@ def _train(config: RunConfig, stop: StopSignal, env) -> dict[str, Any]:
             last, signalled = _settle(ledger, engine, state, guard, log, global_batch)
             summed = (None if outcome.data_counts is None
                       else outcome.data_counts.tolist())  # settled: the step's values are there
-            bad = (None if summed is None else
-                   data.check_rate(summed, step=state.step, final=state.step >= total_steps))
+            try:
+                bad = (None if summed is None else
+                       data.check_rate(summed, step=state.step, final=state.step >= total_steps))
+            except LoaderError as error:
+                # Every rank raises here at the same step (the sums are the same everywhere), so
+                # the checkpoint's collectives line up: the steps trained so far are kept, and a
+                # resume after the data (or data.max_bad_fraction) is fixed loses none of them.
+                checkpointer.maybe_save(state.step, force=True)
+                raise LoaderError(f"{error}; the steps trained so far are in "
+                                  f"{checkpointer.last_good} (train.resume=latest continues "
+                                  "once the data is fixed)") from error
             if last.skipped is None:
                 if log.should_log(state.step):
                     log.record(state.step, state=state, engine=engine, result=outcome.result,
