@@ -39,7 +39,7 @@ from vlcontrast.errors import DataPrepError, VlcontrastError
 
 from ..naming import key_stride, shard_name
 from ..shards import MANIFEST_FILE, SIZES_FILE, build_manifest, write_manifest, write_sizes
-from .writer import prepare_layout, remove_earlier_prep
+from .writer import prepare_layout, remove_earlier_prep, resolve_inputs
 
 CC3M_SETTINGS: dict[str, Any] = {
     "image_size": 256,
@@ -387,7 +387,8 @@ def prepare_cc3m(tsv: str | os.PathLike, out_dir: str | os.PathLike, *,
                  user_agent_token: str | None = CC3M_SETTINGS["user_agent_token"],
                  disallowed_header_directives: list[str] | None = None,
                  incremental: bool = True, command: str = "prep cc3m",
-                 manifest_extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                 manifest_extra: dict[str, Any] | None = None,
+                 inputs: list[str | os.PathLike] | None = None) -> dict[str, Any]:
     """Download a CC3M TSV into webdataset shards in ``out_dir``; returns the manifest plus run info.
 
     ``processes``/``threads``: img2dataset download processes and threads per process.
@@ -397,7 +398,8 @@ def prepare_cc3m(tsv: str | os.PathLike, out_dir: str | os.PathLike, *,
     The returned dict is ``manifest.json`` plus ``shards_done_before`` (finished shards found at
     start), ``shards_written`` (finished in this call), ``incomplete_shards`` and ``seconds``.
     ``command`` names the caller in messages; ``manifest_extra`` adds manifest fields (its
-    ``source`` replaces ``"img2dataset"``).
+    ``source`` replaces ``"img2dataset"``). ``inputs``: more files this run reads (``prep csv``'s
+    table); neither they nor ``tsv`` are ever removed (an overwrite that would is refused).
 
     Raises :class:`DownloadInterrupted` on Ctrl-C/SIGTERM (no manifest written, the earlier one
     put back) and :class:`DownloadFailed` when the shards of this run got under
@@ -426,10 +428,12 @@ def prepare_cc3m(tsv: str | os.PathLike, out_dir: str | os.PathLike, *,
     # An earlier prep's shards in another layout (OUT/train, OUT/val) are refused, or removed
     # with --overwrite, which also removes what a prep wrote in OUT (its recorded shards and
     # metadata; shard files no prep recorded are refused), before the download cache is made.
-    prepare_layout(out, split=False, overwrite=not incremental, command=command)
+    protected = resolve_inputs([tsv, *(inputs or [])]) if not incremental else frozenset()
+    prepare_layout(out, split=False, overwrite=not incremental, command=command,
+                   inputs=protected)
     out.mkdir(parents=True, exist_ok=True)
     if not incremental:
-        remove_earlier_prep(out, command, target=True)
+        remove_earlier_prep(out, command, target=True, inputs=protected)
     source = _convert_to_parquet(tsv, layout, out / "_input")
     done_before = set(_finished_shards(out))
     options = dict(

@@ -46,7 +46,8 @@ from vlcontrast.errors import DataPrepError
 
 from .writer import (DEFAULT_IMAGE_SIZE, DEFAULT_QUALITY, MAX_IMAGE_PIXELS, ShardJob, Skip,
                      check_image_options, check_val_fraction, encode_image, fingerprint,
-                     one_line, prepare_layout, prepare_out, split_items, write_shards)
+                     one_line, prepare_layout, prepare_out, resolve_inputs, split_items,
+                     write_shards)
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 CAPTION_SOURCES = ("sidecar", "class", "name")
@@ -333,7 +334,6 @@ def prepare_folder(root: str | os.PathLike, out: str | os.PathLike, *,
             raise DataPrepError(f"{command}: --caption-template={caption_template!r}: unknown "
                                 f"field {err} (use {{name}}, {{category}}, {{path}})") from None
 
-    prepare_layout(out, split=val_fraction > 0, overwrite=overwrite, command=command)
     images = list_images(root, exclude=Path(out))
     if not images:
         raise DataPrepError(f"{command}: no images ({', '.join(IMAGE_SUFFIXES)}) under "
@@ -376,15 +376,21 @@ def prepare_folder(root: str | os.PathLike, out: str | os.PathLike, *,
             payloads[i] = [caption] if caption else "empty_caption"
 
     items = list(zip(relatives, payloads))
+    parts = split_items(items, lambda item: item[0], val_fraction, command) \
+        if val_fraction > 0 else None
+    # Every input check has passed: only now may --overwrite remove an earlier prep's files
+    # (never an input of this one: the images and DIR).
+    inputs = resolve_inputs([root, *images]) if overwrite else frozenset()
+    prepare_layout(out, split=val_fraction > 0, overwrite=overwrite, command=command,
+                   inputs=inputs)
     write = functools.partial(_write_folder_shards, root, settings=settings,
                               caption_from=caption_from, templates=templates,
                               caption_template=caption_template, strip_author=strip_author,
                               image_size=image_size, resize_mode=resize_mode,
                               encode_quality=encode_quality, shard_size=shard_size,
                               workers=workers, overwrite=overwrite, progress=progress,
-                              command=command)
-    if val_fraction > 0:
-        parts = split_items(items, lambda item: item[0], val_fraction, command)
+                              command=command, inputs=inputs)
+    if parts is not None:
         return {name: write(Path(out) / name, part) for name, part in parts.items()}
     return write(Path(out), items)
 
@@ -393,11 +399,12 @@ def _write_folder_shards(root: Path, out: Path, items: list, *, settings: dict[s
                          caption_from: str, templates: list[str], caption_template: str,
                          strip_author: bool, image_size: int, resize_mode: str,
                          encode_quality: int, shard_size: int, workers: int | None,
-                         overwrite: bool, progress: bool, command: str) -> dict[str, Any]:
+                         overwrite: bool, progress: bool, command: str,
+                         inputs: frozenset[str] = frozenset()) -> dict[str, Any]:
     jobs = [ShardJob(n, items[start:start + shard_size], settings)
             for n, start in enumerate(range(0, len(items), shard_size))]
     digest = fingerprint("folder", settings, items, shard_size)
-    out_path = prepare_out(out, digest, overwrite=overwrite, command=command)
+    out_path = prepare_out(out, digest, overwrite=overwrite, command=command, inputs=inputs)
     extra: dict[str, Any] = {}
     if caption_from == "class":
         extra["classnames"] = [clean_folder(c) for c in settings["classes"]]

@@ -34,8 +34,8 @@ from vlcontrast.errors import DataPrepError
 
 from .writer import (DEFAULT_IMAGE_SIZE, DEFAULT_QUALITY, MAX_EXAMPLES, MAX_IMAGE_PIXELS,
                      REPORT_FILE, ShardJob, Skip, check_image_options, check_val_fraction,
-                     encode_image, fingerprint, one_line, prepare_layout, prepare_out, split_items,
-                     write_shards)
+                     encode_image, fingerprint, one_line, prepare_layout, prepare_out,
+                     resolve_inputs, split_items, write_shards)
 
 DEFAULT_SHARD_SIZE = 1000
 _URL = re.compile(r"^https?://", re.IGNORECASE)
@@ -272,13 +272,13 @@ def prepare_table(table: str | os.PathLike, out: str | os.PathLike, *, image_key
         if val_fraction:
             raise DataPrepError(f"{command}: --val-fraction works on local paths; for URLs, "
                                 "download first (without it), then split the shards' list")
-        prepare_layout(out, split=False, overwrite=overwrite, command=command)
+        if not overwrite:  # --overwrite: prep cc3m removes the earlier files after its checks
+            prepare_layout(out, split=False, overwrite=False, command=command)
         return _prepare_urls(path, out, rows, skipped, image_size=image_size,
                              resize_mode=resize_mode, encode_quality=encode_quality,
                              overwrite=overwrite, examples=examples, image_key=image_key,
                              caption_key=caption_key, **(url_options or {}))
 
-    prepare_layout(out, split=val_fraction > 0, overwrite=overwrite, command=command)
     base = path.resolve().parent
     merged: dict[str, tuple[list[str], int]] = {}
     for line, image, caption in rows:
@@ -292,9 +292,16 @@ def prepare_table(table: str | os.PathLike, out: str | os.PathLike, *, image_key
     common = dict(image_key=image_key, caption_key=caption_key, sep=sep,
                   encode_quality=encode_quality, shard_size=shard_size, workers=workers,
                   overwrite=overwrite, progress=progress, command=command)
-    if val_fraction > 0:
-        # each image's path under the images' common folder: prep folder's rule
-        parts = split_items(items, lambda item: item[0], val_fraction, command)
+    # each image's path under the images' common folder: prep folder's rule
+    parts = split_items(items, lambda item: item[0], val_fraction, command) \
+        if val_fraction > 0 else None
+    # Every input check has passed: only now may --overwrite remove an earlier prep's files
+    # (never an input of this one: the table and its images).
+    inputs = resolve_inputs([path, *merged]) if overwrite else frozenset()
+    prepare_layout(out, split=val_fraction > 0, overwrite=overwrite, command=command,
+                   inputs=inputs)
+    common["inputs"] = inputs
+    if parts is not None:
         # The rows the reader skipped are reported once, with the training split.
         return {name: _write_table_shards(path, Path(out) / name, part, rows, settings,
                                           skipped if name == "train" else {},
@@ -308,12 +315,12 @@ def _write_table_shards(path: Path, out: Path, items: list, rows: list, settings
                         skipped: dict[str, int], examples: dict, *, image_key: str,
                         caption_key: str, sep: str, encode_quality: int, shard_size: int,
                         workers: int | None, overwrite: bool, progress: bool,
-                        command: str) -> dict[str, Any]:
+                        command: str, inputs: frozenset[str] = frozenset()) -> dict[str, Any]:
     image_size, resize_mode = settings["image_size"], settings["resize_mode"]
     jobs = [ShardJob(n, items[start:start + shard_size], settings)
             for n, start in enumerate(range(0, len(items), shard_size))]
     digest = fingerprint("csv", settings, items, shard_size)
-    out_path = prepare_out(out, digest, overwrite=overwrite, command=command)
+    out_path = prepare_out(out, digest, overwrite=overwrite, command=command, inputs=inputs)
     return write_shards(out_path, jobs, _produce, digest=digest, source="csv", workers=workers,
                         progress=progress, inputs=len(items) + sum(skipped.values()),
                         skipped_before=skipped, examples_before=examples,
@@ -348,7 +355,7 @@ def _prepare_urls(path: Path, out: str | os.PathLike, rows: list[tuple[int, str,
     table_rows = len(rows) + sum(skipped.values())
     report = prepare_cc3m(listing, out_path, image_size=image_size, resize_mode=resize_mode,
                           encode_quality=encode_quality, incremental=not overwrite,
-                          command="prep csv",
+                          command="prep csv", inputs=[path],
                           manifest_extra={"source": "csv", "downloader": "img2dataset",
                                           "table": str(path.resolve()), "table_rows": table_rows,
                                           "image_key": image_key, "caption_key": caption_key},

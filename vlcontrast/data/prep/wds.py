@@ -31,7 +31,7 @@ from ..samples import Members, check_member_keys, find_image, inspect_sample, re
 from ..spec import PIPE_PREFIX, expand_spec
 from ..tar_reader import SHARD_EVENTS, read_shard
 from .writer import (ShardEvent, ShardJob, Skip, fingerprint, prepare_layout, prepare_out,
-                     write_shards)
+                     resolve_inputs, write_shards)
 
 PIPE_STRIDE = 100_000
 """Key stride when input shards are ``pipe:`` commands (their sizes are not known beforehand)."""
@@ -103,8 +103,11 @@ def prepare_wds(shards: str, out: str | os.PathLike, *, caption_key: str = "txt"
     stamps = [(u, os.path.getsize(u), os.path.getmtime(u)) if not u.startswith(PIPE_PREFIX)
               else (u,) for u in urls]
     digest = fingerprint("wds", settings, stamps)
-    prepare_layout(out, split=False, overwrite=overwrite, command=command)
-    out_path = prepare_out(out, digest, overwrite=overwrite, command=command)
+    # The input shards may lie in OUT/train or OUT/val (a --val-fraction prep's): --overwrite
+    # would remove them before they are read, so that is refused in one line.
+    inputs = resolve_inputs(local) if overwrite else frozenset()
+    prepare_layout(out, split=False, overwrite=overwrite, command=command, inputs=inputs)
+    out_path = prepare_out(out, digest, overwrite=overwrite, command=command, inputs=inputs)
     return write_shards(out_path, jobs, _produce, digest=digest, source="wds", workers=workers,
                         progress=progress, stride=stride, unit="sample",
                         inputs=sum(c.rows for c in counted) if len(local) == len(urls) else None,

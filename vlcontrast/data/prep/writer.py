@@ -25,7 +25,9 @@ that turns a job into samples. :func:`write_shards` then:
   records name, its metadata), in OUT and in the other layout (``OUT/train`` and ``OUT/val`` of a
   ``--val-fraction`` run, or OUT's own shards for one; :func:`prepare_layout`), and refuses, in
   one line, shard files in the folder it writes that no prep recorded (the user's: they would be
-  read with the new ones).
+  read with the new ones) and any file that is an input of this prep (:func:`resolve_inputs`,
+  :func:`refuse_removing_inputs`). Converters call :func:`prepare_layout` only once every
+  check of their inputs has passed, so a refused run removes nothing.
 
 Images are re-encoded by :func:`encode_image`: like img2dataset's ``keep_ratio`` (the shorter
 side scaled to ``image_size``, aspect kept), transparent images composited on white (as
@@ -272,10 +274,12 @@ def _read_state(out: Path) -> dict[str, Any]:
         return {}
 
 
-def prepare_out(out: str | os.PathLike, digest: str, *, overwrite: bool, command: str) -> Path:
+def prepare_out(out: str | os.PathLike, digest: str, *, overwrite: bool, command: str,
+                inputs: frozenset[str] = frozenset()) -> Path:
     """Create OUT, or check that it holds an earlier run of the same conversion (resume). Call
     before any heavy work: a conflicting directory is an error naming the fix. ``overwrite``
-    removes what an earlier prep wrote there (:func:`remove_earlier_prep`)."""
+    removes what an earlier prep wrote there (:func:`remove_earlier_prep`; ``inputs``, from
+    :func:`resolve_inputs`: a file among them is refused, never removed)."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise DataPrepError(f"{command}: output {str(out)!r} exists and is not a directory")
@@ -283,7 +287,7 @@ def prepare_out(out: str | os.PathLike, digest: str, *, overwrite: bool, command
     state = _read_state(out)
     existing = list_shards(out)
     if overwrite:
-        remove_earlier_prep(out, command, target=True)
+        remove_earlier_prep(out, command, target=True, inputs=inputs)
         return out
     if existing and state.get("fingerprint") != digest:
         raise DataPrepError(
@@ -366,14 +370,17 @@ def earlier_prep(directory: str | os.PathLike) -> EarlierPrep:
 
 
 def remove_earlier_prep(directory: str | os.PathLike, command: str, *, target: bool,
-                        elsewhere: str = "another OUT") -> EarlierPrep:
+                        elsewhere: str = "another OUT",
+                        inputs: frozenset[str] = frozenset()) -> EarlierPrep:
     """Remove what an earlier prep wrote in ``directory`` (:func:`earlier_prep`); the user's files
     stay. ``target``: the run writes its shards there, so unrecorded shard files, which would be
     read with the new ones, are refused first (one line, whose fix names ``elsewhere``, the
-    other place to write to), before anything is removed."""
+    other place to write to), before anything is removed; so is a file among ``inputs`` (this
+    prep's inputs, :func:`resolve_inputs`: :func:`refuse_removing_inputs`)."""
     found = earlier_prep(directory)
     if target:
         refuse_unrecorded(directory, found, command, elsewhere)
+    refuse_removing_inputs(found.files, inputs, command, elsewhere)
     for path in found.files:
         path.unlink(missing_ok=True)
     return found
@@ -391,6 +398,29 @@ def refuse_unrecorded(directory: str | os.PathLike, found: EarlierPrep, command:
             f"_prep_state.json or NNNNN_stats.json names {them}), which would be read with the "
             f"new shards, and prep removes only what a prep wrote: move {them} out of the folder "
             f"or choose {elsewhere}")
+
+
+def resolve_inputs(paths: Iterable[str | os.PathLike]) -> frozenset[str]:
+    """The real paths (:func:`os.path.realpath`, links followed) of a prep's inputs (its input
+    files and folders; ``pipe:`` commands are not paths and are left out): what
+    :func:`refuse_removing_inputs` protects."""
+    return frozenset(os.path.realpath(p) for p in paths if not str(p).startswith("pipe:"))
+
+
+def refuse_removing_inputs(paths: Iterable[Path], inputs: frozenset[str], command: str,
+                           elsewhere: str = "another OUT") -> None:
+    """One line when a file ``--overwrite`` would remove (``paths``) is one of this prep's
+    ``inputs`` (:func:`resolve_inputs`): e.g. ``prep wds 'OUT/train/00000.tar' OUT --overwrite``
+    would delete the shards it is about to read. Call before anything is removed. (A folder is
+    removed only when it is left empty (:func:`remove_files`), so never one holding an input.)"""
+    if not inputs:
+        return
+    for path in paths:
+        if os.path.realpath(path) in inputs:
+            raise DataPrepError(
+                f"{command}: --overwrite would remove {str(path)!r}, an input of this prep (an "
+                "earlier prep wrote it where this one writes); nothing was removed: choose "
+                f"{elsewhere}, or move the input out of it first")
 
 
 SYNTHETIC_FILE = "synthetic.json"
@@ -445,7 +475,7 @@ def remove_files(paths: Iterable[Path], root: Path) -> None:
 
 def prepare_layout(out: str | os.PathLike, *, split: bool, overwrite: bool, command: str,
                    fix: str | None = None, elsewhere: str = "another OUT",
-                   synthetic: bool = True) -> None:
+                   synthetic: bool = True, inputs: frozenset[str] = frozenset()) -> None:
     """Before a converter writes ``out`` (``split``: its shard sets ``out/train`` and ``out/val``):
     the earlier preps' files there that the new layout would leave beside its own.
 
@@ -456,7 +486,12 @@ def prepare_layout(out: str | os.PathLike, *, split: bool, overwrite: bool, comm
     --overwrite ..."); with it they are removed (:func:`remove_earlier_prep`, the user's files
     stay; a folder left empty goes). The folders written (``out``, or ``out/train`` and
     ``out/val``) are checked for unrecorded shards now, so that a refusal comes before the first
-    shard is written; :func:`prepare_out` then removes what a prep wrote there."""
+    shard is written; :func:`prepare_out` then removes what a prep wrote there.
+
+    Call it after every check of the inputs, just before the first shard is written: with
+    ``overwrite`` it removes files. ``inputs`` (:func:`resolve_inputs`): this prep's inputs; when
+    a file it or :func:`prepare_out` would remove (in either layout) is one of them, the run is
+    refused in one line before anything is removed (:func:`refuse_removing_inputs`)."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise DataPrepError(f"{command}: output {str(out)!r} exists and is not a directory")
@@ -464,10 +499,16 @@ def prepare_layout(out: str | os.PathLike, *, split: bool, overwrite: bool, comm
         return
     targets = [out / name for name in SPLITS] if split else [out]
     others = [out] if split else [out / name for name in SPLITS]
+    found = {other: earlier_prep(other) for other in others}
     if overwrite:
         for target in targets:
-            refuse_unrecorded(target, earlier_prep(target), command, elsewhere)
-    found = {other: earlier_prep(other) for other in others}
+            earlier = earlier_prep(target)
+            refuse_unrecorded(target, earlier, command, elsewhere)
+            refuse_removing_inputs(earlier.files, inputs, command, elsewhere)
+        for prep in found.values():
+            refuse_removing_inputs(prep.files, inputs, command, elsewhere)
+        if synthetic:
+            refuse_removing_inputs(synthetic_files(out), inputs, command, elsewhere)
     held = [other for other, prep in found.items() if prep.shards]
     if held and not overwrite:
         where = ("its own shards (a run without --val-fraction)" if split else
