@@ -33,3 +33,12 @@ def test_prep_csv_of_a_folder_suggests_prep_folder_with_the_path_quoted(image_fo
 def test_a_folder_of_images_given_as_shards_suggests_prep_folder_quoted(image_folder):
     hint = _directory_hint(str(image_folder), "data.train")
     assert _command(hint) == ["vlcontrast", "prep", "folder", str(image_folder), "OUT"]
+
+
+def test_a_run_s_last_line_quotes_the_eval_command_s_path(tmp_path):
+    from vlcontrast.train.report import where_line
+
+    run = tmp_path / "my rün 2"
+    line = where_line(run, None, run / "report.md")
+    command = line.rsplit("(", 1)[1].rstrip(")")
+    assert shlex.split(command)[-2:] == ["--checkpoint", str(run)]

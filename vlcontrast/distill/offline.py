@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,7 @@ def check_shard_ids(shards: str, option: str = "SHARDS") -> int:
     from vlcontrast.data.spec import PIPE_PREFIX, check_spec
 
     urls = check_spec(option, shards)
-    fix = (f"re-key them with `vlcontrast prep wds {shards} OUT` (dense numeric ids, the original "
+    fix = (f"re-key them with `vlcontrast prep wds {shlex.quote(str(shards))} OUT` (dense numeric ids, the original "
            "key kept in .json) and run prep teacher, and training, on OUT")
     piped = [url for url in urls if url.startswith(PIPE_PREFIX)]
     if piped:

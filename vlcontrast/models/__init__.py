@@ -26,6 +26,7 @@ import copy
 import json
 import logging
 import math
+import shlex
 import shutil
 import tempfile
 import warnings
@@ -276,7 +277,7 @@ def _transformers_start(folder: str, cfg: dict, name: str) -> tuple[dict, dict]:
     difference = config_difference(derived, cfg)
     if difference:
         raise ConfigError(f"{what} is a transformers CLIPModel whose {difference}; "
-                          f"set model.name={folder} to build its own config")
+                          f"set model.name={shlex.quote(str(folder))} to build its own config")
     return state, preprocess
 
 

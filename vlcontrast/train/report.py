@@ -3,6 +3,7 @@ printed to the terminal."""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -107,4 +108,4 @@ def where_line(run_dir: Path, checkpoint, report: Path) -> str:
     """The last line of a run: where its results, report and final weights are."""
     weights = f"; weights in {checkpoint}" if checkpoint else ""
     return (f"vlcontrast: results in {run_dir / 'results.json'}, report in {report}{weights} "
-            f"(vlcontrast eval ... --checkpoint {run_dir})")
+            f"(vlcontrast eval ... --checkpoint {shlex.quote(str(run_dir))})")
