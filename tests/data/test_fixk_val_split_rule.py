@@ -1,5 +1,6 @@
-"""``prep csv --val-fraction`` holds out the same images as ``prep folder --val-fraction`` on the
-same files, wherever the table sits: paths are hashed under the images' common folder."""
+"""``prep csv --val-fraction --split-root DIR`` holds out the same images as ``prep folder DIR
+--val-fraction`` on the same files, wherever the table sits; without it a table's paths are
+hashed as it spells them, as in earlier versions."""
 
 from __future__ import annotations
 
@@ -44,15 +45,15 @@ def _table(path, paths):
 
 
 @pytest.mark.parametrize("folders", [("food", "toys"), ("food",)])
-def test_prep_csv_above_or_inside_the_image_root_splits_like_prep_folder(tmp_path, folders):
+def test_prep_csv_with_split_root_splits_like_prep_folder_wherever_the_table_sits(tmp_path,
+                                                                                  folders):
     root = tmp_path / "my imgs"
     relatives = _images(root, folders)
     prepare_folder(root, tmp_path / "by_folder", caption_from="name", val_fraction=FRACTION,
                    workers=1, progress=False)
     expected = _held_out_names(tmp_path / "by_folder")
-    # the rule: each path under the deepest folder holding every image
-    under = [r.split("/", 1)[1] for r in relatives] if len(folders) == 1 else relatives
-    assert expected == {r.rsplit("/", 1)[-1] for r in under if held_out(r, FRACTION)}
+    # prep folder's rule: each path under DIR
+    assert expected == {r.rsplit("/", 1)[-1] for r in relatives if held_out(r, FRACTION)}
     assert 0 < len(expected) < len(relatives)
     tables = {"above": (tmp_path / "above.csv", [f"my imgs/{r}" for r in relatives]),
               "inside": (root / "inside.csv", relatives),
@@ -61,14 +62,26 @@ def test_prep_csv_above_or_inside_the_image_root_splits_like_prep_folder(tmp_pat
     for name, (table, paths) in tables.items():
         _table(table, paths)
         out = tmp_path / f"by_{name}"
-        prepare_table(table, out, val_fraction=FRACTION, workers=1, progress=False)
+        prepare_table(table, out, val_fraction=FRACTION, workers=1, progress=False,
+                      split_root=root)
         assert _held_out_names(out) == expected, name
 
 
-def test_split_paths_strips_the_common_folder_only():
-    from vlcontrast.data.prep.writer import split_paths
+def test_prep_csv_without_split_root_hashes_the_paths_as_the_table_spells_them(tmp_path):
+    """The default is unchanged from earlier versions, so a re-run holds out the same files."""
+    root = tmp_path / "my imgs"
+    relatives = _images(root, ("food", "toys"))
+    spelled = [f"my imgs/{r}" for r in relatives]
+    _table(tmp_path / "above.csv", spelled)
+    prepare_table(tmp_path / "above.csv", tmp_path / "out", val_fraction=FRACTION, workers=1,
+                  progress=False)
+    assert _held_out_names(tmp_path / "out") == {
+        p.rsplit("/", 1)[-1] for p in spelled if held_out(p, FRACTION)}
 
-    assert split_paths(["a/b/x.png", "a/c/y.png"]) == ["b/x.png", "c/y.png"]
-    assert split_paths(["/d/my imgs/food/x.png", "/d/my imgs/food/y.png"]) == ["x.png", "y.png"]
-    assert split_paths(["x.png", "sub/y.png"]) == ["x.png", "sub/y.png"]
-    assert split_paths(["a/./b/../b/x.png", "a/b/sub/y.png"]) == ["x.png", "sub/y.png"]
+
+def test_split_path_is_the_path_under_the_named_root():
+    from vlcontrast.data.prep.writer import split_path
+
+    assert split_path("data/./photos/../photos/x.png", "data") == "photos/x.png"
+    assert split_path("/d/my imgs/food/x.png", "/d/my imgs") == "food/x.png"
+    assert split_path("/d/my imgs/food/x.png", "/d") == "my imgs/food/x.png"

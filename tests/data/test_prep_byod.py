@@ -299,8 +299,7 @@ def test_prep_csv_val_fraction_splits_local_images_by_the_folder_rule(tmp_path, 
     out = tmp_path / "out"
     assert cli.main(["prep", "csv", str(tmp_path / "data.csv"), str(out), "--val-fraction",
                      "0.3", "--no-progress", "--workers", "1"]) == 0
-    # hashed under the images' common folder, as prep folder imgs would
-    expected_val = sum(held_out(f"p{i}.jpg", 0.3) for i in range(30))
+    expected_val = sum(held_out(f"imgs/p{i}.jpg", 0.3) for i in range(30))
     assert 0 < expected_val < 30
     # one line per split, naming its report; --json prints the reports instead
     lines = capsys.readouterr().out.strip().splitlines()

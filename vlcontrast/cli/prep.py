@@ -119,6 +119,9 @@ def register(sub) -> None:
     table.add_argument("--val-fraction", type=float, default=0.0,
                        help="local paths: hold out about this fraction of the images (by a hash "
                             "of each path) and write OUT/train and OUT/val")
+    table.add_argument("--split-root", default=None, metavar="DIR",
+                       help="with --val-fraction: hash each image's path under DIR instead of "
+                            "as the table spells it, so the split is prep folder DIR's")
     add_image_options(table, 1000)
     add_writer_options(table)
     rekey = prep_sub.add_parser(
@@ -285,7 +288,8 @@ def _run_converter(args) -> dict:
                                encode_quality=args.encode_quality,
                                shard_size=args.shard_size,
                                max_image_pixels=args.max_image_pixels,
-                               val_fraction=args.val_fraction, **common)
+                               val_fraction=args.val_fraction,
+                               split_root=args.split_root, **common)
     else:
         from vlcontrast.data.prep.wds import prepare_wds
 

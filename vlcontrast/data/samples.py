@@ -7,7 +7,7 @@ and, if not, names the first reason, checked in this order:
 ``missing_image``          no ``.jpg/.jpeg/.png/.webp`` member
 ``missing_caption``        no ``.txt`` member
 ``caption_not_utf8``       the ``.txt`` bytes are not UTF-8
-``empty_caption``          the ``.txt`` is only whitespace (it holds one caption per line)
+``empty_caption``          the ``.txt`` is only whitespace
 ``no_sample_id``           (training, the check) neither ``json["key"]`` nor the tar key is numeric
 ``sample_id_out_of_range`` (training, the check) the id is ``>= id_space``
 ``decompression_bomb``     more pixels than ``max_image_pixels`` (read from the header)
@@ -146,7 +146,7 @@ def _caption_values(members: dict[str, bytes], key: str) -> list[str] | str | No
     except UnicodeDecodeError:
         return "caption_not_utf8"
     if not field and ext.lower() != "json":
-        return text.splitlines()  # a text member holds one caption per line
+        return [text]
     try:
         value: Any = json.loads(text)
     except ValueError:
@@ -164,9 +164,7 @@ def read_caption(members: dict[str, bytes], keys: tuple[str, ...] = (CAPTION_EXT
                  ) -> str | tuple[str, ...]:
     """The stripped caption (a tuple when the keys hold several different ones), or the reason
     it is unusable: ``missing_caption`` (no key present), ``caption_not_utf8``,
-    ``empty_caption`` (only whitespace). A text member (``txt``) holds one caption per line
-    (CLIP_benchmark's convention; ``str.splitlines``, blank lines dropped), the rule retrieval
-    evaluation follows too (:func:`caption_list`); the converters write each caption on one line."""
+    ``empty_caption`` (only whitespace)."""
     found: list[str] = []
     reason = "missing_caption"
     for key in keys:
@@ -182,15 +180,6 @@ def read_caption(members: dict[str, bytes], keys: tuple[str, ...] = (CAPTION_EXT
         return reason
     unique = tuple(dict.fromkeys(found))
     return unique[0] if len(unique) == 1 else unique
-
-
-def caption_list(members: dict[str, bytes], keys: tuple[str, ...] = (CAPTION_EXTENSION,)
-                 ) -> list[str]:
-    """:func:`read_caption` as a list: the captions training draws from, ``[]`` when unusable."""
-    caption = read_caption(members, keys)
-    if isinstance(caption, tuple):
-        return list(caption)
-    return [] if caption in ("missing_caption", "caption_not_utf8", "empty_caption") else [caption]
 
 
 def read_json(members: dict[str, bytes]) -> Any:

@@ -8,8 +8,7 @@ Retrieval data are webdataset tar shards named in the one shard-spec grammar of
 the training loader's own checks (:func:`vlcontrast.data.samples.inspect_sample`), so evaluation
 skips and counts exactly the samples training skips, under the same names. Captions of a usable
 sample, first match wins: a ``captions`` list in its ``.json``; the lines of its ``.txt``
-(CLIP_benchmark writes one caption per line, ``str.splitlines``; training reads a ``.txt`` by the
-same rule, :func:`vlcontrast.data.samples.read_caption`).
+(CLIP_benchmark writes one caption per line, ``str.splitlines``).
 
 Zero-shot data are an ImageNet ``val`` directory (1000 WNID folders -> open_clip's
 ``IMAGENET_CLASSNAMES`` and ``OPENAI_IMAGENET_TEMPLATES``; some of its WNID folders get their
@@ -51,8 +50,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from vlcontrast.data.samples import (DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MEMBERS,  # noqa: F401
-                                     IMAGE_EXTENSIONS, TRAINING_ALPHA, Members, caption_list,
-                                     decode_image, find_image, inspect_sample, read_json,
+                                     IMAGE_EXTENSIONS, TRAINING_ALPHA, Members, decode_image,
+                                     find_image, inspect_sample, read_json,
                                      read_label)
 from vlcontrast.data.shards import read_sizes
 from vlcontrast.data.spec import DEFAULT_SPLIT, expand_spec, holds_shards
@@ -118,18 +117,17 @@ def known_shard_sizes(shards: Sequence[str]) -> list[int] | None:
 
 
 def sample_captions(files: dict[str, bytes]) -> list[str]:
-    """A ``captions`` list in the ``.json``, else the captions of the ``.txt`` (one per line),
-    else the ``.json``'s ``caption``; each read as training reads that member
-    (:func:`~vlcontrast.data.samples.caption_list`: stripped, blank and repeated ones dropped)."""
+    """A ``captions`` list in the ``.json``, else the non-empty lines of the ``.txt``, else the
+    ``.json``'s ``caption``."""
     meta = read_json(files)
     if isinstance(meta, dict) and isinstance(meta.get("captions"), list):
-        captions = caption_list(files, ("json:captions",))
+        captions = [str(c) for c in meta["captions"] if str(c).strip()]
         if captions:
             return captions
     if "txt" in files:
-        return caption_list(files, ("txt",))
+        return [line for line in files["txt"].decode("utf-8").splitlines() if line.strip()]
     if isinstance(meta, dict) and meta.get("caption"):
-        return caption_list(files, ("json:caption",)) or [str(meta["caption"]).strip()]
+        return [str(meta["caption"])]
     return []
 
 

@@ -23,9 +23,9 @@ order (hidden files and folders, and OUT itself, are left out). The caption of e
     ``{path}`` = every folder under DIR). See :func:`clean_name` for the cleaning rule.
 
 ``--val-fraction F`` holds out about a fraction F of the images, chosen per file by
-:func:`~.writer.held_out` (a hash of the image's path under the deepest folder holding all the
-images, :func:`~.writer.split_paths`, which is DIR unless every image lies in one sub-folder: the
-same on every machine, for any file order, and for ``prep csv`` on a table of the same images),
+:func:`~.writer.held_out` (a hash of the image's path under DIR, ``/``-separated: the same on every
+machine and for any file order, and for ``prep csv --split-root DIR`` on a table of the same
+images),
 and writes two shard sets, ``OUT/train`` and ``OUT/val``.
 
 Images are re-encoded by :func:`~.writer.encode_image` (shorter side to ``--image-size``, alpha on

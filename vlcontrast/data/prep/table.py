@@ -35,7 +35,7 @@ from vlcontrast.errors import DataPrepError
 from .writer import (DEFAULT_IMAGE_SIZE, DEFAULT_QUALITY, MAX_EXAMPLES, MAX_IMAGE_PIXELS,
                      REPORT_FILE, ShardJob, Skip, check_image_options, check_val_fraction,
                      encode_image, fingerprint, one_line, prepare_layout, prepare_out,
-                     resolve_inputs, split_items, write_shards)
+                     resolve_inputs, split_items, split_path, write_shards)
 
 DEFAULT_SHARD_SIZE = 1000
 _URL = re.compile(r"^https?://", re.IGNORECASE)
@@ -247,11 +247,13 @@ def prepare_table(table: str | os.PathLike, out: str | os.PathLike, *, image_key
                   encode_quality: int = DEFAULT_QUALITY, shard_size: int = DEFAULT_SHARD_SIZE,
                   max_image_pixels: int = MAX_IMAGE_PIXELS, val_fraction: float = 0.0,
                   workers: int | None = None, overwrite: bool = False, progress: bool = True,
-                  url_options: dict[str, Any] | None = None) -> dict[str, Any]:
+                  url_options: dict[str, Any] | None = None,
+                  split_root: str | os.PathLike | None = None) -> dict[str, Any]:
     """Convert a CSV/TSV of images and captions into shards in ``out``; returns the report, or
     ``{"train": report, "val": report}`` with ``val_fraction`` (local paths only: each image is
-    held out by the hash of its path under the folder holding all the table's images, the rule
-    of ``prep folder``: :func:`~.writer.split_paths`). Each caption cell is one caption, its line
+    held out by the hash of its path as the table spells it, or, with ``split_root``, of its
+    path under that folder: ``prep folder``'s rule with DIR as ``split_root``,
+    :func:`~.writer.split_path`). Each caption cell is one caption, its line
     breaks and runs of whitespace made one space (:func:`~.writer.one_line`)."""
     command = "prep csv"
     path = Path(table)
@@ -292,8 +294,10 @@ def prepare_table(table: str | os.PathLike, out: str | os.PathLike, *, image_key
     common = dict(image_key=image_key, caption_key=caption_key, sep=sep,
                   encode_quality=encode_quality, shard_size=shard_size, workers=workers,
                   overwrite=overwrite, progress=progress, command=command)
-    # each image's path under the images' common folder: prep folder's rule
-    parts = split_items(items, lambda item: item[0], val_fraction, command) \
+    # the path as the table spells it, or under split_root (prep folder's rule with DIR there)
+    spelled = {line: image for line, image, _ in rows}
+    parts = split_items(items, (lambda item: spelled[item[2]]) if split_root is None else
+                        (lambda item: split_path(item[0], split_root)), val_fraction, command) \
         if val_fraction > 0 else None
     # Every input check has passed: only now may --overwrite remove an earlier prep's files
     # (never an input of this one: the table and its images).

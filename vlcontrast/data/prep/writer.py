@@ -752,28 +752,21 @@ def check_val_fraction(val_fraction: float, command: str) -> None:
                             "(e.g. 0.1 holds out about 10% of the images)")
 
 
-def split_paths(paths: list[str]) -> list[str]:
-    """Each image path relative to the deepest folder holding all of them, ``/``-separated: what
-    ``--val-fraction`` hashes. ``my imgs/food/a.png`` and ``my imgs/toys/b.png`` give
-    ``food/a.png`` and ``toys/b.png``, whether written so, absolute, or relative to ``my imgs``
-    (``prep folder "my imgs"``, a table in ``my imgs`` or above it): the same files are held out."""
-    parts = [os.path.normpath(p).replace(os.sep, "/").split("/") for p in paths]
-    common = min((len(p) - 1 for p in parts), default=0)
-    for depth in range(common):
-        if len({p[depth] for p in parts}) > 1:
-            common = depth
-            break
-    return ["/".join(p[common:]) for p in parts]
+def split_path(path: str, root: str | os.PathLike) -> str:
+    """``path`` relative to ``root``, ``/``-separated: what ``--val-fraction`` hashes when a root
+    is given (``prep folder DIR``'s rule, with DIR as the root; ``prep csv --split-root``). A root
+    is named, never worked out from the images, so adding or removing images moves none of the
+    others between the splits."""
+    return os.path.relpath(os.path.abspath(path), os.path.abspath(root)).replace(os.sep, "/")
 
 
 def split_items(items: list, path_of: Callable[[Any], str], val_fraction: float,
                 command: str) -> dict[str, list]:
-    """``{"train": [...], "val": [...]}`` by :func:`held_out` of each item's path under the
-    images' common folder (:func:`split_paths`); a one-line error when either side would be
-    empty."""
+    """``{"train": [...], "val": [...]}`` by :func:`held_out` of each item's path (as
+    ``path_of`` gives it); a one-line error when either side would be empty."""
     parts: dict[str, list] = {"train": [], "val": []}
-    for item, path in zip(items, split_paths([path_of(item) for item in items])):
-        parts["val" if held_out(path, val_fraction) else "train"].append(item)
+    for item in items:
+        parts["val" if held_out(path_of(item), val_fraction) else "train"].append(item)
     empty = [name for name, part in parts.items() if not part]
     if empty:
         raise DataPrepError(f"{command}: --val-fraction={val_fraction} leaves the {empty[0]} "
