@@ -40,6 +40,7 @@ def test_a_run_shorter_than_an_epoch_is_judged_at_its_last_step(synthetic_data, 
     saved = tmp_path / "run" / "checkpoints" / "step_00000003"
     assert (saved / "model.pt").is_file(), sorted((tmp_path / "run").rglob("*"))
     assert str(saved) in error and "train.resume=latest" in error
+    assert "higher data.max_bad_fraction" in error
 
 
 @pytest.mark.slow

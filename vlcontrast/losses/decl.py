@@ -63,8 +63,9 @@ SEED_RANGE = (-2**43, 2**43 - 1)
 """``seed``'s range: ``seed * SEED_STRIDE + t`` stays within what ``torch``'s ``manual_seed`` takes
 (``[-2**63, 2**64 - 1]``) for every step ``t`` below ``4e17``; beyond it the number is refused with
 a traceback. A non-negative seed's numbers stay in ``[0, 2**63)`` and a negative seed's are taken
-by torch as ``2**64`` plus them, in ``[2**63, 2**64)``: no two seeds of the range share a
-generator seed (negative seeds are kept for runs that used them)."""
+by torch as ``2**64`` plus them, in ``[2**63, 2**64)``, so a negative seed's draws never
+repeat a non-negative seed's within the first ``SEED_STRIDE`` steps (negative seeds are kept
+for runs that used them)."""
 DRAWS_KEY = "unstepped_draws"
 """``state_dict`` key (``u_mode=sample``) of the number of forwards made without ``step=``, whose
 draws are seeded by that count instead of the step."""

@@ -49,7 +49,7 @@ from vlcontrast.data.sources import check_batch_fits, check_ids_available
 from vlcontrast.data.gpu_decode import GpuDecodeTransform, check_gpu_decode
 from vlcontrast.data.transforms import split_normalization, splits_normalization
 from vlcontrast.distill import Distiller
-from vlcontrast.errors import ConfigError, LoaderError
+from vlcontrast.errors import CheckpointError, ConfigError, LoaderError
 from vlcontrast.outputs import fix_for
 from vlcontrast.losses import LOSSES, build_loss
 from vlcontrast.losses.registry import loss_option_defaults
@@ -262,10 +262,16 @@ def _train(config: RunConfig, stop: StopSignal, env) -> dict[str, Any]:
                 # Every rank raises here at the same step (the sums are the same everywhere), so
                 # the checkpoint's collectives line up: the steps trained so far are kept, and a
                 # resume after the data (or data.max_bad_fraction) is fixed loses none of them.
-                checkpointer.maybe_save(state.step, force=True)
+                try:
+                    checkpointer.maybe_save(state.step, force=True)
+                except CheckpointError as failed:  # say both: the data, and the lost save
+                    raise LoaderError(f"{error}; saving the steps trained so far failed too: "
+                                      f"{failed}") from error
+                # The counts so far are part of the saved state and stay in the rate.
                 raise LoaderError(f"{error}; the steps trained so far are in "
-                                  f"{checkpointer.last_good} (train.resume=latest continues "
-                                  "once the data is fixed)") from error
+                                  f"{checkpointer.last_good}: train.resume=latest continues from "
+                                  "there with a higher data.max_bad_fraction (the counts so far "
+                                  "stay in the rate)") from error
             if last.skipped is None:
                 if log.should_log(state.step):
                     log.record(state.step, state=state, engine=engine, result=outcome.result,
