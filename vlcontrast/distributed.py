@@ -323,6 +323,13 @@ class RendezvousStopped(VlcontrastError):
     signalled = True
 
 
+RENDEZVOUS_GRACE_S = 5.0
+"""How long a rank that heard a stop signal at the rendezvous still lets ``init_process_group``
+finish: ranks that are all there meet within it and stop together at step 1 (the stop goes through
+the training's flag collective), instead of one rank stopping alone while a peer that met goes on
+to its first collective and waits there for ``train.dist_timeout_s``."""
+
+
 def meet_the_other_ranks(create, env: LaunchEnv) -> None:
     """``create()`` (``init_process_group``) where the stop signals and Ctrl-C are heard.
 
@@ -330,12 +337,21 @@ def meet_the_other_ranks(create, env: LaunchEnv) -> None:
     ``train.dist_timeout_s``: 600 s by default), and a Python signal handler only runs once that
     returns: a rank whose peers never start (a node of the job that failed) ignored ``scancel``
     and Ctrl-C until the timeout. Here the wait runs in a helper thread and this thread listens:
-    Ctrl-C raises ``KeyboardInterrupt`` at once, and a stop signal that a handler of this process
-    takes (``vlcontrast train``'s, which keeps it as well) raises :class:`RendezvousStopped`. A
-    signal left to its default action ends the process anyway. The helper thread left waiting
-    ends with the process."""
+    Ctrl-C raises ``KeyboardInterrupt`` at once. A stop signal that a handler of this process
+    takes (``vlcontrast train``'s, which keeps it as well) gives the rendezvous
+    :data:`RENDEZVOUS_GRACE_S` more: ranks that meet within it go on, and the signal they hold
+    stops them all at step 1; a rendezvous still waiting then raises :class:`RendezvousStopped`
+    (so does one that failed meanwhile: a peer that stopped). A signal left to its default action
+    ends the process anyway.
+
+    A helper thread left inside torch's C++ code, or what a rendezvous that failed left there,
+    aborts the interpreter's normal exit ("terminate called without an active exception", exit
+    134 and a core dump, where the stop meant exit 0): the ``vlcontrast`` command then leaves
+    through :func:`_leave_now` (its exit functions run, logs and output flushed, then
+    ``os._exit`` with the command's code)."""
     import signal
     import threading
+    import time
 
     from vlcontrast.requeue import STOP_SIGNALS
 
@@ -355,28 +371,110 @@ def meet_the_other_ranks(create, env: LaunchEnv) -> None:
         if callable(signal.getsignal(sig)):  # SIG_DFL ends the process, SIG_IGN ignores it
             previous[sig] = signal.signal(sig, listen)
     outcome: list[BaseException] = []
+    # Not Thread.is_alive(): a join() that Ctrl-C interrupts marks a thread that still runs as
+    # ended (Python 3.11).
+    done = threading.Event()
 
     def wait() -> None:
         try:
             create()
         except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
             outcome.append(error)
+        finally:
+            done.set()
+
+    def stopped() -> RendezvousStopped:
+        return RendezvousStopped(
+            f"stopped by {_signal_words(heard[0])} before step 1, while rank {env.rank} of "
+            f"{env.world_size} waited at the rendezvous ({env.master_addr}:{env.master_port}) "
+            "for the others; nothing was trained: start the job again")
 
     helper = threading.Thread(target=wait, name="vlcontrast-rendezvous", daemon=True)
+    heard_at: float | None = None
     try:
         helper.start()
-        while helper.is_alive():
-            helper.join(0.1)
-            if heard and helper.is_alive():  # met meanwhile: the held signal stops after step 1
-                raise RendezvousStopped(
-                    f"stopped by {_signal_words(heard[0])} before step 1, while rank {env.rank} "
-                    f"of {env.world_size} waited at the rendezvous ({env.master_addr}:"
-                    f"{env.master_port}) for the others; nothing was trained: start the job again")
+        while not done.wait(0.1):
+            if heard:  # met meanwhile: the held signal stops at step 1
+                heard_at = time.monotonic() if heard_at is None else heard_at
+                if time.monotonic() - heard_at >= RENDEZVOUS_GRACE_S:
+                    _leave_now_at_exit(0)
+                    raise stopped()
+    except KeyboardInterrupt:
+        if not done.is_set():
+            _leave_now_at_exit(130)
+        raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if outcome:
+        # What a failed rendezvous leaves in torch's C++ code aborts the teardown as well.
+        _leave_now_at_exit(0 if heard else 1)
+        if heard:  # the rendezvous failed after the signal: a peer that stopped at it
+            raise stopped() from outcome[0]
         raise outcome[0]
+
+
+_COMMAND_MODULES = ("vlcontrast.__main__", "vlcontrast.cli.__main__", "vlcontrast.cli")
+
+
+def _vlcontrast_command() -> bool:
+    """Whether this process is the ``vlcontrast`` command (``vlcontrast ...``, ``python -m
+    vlcontrast``, torchrun's ``-m vlcontrast.cli``), whose exit codes :func:`_leave_now` knows;
+    not a test or another program that imports vlcontrast (its exit code is its own)."""
+    import sys
+
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None:
+        return spec.name in _COMMAND_MODULES
+    return os.path.basename(sys.argv[0] if sys.argv else "") == "vlcontrast"
+
+
+_LEAVING: dict[str, int] = {}
+"""Set once the rendezvous thread was left inside torch's C++ code: the exit code the command
+returns on that path (:func:`_leave_now_at_exit`)."""
+
+
+def _leave_now_at_exit(code: int) -> None:
+    """The ``vlcontrast`` command, which left the rendezvous thread inside torch's C++ code, ends
+    through :func:`_leave_now` at its exit: with ``code`` (0 after a stop, the command's
+    ``RendezvousStopped`` path; 130 after Ctrl-C; 1 after a failed rendezvous), or the code of an
+    error reported after it (:func:`vlcontrast.cli.failure.report`), or 1 (130 for Ctrl-C) after
+    an error nothing caught."""
+    import atexit
+
+    if not _vlcontrast_command() or _LEAVING:
+        return
+    _LEAVING["code"] = code
+    atexit.register(_leave_now)  # the last registered: the first to run
+
+
+def _leave_now() -> None:
+    """At the command's exit: the other exit functions (``atexit``: the logs' handlers flushed and
+    closed, ...) run, stdout and stderr are flushed, then ``os._exit`` with the command's code,
+    before the interpreter's teardown, where torch's C++ code left from the rendezvous aborts."""
+    import atexit
+    import sys
+
+    code = _LEAVING.get("code", 0)
+    failure = sys.modules.get("vlcontrast.cli.failure")  # loaded by the command; not imported here
+    reported = getattr(failure, "reported_code", None)
+    if reported is not None:
+        code = reported
+    uncaught = getattr(sys, "last_value", None)  # an error nothing caught: its traceback is out
+    if uncaught is not None:
+        code = 130 if isinstance(uncaught, KeyboardInterrupt) else 1
+    try:
+        atexit.unregister(_leave_now)
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                if stream is not None:
+                    stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
 
 
 def _signal_words(number: int) -> str:

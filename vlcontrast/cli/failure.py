@@ -84,8 +84,15 @@ def one_line(error: BaseException) -> str:
     return "; ".join(parts) or type(error).__name__
 
 
+reported_code: int | None = None
+"""The exit code of the last error :func:`report` told (read at exit by a command that must end
+through ``os._exit``: :func:`vlcontrast.distributed._leave_now`)."""
+
+
 def report(error: BaseException, found: BaseException) -> int:
     """Tell the user about ``found`` (the user error in ``error``) and return the exit code."""
+    global reported_code
+    reported_code = exit_code(found)
     line = f"vlcontrast: error: {one_line(found)}"
     debug = debug_requested()
     if debug:

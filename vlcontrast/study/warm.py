@@ -133,7 +133,27 @@ def fork_cell(command: list[str], env: dict[str, str], stdout_path: str,
 
 
 def kill_group(pid: int) -> None:
-    """SIGKILL a cell's process group, or the process itself if it has not made its group yet."""
+    """SIGKILL a cell's process group, or the process itself if it has not made its group yet,
+    and every process the cell started in a session of its own: ``train --nproc``'s ranks
+    (torchrun starts each in a new session) outlived a SIGKILL of the launcher's group, training
+    on after their cell timed out. The cell's group is stopped first (SIGSTOP), so that no rank
+    starts or loses its parent while they are found."""
+    own_group = os.getpgrp()
+    try:
+        os.killpg(pid, signal.SIGSTOP)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for child in descendants(pid):
+        try:
+            group = os.getpgid(child)
+        except ProcessLookupError:
+            continue
+        try:
+            if group not in (own_group, pid):
+                os.killpg(group, signal.SIGKILL)  # a rank's session, its DataLoader workers too
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     try:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -141,3 +161,27 @@ def kill_group(pid: int) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes ``pid`` started, and theirs, from ``/proc`` (none where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                parent = int(stat.read().rpartition(")")[2].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        found.append(child)
+        todo.extend(children.get(child, []))
+    return found
