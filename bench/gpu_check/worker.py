@@ -106,6 +106,21 @@ class FixedBatches:
     def start_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
+    @property
+    def next_epoch(self) -> int:
+        """The epoch the next step reads (the train state records it): one endless epoch."""
+        return self.epoch
+
+    def rate_counts(self) -> list[int]:
+        """No sample is ever bad here; the zeros still ride in the step's flag collective at log
+        steps, as the loader's counts do in training."""
+        from vlcontrast.data.loader import RATE_REASONS
+
+        return [0] * (1 + len(RATE_REASONS))
+
+    def check_rate(self, summed, *, step: int, final: bool = False) -> dict[str, int]:
+        return {}
+
     def state_dict(self) -> dict:
         return {}
 
