@@ -16,6 +16,15 @@ COUNT_OPTIONS = {  # argparse attribute -> (option, smallest value, what the val
 }
 
 
+def require_subcommand(parser, subparsers, command: str) -> None:
+    """``vlcontrast COMMAND`` without a subcommand: a usage error naming the choices."""
+    def bare(args) -> int:
+        parser.error(f"choose a subcommand: {', '.join(subparsers.choices)}; "
+                     f"`vlcontrast {command} SUBCOMMAND --help` describes one")
+
+    parser.set_defaults(func=bare)
+
+
 def add_max_image_pixels(parser) -> None:
     """``--max-image-pixels``: one definition for prep and every command that reads images."""
     from vlcontrast.data.samples import DEFAULT_MAX_IMAGE_PIXELS

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 
-from vlcontrast.cli.environment import add_max_image_pixels, check_counts, prepare_environment
+from vlcontrast.cli.environment import (add_max_image_pixels, check_counts, prepare_environment,
+                                        require_subcommand)
 from vlcontrast.errors import ConfigError
 
 CHECKPOINT_HELP = ("run directory (its latest checkpoint), checkpoint directory, `vlcontrast "
@@ -72,13 +73,7 @@ def register(sub) -> None:
     add_run_options(compare)
     for parser in ev_sub.choices.values():
         parser.set_defaults(func=run_eval)
-
-    def bare_eval(args) -> int:
-        names = ", ".join(ev_sub.choices)
-        ev.error(f"choose a subcommand: {names}; `vlcontrast eval SUBCOMMAND --help` "
-                 "describes one")
-
-    ev.set_defaults(func=bare_eval)
+    require_subcommand(ev, ev_sub, "eval")
 
 
 def run_eval(args) -> int:

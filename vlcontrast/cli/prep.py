@@ -187,13 +187,9 @@ def register(sub) -> None:
     teacher.add_argument("--no-progress", action="store_true")
     for parser in prep_sub.choices.values():
         parser.set_defaults(func=run_prep)
+    from vlcontrast.cli.environment import require_subcommand
 
-    def bare_prep(args) -> int:
-        names = ", ".join(prep_sub.choices)
-        prep.error(f"choose a subcommand: {names}; `vlcontrast prep SUBCOMMAND --help` "
-                   "describes one")
-
-    prep.set_defaults(func=bare_prep)
+    require_subcommand(prep, prep_sub, "prep")
 
 
 def run_prep(args) -> int:
